@@ -1,0 +1,36 @@
+"""Resolves paths like ``_receiver_schemes['policy']._set_info`` by attribute and item access only."""
+from __future__ import annotations
+
+import ast
+import re
+from typing import Any
+
+_TOKEN = re.compile(r"""\.?([A-Za-z_][A-Za-z0-9_]*)|\[\s*('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|-?\d+)\s*\]""")
+
+
+def parse_attr_path(path: str) -> list[tuple[str, str | int]]:
+    """``a.b['k'][0]`` -> [("attr", "a"), ("attr", "b"), ("item", "k"), ("item", 0)]."""
+    steps: list[tuple[str, str | int]] = []
+    pos = 0
+    while pos < len(path):
+        match = _TOKEN.match(path, pos)
+        if match is None:
+            raise ValueError(f"cannot parse attr_path {path!r} at position {pos}: use a.b['key'][0] forms only.")
+        if match.group(1) is not None:
+            if pos > 0 and path[pos] != ".":
+                raise ValueError(f"cannot parse attr_path {path!r} at position {pos}: missing '.'.")
+            steps.append(("attr", match.group(1)))
+        else:
+            # literal_eval of a quoted string or an int literal only: never code
+            steps.append(("item", ast.literal_eval(match.group(2))))
+        pos = match.end()
+    if not steps:
+        raise ValueError("attr_path is empty; pass e.g. \"_receiver_schemes['policy'].receive\".")
+    return steps
+
+
+def resolve_attr_path(root: Any, path: str) -> Any:
+    obj = root
+    for kind, name in parse_attr_path(path):
+        obj = getattr(obj, name) if kind == "attr" else obj[name]
+    return obj

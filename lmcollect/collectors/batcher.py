@@ -1,0 +1,90 @@
+"""Turns collected turns into batches: fixed steps per env, completed trajectories, or last steps."""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal
+
+from tensordict import TensorDictBase
+
+from lmcollect.data.turns import stack_rows, stack_turns
+
+BatchMode = Literal["steps", "trajectories", "last_steps"]
+
+
+@dataclass
+class CollectedTurn:
+    """A turn with the bookkeeping the batcher needs (kept outside the TensorDict for speed)."""
+
+    slot: int
+    traj_id: int
+    done: bool
+    td: TensorDictBase
+
+
+class Batcher:
+    """Accumulates turns per env slot and releases batches of at least ``turns_per_batch`` turns.
+
+    Modes:
+      * ``"steps"``: T = ceil(turns_per_batch / num_slots) consecutive turns from every slot,
+        shaped ``(num_slots, T)`` (or flat). Trajectories continue across batches.
+      * ``"trajectories"``: whole completed trajectories, each contiguous, flat; trajectories
+        past the threshold wait for the next batch.
+      * ``"last_steps"``: exactly ``turns_per_batch`` rows, the last turn of distinct trajectories.
+    Nothing is dropped: what does not fit in a batch is carried to the next one.
+    """
+
+    def __init__(self, *, mode: BatchMode, num_slots: int, turns_per_batch: int, flatten: bool) -> None:
+        self.mode = mode
+        self.num_slots = num_slots
+        self.turns_per_batch = turns_per_batch
+        self.flatten = flatten
+        self.steps_per_slot = math.ceil(turns_per_batch / num_slots)
+        self._per_slot: list[deque[CollectedTurn]] = [deque() for _ in range(num_slots)]
+        self._completed: deque[list[CollectedTurn]] = deque()
+        self._num_completed_turns = 0
+
+    def add(self, turn: CollectedTurn) -> None:
+        if self.mode == "steps":
+            self._per_slot[turn.slot].append(turn)
+            return
+        pending = self._per_slot[turn.slot]
+        pending.append(turn)
+        if turn.done:
+            traj = list(pending)
+            pending.clear()
+            if self.mode == "last_steps":
+                traj = traj[-1:]
+            self._completed.append(traj)
+            self._num_completed_turns += len(traj)
+
+    def ready(self) -> bool:
+        if self.mode == "steps":
+            return all(len(q) >= self.steps_per_slot for q in self._per_slot)
+        return self._num_completed_turns >= self.turns_per_batch
+
+    def pop(self) -> TensorDictBase:
+        """The next batch; call only when :meth:`ready`."""
+        assert self.ready(), "pop() called before the batch was ready"
+        if self.mode == "steps":
+            rows = [[q.popleft().td for _ in range(self.steps_per_slot)] for q in self._per_slot]
+            return stack_turns([t for row in rows for t in row]) if self.flatten else stack_rows(rows)
+        turns: list[TensorDictBase] = []
+        while len(turns) < self.turns_per_batch:
+            traj = self._completed.popleft()
+            self._num_completed_turns -= len(traj)
+            turns.extend(t.td for t in traj)
+        return stack_turns(turns)
+
+    def drop_pending(self, slot: int) -> int:
+        """Forget the unfinished trajectory of ``slot`` (after a forced reset); returns turns dropped."""
+        if self.mode == "steps":
+            return 0
+        dropped = len(self._per_slot[slot])
+        self._per_slot[slot].clear()
+        return dropped
+
+    @property
+    def num_buffered_turns(self) -> int:
+        return sum(len(q) for q in self._per_slot) + self._num_completed_turns

@@ -1,0 +1,422 @@
+"""The local LLM collector: runs chat envs against a policy and yields batches of dialog turns."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, Callable, Iterator
+
+import torch
+from tensordict import TensorDictBase
+
+from lmcollect.collectors.batcher import Batcher
+from lmcollect.collectors.config import resolve_batching
+from lmcollect.collectors.env_runner import EnvRunner
+from lmcollect.collectors.runners import AsyncRunners, SyncRunners
+from lmcollect.collectors.trajectories import TrajectoryTracker
+from lmcollect.collectors.versioning import PolicyVersion, make_policy_version
+from lmcollect.collectors.weights import WeightReceiverMixin
+
+logger = logging.getLogger(__name__)
+
+Policy = Callable[[TensorDictBase], TensorDictBase]
+
+
+class LLMCollector(WeightReceiverMixin):
+    """Collects dialog turns from chat envs with an LLM policy, in this process.
+
+    Iterate over it for batches (a lazy-stacked TensorDict per batch; see ``lmcollect.data.keys``
+    for the layout), or give it a ``replay_buffer`` and call :meth:`start` to fill it from a
+    background thread. Arguments follow torchrl's ``LLMCollector``:
+
+    Args:
+        env: an env (see :class:`lmcollect.envs.EnvProtocol`) or a callable that builds one. With
+            ``async_envs=True``: an :class:`~lmcollect.envs.AsyncEnvPool` or a list of envs /
+            constructors, each stepped in its own thread.
+        policy: a callable ``td -> td`` (see :class:`lmcollect.policies.PolicyProtocol`).
+        policy_factory: a callable building the policy (exclusive with ``policy``).
+        dialog_turns_per_batch: turns per batch (at least; exactly with ``yield_only_last_steps``).
+        total_dialog_turns: turns to run in the collector's life; -1 runs forever.
+        yield_only_last_steps: yield only the last turn of completed trajectories.
+        yield_completed_trajectories: yield only whole completed trajectories.
+        postproc: applied to every batch before it is yielded or written.
+        async_envs: step several envs concurrently, one thread each.
+        replay_buffer: write batches there; iteration then yields None.
+        reset_at_each_iter: start new dialogs at the beginning of every batch.
+        flatten_data: return batches flat ``(N,)`` instead of ``(num_envs, T)``.
+        weight_updater: a :class:`~lmcollect.weight_sync.WeightUpdaterBase` or a constructor.
+        track_policy_version: True (int versions) or a :class:`PolicyVersion`.
+        verbose: log progress at INFO level.
+    """
+
+    def __init__(
+        self,
+        env: Any,
+        *,
+        policy: Policy | None = None,
+        policy_factory: Callable[[], Policy] | None = None,
+        dialog_turns_per_batch: int,
+        total_dialog_turns: int = -1,
+        yield_only_last_steps: bool | None = None,
+        yield_completed_trajectories: bool | None = None,
+        postproc: Callable[[TensorDictBase], TensorDictBase] | None = None,
+        async_envs: bool | None = None,
+        replay_buffer: Any | None = None,
+        reset_at_each_iter: bool = False,
+        flatten_data: bool | None = None,
+        weight_updater: Any | None = None,
+        track_policy_version: bool | PolicyVersion = False,
+        verbose: bool = False,
+    ) -> None:
+        self._mode, self._flatten = resolve_batching(
+            dialog_turns_per_batch=dialog_turns_per_batch,
+            total_dialog_turns=total_dialog_turns,
+            yield_only_last_steps=yield_only_last_steps,
+            yield_completed_trajectories=yield_completed_trajectories,
+            flatten_data=flatten_data,
+        )
+        self._dialog_turns_per_batch = dialog_turns_per_batch
+        self._total_dialog_turns = total_dialog_turns
+        self.policy = _build_policy(policy, policy_factory)
+        self.envs = _build_envs(env, bool(async_envs))
+        self.env = self.envs[0] if len(self.envs) == 1 and not async_envs else env
+        self.postproc = postproc
+        self.replay_buffer = replay_buffer
+        self.reset_at_each_iter = reset_at_each_iter
+        self.verbose = verbose
+        self._policy_version = make_policy_version(track_policy_version)
+        self._runners, num_slots = self._build_runners(bool(async_envs))
+        self._batcher = Batcher(
+            mode=self._mode, num_slots=num_slots, turns_per_batch=dialog_turns_per_batch, flatten=self._flatten
+        )
+        self._turns_run = 0
+        self._batches = 0
+        self._lock = threading.RLock()  # one batch at a time (iterator vs start() thread)
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._pause_requested = threading.Event()
+        self._paused = threading.Event()
+        self._thread_error: BaseException | None = None
+        self._shut_down = False
+        self._init_weight_sync(weight_updater)
+
+    # ------------------------------------------------------------------ construction
+    def _build_runners(self, async_envs: bool) -> tuple[SyncRunners | AsyncRunners, int]:
+        sizes = [int(torch.Size(env.batch_size).numel()) for env in self.envs]
+        self._tracker = TrajectoryTracker(sum(sizes))
+        runners, offset = [], 0
+        for env, size in zip(self.envs, sizes):
+            runners.append(
+                EnvRunner(env, self.policy, tracker=self._tracker, version_fn=self._version, slot_offset=offset)
+            )
+            offset += size
+        group = AsyncRunners(runners) if async_envs else SyncRunners(runners)
+        return group, offset
+
+    def _version(self) -> tuple[int | str, int]:
+        if self._policy_version is None:
+            return -1, 0
+        return self._policy_version.version, self._policy_version.index
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def dialog_turns_per_batch(self) -> int:
+        """Number of dialog turns per batch."""
+        return self._dialog_turns_per_batch
+
+    @property
+    def total_dialog_turns(self) -> int:
+        """Total number of dialog turns to run (-1: endless)."""
+        return self._total_dialog_turns
+
+    @property
+    def turns_run(self) -> int:
+        """Dialog turns run so far (including turns not yet yielded)."""
+        return self._turns_run
+
+    @property
+    def rollout(self) -> Callable[[], TensorDictBase]:
+        """The function that collects one batch."""
+        return self._collect_batch
+
+    @property
+    def policy_version(self) -> int | str | None:
+        """The current policy version, or None if version tracking is disabled."""
+        return None if self._policy_version is None else self._policy_version.version
+
+    def get_policy_version(self) -> int | str | None:
+        """The current policy version (a method, for calls through a Ray actor)."""
+        return self.policy_version
+
+    def increment_version(self) -> None:
+        """Bump the policy version; turns collected from now on carry the new one."""
+        if self._policy_version is None:
+            self._policy_version = PolicyVersion()
+            logger.info("increment_version() turned on policy version tracking")
+        self._policy_version.increment()
+
+    def is_initialized(self) -> bool:
+        """True once the collector is built and not shut down."""
+        return not self._shut_down
+
+    # ------------------------------------------------------------------ collection
+    def _finished(self) -> bool:
+        return self._total_dialog_turns != -1 and self._turns_run >= self._total_dialog_turns
+
+    def _collect_batch(self) -> TensorDictBase:
+        with self._lock:
+            if self.reset_at_each_iter and self._batches > 0:
+                self.reset()
+            while not self._batcher.ready():
+                self._wait_if_paused()
+                for turn in self._runners.next_turns():
+                    self._batcher.add(turn)
+                    self._turns_run += 1
+            self._runners.stop_stepping()
+            batch = self._batcher.pop()
+            self._batches += 1
+        if self.verbose:
+            logger.info("batch %d: %d turns run of %s", self._batches, self._turns_run, self._total_dialog_turns)
+        return self.postproc(batch) if self.postproc is not None else batch
+
+    def next(self) -> TensorDictBase | None:
+        """The next batch (None when a replay buffer is used: the batch went there)."""
+        self._raise_if_unusable()
+        if self._finished():
+            raise StopIteration(
+                f"the collector has run total_dialog_turns={self._total_dialog_turns} turns "
+                f"({self._turns_run} run); build a new collector or raise total_dialog_turns."
+            )
+        batch = self._collect_batch()
+        if self.replay_buffer is not None:
+            self.replay_buffer.extend(batch)
+            return None
+        return batch
+
+    def iterator(self) -> Iterator[TensorDictBase | None]:
+        """Yields batches until total_dialog_turns have run."""
+        while not self._finished():
+            yield self.next()
+
+    def __iter__(self) -> Iterator[TensorDictBase | None]:
+        return self.iterator()
+
+    def _raise_if_unusable(self) -> None:
+        if self._shut_down:
+            raise RuntimeError("this collector was shut down; build a new one to collect again.")
+        if self._thread is not None and self._thread.is_alive():
+            raise RuntimeError("the collector is running in the background (start()); call shutdown() first.")
+
+    # ------------------------------------------------------------------ background collection
+    def start(self) -> None:
+        """Collect into the replay buffer from a background thread until total_dialog_turns."""
+        if self.replay_buffer is None:
+            raise ValueError("start() writes into a replay buffer: pass replay_buffer=... to the collector.")
+        self._raise_if_unusable()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run_free, name="lmcollect-collector", daemon=True)
+        self._thread.start()
+
+    def _run_free(self) -> None:
+        try:
+            while not self._stop.is_set() and not self._finished():
+                self.replay_buffer.extend(self._collect_batch())
+        except _Stopped:
+            pass
+        except BaseException as exc:  # designed: surfaced by is_running()/shutdown()
+            logger.exception("background collection failed")
+            self._thread_error = exc
+        finally:
+            self._runners.stop_stepping()
+
+    def is_running(self) -> bool:
+        """True while start()'s thread collects; re-raises the error that stopped it, if any."""
+        if self._thread_error is not None:
+            error, self._thread_error = self._thread_error, None
+            raise RuntimeError(f"background collection failed: {error!r}") from error
+        return self._thread is not None and self._thread.is_alive()
+
+    def _wait_if_paused(self) -> None:
+        if self._thread is None or threading.current_thread() is not self._thread:
+            return  # only start()'s thread pauses; the iterating caller is never inside pause()
+        if self._stop.is_set():
+            raise _Stopped
+        if not self._pause_requested.is_set():
+            return
+        self._runners.stop_stepping()
+        self._paused.set()
+        while self._pause_requested.is_set() and not self._stop.is_set():
+            time.sleep(0.005)
+        self._paused.clear()
+        if self._stop.is_set():
+            raise _Stopped
+
+    @contextlib.contextmanager
+    def pause(self, timeout_s: float = 600.0) -> Iterator[None]:
+        """Context manager: no turn is collected inside it (the turn under way finishes first)."""
+        running = self._thread is not None and self._thread.is_alive()
+        self._pause_requested.set()
+        try:
+            if running and not self._paused.wait(timeout_s):
+                raise TimeoutError(f"the collector did not pause within timeout_s={timeout_s}.")
+            yield
+        finally:
+            self._pause_requested.clear()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop background collection and close the envs. Safe to call twice."""
+        if self._shut_down:
+            return
+        self._stop.set()
+        self._pause_requested.clear()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._runners.close()
+        for env in self.envs:
+            close = getattr(env, "close", None)
+            if callable(close):
+                close()
+        self._shut_down = True
+        if self._thread_error is not None:
+            logger.warning("background collection had failed: %r", self._thread_error)
+
+    def async_shutdown(self, timeout: float | None = None) -> None:
+        """Shut down; waits at most ``timeout`` seconds for the background thread."""
+        self.shutdown(timeout=timeout)
+
+    def __enter__(self) -> LLMCollector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ envs, seeds, state
+    def reset(self, index: list[int] | int | None = None, **kwargs: Any) -> None:
+        """Start new dialogs in every env slot, or in the slots in ``index``."""
+        with self._lock:
+            self._runners.stop_stepping()
+            slots = _as_index_list(index)
+            for runner in self._runners.runners:
+                local = None if slots is None else [s - runner.slot_offset for s in slots if 0 <= s - runner.slot_offset < runner.num_envs]
+                if local == []:
+                    continue
+                for s in range(runner.num_envs) if local is None else local:
+                    dropped = self._batcher.drop_pending(runner.slot_offset + s)
+                    if dropped:
+                        logger.info("reset dropped %d turns of an unfinished trajectory in slot %d", dropped, runner.slot_offset + s)
+                runner.reset(local)
+
+    def set_seed(self, seed: int, static_seed: bool = False) -> int:
+        """Seed the envs (seed, seed+1, ...) and the policy; returns the last env's seed."""
+        out_seed = seed
+        for env in self.envs:
+            set_env_seed = getattr(env, "set_seed", None)
+            if callable(set_env_seed):
+                out_seed = set_env_seed(out_seed, static_seed=static_seed)
+        set_policy_seed = getattr(self.policy, "set_seed", None)
+        if callable(set_policy_seed):
+            set_policy_seed(seed)
+        else:
+            torch.manual_seed(seed)
+        return out_seed
+
+    def state_dict(self) -> OrderedDict:
+        """Counters, policy version, env and policy state."""
+        state: OrderedDict = OrderedDict()
+        state["env_state_dict"] = [_state_of(env) for env in self.envs]
+        state["policy_state_dict"] = _state_of(self.get_policy_model())
+        state["turns_run"] = self._turns_run
+        state["batches"] = self._batches
+        state["policy_version"] = None if self._policy_version is None else self._policy_version.state_dict()
+        state["trajectories"] = self._tracker.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: OrderedDict, **kwargs: Any) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        for env, env_state in zip(self.envs, state_dict.get("env_state_dict", [])):
+            if env_state is not None:
+                env.load_state_dict(env_state)
+        policy_state = state_dict.get("policy_state_dict")
+        model = self.get_policy_model()
+        if policy_state is not None and hasattr(model, "load_state_dict"):
+            model.load_state_dict(policy_state, **kwargs)
+        self._turns_run = state_dict.get("turns_run", self._turns_run)
+        self._batches = state_dict.get("batches", self._batches)
+        version = state_dict.get("policy_version")
+        if version is not None:
+            self._policy_version = self._policy_version or PolicyVersion(version["version_type"])
+            self._policy_version.load_state_dict(version)
+        if "trajectories" in state_dict:
+            self._tracker.load_state_dict(state_dict["trajectories"])
+
+    # ------------------------------------------------------------------ attribute access
+    def getattr_env(self, attr: str) -> Any:
+        """An attribute of the env (of each env with async_envs)."""
+        if len(self.envs) == 1:
+            return getattr(self.envs[0], attr)
+        return [getattr(env, attr) for env in self.envs]
+
+    def getattr_policy(self, attr: str) -> Any:
+        return getattr(self.policy, attr)
+
+    def getattr_rb(self, attr: str) -> Any:
+        if self.replay_buffer is None:
+            raise AttributeError("this collector has no replay_buffer; pass replay_buffer=... to use getattr_rb.")
+        return getattr(self.replay_buffer, attr)
+
+
+class _Stopped(Exception):
+    """Raised inside the background thread to unwind when shutdown() is called."""
+
+
+def _as_index_list(index: list[int] | int | torch.Tensor | None) -> list[int] | None:
+    if index is None:
+        return None
+    if isinstance(index, torch.Tensor):
+        return index.flatten().tolist() if index.dtype != torch.bool else index.flatten().nonzero().flatten().tolist()
+    return [index] if isinstance(index, int) else list(index)
+
+
+def _state_of(obj: Any) -> Any:
+    state_dict = getattr(obj, "state_dict", None)
+    return state_dict() if callable(state_dict) else None
+
+
+def _build_policy(policy: Policy | None, policy_factory: Callable[[], Policy] | None) -> Policy:
+    if policy is not None and policy_factory is not None:
+        raise TypeError("pass either policy or policy_factory, not both.")
+    if policy is None and policy_factory is None:
+        raise TypeError("a policy is needed: pass policy=... or policy_factory=... .")
+    policy = policy if policy is not None else policy_factory()
+    if not callable(policy):
+        raise TypeError(f"policy must be callable (td -> td), got {type(policy).__name__}.")
+    return policy
+
+
+def _build_envs(env: Any, async_envs: bool) -> list[Any]:
+    if async_envs:
+        if hasattr(env, "envs") and hasattr(env, "num_envs"):  # an AsyncEnvPool
+            return list(env.envs)
+        if isinstance(env, (list, tuple)):
+            return [_instantiate_env(e) for e in env]
+        raise TypeError(
+            "with async_envs=True, env must be an AsyncEnvPool or a list of envs / env constructors, "
+            f"got {type(env).__name__}."
+        )
+    if isinstance(env, (list, tuple)):
+        raise TypeError("a list of envs needs async_envs=True (each env then steps in its own thread).")
+    return [_instantiate_env(env)]
+
+
+def _instantiate_env(env: Any) -> Any:
+    if hasattr(env, "step") and hasattr(env, "reset"):
+        return env
+    if callable(env):
+        env = env()
+    if not (hasattr(env, "step") and hasattr(env, "reset") and hasattr(env, "batch_size")):
+        raise TypeError(
+            f"env must follow lmcollect.envs.EnvProtocol (batch_size, reset, step), got {type(env).__name__}."
+        )
+    return env

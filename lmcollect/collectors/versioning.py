@@ -1,0 +1,55 @@
+"""Policy versions: a counter (or uuid) bumped on every applied weight update."""
+from __future__ import annotations
+
+import threading
+import uuid
+from typing import Literal
+
+
+class PolicyVersion:
+    """The version of the weights a policy generates with.
+
+    ``version_type="int"`` counts 0, 1, 2, ...; ``"uuid"`` draws a fresh uuid4 string on every
+    increment. Either way :attr:`index` counts increments, so versions can be compared.
+    """
+
+    def __init__(self, version_type: Literal["int", "uuid"] = "int") -> None:
+        if version_type not in ("int", "uuid"):
+            raise ValueError(f"version_type must be 'int' or 'uuid', got {version_type!r}.")
+        self.version_type = version_type
+        self._lock = threading.Lock()
+        self.index = 0
+        self._uuid = str(uuid.uuid4())
+
+    @property
+    def version(self) -> int | str:
+        return self.index if self.version_type == "int" else self._uuid
+
+    def increment(self) -> int | str:
+        with self._lock:
+            self.index += 1
+            self._uuid = str(uuid.uuid4())
+            return self.version
+
+    def state_dict(self) -> dict:
+        return {"version_type": self.version_type, "index": self.index, "uuid": self._uuid}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.version_type = state["version_type"]
+        self.index = int(state["index"])
+        self._uuid = state["uuid"]
+
+    def __repr__(self) -> str:
+        return f"PolicyVersion(version_type={self.version_type!r}, version={self.version!r})"
+
+
+def make_policy_version(track_policy_version: bool | PolicyVersion) -> PolicyVersion | None:
+    """Resolve the collector's ``track_policy_version`` argument."""
+    if isinstance(track_policy_version, PolicyVersion):
+        return track_policy_version
+    if isinstance(track_policy_version, bool):
+        return PolicyVersion() if track_policy_version else None
+    raise TypeError(
+        "track_policy_version must be a bool or a PolicyVersion instance, "
+        f"got {type(track_policy_version).__name__}."
+    )

@@ -1,0 +1,134 @@
+"""The weight-receiving side of a collector: updater, receiver schemes, versions, model lookup."""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from lmcollect.collectors.attr_path import resolve_attr_path
+from lmcollect.weight_sync.weights import load_weights_, to_weight_dict
+
+logger = logging.getLogger(__name__)
+
+
+class WeightReceiverMixin:
+    """Weight-update methods shared by the local collector (and, through it, the Ray one).
+
+    Every applied update goes through :meth:`_apply_weights`, which bumps the policy version
+    exactly once.
+    """
+
+    policy: Any
+
+    def _init_weight_sync(self, weight_updater: Any) -> None:
+        self._receiver_schemes: dict[str, Any] = {}
+        self._weight_updater = None
+        self._worker_idx: int | None = None
+        if weight_updater is not None:
+            self.weight_updater = weight_updater
+
+    @property
+    def weight_updater(self) -> Any:
+        """The weight updater (None if there is none)."""
+        return self._weight_updater
+
+    @weight_updater.setter
+    def weight_updater(self, updater: Any) -> None:
+        if updater is not None and not hasattr(updater, "push_weights") and callable(updater):
+            updater = updater()  # a constructor
+        if updater is not None and not hasattr(updater, "push_weights"):
+            raise TypeError(
+                f"weight_updater must be a WeightUpdaterBase or a callable returning one, got {type(updater).__name__}."
+            )
+        self._weight_updater = updater
+        if updater is not None:
+            updater.register_collector(self)
+
+    @property
+    def worker_idx(self) -> int | None:
+        """This collector's index among its siblings (set by whoever launched it)."""
+        if self._worker_idx is None:
+            raise RuntimeError("worker_idx has not been set; set collector.worker_idx = i when launching workers.")
+        return self._worker_idx
+
+    @worker_idx.setter
+    def worker_idx(self, value: int | None) -> None:
+        self._worker_idx = value
+
+    def get_policy_model(self) -> Any:
+        """The policy's model (``policy.model`` when it has one, else the policy itself)."""
+        return getattr(self.policy, "model", self.policy)
+
+    def get_model(self, model_id: str) -> Any:
+        """The model behind ``model_id``: "policy" or an id registered by register_scheme_receiver."""
+        if model_id == "policy":
+            return self.get_policy_model()
+        if model_id in self._receiver_schemes:
+            model = getattr(self._receiver_schemes[model_id], "model", None)
+            return model if model is not None else self.get_policy_model()
+        known = ["policy", *self._receiver_schemes]
+        raise ValueError(f"unknown model_id {model_id!r}; known ids: {known}.")
+
+    def init_updater(self, *args: Any, **kwargs: Any) -> None:
+        """Call ``init(*args, **kwargs)`` on the weight updater."""
+        if self._weight_updater is None:
+            raise RuntimeError("this collector has no weight_updater; pass weight_updater=... first.")
+        self._weight_updater.init(*args, **kwargs)
+
+    def update_policy_weights_(self, policy_or_weights: Any = None, *, worker_ids: Any = None, **kwargs: Any) -> None:
+        """Push weights through the weight updater, or apply them here when there is none."""
+        if self._weight_updater is not None:
+            self._weight_updater.push_weights(policy_or_weights, worker_ids=worker_ids, **kwargs)
+        elif policy_or_weights is not None:
+            self.receive_weights(policy_or_weights)
+        else:
+            self.receive_weights()
+
+    def receive_weights(self, policy_or_weights: Any = None, *, weights: Any = None, policy: Any = None) -> None:
+        """Apply weights to the policy's model, or pull them from the registered receiver schemes."""
+        given = [x for x in (policy_or_weights, weights, policy) if x is not None]
+        if len(given) > 1:
+            raise ValueError("pass only one of policy_or_weights, weights= and policy=.")
+        if given and self._receiver_schemes:
+            raise ValueError(
+                "this collector receives weights from registered schemes; call receive_weights() "
+                "without arguments, or push through the sender side."
+            )
+        if given:
+            self._apply_weights(to_weight_dict(given[0]))
+            return
+        for model_id, scheme in self._receiver_schemes.items():
+            received = scheme.receive(timeout_s=getattr(scheme, "timeout_s", None))
+            if received is not None:
+                self._apply_weights(received, model_id=model_id)
+
+    def _apply_weights(self, weights: dict[str, torch.Tensor], *, model_id: str = "policy", convert_dtype: bool = False) -> None:
+        target = self.get_model(model_id)
+        children = getattr(self, "_sub_collectors", None)
+        if children:  # a collector holding collectors passes weights down; each leaf bumps itself
+            for child in children:
+                child.receive_weights(weights)
+            return
+        load_weights_(target, weights, convert_dtype=convert_dtype)
+        reset_cache = getattr(self.policy, "reset_prefix_cache", None)
+        if callable(reset_cache):
+            reset_cache()
+        self.increment_version()
+
+    def register_scheme_receiver(self, weight_recv_schemes: dict[str, Any], *, synchronize_weights: bool = True) -> None:
+        """Register receiver schemes ({model_id: scheme}); optionally pull weights right away."""
+        for model_id, scheme in weight_recv_schemes.items():
+            init = getattr(scheme, "init_on_receiver", None)
+            if callable(init):
+                init(model_id=model_id, context=self)
+            self._receiver_schemes[model_id] = scheme
+        if synchronize_weights:
+            self.receive_weights()
+
+    def cascade_execute(self, attr_path: str, *args: Any, **kwargs: Any) -> Any:
+        """Call the callable at ``attr_path`` (attribute and item access only) with the arguments."""
+        target = resolve_attr_path(self, attr_path)
+        if not callable(target):
+            raise TypeError(f"{attr_path!r} resolves to a {type(target).__name__}, which is not callable.")
+        return target(*args, **kwargs)

@@ -1,0 +1,54 @@
+"""The TensorDict keys of a collected dialog turn (torchrl-compatible names).
+
+One dialog turn is a TensorDict with an empty batch size; a batch is a lazy stack of turns,
+shaped (num_envs, T) or flat. Variable-length tensors are read padded with
+``batch.get(TOKENS_FULL, as_padded_tensor=True, padding_side="right")``.
+"""
+from __future__ import annotations
+
+# Chat histories (History objects, stored as non-tensor data).
+HISTORY_PROMPT = ("history", "prompt")  # what the policy saw
+HISTORY_RESPONSE = ("history", "response")  # the assistant message it wrote
+HISTORY_FULL = ("history", "full")  # prompt + response
+
+# Rendered text (str).
+TEXT_PROMPT = ("text", "prompt")
+TEXT_RESPONSE = ("text", "response")
+TEXT_FULL = ("text", "full")
+
+# Token ids (1-D int64 tensors; full == cat(prompt, response)).
+TOKENS_PROMPT = ("tokens", "prompt")
+TOKENS_RESPONSE = ("tokens", "response")
+TOKENS_FULL = ("tokens", "full")
+
+# Masks over TOKENS_FULL (1-D bool tensors).
+ATTENTION_MASK = ("masks", "all_attention_mask")
+ASSISTANT_MASK = ("masks", "all_assistant_mask")
+
+# Log-probs of each response token under the policy that generated it (1-D float32).
+LOG_PROBS_RESPONSE = ("log_probs", "response")
+
+# Bookkeeping written by the collector.
+POLICY_VERSION = "policy_version"  # version that generated this turn (int64 scalar)
+TRAJ_IDS = ("collector", "traj_ids")  # unique id of the trajectory (int64 scalar)
+ENV_INDEX = ("collector", "env_index")  # which env slot produced the turn (int64 scalar)
+TRAJ_MIN_VERSION = ("collector", "min_policy_version")  # oldest version in the trajectory so far
+TRAJ_MAX_VERSION = ("collector", "max_policy_version")  # newest version in the trajectory so far
+STEP_COUNT = "step_count"  # index of the turn within its trajectory (int64 scalar, 0-based)
+
+# Written by the env's step under "next" (shape [1], as in torchrl).
+REWARD = "reward"
+DONE = "done"
+TERMINATED = "terminated"
+TRUNCATED = "truncated"
+NEXT_REWARD = ("next", REWARD)
+NEXT_DONE = ("next", DONE)
+NEXT_TERMINATED = ("next", TERMINATED)
+NEXT_TRUNCATED = ("next", TRUNCATED)
+NEXT_HISTORY_PROMPT = ("next", "history", "prompt")
+
+# Partial reset mask passed to env.reset (bool, shape [B, 1]).
+RESET = "_reset"
+
+# What a policy must add to the env's observation.
+POLICY_OUTPUT_KEYS = (HISTORY_RESPONSE, HISTORY_FULL, TOKENS_RESPONSE, LOG_PROBS_RESPONSE)

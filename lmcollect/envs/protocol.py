@@ -1,0 +1,33 @@
+"""The environment protocol the collectors rely on (torchrl-style, no subclassing needed)."""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+from tensordict import TensorDictBase
+
+
+@runtime_checkable
+class EnvProtocol(Protocol):
+    """A batched chat environment of ``batch_size == (B,)`` elements.
+
+    ``reset(td=None)`` starts a dialog in every element and returns a TensorDict of batch size
+    ``(B,)`` holding ``("history", "prompt")`` (a :class:`~lmcollect.data.History` per element) and
+    ``"done"``, ``"terminated"``, ``"truncated"`` (bool, shape ``(B, 1)``, all False). If ``td``
+    holds a bool ``"_reset"`` mask of shape ``(B, 1)``, only the masked elements start a new dialog;
+    the collector reads only those rows of the result.
+
+    ``step(td)`` receives the policy output (batch ``(B,)``, at least ``("history", "full")``) and
+    returns a TensorDict whose ``"next"`` entry has batch ``(B,)`` and holds ``("history", "prompt")``
+    (the prompt of the next turn, e.g. the full history plus the env's reply), ``"reward"`` (float,
+    ``(B, 1)``) and ``"done"`` / ``"terminated"`` / ``"truncated"`` (bool, ``(B, 1)``).
+
+    Optional: ``set_seed(seed, static_seed=False) -> int``, ``state_dict()``, ``load_state_dict()``,
+    ``close()``.
+    """
+
+    batch_size: torch.Size
+
+    def reset(self, td: TensorDictBase | None = None) -> TensorDictBase: ...
+
+    def step(self, td: TensorDictBase) -> TensorDictBase: ...

@@ -1,0 +1,62 @@
+"""Builds the per-turn TensorDict every policy backend returns (one layout for all)."""
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict, TensorDictBase, lazy_stack
+
+from lmcollect.data import keys
+from lmcollect.data.history import History
+from lmcollect.data.turns import non_tensor_values
+
+
+def turn_output(
+    obs: TensorDictBase,
+    *,
+    prompt: History,
+    prompt_text: str,
+    response_text: str,
+    prompt_tokens: torch.Tensor,
+    response_tokens: torch.Tensor,
+    log_probs: torch.Tensor,
+) -> TensorDictBase:
+    """One element's policy output: the observation's entries plus history/text/tokens/masks/log-probs."""
+    full = prompt.append("assistant", response_text)
+    num_prompt, num_response = prompt_tokens.numel(), response_tokens.numel()
+    assistant_mask = torch.zeros(num_prompt + num_response, dtype=torch.bool)
+    assistant_mask[num_prompt:] = True
+    out = TensorDict(
+        {
+            "history": {"prompt": prompt, "response": History(full.messages[-1:]), "full": full},
+            "text": {"prompt": prompt_text, "response": response_text, "full": prompt_text + response_text},
+            "tokens": {
+                "prompt": prompt_tokens,
+                "response": response_tokens,
+                "full": torch.cat([prompt_tokens, response_tokens]),
+            },
+            "masks": {
+                "all_attention_mask": torch.ones(num_prompt + num_response, dtype=torch.bool),
+                "all_assistant_mask": assistant_mask,
+            },
+            "log_probs": {"response": log_probs},
+        },
+        batch_size=[],
+    )
+    existing = set(out.keys(include_nested=True, leaves_only=True))
+    for key in obs.keys(include_nested=True, leaves_only=True):
+        if key not in existing:
+            out.set(key, obs.get(key))
+    return out
+
+
+def prompts_of(td: TensorDictBase) -> list[History]:
+    """The ``("history", "prompt")`` of every element, with a clear error if missing."""
+    if keys.HISTORY_PROMPT not in td.keys(include_nested=True):
+        raise KeyError(
+            f"the policy input has no {keys.HISTORY_PROMPT} entry; the env's reset/step must provide it "
+            "(see lmcollect.envs.protocol.EnvProtocol)."
+        )
+    return non_tensor_values(td, keys.HISTORY_PROMPT)
+
+
+def stack_outputs(outputs: list[TensorDictBase]) -> TensorDictBase:
+    return lazy_stack(outputs)
