@@ -7,6 +7,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
 
 from lmcollect.collectors.batcher import CollectedTurn
+from lmcollect.collectors.rwlock import ReadWriteLock
 from lmcollect.collectors.trajectories import TrajectoryTracker
 from lmcollect.data import keys
 
@@ -38,12 +39,14 @@ class EnvRunner:
         *,
         tracker: TrajectoryTracker,
         version_fn: VersionFn,
+        policy_lock: ReadWriteLock,
         slot_offset: int = 0,
     ) -> None:
         self.env = env
         self.policy = policy
         self.tracker = tracker
         self.version_fn = version_fn
+        self.policy_lock = policy_lock
         self.slot_offset = slot_offset
         self.num_envs = int(torch.Size(env.batch_size).numel())
         self._obs: list[TensorDictBase] | None = None
@@ -71,8 +74,9 @@ class EnvRunner:
         """One policy call and one env step for every element; the turns in element order."""
         if self._obs is None:
             self.reset()
-        version, version_index = self.version_fn()
-        out = self.policy(lazy_stack(self._obs))
+        with self.policy_lock.read():  # weights never change under a running policy call
+            version, version_index = self.version_fn()
+            out = self.policy(lazy_stack(self._obs))
         if not self._checked:
             check_policy_output(out, self.policy)
             self._checked = True

@@ -15,6 +15,7 @@ from lmcollect.collectors.batcher import Batcher
 from lmcollect.collectors.config import resolve_batching
 from lmcollect.collectors.env_runner import EnvRunner
 from lmcollect.collectors.runners import AsyncRunners, SyncRunners
+from lmcollect.collectors.rwlock import ReadWriteLock
 from lmcollect.collectors.trajectories import TrajectoryTracker
 from lmcollect.collectors.versioning import PolicyVersion, make_policy_version
 from lmcollect.collectors.weights import WeightReceiverMixin
@@ -87,6 +88,7 @@ class LLMCollector(WeightReceiverMixin):
         self.reset_at_each_iter = reset_at_each_iter
         self.verbose = verbose
         self._policy_version = make_policy_version(track_policy_version)
+        self._policy_lock = ReadWriteLock()
         self._runners, num_slots = self._build_runners(bool(async_envs))
         self._batcher = Batcher(
             mode=self._mode, num_slots=num_slots, turns_per_batch=dialog_turns_per_batch, flatten=self._flatten
@@ -109,7 +111,14 @@ class LLMCollector(WeightReceiverMixin):
         runners, offset = [], 0
         for env, size in zip(self.envs, sizes):
             runners.append(
-                EnvRunner(env, self.policy, tracker=self._tracker, version_fn=self._version, slot_offset=offset)
+                EnvRunner(
+                    env,
+                    self.policy,
+                    tracker=self._tracker,
+                    version_fn=self._version,
+                    policy_lock=self._policy_lock,
+                    slot_offset=offset,
+                )
             )
             offset += size
         group = AsyncRunners(runners) if async_envs else SyncRunners(runners)
@@ -256,14 +265,22 @@ class LLMCollector(WeightReceiverMixin):
     @contextlib.contextmanager
     def pause(self, timeout_s: float = 600.0) -> Iterator[None]:
         """Context manager: no turn is collected inside it (the turn under way finishes first)."""
-        running = self._thread is not None and self._thread.is_alive()
-        self._pause_requested.set()
         try:
-            if running and not self._paused.wait(timeout_s):
-                raise TimeoutError(f"the collector did not pause within timeout_s={timeout_s}.")
+            self.pause_begin(timeout_s)
             yield
         finally:
+            self.pause_end()
+
+    def pause_begin(self, timeout_s: float = 600.0) -> None:
+        """First half of :meth:`pause` (for callers that cannot use a context manager, e.g. Ray)."""
+        running = self._thread is not None and self._thread.is_alive()
+        self._pause_requested.set()
+        if running and not self._paused.wait(timeout_s):
             self._pause_requested.clear()
+            raise TimeoutError(f"the collector did not pause within timeout_s={timeout_s}.")
+
+    def pause_end(self) -> None:
+        self._pause_requested.clear()
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop background collection and close the envs. Safe to call twice."""
@@ -411,10 +428,8 @@ def _build_envs(env: Any, async_envs: bool) -> list[Any]:
 
 
 def _instantiate_env(env: Any) -> Any:
-    if hasattr(env, "step") and hasattr(env, "reset"):
-        return env
-    if callable(env):
-        env = env()
+    if isinstance(env, type) or (callable(env) and not hasattr(env, "batch_size")):
+        env = env()  # a constructor
     if not (hasattr(env, "step") and hasattr(env, "reset") and hasattr(env, "batch_size")):
         raise TypeError(
             f"env must follow lmcollect.envs.EnvProtocol (batch_size, reset, step), got {type(env).__name__}."

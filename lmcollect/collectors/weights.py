@@ -20,6 +20,7 @@ class WeightReceiverMixin:
     """
 
     policy: Any
+    _policy_lock: Any  # a ReadWriteLock owned by the collector
 
     def _init_weight_sync(self, weight_updater: Any) -> None:
         self._receiver_schemes: dict[str, Any] = {}
@@ -110,11 +111,14 @@ class WeightReceiverMixin:
             for child in children:
                 child.receive_weights(weights)
             return
-        load_weights_(target, weights, convert_dtype=convert_dtype)
-        reset_cache = getattr(self.policy, "reset_prefix_cache", None)
-        if callable(reset_cache):
-            reset_cache()
-        self.increment_version()
+        # Weights, cache and version change together while no policy call runs (waits at most
+        # one turn), so every turn's policy_version names the weights that produced it.
+        with self._policy_lock.write():
+            load_weights_(target, weights, convert_dtype=convert_dtype)
+            reset_cache = getattr(self.policy, "reset_prefix_cache", None)
+            if callable(reset_cache):
+                reset_cache()
+            self.increment_version()
 
     def register_scheme_receiver(self, weight_recv_schemes: dict[str, Any], *, synchronize_weights: bool = True) -> None:
         """Register receiver schemes ({model_id: scheme}); optionally pull weights right away."""

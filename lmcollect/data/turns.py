@@ -3,7 +3,14 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from tensordict import LazyStackedTensorDict, NonTensorData, TensorDictBase, lazy_stack
+from tensordict import (
+    LazyStackedTensorDict,
+    NonTensorData,
+    NonTensorStack,
+    TensorDictBase,
+    is_tensor_collection,
+    lazy_stack,
+)
 
 
 def flatten_turns(batch: TensorDictBase) -> list[TensorDictBase]:
@@ -44,3 +51,13 @@ def non_tensor_values(td: TensorDictBase, key: str | tuple[str, ...]) -> list:
 
 def _unwrap(value: object) -> object:
     return value.data if isinstance(value, NonTensorData) else value
+
+
+def _is_leaf(cls: type) -> bool:
+    # tensors and non-tensor data (History, str) are leaves; only TensorDicts are nodes
+    return issubclass(cls, (NonTensorData, NonTensorStack)) or not is_tensor_collection(cls)
+
+
+def leaf_keys(td: TensorDictBase) -> list[tuple[str, ...] | str]:
+    """Every leaf key of ``td``, non-tensor leaves (histories, strings) included."""
+    return list(td.keys(include_nested=True, leaves_only=True, is_leaf=_is_leaf))

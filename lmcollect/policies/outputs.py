@@ -6,7 +6,7 @@ from tensordict import TensorDict, TensorDictBase, lazy_stack
 
 from lmcollect.data import keys
 from lmcollect.data.history import History
-from lmcollect.data.turns import non_tensor_values
+from lmcollect.data.turns import leaf_keys, non_tensor_values
 
 
 def turn_output(
@@ -41,8 +41,8 @@ def turn_output(
         },
         batch_size=[],
     )
-    existing = set(out.keys(include_nested=True, leaves_only=True))
-    for key in obs.keys(include_nested=True, leaves_only=True):
+    existing = set(leaf_keys(out))
+    for key in leaf_keys(obs):
         if key not in existing:
             out.set(key, obs.get(key))
     return out

@@ -1,0 +1,34 @@
+"""lmcollect: collect LLM dialog turns for RL, in-process or as Ray actors, with live weight sync."""
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+__version__ = "0.1.0"
+
+# name -> module; imported on first use so `import lmcollect` stays light (no ray, no transformers)
+_EXPORTS = {
+    "History": "lmcollect.data",
+    "Message": "lmcollect.data",
+    "keys": "lmcollect.data",
+    "LLMCollector": "lmcollect.collectors",
+    "PolicyVersion": "lmcollect.collectors",
+    "RayLLMCollector": "lmcollect.collectors.ray_collector",
+    "ReplayBuffer": "lmcollect.buffers",
+    "RayReplayBuffer": "lmcollect.buffers.ray_buffer",
+    "ChatEnv": "lmcollect.envs",
+    "ChatEnvConfig": "lmcollect.envs",
+    "AsyncEnvPool": "lmcollect.envs",
+    "PromptDataset": "lmcollect.envs",
+    "TransformersPolicy": "lmcollect.policies",
+    "ScriptedPolicy": "lmcollect.policies",
+    "SamplingConfig": "lmcollect.policies",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'lmcollect' has no attribute {name!r}")

@@ -1,0 +1,360 @@
+"""RayLLMCollector: the local collector running in a Ray actor, driven from the trainer process."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import uuid
+from typing import Any, Callable, Iterator
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+from tensordict import TensorDictBase
+
+from lmcollect.collectors.collector_worker import CollectorWorker
+from lmcollect.collectors.config import resolve_batching
+from lmcollect.collectors.versioning import PolicyVersion
+from lmcollect.distributed.ray_cluster import actor_options, init_ray, torch_threads_for
+from lmcollect.weight_sync.weights import to_weight_dict
+
+logger = logging.getLogger(__name__)
+
+_ACTOR_DEFAULTS = {"num_cpus": 1, "max_concurrency": 4}
+
+
+class CollectorActorError(RuntimeError):
+    """The collector's actor died or could not be reached."""
+
+
+class RayLLMCollector:
+    """An :class:`~lmcollect.collectors.LLMCollector` in a Ray actor, with the same API.
+
+    Arguments are those of ``LLMCollector`` plus:
+
+    Args:
+        ray_init_config: keyword arguments for ``ray.init()`` if Ray is not running yet
+            (default: a local cluster with this machine's CPUs and no dashboard; pass
+            ``{"address": "auto"}`` or set ``RAY_ADDRESS`` to attach to a running cluster).
+        remote_config: actor options (``num_cpus``, ``max_restarts``, ``runtime_env``...).
+            None is fine; the dict is copied, never modified.
+        num_cpus, num_gpus: override the same keys of ``remote_config``.
+        sync_iter: True: each batch is collected when asked for. False: the actor collects the
+            next batch while the caller works on the current one.
+        call_timeout_s: how long a call to the actor may take before it counts as hung.
+
+    The env and ``policy_factory`` are called inside the actor, so no model is pickled through
+    the driver. Batches come back through Ray's object store; with a ``replay_buffer`` (for
+    example a :class:`~lmcollect.buffers.RayReplayBuffer`) they go there directly.
+    """
+
+    def __init__(
+        self,
+        env: Any,
+        *,
+        policy: Callable | None = None,
+        policy_factory: Callable[[], Callable] | None = None,
+        dialog_turns_per_batch: int,
+        total_dialog_turns: int = -1,
+        yield_only_last_steps: bool | None = None,
+        yield_completed_trajectories: bool | None = None,
+        postproc: Callable[[TensorDictBase], TensorDictBase] | None = None,
+        async_envs: bool | None = None,
+        replay_buffer: Any | None = None,
+        reset_at_each_iter: bool = False,
+        flatten_data: bool | None = None,
+        weight_updater: Any | None = None,
+        ray_init_config: dict[str, Any] | None = None,
+        remote_config: dict[str, Any] | None = None,
+        track_policy_version: bool | PolicyVersion = False,
+        sync_iter: bool = True,
+        verbose: bool = False,
+        num_cpus: float | None = None,
+        num_gpus: float | None = None,
+        call_timeout_s: float | None = None,
+    ) -> None:
+        resolve_batching(  # fail in the driver, before an actor starts
+            dialog_turns_per_batch=dialog_turns_per_batch,
+            total_dialog_turns=total_dialog_turns,
+            yield_only_last_steps=yield_only_last_steps,
+            yield_completed_trajectories=yield_completed_trajectories,
+            flatten_data=flatten_data,
+        )
+        if policy is not None and policy_factory is not None:
+            raise TypeError("pass either policy or policy_factory, not both.")
+        init_ray(ray_init_config)
+        self._options = actor_options(remote_config, num_cpus=num_cpus, num_gpus=num_gpus, defaults=_ACTOR_DEFAULTS)
+        self._name = f"RayLLMCollector-{uuid.uuid4().hex[:6]}"
+        self._sync_iter = sync_iter
+        self._call_timeout_s = call_timeout_s
+        self._dialog_turns_per_batch = dialog_turns_per_batch
+        self._total_dialog_turns = total_dialog_turns
+        self._has_replay_buffer = replay_buffer is not None
+        self._shut_down = False
+        self._prefetch: ray.ObjectRef | None = None
+        started = time.perf_counter()
+        self._actor = self.as_remote(self._options).remote(
+            env,
+            policy=policy,
+            policy_factory=policy_factory,
+            dialog_turns_per_batch=dialog_turns_per_batch,
+            total_dialog_turns=total_dialog_turns,
+            yield_only_last_steps=yield_only_last_steps,
+            yield_completed_trajectories=yield_completed_trajectories,
+            postproc=postproc,
+            async_envs=async_envs,
+            replay_buffer=replay_buffer,
+            reset_at_each_iter=reset_at_each_iter,
+            flatten_data=flatten_data,
+            track_policy_version=track_policy_version,
+            verbose=verbose,
+            torch_threads=torch_threads_for(self._options.get("num_cpus")),
+        )
+        self._call("ping")  # surfaces constructor errors here, with the actor's traceback
+        self.startup_s = time.perf_counter() - started
+        self._weight_updater = None
+        if weight_updater is not None:
+            self.weight_updater = weight_updater
+
+    @classmethod
+    def as_remote(cls, remote_config: dict[str, Any] | None = None) -> Any:
+        """The Ray actor class of the collector, with ``remote_config`` as its options."""
+        options = dict(remote_config or {})
+        return ray.remote(**options)(CollectorWorker) if options else ray.remote(CollectorWorker)
+
+    # ------------------------------------------------------------------ calls to the actor
+    @property
+    def actor(self) -> Any:
+        """The actor handle (to pass to other actors, e.g. weight updaters)."""
+        return self._actor
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self._get(getattr(self._actor, method).remote(*args, **kwargs), method)
+
+    def _get(self, ref: Any, what: str) -> Any:
+        try:
+            return ray.get(ref, timeout=self._call_timeout_s)
+        except RayActorError as exc:
+            if self._options.get("max_restarts", 0) and self._wait_until_restarted():
+                logger.warning("%s restarted after dying during %s; collection continues", self._name, what)
+                raise CollectorActorError(
+                    f"{self._name}'s actor died during {what}() and was restarted (max_restarts); "
+                    f"the call was lost, call it again. Cause: {_cause(exc)}"
+                ) from exc
+            raise CollectorActorError(f"{self._name}'s actor died during {what}(): {_cause(exc)}") from exc
+        except GetTimeoutError as exc:
+            raise CollectorActorError(
+                f"{self._name} did not answer {what}() within call_timeout_s={self._call_timeout_s}."
+            ) from exc
+
+    def _wait_until_restarted(self, timeout_s: float = 120.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                return ray.get(self._actor.ping.remote(), timeout=5)
+            except (RayActorError, GetTimeoutError):
+                time.sleep(0.5)
+        return False
+
+    # ------------------------------------------------------------------ iteration
+    def next(self) -> TensorDictBase | None:
+        """The next batch (None with a replay buffer: the batch went there)."""
+        self._check_open()
+        batch, finished = self._take_prefetched() if self._prefetch is not None else self._call("collect_next")
+        if batch is None and not self._has_replay_buffer:
+            raise StopIteration(
+                f"{self._name} has run total_dialog_turns={self._total_dialog_turns} turns; "
+                "build a new collector or raise total_dialog_turns."
+            )
+        return batch
+
+    def _take_prefetched(self) -> tuple[TensorDictBase | None, bool]:
+        ref, self._prefetch = self._prefetch, None
+        return self._get(ref, "collect_next")
+
+    def iterator(self) -> Iterator[TensorDictBase | None]:
+        """Yields batches until total_dialog_turns have run."""
+        self._check_open()
+        while True:
+            if self._prefetch is not None:
+                batch, finished = self._take_prefetched()
+            else:
+                batch, finished = self._call("collect_next")
+            if batch is None and finished and not self._has_replay_buffer:
+                return
+            if not self._sync_iter and not finished:
+                # the actor collects the next batch while the caller works on this one
+                self._prefetch = self._actor.collect_next.remote()
+            yield batch
+            if finished:
+                return
+
+    def __iter__(self) -> Iterator[TensorDictBase | None]:
+        return self.iterator()
+
+    @property
+    def rollout(self) -> Callable[[], TensorDictBase]:
+        """A function collecting one batch in the actor."""
+        return lambda: self._call("rollout_once")
+
+    # ------------------------------------------------------------------ background collection
+    def start(self) -> None:
+        """Collect into the replay buffer in the actor's background thread."""
+        self._check_open()
+        self._call("start")
+
+    def is_running(self) -> bool:
+        return self._call("is_running")
+
+    @contextlib.contextmanager
+    def pause(self, timeout_s: float = 600.0) -> Iterator[None]:
+        """Context manager: the actor collects no turn inside it."""
+        self._call("pause_begin", timeout_s)
+        try:
+            yield
+        finally:
+            self._call("pause_end")
+
+    def shutdown(self, timeout: float | None = 60.0) -> None:
+        """Stop collection and release the actor. Safe to call twice."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        self._prefetch = None
+        try:
+            ray.get(self._actor.shutdown.remote(), timeout=timeout)
+        except (RayActorError, GetTimeoutError) as exc:
+            logger.warning("%s: clean shutdown failed (%s); killing the actor", self._name, _cause(exc))
+        ray.kill(self._actor, no_restart=True)
+
+    def async_shutdown(self, timeout: float | None = None) -> Any:
+        """Ask the actor to stop without waiting; returns an ObjectRef to wait on if you wish.
+
+        The actor is killed by a later :meth:`shutdown` (or after ``timeout`` seconds if given).
+        """
+        ref = self._actor.shutdown.remote()
+        if timeout is not None:
+            self.shutdown(timeout=timeout)
+        return ref
+
+    def is_initialized(self) -> bool:
+        """True when the actor is up and answers."""
+        if self._shut_down:
+            return False
+        try:
+            return self._call("is_initialized")
+        except CollectorActorError:
+            return False
+
+    def __enter__(self) -> RayLLMCollector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def _check_open(self) -> None:
+        if self._shut_down:
+            raise RuntimeError(f"{self._name} was shut down; build a new collector to collect again.")
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def dialog_turns_per_batch(self) -> int:
+        return self._dialog_turns_per_batch
+
+    @property
+    def total_dialog_turns(self) -> int:
+        return self._total_dialog_turns
+
+    @property
+    def policy_version(self) -> int | str | None:
+        return self._call("get_policy_version")
+
+    def get_policy_version(self) -> int | str | None:
+        return self._call("get_policy_version")
+
+    def increment_version(self) -> None:
+        self._call("increment_version")
+
+    @property
+    def worker_idx(self) -> int | None:
+        return self._call("get_attribute", "worker_idx")
+
+    @worker_idx.setter
+    def worker_idx(self, value: int | None) -> None:
+        self._call("set_worker_idx", value)
+
+    @property
+    def turns_run(self) -> int:
+        return self._call("get_attribute", "turns_run")
+
+    # ------------------------------------------------------------------ state and attributes
+    def state_dict(self) -> Any:
+        return self._call("state_dict")
+
+    def load_state_dict(self, state_dict: Any, **kwargs: Any) -> None:
+        self._call("load_state_dict", state_dict, **kwargs)
+
+    def set_seed(self, seed: int, static_seed: bool = False) -> int:
+        return self._call("set_seed", seed, static_seed)
+
+    def reset(self, index: Any = None, **kwargs: Any) -> None:
+        self._call("reset", index, **kwargs)
+
+    def getattr_env(self, attr: str) -> Any:
+        return self._call("getattr_env", attr)
+
+    def getattr_policy(self, attr: str) -> Any:
+        return self._call("getattr_policy", attr)
+
+    def getattr_rb(self, attr: str) -> Any:
+        return self._call("getattr_rb", attr)
+
+    def get_model(self, model_id: str) -> Any:
+        return self._call("get_model", model_id)
+
+    def get_policy_model(self) -> Any:
+        return self._call("get_policy_model")
+
+    # ------------------------------------------------------------------ weights
+    @property
+    def weight_updater(self) -> Any:
+        """The driver-side weight updater (None: pushes go straight to this collector's actor)."""
+        return self._weight_updater
+
+    @weight_updater.setter
+    def weight_updater(self, updater: Any) -> None:
+        if updater is not None and not hasattr(updater, "push_weights") and callable(updater):
+            updater = updater()
+        self._weight_updater = updater
+        if updater is not None:
+            updater.register_collector(self)
+
+    def init_updater(self, *args: Any, **kwargs: Any) -> None:
+        """``init(*args, **kwargs)`` on the weight updater (the driver's, else the actor's)."""
+        if self._weight_updater is not None:
+            self._weight_updater.init(*args, **kwargs)
+        else:
+            self._call("init_updater", *args, **kwargs)
+
+    def update_policy_weights_(self, policy_or_weights: Any = None, *, worker_ids: Any = None, **kwargs: Any) -> None:
+        """Push weights through the updater, or straight to the actor (one object-store copy)."""
+        if self._weight_updater is not None:
+            self._weight_updater.push_weights(policy_or_weights, worker_ids=worker_ids, **kwargs)
+            return
+        if policy_or_weights is None:
+            self._call("receive_weights")
+            return
+        self._call("receive_weights", ray.put(to_weight_dict(policy_or_weights)))
+
+    def receive_weights(self, policy_or_weights: Any = None, *, weights: Any = None, policy: Any = None) -> None:
+        self._call("receive_weights", policy_or_weights, weights=weights, policy=policy)
+
+    def register_scheme_receiver(self, weight_recv_schemes: dict[str, Any], *, synchronize_weights: bool = True) -> None:
+        self._call("register_scheme_receiver", weight_recv_schemes, synchronize_weights=synchronize_weights)
+
+    def cascade_execute(self, attr_path: str, *args: Any, **kwargs: Any) -> Any:
+        return self._call("cascade_execute", attr_path, *args, **kwargs)
+
+
+def _cause(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return " ".join(line.strip() for line in text[:6])[:600] or type(exc).__name__

@@ -1,0 +1,51 @@
+"""Starting or attaching to Ray, and building actor options without mutating the caller's dicts."""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import ray
+
+logger = logging.getLogger(__name__)
+
+
+def init_ray(ray_init_config: dict[str, Any] | None = None) -> None:
+    """Make sure Ray runs: attach to ``address`` / ``RAY_ADDRESS`` if given, else start locally.
+
+    A local cluster listens on loopback only, has no dashboard, and uses the machine's CPUs.
+    """
+    if ray.is_initialized():
+        return
+    config = dict(ray_init_config or {})
+    attaching = config.get("address") is not None or "RAY_ADDRESS" in os.environ
+    if not attaching:
+        config.setdefault("num_cpus", os.cpu_count())
+        config.setdefault("_node_ip_address", "127.0.0.1")
+    config.setdefault("include_dashboard", False)
+    config.setdefault("log_to_driver", True)
+    logger.info("ray.init(%s)", config)
+    ray.init(**config)
+
+
+def actor_options(
+    remote_config: dict[str, Any] | None,
+    *,
+    num_cpus: float | None = None,
+    num_gpus: float | None = None,
+    defaults: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``defaults`` < ``remote_config`` < explicit ``num_cpus`` / ``num_gpus`` (a new dict)."""
+    options = {**(defaults or {}), **(remote_config or {})}
+    if num_cpus is not None:
+        options["num_cpus"] = num_cpus
+    if num_gpus is not None:
+        options["num_gpus"] = num_gpus
+    return options
+
+
+def torch_threads_for(num_cpus: float | None) -> int:
+    """Torch threads an actor with ``num_cpus`` CPUs should use (Ray leaves OMP at 1 otherwise)."""
+    if num_cpus is None or num_cpus < 1:
+        return 1
+    return int(num_cpus)

@@ -1,0 +1,47 @@
+"""Chat environments: prompt datasets, reward functions, tasks, ChatEnv and the async env pool."""
+from lmcollect.envs._td import PROMPT_ID, SAMPLE_INDEX
+from lmcollect.envs.chat_env import ChatEnv, RewardError
+from lmcollect.envs.config import ChatEnvConfig
+from lmcollect.envs.datasets import PromptDataset, row_to_history
+from lmcollect.envs.pool import AsyncEnvPool
+from lmcollect.envs.protocol import EnvProtocol
+from lmcollect.envs.rewards import (
+    ExactMatchReward,
+    MathAnswerReward,
+    RewardFn,
+    as_reward_fn,
+    extract_math_answer,
+    parse_math_answer,
+)
+from lmcollect.envs.tasks import (
+    GuessingGameTask,
+    SingleTurnTask,
+    Task,
+    TaskReply,
+    arithmetic_dataset,
+    guessing_game_dataset,
+)
+
+__all__ = [
+    "PROMPT_ID",
+    "SAMPLE_INDEX",
+    "AsyncEnvPool",
+    "ChatEnv",
+    "ChatEnvConfig",
+    "EnvProtocol",
+    "ExactMatchReward",
+    "GuessingGameTask",
+    "MathAnswerReward",
+    "PromptDataset",
+    "RewardError",
+    "RewardFn",
+    "SingleTurnTask",
+    "Task",
+    "TaskReply",
+    "arithmetic_dataset",
+    "as_reward_fn",
+    "extract_math_answer",
+    "guessing_game_dataset",
+    "parse_math_answer",
+    "row_to_history",
+]

@@ -1,0 +1,233 @@
+"""ChatEnv: a batched, multi-turn chat environment over a prompt dataset and a Task."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+
+from lmcollect.data import keys
+from lmcollect.data.history import History
+from lmcollect.envs._td import build_batch, read_histories, read_reset_mask
+from lmcollect.envs.config import ChatEnvConfig
+from lmcollect.envs.datasets import PromptDataset, row_to_history
+from lmcollect.envs.rewards import RewardFn
+from lmcollect.envs.sampling import Draw, GroupSampler
+from lmcollect.envs.tasks.base import SingleTurnTask, Task, TaskReply
+
+logger = logging.getLogger(__name__)
+
+_MAX_DIALOG_CHARS = 2000
+
+
+class RewardError(RuntimeError):
+    """A task or reward function raised while scoring one env element."""
+
+    def __init__(self, index: int, history: History, cause: BaseException) -> None:
+        dialog = "\n".join(f"[{m.role}] {m.content}" for m in history.messages)
+        if len(dialog) > _MAX_DIALOG_CHARS:
+            dialog = "..." + dialog[-_MAX_DIALOG_CHARS:]
+        super().__init__(
+            f"The task/reward function failed on env element {index} with "
+            f"{type(cause).__name__}: {cause}\nDialog of element {index}:\n{dialog}"
+        )
+        self.index = index
+        self.history = history
+
+
+def _as_dataset(dataset: PromptDataset | Sequence[Mapping[str, Any]]) -> PromptDataset:
+    if isinstance(dataset, PromptDataset):
+        return dataset.fork()
+    return PromptDataset(dataset)
+
+
+def _make_config(config: ChatEnvConfig | None, overrides: dict[str, Any]) -> ChatEnvConfig:
+    if config is not None and not isinstance(config, ChatEnvConfig):
+        raise TypeError(f"config must be a ChatEnvConfig, got {type(config).__name__}.")
+    names = {f.name for f in dataclasses.fields(ChatEnvConfig)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise TypeError(f"ChatEnv got unknown keyword argument(s) {unknown}; valid config fields: {sorted(names)}.")
+    return dataclasses.replace(config or ChatEnvConfig(), **overrides)
+
+
+class ChatEnv:
+    """A batch of ``config.batch_size`` dialogs implementing :class:`~lmcollect.envs.EnvProtocol`.
+
+    ``reset`` opens each dialog with the next dataset prompt (``repeats`` consecutive elements share
+    it, see :class:`~lmcollect.envs.sampling.GroupSampler`); ``step`` reads the policy's
+    ``("history", "full")``, asks the :class:`Task` for a reply and returns, under ``"next"``, the
+    next prompt (the full history plus the task's message), the reward and the done flags.
+    Both outputs also hold ``("env", "prompt_id")`` and ``("env", "sample_index")`` (int64 scalars):
+    elements with the same prompt_id answered the same draw of the same prompt.
+
+    Groups and partial resets: element ``e`` belongs to group ``e // repeats``. At its k-th reset an
+    element takes its group's k-th prompt draw; the first element of the group to get there draws a
+    new dataset row (and task seed) that the others pick up at their own k-th reset. So each prompt
+    is answered exactly ``repeats`` times with the same task state (e.g. the same secret number),
+    even when the group's dialogs end at different turns. A full reset (no ``"_reset"``) discards
+    pending draws and gives every group a fresh one.
+
+    ``step`` writes ``"next"`` into the td it is given and returns that td (as torchrl does).
+
+    The env iterates its own cursor over the dataset rows (a fork of a given PromptDataset); seed it
+    with ``config.seed`` or :meth:`set_seed`.
+    """
+
+    def __init__(
+        self,
+        dataset: PromptDataset | Sequence[Mapping[str, Any]],
+        *,
+        task: Task | None = None,
+        reward_fn: RewardFn | Callable[..., float] | None = None,
+        config: ChatEnvConfig | None = None,
+        **config_kwargs: Any,
+    ) -> None:
+        if task is not None and reward_fn is not None:
+            raise ValueError("ChatEnv got both task and reward_fn; pass task=SingleTurnTask(reward_fn) or only one.")
+        if task is not None and not isinstance(task, Task):
+            raise TypeError(f"task must implement start(sample, rng) and respond(state, history), got {task!r}.")
+        self.config = _make_config(config, config_kwargs)
+        self.task: Task = task if task is not None else SingleTurnTask(reward_fn)
+        self._warn_turn_limit()
+        b = self.config.batch_size
+        self.batch_size = torch.Size([b])
+        seed = self.config.seed if self.config.seed is not None else random.SystemRandom().getrandbits(31)
+        self._sampler = GroupSampler(
+            _as_dataset(dataset), num_groups=self.config.num_groups, repeats=self.config.repeats, seed=seed
+        )
+        self._seed = seed
+        self._draws: list[Draw | None] = [None] * b
+        self._states: list[Any] = [None] * b
+        self._prompts: list[History] = [History()] * b
+        self._turns = [0] * b
+        self._flags = [(False, False, False)] * b  # (done, terminated, truncated)
+        self._started = False
+        self._closed = False
+
+    def _warn_turn_limit(self) -> None:
+        task_turns = getattr(self.task, "max_turns", None)
+        if isinstance(task_turns, int) and task_turns > self.config.max_turns:
+            logger.warning(
+                "The task allows %d turns but ChatEnvConfig.max_turns=%d truncates dialogs earlier; "
+                "raise max_turns to let the task end them.", task_turns, self.config.max_turns
+            )
+
+    # ---- protocol -----------------------------------------------------------------------------
+    def reset(self, td: TensorDictBase | None = None) -> TensorDictBase:
+        """Start new dialogs: all of them, or those with ``td["_reset"]`` True (shape ``(B, 1)``).
+
+        Rows not reset hold their current prompt and flags. A partial reset before any full one
+        resets everything.
+        """
+        self._check_open()
+        mask = read_reset_mask(td, self.config.batch_size)
+        if mask is None or not self._started:
+            self._sampler.clear()
+            mask = [True] * self.config.batch_size
+        for i, reset in enumerate(mask):
+            if reset:
+                self._start(i)
+        self._started = True
+        flags = self._flags
+        return build_batch(self._prompts, [0.0] * len(flags), flags, self._draws, with_reward=False)
+
+    def _start(self, i: int) -> None:
+        draw = self._sampler.draw_for(i)
+        try:
+            self._states[i] = self.task.start(draw.sample, random.Random(draw.task_seed))
+        except Exception as e:
+            raise RuntimeError(
+                f"Task.start failed for env element {i} on dataset row {draw.sample_index} "
+                f"(prompt {draw.sample['prompt']!r}): {type(e).__name__}: {e}"
+            ) from e
+        self._draws[i] = draw
+        self._prompts[i] = row_to_history(draw.sample, system_prompt=self.config.system_prompt)
+        self._turns[i] = 0
+        self._flags[i] = (False, False, False)
+
+    def step(self, td: TensorDictBase) -> TensorDictBase:
+        """Score the policy's ``("history", "full")`` and write ``"next"`` into ``td`` (returned)."""
+        self._check_open()
+        if not self._started:
+            raise RuntimeError("ChatEnv.step called before reset(); call env.reset() first.")
+        fulls = read_histories(td, keys.HISTORY_FULL, self.config.batch_size)
+        replies = [self._respond(i, full) for i, full in enumerate(fulls)]
+        # Nothing is committed before every element has been scored: a failure leaves the env intact.
+        max_turns = self.config.max_turns
+        rewards: list[float] = []
+        for i, (full, reply) in enumerate(zip(fulls, replies)):
+            self._turns[i] += 1
+            truncated = not reply.done and self._turns[i] >= max_turns
+            self._flags[i] = (reply.done or truncated, reply.done, truncated)
+            self._prompts[i] = full if reply.env_message is None else full.append("user", reply.env_message)
+            rewards.append(reply.reward)
+        td.set("next", build_batch(self._prompts, rewards, self._flags, self._draws, with_reward=True))
+        return td
+
+    def _respond(self, i: int, full: History) -> TaskReply:
+        if self._flags[i][0]:
+            raise RuntimeError(
+                f"ChatEnv.step: element {i} is done; reset it first (env.reset(td) with td['_reset'][{i}] True)."
+            )
+        last = full.messages[-1] if full.messages else None
+        if last is None or last.role != "assistant":
+            raise ValueError(
+                f"ChatEnv.step: ('history', 'full') of element {i} must end with an assistant message, "
+                f"got {last!r}; pass prompt.append('assistant', response)."
+            )
+        try:
+            reply = self.task.respond(self._states[i], full)
+        except Exception as e:
+            raise RewardError(i, full, e) from e
+        if not isinstance(reply, TaskReply):
+            raise TypeError(f"Task.respond must return a TaskReply, got {type(reply).__name__} for element {i}.")
+        return reply
+
+    # ---- extras -------------------------------------------------------------------------------
+    @property
+    def current_samples(self) -> list[dict[str, Any] | None]:
+        """The dataset row each element is answering (None before the first reset)."""
+        return [None if d is None else d.sample for d in self._draws]
+
+    def set_seed(self, seed: int, static_seed: bool = False) -> int:
+        """Reseed prompt order and task randomness; returns ``seed + 1`` (``seed`` if static_seed).
+
+        Dialogs in flight are dropped: the next reset is a full one.
+        """
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}.")
+        self._seed = seed
+        self._sampler.reseed(seed)
+        self._started = False
+        return seed if static_seed else seed + 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """Seed, rng, dataset position and prompt counter (not the dialogs in flight)."""
+        return {"seed": self._seed, "sampler": self._sampler.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the next reset is a full one."""
+        if "seed" not in state or "sampler" not in state:
+            raise ValueError(f"state must come from ChatEnv.state_dict(), got keys {sorted(state)}.")
+        self._seed = int(state["seed"])
+        self._sampler.load_state_dict(state["sampler"])
+        self._started = False
+
+    def close(self) -> None:
+        self._closed = True
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("ChatEnv is closed; create a new env.")
+
+    def __repr__(self) -> str:
+        return f"ChatEnv(batch_size={self.config.batch_size}, repeats={self.config.repeats}, task={self.task!r})"

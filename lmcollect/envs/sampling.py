@@ -1,0 +1,86 @@
+"""Hands out dataset prompts to env elements so that each group answers the same prompt sequence."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from lmcollect.envs.datasets import PromptDataset
+
+
+@dataclass(frozen=True, slots=True)
+class Draw:
+    """One prompt drawn for a group: shared by the ``repeats`` elements of that group."""
+
+    prompt_id: int
+    """Unique (per env) id of this draw; trajectories with the same id form a GRPO group."""
+    sample_index: int
+    """Row index in the dataset."""
+    sample: dict[str, Any]
+    """The dataset row."""
+    task_seed: int
+    """Seed of the ``random.Random`` handed to ``Task.start`` (same for the whole group)."""
+
+
+class GroupSampler:
+    """Per-group queues of draws.
+
+    Element ``e`` of group ``g = e // repeats`` takes, at its k-th reset, the group's k-th draw;
+    the first element of the group to need a draw takes it from the dataset. Hence every prompt is
+    answered exactly ``repeats`` times even when the group's dialogs end at different times.
+    """
+
+    def __init__(self, dataset: PromptDataset, *, num_groups: int, repeats: int, seed: int) -> None:
+        self.dataset = dataset
+        self.repeats = repeats
+        self.num_groups = num_groups
+        self.next_prompt_id = 0
+        self.reseed(seed)
+
+    def clear(self) -> None:
+        """Forget pending draws: the next reset of every element starts a new draw."""
+        self._queues: list[list[Draw]] = [[] for _ in range(self.num_groups)]
+        self._offsets = [0] * self.num_groups
+        self._generations = [0] * (self.num_groups * self.repeats)
+
+    def reseed(self, seed: int) -> None:
+        """Seed task randomness and restart the dataset order from ``seed``."""
+        self.rng = random.Random(seed)
+        self.dataset.set_seed(seed)
+        self.clear()
+
+    def _new_draw(self) -> Draw:
+        index = self.dataset.next_index()
+        draw = Draw(
+            prompt_id=self.next_prompt_id,
+            sample_index=index,
+            sample=self.dataset[index],
+            task_seed=self.rng.getrandbits(63),
+        )
+        self.next_prompt_id += 1
+        return draw
+
+    def draw_for(self, element: int) -> Draw:
+        group = element // self.repeats
+        queue = self._queues[group]
+        k = self._generations[element] - self._offsets[group]
+        if k == len(queue):
+            queue.append(self._new_draw())
+        draw = queue[k]
+        self._generations[element] += 1
+        lo = min(self._generations[group * self.repeats : (group + 1) * self.repeats])
+        consumed = lo - self._offsets[group]
+        if consumed > 0:  # every element of the group has taken these draws
+            del queue[:consumed]
+            self._offsets[group] = lo
+        return draw
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": self.rng.getstate(), "next_prompt_id": self.next_prompt_id, "dataset": self.dataset.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        version, internal, gauss = state["rng"]  # tolerate lists (e.g. after a JSON round trip)
+        self.rng.setstate((version, tuple(internal), gauss))
+        self.next_prompt_id = int(state["next_prompt_id"])
+        self.dataset.load_state_dict(state["dataset"])
+        self.clear()

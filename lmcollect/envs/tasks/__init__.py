@@ -1,0 +1,14 @@
+"""Dialog tasks for ChatEnv: the Task interface, single-turn scoring, arithmetic and guessing games."""
+from lmcollect.envs.tasks.arithmetic import arithmetic_dataset
+from lmcollect.envs.tasks.base import SingleTurnTask, Task, TaskReply
+from lmcollect.envs.tasks.guessing import GuessingGameTask, GuessingState, guessing_game_dataset
+
+__all__ = [
+    "GuessingGameTask",
+    "GuessingState",
+    "SingleTurnTask",
+    "Task",
+    "TaskReply",
+    "arithmetic_dataset",
+    "guessing_game_dataset",
+]

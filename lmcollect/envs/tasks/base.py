@@ -1,0 +1,71 @@
+"""The Task interface ChatEnv drives turn by turn, and the default single-turn task."""
+from __future__ import annotations
+
+import math
+import numbers
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from lmcollect.data.history import History
+from lmcollect.envs.rewards import RewardFn, as_reward_fn
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TaskReply:
+    """What a task answers after an assistant turn."""
+
+    reward: float
+    """Reward of this turn."""
+    done: bool
+    """True when the dialog is over (the env reports it as terminated)."""
+    env_message: str | None = None
+    """Appended as a "user" message to form the next prompt (also when ``done``), if not None."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.reward, bool) or not isinstance(self.reward, numbers.Real):
+            raise TypeError(f"TaskReply.reward must be a float, got {type(self.reward).__name__}.")
+        object.__setattr__(self, "reward", float(self.reward))
+        if not math.isfinite(self.reward):
+            raise ValueError(f"TaskReply.reward must be finite, got {self.reward}; return a finite float.")
+        if self.env_message is not None and not isinstance(self.env_message, str):
+            raise TypeError(f"TaskReply.env_message must be a str or None, got {type(self.env_message).__name__}.")
+
+
+@runtime_checkable
+class Task(Protocol):
+    """A (possibly multi-turn) dialog task.
+
+    ``start(sample, rng)`` begins a dialog for a dataset row and returns an opaque state (e.g. a
+    secret number drawn from ``rng``). After each assistant turn, ``respond(state, history)`` is
+    called with the full history (ending with the assistant message) and returns a
+    :class:`TaskReply`. ``respond`` must not mutate ``state`` (ChatEnv may call it again with the
+    same state if another element of the batch failed); derive progress from ``history`` instead.
+    """
+
+    def start(self, sample: Mapping[str, Any], rng: random.Random) -> Any: ...
+
+    def respond(self, state: Any, history: History) -> TaskReply: ...
+
+
+def _zero_reward(history: History, sample: Mapping[str, Any]) -> float:
+    return 0.0
+
+
+@dataclass
+class SingleTurnTask:
+    """One assistant turn, scored by ``reward_fn(history, sample)``; the dialog then ends."""
+
+    reward_fn: RewardFn | Callable[..., float] | None = None
+    """``fn(history, sample)`` or ``fn(history)``; None gives reward 0.0."""
+    _fn: RewardFn = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._fn = _zero_reward if self.reward_fn is None else as_reward_fn(self.reward_fn)
+
+    def start(self, sample: Mapping[str, Any], rng: random.Random) -> Mapping[str, Any]:
+        return sample
+
+    def respond(self, state: Mapping[str, Any], history: History) -> TaskReply:
+        return TaskReply(reward=float(self._fn(history, state)), done=True)
