@@ -73,10 +73,11 @@ class ReplayBuffer:
             pool = self._storage if min_policy_version is None else self._fresh(min_policy_version)
             size = len(pool)
             if size == 0:
+                if min_policy_version is None:
+                    raise RuntimeError("cannot sample from an empty ReplayBuffer; extend it first.")
                 raise RuntimeError(
-                    "cannot sample: the ReplayBuffer holds no turns"
-                    + ("" if min_policy_version is None else f" with policy_version >= {min_policy_version}")
-                    + "; extend it first or lower min_policy_version."
+                    f"the ReplayBuffer holds no turn with policy_version >= {min_policy_version}; "
+                    "wait for fresher data or lower min_policy_version."
                 )
             if not replace and batch_size > size:
                 raise ValueError(

@@ -146,6 +146,11 @@ class LLMCollector(WeightReceiverMixin):
         return self._turns_run
 
     @property
+    def num_buffered_turns(self) -> int:
+        """Turns run but not yet yielded (carried to the next batch)."""
+        return self._batcher.num_buffered_turns
+
+    @property
     def rollout(self) -> Callable[[], TensorDictBase]:
         """The function that collects one batch."""
         return self._collect_batch

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import torch
-from tensordict import TensorDict, TensorDictBase, lazy_stack
+from tensordict import TensorDictBase, lazy_stack
 
 from lmcollect.data import keys
 from lmcollect.data.history import History
-from lmcollect.data.turns import leaf_keys, non_tensor_values
+from lmcollect.data.turns import non_tensor_values
 
 
 def turn_output(
@@ -24,7 +24,8 @@ def turn_output(
     num_prompt, num_response = prompt_tokens.numel(), response_tokens.numel()
     assistant_mask = torch.zeros(num_prompt + num_response, dtype=torch.bool)
     assistant_mask[num_prompt:] = True
-    out = TensorDict(
+    out = obs.copy()  # shallow: the observation's entries (env ids, flags) travel with the turn
+    out.update(
         {
             "history": {"prompt": prompt, "response": History(full.messages[-1:]), "full": full},
             "text": {"prompt": prompt_text, "response": response_text, "full": prompt_text + response_text},
@@ -38,13 +39,8 @@ def turn_output(
                 "all_assistant_mask": assistant_mask,
             },
             "log_probs": {"response": log_probs},
-        },
-        batch_size=[],
+        }
     )
-    existing = set(leaf_keys(out))
-    for key in leaf_keys(obs):
-        if key not in existing:
-            out.set(key, obs.get(key))
     return out
 
 

@@ -18,6 +18,8 @@ class SamplingConfig:
     """Keep only the k most likely tokens (0 disables it)."""
     seed: int | None = None
     """Seed of the sampling RNG (None: leave the RNG as it is)."""
+    ignore_eos: bool = False
+    """Always generate ``max_new_tokens`` tokens (benchmarks use it for equal work)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:

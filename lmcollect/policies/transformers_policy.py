@@ -67,6 +67,8 @@ class TransformersPolicy:
             "return_dict_in_generate": True,
             "output_logits": True,
         }
+        if s.ignore_eos:
+            kwargs["min_new_tokens"] = s.max_new_tokens
         if not s.greedy:
             kwargs.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
         else:  # the model's generation_config may carry sampling defaults; greedy ignores them

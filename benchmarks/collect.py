@@ -1,0 +1,188 @@
+"""Collection throughput: lmcollect's collectors vs raw ``model.generate`` on the same prompts.
+
+Run: .venv/bin/python benchmarks/collect.py [--quick] [--sizes small,medium] [--rows local,ray,overlap]
+
+Each row alternates the collector and the raw engine (same model, prompts, batch size and token
+budget, every response forced to the full budget so both do equal work) and reports the median
+ratio. Prints a table; the last line is JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from lmcollect.collectors import LLMCollector
+from lmcollect.data import keys
+from lmcollect.data.turns import flatten_turns, non_tensor_values, stack_turns
+from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
+from lmcollect.models import ModelSpec, get_model_path, load_model_and_tokenizer
+from lmcollect.policies import SamplingConfig, TransformersPolicy
+
+
+def make_env(batch_size: int) -> ChatEnv:
+    return ChatEnv(arithmetic_dataset(512, seed=0), reward_fn=MathAnswerReward(), batch_size=batch_size, seed=0)
+
+
+def raw_generate_s(model, tokenizer, prompt_texts: list[str], sampling: SamplingConfig) -> float:
+    """Seconds for tokenize + one batched generate, the way a user would call it."""
+    start = time.perf_counter()
+    enc = tokenizer(prompt_texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
+    with torch.inference_mode():
+        model.generate(
+            **enc,
+            max_new_tokens=sampling.max_new_tokens,
+            min_new_tokens=sampling.max_new_tokens,
+            do_sample=True,
+            temperature=sampling.temperature,
+            top_p=None,
+            top_k=None,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    return time.perf_counter() - start
+
+
+def prompts_of(batch) -> list[str]:
+    return non_tensor_values(stack_turns(flatten_turns(batch)), keys.TEXT_PROMPT)
+
+
+def bench_local(size: str, batch_size: int, sampling: SamplingConfig, reps: int) -> dict:
+    model, tokenizer = load_model_and_tokenizer(ModelSpec(size=size))
+    collector = LLMCollector(
+        make_env(batch_size),
+        policy=TransformersPolicy(model, tokenizer, sampling=sampling),
+        dialog_turns_per_batch=batch_size,
+        track_policy_version=True,
+    )
+    collector.next()  # warm-up
+    ratios, collector_s, raw_s = [], [], []
+    for _ in range(reps):
+        start = time.perf_counter()
+        batch = collector.next()
+        c = time.perf_counter() - start
+        r = raw_generate_s(model, tokenizer, prompts_of(batch), sampling)
+        collector_s.append(c)
+        raw_s.append(r)
+        ratios.append(r / c)
+    collector.shutdown()
+    return _row(f"LLMCollector {size}", batch_size, collector_s, raw_s, ratios, target=0.95)
+
+
+def bench_ray(size: str, batch_size: int, sampling: SamplingConfig, reps: int) -> tuple[dict, dict]:
+    import ray
+
+    from lmcollect.collectors.ray_collector import RayLLMCollector
+    from lmcollect.distributed.ray_cluster import init_ray
+
+    start = time.perf_counter()
+    init_ray({"num_cpus": 2})
+    ray_init_s = time.perf_counter() - start
+    path = str(get_model_path(ModelSpec(size=size)))
+
+    def policy_factory():
+        m, t = load_model_and_tokenizer(path)
+        return TransformersPolicy(m, t, sampling=sampling)
+
+    collector = RayLLMCollector(
+        lambda: make_env(batch_size),
+        policy_factory=policy_factory,
+        dialog_turns_per_batch=batch_size,
+        track_policy_version=True,
+        num_cpus=2,
+    )
+    model, tokenizer = load_model_and_tokenizer(path)
+    collector.next()
+    ratios, collector_s, raw_s = [], [], []
+    for _ in range(reps):
+        start = time.perf_counter()
+        batch = collector.next()
+        c = time.perf_counter() - start
+        r = raw_generate_s(model, tokenizer, prompts_of(batch), sampling)
+        collector_s.append(c)
+        raw_s.append(r)
+        ratios.append(r / c)
+    row = _row(f"RayLLMCollector {size}", batch_size, collector_s, raw_s, ratios, target=0.95)
+    row["ray_init_s"] = round(ray_init_s, 2)
+    row["actor_startup_s"] = round(collector.startup_s, 2)
+    collector.shutdown()
+    overlap = bench_overlap(policy_factory, batch_size, statistics.median(collector_s), reps)
+    ray.shutdown()
+    return row, overlap
+
+
+def bench_overlap(policy_factory, batch_size: int, collect_s: float, reps: int) -> dict:
+    """sync_iter=False: wall time over max(collect, consume) with a consumer sleeping collect_s."""
+    from lmcollect.collectors.ray_collector import RayLLMCollector
+
+    num_batches = reps + 1
+    collector = RayLLMCollector(
+        lambda: make_env(batch_size),
+        policy_factory=policy_factory,
+        dialog_turns_per_batch=batch_size,
+        total_dialog_turns=batch_size * (num_batches + 1),
+        sync_iter=False,
+        num_cpus=2,
+    )
+    collector.rollout()  # warm-up, not counted (the collector's total counts it)
+    start = time.perf_counter()
+    for _ in collector:
+        time.sleep(collect_s)  # the "trainer"
+    wall = time.perf_counter() - start
+    collector.shutdown()
+    ideal = num_batches * collect_s + collect_s  # consumer time + the first batch nobody overlaps
+    ratio = wall / ideal
+    return {
+        "row": "sync_iter=False overlap",
+        "metric": "wall / max(collect, consume)",
+        "value": round(ratio, 3),
+        "target": "<= 1.15",
+        "met": ratio <= 1.15,
+        "batches": num_batches,
+        "collect_s_per_batch": round(collect_s, 3),
+        "wall_s": round(wall, 2),
+    }
+
+
+def _row(name: str, batch_size: int, collector_s: list, raw_s: list, ratios: list, *, target: float) -> dict:
+    ratio = statistics.median(ratios)
+    return {
+        "row": name,
+        "metric": "turns/s vs raw generate",
+        "value": round(ratio, 3),
+        "target": f">= {target}",
+        "met": ratio >= target,
+        "batch_size": batch_size,
+        "collector_turns_per_s": round(batch_size / statistics.median(collector_s), 2),
+        "raw_turns_per_s": round(batch_size / statistics.median(raw_s), 2),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions, small model only")
+    parser.add_argument("--sizes", default="small,medium", help="model presets to measure")
+    parser.add_argument("--rows", default="local,ray", help="local and/or ray (ray adds the overlap row)")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    args = parser.parse_args()
+    sizes = ["small"] if args.quick else args.sizes.split(",")
+    reps = 3 if args.quick else 5
+    sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=1.0, ignore_eos=True, seed=0)
+    torch.set_num_threads(2)
+    rows = []
+    for size in sizes:
+        if "local" in args.rows:
+            rows.append(bench_local(size, args.batch_size, sampling, reps))
+        if "ray" in args.rows:
+            rows.extend(bench_ray(size, args.batch_size, sampling, reps))
+    print(f"{'row':34} {'metric':32} {'value':>7} {'target':>8}  met")
+    for row in rows:
+        print(f"{row['row']:34} {row['metric']:32} {row['value']:7.3f} {row['target']:>8}  {row['met']}")
+    print(json.dumps({"benchmark": "collect", "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
