@@ -14,6 +14,7 @@ _EXPORTS = {
     "LLMCollector": "lmcollect.collectors",
     "PolicyVersion": "lmcollect.collectors",
     "RayLLMCollector": "lmcollect.collectors.ray_collector",
+    "RayCollectorGroup": "lmcollect.collectors.ray_group",
     "ReplayBuffer": "lmcollect.buffers",
     "RayReplayBuffer": "lmcollect.buffers.ray_buffer",
     "ChatEnv": "lmcollect.envs",

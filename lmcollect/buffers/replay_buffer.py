@@ -36,6 +36,20 @@ class ReplayBuffer:
         else:
             self._generator.seed()
 
+    def __getstate__(self) -> dict:
+        # picklable (e.g. into a Ray actor) as a copy; the lock and generator are rebuilt
+        state = self.__dict__.copy()
+        state["_lock"] = None
+        state["_generator"] = self._generator.get_state()
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        generator_state = state.pop("_generator")
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        self._generator = torch.Generator()
+        self._generator.set_state(generator_state)
+
     def extend(self, data: TensorDictBase) -> int:
         """Write every turn of ``data`` (any batch shape); returns how many were written."""
         turns = flatten_turns(data)

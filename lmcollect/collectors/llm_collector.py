@@ -342,6 +342,7 @@ class LLMCollector(WeightReceiverMixin):
             set_policy_seed(seed)
         else:
             torch.manual_seed(seed)
+        self.reset()  # dialogs restart from the seeded state
         return out_seed
 
     def state_dict(self) -> OrderedDict:
@@ -372,6 +373,7 @@ class LLMCollector(WeightReceiverMixin):
             self._policy_version.load_state_dict(version)
         if "trajectories" in state_dict:
             self._tracker.load_state_dict(state_dict["trajectories"])
+        self.reset()  # dialogs restart from the loaded env state
 
     # ------------------------------------------------------------------ attribute access
     def getattr_env(self, attr: str) -> Any:

@@ -11,6 +11,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 from tensordict import TensorDictBase
 
+from lmcollect.buffers.replay_buffer import ReplayBuffer
 from lmcollect.collectors.collector_worker import CollectorWorker
 from lmcollect.collectors.config import resolve_batching
 from lmcollect.collectors.versioning import PolicyVersion
@@ -81,6 +82,11 @@ class RayLLMCollector:
         )
         if policy is not None and policy_factory is not None:
             raise TypeError("pass either policy or policy_factory, not both.")
+        if isinstance(replay_buffer, ReplayBuffer):
+            logger.warning(
+                "a local ReplayBuffer is copied into the collector's actor; read it with getattr_rb, "
+                "or pass a RayReplayBuffer to share one buffer between the actor and this process."
+            )
         init_ray(ray_init_config)
         self._options = actor_options(remote_config, num_cpus=num_cpus, num_gpus=num_gpus, defaults=_ACTOR_DEFAULTS)
         self._name = f"RayLLMCollector-{uuid.uuid4().hex[:6]}"

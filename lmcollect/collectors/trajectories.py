@@ -43,6 +43,14 @@ class TrajectoryTracker:
         else:
             self._slots[slot] = self._new_state(version_index)
 
+    def set_id_base(self, base: int) -> None:
+        """Number future trajectories from ``base`` (distinct bases keep ids unique across collectors)."""
+        self._next_id = max(self._next_id, base)
+        for state in self._slots:
+            if state.step_count == 0:
+                state.traj_id = self._next_id
+                self._next_id += 1
+
     def traj_id(self, slot: int) -> int:
         return self._slots[slot].traj_id
 

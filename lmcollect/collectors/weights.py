@@ -21,6 +21,7 @@ class WeightReceiverMixin:
 
     policy: Any
     _policy_lock: Any  # a ReadWriteLock owned by the collector
+    _tracker: Any  # the collector's TrajectoryTracker
 
     def _init_weight_sync(self, weight_updater: Any) -> None:
         self._receiver_schemes: dict[str, Any] = {}
@@ -56,6 +57,8 @@ class WeightReceiverMixin:
     @worker_idx.setter
     def worker_idx(self, value: int | None) -> None:
         self._worker_idx = value
+        if value is not None:  # trajectory ids of worker i start at i * 2**32: unique across workers
+            self._tracker.set_id_base(value << 32)
 
     def get_policy_model(self) -> Any:
         """The policy's model (``policy.model`` when it has one, else the policy itself)."""

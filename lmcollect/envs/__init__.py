@@ -19,6 +19,7 @@ from lmcollect.envs.tasks import (
     Task,
     TaskReply,
     arithmetic_dataset,
+    binary_search_player,
     guessing_game_dataset,
 )
 
@@ -40,6 +41,7 @@ __all__ = [
     "TaskReply",
     "arithmetic_dataset",
     "as_reward_fn",
+    "binary_search_player",
     "extract_math_answer",
     "guessing_game_dataset",
     "parse_math_answer",

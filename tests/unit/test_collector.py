@@ -17,10 +17,10 @@ from lmcollect.envs import (
     GuessingGameTask,
     MathAnswerReward,
     arithmetic_dataset,
+    binary_search_player,
     guessing_game_dataset,
 )
 from lmcollect.policies import ScriptedPolicy
-from tests.conftest import binary_search_guess
 
 
 def guessing_env(batch_size: int = 3, seed: int = 0) -> ChatEnv:
@@ -38,7 +38,7 @@ def arithmetic_env(batch_size: int = 4, seed: int = 0) -> ChatEnv:
 
 
 def guesser() -> ScriptedPolicy:
-    return ScriptedPolicy(binary_search_guess)
+    return ScriptedPolicy(binary_search_player)
 
 
 def all_turns(batches) -> list:

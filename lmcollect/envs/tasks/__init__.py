@@ -1,7 +1,7 @@
 """Dialog tasks for ChatEnv: the Task interface, single-turn scoring, arithmetic and guessing games."""
 from lmcollect.envs.tasks.arithmetic import arithmetic_dataset
 from lmcollect.envs.tasks.base import SingleTurnTask, Task, TaskReply
-from lmcollect.envs.tasks.guessing import GuessingGameTask, GuessingState, guessing_game_dataset
+from lmcollect.envs.tasks.guessing import GuessingGameTask, GuessingState, binary_search_player, guessing_game_dataset
 
 __all__ = [
     "GuessingGameTask",
@@ -11,4 +11,5 @@ __all__ = [
     "TaskReply",
     "arithmetic_dataset",
     "guessing_game_dataset",
+    "binary_search_player",
 ]

@@ -111,3 +111,25 @@ def guessing_game_dataset(
         {"prompt": rng.choice(_TEMPLATES).format(low=low, high=high, turns=max_turns), "low": low, "high": high}
         for _ in range(num_samples)
     ]
+
+
+def binary_search_player(history: History) -> str:
+    """A scripted reference player: halves the range after each "Higher." / "Lower." reply.
+
+    It reads the bounds from the opening prompt (the first two integers) and always wins within
+    ceil(log2(high - low + 1)) guesses. Use it with ``ScriptedPolicy`` to test collectors.
+    """
+    opening = history.messages[0].content if history.messages else ""
+    bounds = _INT_RE.findall(opening)
+    low, high = (int(bounds[0]), int(bounds[1])) if len(bounds) >= 2 else (1, 20)
+    guess: int | None = None
+    for message in history.messages[1:]:
+        if message.role == "assistant":
+            numbers = _INT_RE.findall(message.content)
+            guess = int(numbers[-1]) if numbers else None
+        elif message.role == "user" and guess is not None:
+            if message.content.startswith("Higher"):
+                low = guess + 1
+            elif message.content.startswith("Lower"):
+                high = guess - 1
+    return str((low + high) // 2)
