@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import socket
 from typing import Any
 
 import torch
@@ -26,6 +28,18 @@ class CollectorWorker(LLMCollector):
 
     def ping(self) -> bool:
         return True
+
+    def process_info(self) -> dict[str, Any]:
+        """Where this collector runs: process id and host (for placement checks and debugging)."""
+        info: dict[str, Any] = {"pid": os.getpid(), "hostname": socket.gethostname(), "node_id": None}
+        try:  # only meaningful inside a Ray worker; imported here so the class stays Ray-free
+            import ray
+
+            if ray.is_initialized():
+                info["node_id"] = ray.get_runtime_context().get_node_id()
+        except ImportError:
+            pass
+        return info
 
     def get_attribute(self, name: str) -> Any:
         """Read a property (properties are not reachable through an actor handle)."""

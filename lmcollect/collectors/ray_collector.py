@@ -288,6 +288,10 @@ class RayLLMCollector:
     def worker_idx(self, value: int | None) -> None:
         self._call("set_worker_idx", value)
 
+    def process_info(self) -> dict[str, Any]:
+        """The actor's process id, host and Ray node."""
+        return self._call("process_info")
+
     @property
     def turns_run(self) -> int:
         return self._call("get_attribute", "turns_run")

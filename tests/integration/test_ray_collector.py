@@ -1,0 +1,140 @@
+"""What only the Ray layer does: actor options, overlap, shared buffers, actor death and restart."""
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+
+import pytest
+import ray
+import torch
+
+from lmcollect.buffers import RayReplayBuffer
+from lmcollect.collectors.ray_collector import CollectorActorError, RayLLMCollector
+from lmcollect.collectors.ray_group import RayCollectorGroup
+from lmcollect.data import keys
+from lmcollect.data.turns import flatten_turns
+from lmcollect.envs import ChatEnv, GuessingGameTask, binary_search_player, guessing_game_dataset
+from lmcollect.policies import ScriptedPolicy
+
+pytestmark = pytest.mark.integration
+
+make_env = functools.partial(
+    ChatEnv,
+    guessing_game_dataset(64, seed=0, low=1, high=20, max_turns=5),
+    task=GuessingGameTask(low=1, high=20, max_turns=5),
+    batch_size=2,
+    max_turns=5,
+    seed=0,
+)
+make_policy = functools.partial(ScriptedPolicy, binary_search_player)
+
+
+def collector(**kwargs) -> RayLLMCollector:
+    kwargs.setdefault("dialog_turns_per_batch", 4)
+    kwargs.setdefault("num_cpus", 0.25)
+    return RayLLMCollector(make_env, policy_factory=make_policy, **kwargs)
+
+
+def test_remote_config_none_and_not_mutated(ray_cluster) -> None:
+    with collector(remote_config=None, num_cpus=None) as c:
+        assert c.next().batch_size == torch.Size([2, 2])
+    config = {"num_cpus": 0.5, "max_concurrency": 2}
+    with collector(remote_config=config, num_cpus=0.2) as c:
+        assert c._options["num_cpus"] == 0.2  # num_cpus overrides remote_config
+        c.next()
+    assert config == {"num_cpus": 0.5, "max_concurrency": 2}
+
+
+def test_as_remote_works_on_its_own(ray_cluster) -> None:
+    actor_cls = RayLLMCollector.as_remote({"num_cpus": 0.25})
+    actor = actor_cls.remote(make_env, policy_factory=make_policy, dialog_turns_per_batch=2)
+    batch, finished = ray.get(actor.collect_next.remote())
+    assert batch.batch_size == torch.Size([2, 1]) and not finished
+    ray.kill(actor)
+
+
+def test_policy_is_built_inside_the_actor(ray_cluster) -> None:
+    with collector() as c:
+        assert c.getattr_policy("num_calls") == 0
+        c.next()
+        assert c.getattr_policy("num_calls") == 2  # the actor's own policy did the work
+
+
+def test_sync_iter_false_collects_while_caller_works(ray_cluster) -> None:
+    with collector(sync_iter=False, total_dialog_turns=16) as c:
+        batches = []
+        for batch in c:
+            batches.append(batch)
+            time.sleep(0.3)  # while the caller "trains", the actor collects the next batch
+            if len(batches) == 1:
+                assert c.turns_run >= 8, "the next batch was not collected in the background"
+        assert len(batches) == 4
+        ids = [(int(t[keys.TRAJ_IDS]), int(t[keys.STEP_COUNT])) for b in batches for t in flatten_turns(b)]
+        assert len(ids) == len(set(ids)) == 16
+
+
+def test_sync_iter_true_waits_for_the_caller(ray_cluster) -> None:
+    with collector(sync_iter=True, total_dialog_turns=16) as c:
+        for _ in c:
+            time.sleep(0.2)
+            assert c.turns_run == 4 or c.turns_run % 4 == 0
+            break
+
+
+def test_two_collectors_fill_one_ray_buffer(ray_cluster) -> None:
+    buffer = RayReplayBuffer(capacity=10_000)
+    with RayCollectorGroup(
+        2, env=make_env, policy_factory=make_policy, dialog_turns_per_batch=4, replay_buffer=buffer,
+        total_dialog_turns=24, num_cpus=0.25,
+    ) as group:
+        group.start()
+        deadline = time.monotonic() + 60
+        while len(buffer) < 48 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert len(buffer) == 48 == buffer.write_count
+    sample = buffer.sample(48, replace=False)
+    ids = {(int(t[keys.TRAJ_IDS]), int(t[keys.STEP_COUNT])) for t in flatten_turns(sample)}
+    assert len(ids) == 48, "a turn was duplicated or lost"
+    assert {i >> 32 for i, _ in ids} == {0, 1}  # both collectors wrote
+    buffer.shutdown()
+
+
+def test_ray_buffer_sampling_returns_versions(ray_cluster) -> None:
+    buffer = RayReplayBuffer(capacity=100)
+    with collector(replay_buffer=buffer, track_policy_version=True) as c:
+        c.next()
+        c.increment_version()
+        c.next()
+    assert set(buffer.sample(50)[keys.POLICY_VERSION].tolist()) == {0, 1}
+    assert set(buffer.sample(20, min_policy_version=1)[keys.POLICY_VERSION].tolist()) == {1}
+    buffer.shutdown()
+
+
+def _actor_pid(c: RayLLMCollector) -> int:
+    return c.process_info()["pid"]
+
+
+def test_dead_actor_raises_quickly_and_buffer_keeps_data(ray_cluster) -> None:
+    buffer = RayReplayBuffer(capacity=1000)
+    c = collector(replay_buffer=buffer)
+    c.next()
+    os.kill(_actor_pid(c), signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(CollectorActorError, match=r"RayLLMCollector-\w+'s actor died during collect_next"):
+        c.next()
+    assert time.monotonic() - start < 20
+    assert len(buffer) == 4  # what the dead collector wrote survives
+    c.shutdown()
+    buffer.shutdown()
+
+
+def test_max_restarts_brings_the_actor_back(ray_cluster) -> None:
+    c = collector(remote_config={"max_restarts": 1, "num_cpus": 0.25})
+    c.next()
+    os.kill(_actor_pid(c), signal.SIGKILL)
+    with pytest.raises(CollectorActorError, match="restarted"):
+        c.next()
+    assert c.next().batch_size == torch.Size([2, 2])  # collection continues
+    c.shutdown()
