@@ -1,0 +1,1 @@
+"""The `lmcollect` command line."""
