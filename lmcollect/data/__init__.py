@@ -1,5 +1,6 @@
-"""Data types shared by every layer: chat histories and the keys of a collected turn."""
+"""Data types shared by every layer: chat histories, the keys of a collected turn, batch helpers."""
 from lmcollect.data import keys
 from lmcollect.data.history import History, Message
+from lmcollect.data.turns import flatten_turns, non_tensor_values, stack_turns
 
-__all__ = ["History", "Message", "keys"]
+__all__ = ["History", "Message", "flatten_turns", "keys", "non_tensor_values", "stack_turns"]
