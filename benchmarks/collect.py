@@ -49,6 +49,19 @@ def prompts_of(batch) -> list[str]:
     return non_tensor_values(stack_turns(flatten_turns(batch)), keys.TEXT_PROMPT)
 
 
+def alternate(collector, model, tokenizer, sampling: SamplingConfig, reps: int) -> tuple[list, list, list]:
+    """Collector batch, then raw generate on that batch's prompts, ``reps`` times (after a warm-up)."""
+    collector.next()
+    collector_s, raw_s, ratios = [], [], []
+    for _ in range(reps):
+        start = time.perf_counter()
+        batch = collector.next()
+        collector_s.append(time.perf_counter() - start)
+        raw_s.append(raw_generate_s(model, tokenizer, prompts_of(batch), sampling))
+        ratios.append(raw_s[-1] / collector_s[-1])
+    return collector_s, raw_s, ratios
+
+
 def bench_local(size: str, batch_size: int, sampling: SamplingConfig, reps: int) -> dict:
     model, tokenizer = load_model_and_tokenizer(ModelSpec(size=size))
     collector = LLMCollector(
@@ -57,16 +70,7 @@ def bench_local(size: str, batch_size: int, sampling: SamplingConfig, reps: int)
         dialog_turns_per_batch=batch_size,
         track_policy_version=True,
     )
-    collector.next()  # warm-up
-    ratios, collector_s, raw_s = [], [], []
-    for _ in range(reps):
-        start = time.perf_counter()
-        batch = collector.next()
-        c = time.perf_counter() - start
-        r = raw_generate_s(model, tokenizer, prompts_of(batch), sampling)
-        collector_s.append(c)
-        raw_s.append(r)
-        ratios.append(r / c)
+    collector_s, raw_s, ratios = alternate(collector, model, tokenizer, sampling, reps)
     collector.shutdown()
     return _row(f"LLMCollector {size}", batch_size, collector_s, raw_s, ratios, target=0.95)
 
@@ -94,16 +98,7 @@ def bench_ray(size: str, batch_size: int, sampling: SamplingConfig, reps: int) -
         num_cpus=2,
     )
     model, tokenizer = load_model_and_tokenizer(path)
-    collector.next()
-    ratios, collector_s, raw_s = [], [], []
-    for _ in range(reps):
-        start = time.perf_counter()
-        batch = collector.next()
-        c = time.perf_counter() - start
-        r = raw_generate_s(model, tokenizer, prompts_of(batch), sampling)
-        collector_s.append(c)
-        raw_s.append(r)
-        ratios.append(r / c)
+    collector_s, raw_s, ratios = alternate(collector, model, tokenizer, sampling, reps)
     row = _row(f"RayLLMCollector {size}", batch_size, collector_s, raw_s, ratios, target=0.95)
     row["ray_init_s"] = round(ray_init_s, 2)
     row["actor_startup_s"] = round(collector.startup_s, 2)

@@ -1,7 +1,6 @@
 """One contract suite run against LLMCollector and RayLLMCollector: same API, same behaviour."""
 from __future__ import annotations
 
-import functools
 import time
 
 import pytest
@@ -11,20 +10,13 @@ from lmcollect.buffers import ReplayBuffer
 from lmcollect.collectors import LLMCollector
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
-from lmcollect.envs import ChatEnv, GuessingGameTask, binary_search_player, guessing_game_dataset
 from lmcollect.policies import ScriptedPolicy
+
+from tests.factories import make_guesser, make_guessing_env
 
 pytestmark = pytest.mark.integration
 
-make_env = functools.partial(
-    ChatEnv,
-    guessing_game_dataset(64, seed=0, low=1, high=20, max_turns=5),
-    task=GuessingGameTask(low=1, high=20, max_turns=5),
-    batch_size=2,
-    max_turns=5,
-    seed=0,
-)
-make_policy = functools.partial(ScriptedPolicy, binary_search_player)
+make_env, make_policy = make_guessing_env, make_guesser
 
 
 @pytest.fixture(params=["local", "ray"])

@@ -1,7 +1,6 @@
 """What only the Ray layer does: actor options, overlap, shared buffers, actor death and restart."""
 from __future__ import annotations
 
-import functools
 import os
 import signal
 import time
@@ -15,20 +14,12 @@ from lmcollect.collectors.ray_collector import CollectorActorError, RayLLMCollec
 from lmcollect.collectors.ray_group import RayCollectorGroup
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
-from lmcollect.envs import ChatEnv, GuessingGameTask, binary_search_player, guessing_game_dataset
-from lmcollect.policies import ScriptedPolicy
+
+from tests.factories import make_guesser, make_guessing_env
 
 pytestmark = pytest.mark.integration
 
-make_env = functools.partial(
-    ChatEnv,
-    guessing_game_dataset(64, seed=0, low=1, high=20, max_turns=5),
-    task=GuessingGameTask(low=1, high=20, max_turns=5),
-    batch_size=2,
-    max_turns=5,
-    seed=0,
-)
-make_policy = functools.partial(ScriptedPolicy, binary_search_player)
+make_env, make_policy = make_guessing_env, make_guesser
 
 
 def collector(**kwargs) -> RayLLMCollector:

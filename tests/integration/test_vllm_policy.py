@@ -1,0 +1,226 @@
+"""VLLMPolicy against TransformersPolicy on the tiny model; skipped where vLLM is not installed.
+
+Run with a venv that has vLLM (see the Makefile's vLLM target): ``.venv-vllm/bin/python -m pytest
+tests/integration/test_vllm_policy.py``. One in-process engine is shared by the session (start-up
+takes seconds); tests that change weights build their own.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from tensordict import TensorDict, TensorDictBase, lazy_stack
+
+from lmcollect.collectors.llm_collector import LLMCollector
+from lmcollect.data import keys
+from lmcollect.data.history import History
+from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
+from lmcollect.models import ModelSpec, get_model_path, load_model_and_tokenizer
+from lmcollect.policies import TransformersPolicy
+from lmcollect.policies.vllm_policy import VLLMEngine, VLLMPolicy, engine_kwargs_for, sampling_params_kwargs
+from lmcollect.policies.sampling import SamplingConfig
+
+pytestmark = pytest.mark.integration
+
+ATOL = 1e-4
+MAX_NEW_TOKENS = 24
+# vLLM on CPU: a small KV cache (the default does not fit) and no torch.compile (start-up in seconds).
+CPU_ENGINE_KWARGS = {"kv_cache_memory_bytes": 1 << 30, "enforce_eager": True}
+EXTENSION = "lmcollect.weight_sync.vllm_worker_ext.VLLMWeightReceiverExtension"
+QUESTIONS = ["What is 3 + 4?", "hello there", "Compute 12 * 7 and answer.", "x"]
+
+
+def chat_batch(questions: list[str]) -> TensorDictBase:
+    return lazy_stack(
+        [TensorDict({"history": {"prompt": History.from_text(q, system_prompt="Be brief.")}}) for q in questions]
+    )
+
+
+@pytest.fixture(scope="session")
+def vllm_env() -> Iterator[None]:
+    """vLLM in this process (a few seconds to start instead of ~20 s for its own processes)."""
+    pytest.importorskip("vllm")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        yield
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with one extra eos id: a token its greedy answer to QUESTIONS[0] produces.
+
+    A randomly initialised model never writes its real eos, so without this the stop-at-eos path
+    (eos kept, shorter response) would go untested.
+    """
+    folder = tmp_path_factory.mktemp("tiny-eos")
+    shutil.copytree(get_model_path(ModelSpec(size="tiny")), folder, dirs_exist_ok=True)
+    model, tokenizer = load_model_and_tokenizer(folder)
+    reference = TransformersPolicy(model, tokenizer, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
+    extra_eos = int(reference(chat_batch(QUESTIONS[:1]))[0][keys.TOKENS_RESPONSE][-1])
+    config_file = folder / "generation_config.json"
+    config = json.loads(config_file.read_text())
+    config["eos_token_id"] = [config["eos_token_id"], extra_eos]
+    config_file.write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def engine(vllm_env: None, model_dir: Path) -> VLLMEngine:
+    return VLLMEngine(model_dir, engine_kwargs=CPU_ENGINE_KWARGS)
+
+
+@pytest.fixture(scope="session")
+def reference(model_dir: Path) -> TransformersPolicy:
+    model, tokenizer = load_model_and_tokenizer(model_dir)
+    return TransformersPolicy(model, tokenizer, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
+
+
+@pytest.fixture
+def greedy_policy(engine: VLLMEngine, model_dir: Path) -> VLLMPolicy:
+    return VLLMPolicy(model_dir, engine=engine, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
+
+
+def make_env() -> ChatEnv:
+    return ChatEnv(arithmetic_dataset(32, seed=0), reward_fn=MathAnswerReward(), batch_size=4, seed=0)
+
+
+def assert_same_answers(got: TensorDictBase, want: TensorDictBase) -> None:
+    for i in range(want.batch_size[0]):
+        assert torch.equal(got[i][keys.TOKENS_FULL], want[i][keys.TOKENS_FULL]), f"element {i}"
+        torch.testing.assert_close(got[i][keys.LOG_PROBS_RESPONSE], want[i][keys.LOG_PROBS_RESPONSE], atol=ATOL, rtol=0)
+        assert got[i][keys.TEXT_FULL] == want[i][keys.TEXT_FULL]
+
+
+# ------------------------------------------------------------------------------------ pure (no vLLM needed)
+def test_sampling_params_mapping() -> None:
+    greedy = sampling_params_kwargs(SamplingConfig(temperature=0.0, top_k=5, max_new_tokens=7), seed=1)
+    assert greedy == {"max_tokens": 7, "ignore_eos": False, "logprobs": 0, "detokenize": False, "temperature": 0.0}
+    sampled = sampling_params_kwargs(SamplingConfig(temperature=0.7, top_p=0.9, top_k=0, ignore_eos=True), seed=3)
+    assert sampled["temperature"] == 0.7 and sampled["top_p"] == 0.9 and sampled["top_k"] == 0
+    assert sampled["seed"] == 3 and sampled["ignore_eos"] is True
+
+
+def test_engine_kwargs_defaults_and_errors(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
+    assert engine_kwargs_for(tmp_path, {"seed": 1}) == {"seed": 1, "logprobs_mode": "raw_logprobs", "dtype": "float32"}
+    assert engine_kwargs_for(tmp_path, {"dtype": "bfloat16"})["dtype"] == "bfloat16"
+    with pytest.raises(ValueError, match="logprobs_mode='processed_logprobs'"):
+        engine_kwargs_for(tmp_path, {"logprobs_mode": "processed_logprobs"})
+    with pytest.raises(ValueError, match="model_path"):
+        engine_kwargs_for(tmp_path, {"model": "other"})
+
+
+# ------------------------------------------------------------------------------------ against TransformersPolicy
+def test_output_layout_matches_transformers(greedy_policy: VLLMPolicy, reference: TransformersPolicy) -> None:
+    td = make_env().reset()
+    got, want = greedy_policy(td), reference(td)
+    assert set(got.keys(include_nested=True)) == set(want.keys(include_nested=True))
+    for key in want.keys(include_nested=True, leaves_only=True):
+        assert got[0][key].dtype == want[0][key].dtype, key
+    assert_same_answers(got, want)
+
+
+def test_greedy_tokens_log_probs_and_eos_match_transformers(
+    greedy_policy: VLLMPolicy, reference: TransformersPolicy
+) -> None:
+    td = chat_batch(QUESTIONS)
+    got, want = greedy_policy(td), reference(td)
+    assert_same_answers(got, want)
+    eos_ids = json.loads((Path(greedy_policy.model_path) / "generation_config.json").read_text())["eos_token_id"]
+    first = got[0][keys.TOKENS_RESPONSE]
+    assert int(first[-1]) in eos_ids and first.numel() <= MAX_NEW_TOKENS  # stopped at eos, eos kept
+
+
+def test_sampled_log_probs_are_raw_and_seeding_reproducible(
+    engine: VLLMEngine, model_dir: Path, reference: TransformersPolicy
+) -> None:
+    policy = VLLMPolicy(model_dir, engine=engine, temperature=0.7, top_k=50, max_new_tokens=8, seed=3)
+    td = chat_batch([QUESTIONS[0]] * 4)  # a group of one prompt: samples must still differ
+    first = policy(td)
+    policy.set_seed(3)
+    again = policy(td)
+    responses = [first[i][keys.TOKENS_RESPONSE].tolist() for i in range(4)]
+    assert responses == [again[i][keys.TOKENS_RESPONSE].tolist() for i in range(4)]
+    assert len({tuple(r) for r in responses}) > 1
+    with torch.no_grad():  # raw log-probs: those of a plain forward pass, before temperature and top-k
+        for i in range(4):
+            full, num_prompt = first[i][keys.TOKENS_FULL], first[i][keys.TOKENS_PROMPT].numel()
+            logits = reference.model(full[None]).logits[0, num_prompt - 1 : -1]
+            expected = logits.log_softmax(-1).gather(-1, full[num_prompt:, None]).squeeze(-1)
+            torch.testing.assert_close(first[i][keys.LOG_PROBS_RESPONSE], expected, atol=ATOL, rtol=0)
+
+
+def test_collects_with_llm_collector(greedy_policy: VLLMPolicy) -> None:
+    collector = LLMCollector(make_env(), policy=greedy_policy, dialog_turns_per_batch=8, total_dialog_turns=16)
+    batches = list(collector)
+    assert len(batches) == 2
+    for batch in batches:
+        turns = batch.reshape(-1)
+        assert turns.numel() == 8
+        for i in range(8):
+            turn = turns[i]
+            assert turn[keys.TOKENS_RESPONSE].numel() == turn[keys.LOG_PROBS_RESPONSE].numel() > 0
+            assert torch.isfinite(turn[keys.LOG_PROBS_RESPONSE]).all()
+            assert turn[keys.NEXT_REWARD].shape == (1,)
+    collector.shutdown()
+
+
+# ------------------------------------------------------------------------------------ weight push (worker extension)
+def test_pushed_weights_match_transformers(vllm_env: None) -> None:
+    """Push the seed-1 model into a seed-0 engine over the gloo group; then it answers like seed 1."""
+    from lmcollect.weight_sync import vllm_worker_ext as ext
+    from lmcollect.weight_sync.weights import unique_targets
+
+    path = get_model_path(ModelSpec(size="tiny", seed=0))
+    engine = VLLMEngine(path, engine_kwargs={**CPU_ENGINE_KWARGS, "worker_extension_cls": EXTENSION})
+    policy = VLLMPolicy(path, engine=engine, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
+    trainer_model, tokenizer = load_model_and_tokenizer(ModelSpec(size="tiny", seed=1))
+    want = TransformersPolicy(trainer_model, tokenizer, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)(
+        chat_batch(QUESTIONS)
+    )
+    targets, _aliases = unique_targets(trainer_model)  # the tied lm_head is not sent
+    store = ext.create_weight_store(2)
+    with ThreadPoolExecutor(1) as pool:  # collective_rpc blocks until the trainer's side is done
+        joined = pool.submit(engine.collective_rpc, "init_weight_group", ("127.0.0.1", store.port, 1, 2))
+        group = ext.open_weight_group(store, 2, timeout_s=60)
+        joined.result(timeout=60)
+        received = pool.submit(engine.collective_rpc, "receive_weights")
+        ext.broadcast_weights(group, targets.items(), version=1)
+        (info,) = received.result(timeout=60)
+    engine.reset_prefix_cache()
+    assert info["version"] == 1 and info["num_tensors"] == len(targets)
+    assert engine.collective_rpc("weight_version") == [1]
+    assert_same_answers(policy(chat_batch(QUESTIONS)), want)
+
+
+# ------------------------------------------------------------------------------------ Ray replicas
+@pytest.fixture(scope="module")
+def ray_cluster(vllm_env: None) -> Iterator[None]:
+    import ray
+
+    from lmcollect.distributed.ray_cluster import init_ray
+
+    init_ray({"num_cpus": 2})
+    yield
+    ray.shutdown()
+
+
+def test_ray_replicas_answer_like_the_local_engine(
+    ray_cluster: None, model_dir: Path, greedy_policy: VLLMPolicy
+) -> None:
+    from lmcollect.policies.vllm_ray import VLLMReplicas
+
+    replicas = VLLMReplicas(model_dir, num_replicas=2, engine_kwargs=CPU_ENGINE_KWARGS, remote_config={"num_cpus": 1})
+    try:
+        policy = VLLMPolicy(model_dir, engine=replicas, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
+        td = chat_batch(QUESTIONS[:3])  # 3 prompts over 2 replicas: slices of 2 and 1
+        assert_same_answers(policy(td), greedy_policy(td))
+        replicas.reset_prefix_cache()
+    finally:
+        replicas.shutdown()

@@ -1,0 +1,312 @@
+"""Weight pushes into RayLLMCollector actors: real tiny-model outputs, versions, skips, atomicity, faults."""
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+import time
+
+import pytest
+import ray
+import torch
+from torch import nn
+
+from lmcollect.collectors.ray_collector import RayLLMCollector
+from lmcollect.data import keys
+from lmcollect.data.turns import flatten_turns
+from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
+from lmcollect.models import load_model_and_tokenizer
+from lmcollect.policies import ScriptedPolicy, TransformersPolicy
+from lmcollect.weight_sync import WeightPushError
+from lmcollect.weight_sync.ray_updater import PushHandle, RayPushConfig, RayRemoteWeightUpdater, RayWeightUpdater
+from lmcollect.weight_sync.schemes.process_group import ProcessGroupConfig, ProcessGroupReceiver, ProcessGroupSender
+from lmcollect.weight_sync.schemes.ray_object_store import RayObjectStoreSender
+
+pytestmark = pytest.mark.integration
+
+# The policy factories below live in this test module, which actors cannot import by name.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+MAX_NEW_TOKENS = 6
+
+
+def make_env() -> ChatEnv:
+    return ChatEnv(arithmetic_dataset(64, seed=0), reward_fn=MathAnswerReward(), batch_size=4, seed=0)
+
+
+def tiny_policy(model_path: str) -> TransformersPolicy:
+    model, tokenizer = load_model_and_tokenizer(model_path)
+    return TransformersPolicy(model, tokenizer, max_new_tokens=MAX_NEW_TOKENS, temperature=0)
+
+
+class SmallNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+        self.norm = nn.LayerNorm(8)
+
+
+class SmallModelPolicy(ScriptedPolicy):
+    """A scripted answer, a small model to update, and an optional delay per policy call."""
+
+    def __init__(self) -> None:
+        super().__init__("#### 1")
+        self.model = SmallNet()
+        self.delay_s = 0.0
+
+    def set_delay(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+
+    def __call__(self, td):
+        time.sleep(self.delay_s)
+        return super().__call__(td)
+
+
+def start_collectors(n: int, policy_factory) -> list[RayLLMCollector]:
+    """n collectors, started side by side (each actor takes seconds to import and load)."""
+    out: list = [None] * n
+
+    def build(i: int) -> None:
+        out[i] = RayLLMCollector(
+            make_env, policy_factory=policy_factory, dialog_turns_per_batch=4, track_policy_version=True, num_cpus=0.25
+        )
+
+    threads = [threading.Thread(target=build, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(c is not None for c in out), "a collector failed to start (see the log)"
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_collectors(ray_cluster, tiny_model_path):
+    collectors = start_collectors(2, functools.partial(tiny_policy, str(tiny_model_path)))
+    yield collectors
+    for c in collectors:
+        c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def small_collectors(ray_cluster):
+    collectors = start_collectors(2, SmallModelPolicy)
+    yield collectors
+    for c in collectors:
+        c.shutdown()
+
+
+def perturbed(model_path, seed: int) -> nn.Module:
+    model, _ = load_model_and_tokenizer(model_path)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+    return model
+
+
+def remote_state(collector: RayLLMCollector) -> dict[str, torch.Tensor]:
+    return collector.cascade_execute("policy.model.state_dict")
+
+
+def same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def versions(collectors) -> list[int]:
+    return [c.policy_version for c in collectors]
+
+
+# ---------------------------------------------------------------------- the real tiny model
+def test_outputs_after_a_push_match_a_fresh_model_with_the_new_weights(tiny_collectors, tiny_model_path) -> None:
+    trainer = perturbed(tiny_model_path, seed=1)
+    updater = RayRemoteWeightUpdater(trainer, tiny_collectors, config=RayPushConfig(timeout_s=60))
+    before = versions(tiny_collectors)
+    for c, v in zip(tiny_collectors, before):
+        assert {int(t[keys.POLICY_VERSION]) for t in flatten_turns(c.next())} == {v}
+    assert updater.push_weights() is None  # returns once every worker applied the weights
+    assert versions(tiny_collectors) == [v + 1 for v in before]
+    fresh, tokenizer = load_model_and_tokenizer(tiny_model_path)
+    fresh.load_state_dict(trainer.state_dict())
+    reference = TransformersPolicy(fresh, tokenizer, max_new_tokens=MAX_NEW_TOKENS, temperature=0)
+    for c, v in zip(tiny_collectors, before):
+        assert same_state(remote_state(c), trainer.state_dict())
+        turns = flatten_turns(c.next())
+        assert {int(t[keys.POLICY_VERSION]) for t in turns} == {v + 1}
+        _, responses, log_probs = reference.generate([t[keys.TEXT_PROMPT] for t in turns])
+        for turn, response, lp in zip(turns, responses, log_probs):
+            assert torch.equal(turn[keys.TOKENS_RESPONSE], response)
+            torch.testing.assert_close(turn[keys.LOG_PROBS_RESPONSE], lp)
+
+
+def test_collector_property_setter_registers_and_pushes_to_all(tiny_collectors, tiny_model_path) -> None:
+    trainer = perturbed(tiny_model_path, seed=2)
+    updater = RayWeightUpdater(trainer, tiny_collectors)
+    first = tiny_collectors[0]
+    first.weight_updater = updater
+    try:
+        assert updater.collector is first and first.weight_updater is updater
+        before = versions(tiny_collectors)
+        first.update_policy_weights_()
+        assert versions(tiny_collectors) == [v + 1 for v in before]
+        assert all(same_state(remote_state(c), trainer.state_dict()) for c in tiny_collectors)
+    finally:
+        first.weight_updater = None
+
+
+def test_an_updater_without_collectors_serves_the_one_it_is_registered_with(small_collectors) -> None:
+    collector, trainer = small_collectors[0], SmallNet()
+    collector.weight_updater = RayRemoteWeightUpdater(trainer)
+    try:
+        assert collector.weight_updater.all_worker_ids() == [0]
+        start = collector.policy_version
+        collector.update_policy_weights_()
+        assert collector.policy_version == start + 1
+        assert same_state(remote_state(collector), trainer.state_dict())
+    finally:
+        collector.weight_updater = None
+
+
+# ---------------------------------------------------------------------- skipping, targeting, waiting
+def test_max_interval_skips_until_enough_pushes_were_missed(small_collectors) -> None:
+    updater = RayRemoteWeightUpdater(SmallNet(), small_collectors, max_interval=2)
+    start = versions(small_collectors)
+    bumps = []
+    for _ in range(6):
+        updater.push_weights()
+        bumps.append([v - s for v, s in zip(versions(small_collectors), start)])
+    assert bumps == [[0, 0], [0, 0], [1, 1], [1, 1], [1, 1], [2, 2]]
+    with pytest.raises(ValueError, match="max_interval"):
+        RayRemoteWeightUpdater(SmallNet(), small_collectors, max_interval=-1)
+
+
+def test_worker_ids_are_bounds_checked_and_target_only_those(small_collectors) -> None:
+    updater = RayRemoteWeightUpdater(SmallNet(), small_collectors)
+    assert updater.all_worker_ids() == [0, 1]
+    for bad in (2, [0, 2], -1, True):
+        with pytest.raises(ValueError, match=r"unknown worker\(s\)"):
+            updater.push_weights(worker_ids=bad)
+    start = versions(small_collectors)
+    updater.push_weights(worker_ids=[1])
+    updater.push_weights(worker_ids=0)
+    updater.push_weights(worker_ids=[1, 1])
+    assert [v - s for v, s in zip(versions(small_collectors), start)] == [1, 2]
+
+
+def test_wait_false_returns_a_handle_and_runs_hooks_when_done(small_collectors) -> None:
+    trainer = SmallNet()
+    updater = RayRemoteWeightUpdater(trainer, small_collectors)
+    hook_versions: list = []
+    updater.register_post_hook(lambda: hook_versions.append(versions(small_collectors)))
+    start = versions(small_collectors)
+    handle = updater.push_weights(wait=False)
+    assert isinstance(handle, PushHandle) and handle.worker_ids == [0, 1]
+    handle.wait(timeout_s=30)
+    assert handle.done()
+    assert hook_versions == [[s + 1 for s in start]]
+    second = updater.push_weights(wait=False)
+    updater.push_weights()  # waits for the push in flight first, so workers apply them in order
+    assert second.done() and versions(small_collectors) == [s + 3 for s in start]
+    assert all(same_state(remote_state(c), trainer.state_dict()) for c in small_collectors)
+
+
+# ---------------------------------------------------------------------- atomicity
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        lambda w: w.pop("norm.bias"),
+        lambda w: w.update(extra=torch.zeros(1)),
+        lambda w: w.update({"norm.weight": torch.zeros(5)}),
+        lambda w: w.update({"norm.weight": torch.zeros(8, dtype=torch.bfloat16)}),
+    ],
+    ids=["missing", "extra", "shape", "dtype"],
+)
+def test_a_bad_push_changes_nothing_on_any_worker(small_collectors, spoil) -> None:
+    updater = RayRemoteWeightUpdater(None, small_collectors)
+    states = [remote_state(c) for c in small_collectors]
+    start = versions(small_collectors)
+    weights = {k: torch.full_like(v, 3.0) for k, v in SmallNet().state_dict().items()}
+    spoil(weights)
+    with pytest.raises(ValueError, match="no weight was changed"):
+        updater.push_weights(weights)
+    assert versions(small_collectors) == start
+    assert all(same_state(remote_state(c), s) for c, s in zip(small_collectors, states))
+
+
+def test_worker_side_check_and_dtype_conversion(small_collectors) -> None:
+    collector = small_collectors[0]
+    weights = {k: v.double() for k, v in SmallNet().state_dict().items()}
+    before, start = remote_state(collector), collector.policy_version
+    with pytest.raises(ValueError, match="float64"):  # checked in the actor (no updater)
+        collector.update_policy_weights_(weights)
+    assert same_state(remote_state(collector), before) and collector.policy_version == start
+    RayRemoteWeightUpdater(weights, [collector], config=RayPushConfig(convert_dtype=True, packing="flat")).push_weights()
+    assert same_state(remote_state(collector), {k: v.float() for k, v in weights.items()})
+    with pytest.raises(ValueError, match="only one"):
+        collector.receive_weights(weights, policy=SmallNet())
+    trainer = SmallNet()
+    collector.receive_weights(policy=trainer)
+    assert same_state(remote_state(collector), trainer.state_dict()) and collector.policy_version == start + 2
+
+
+# ---------------------------------------------------------------------- faults
+def test_a_dead_worker_fails_the_push_quickly(small_collectors) -> None:
+    (doomed,) = start_collectors(1, SmallModelPolicy)
+    updater = RayRemoteWeightUpdater(SmallNet(), [small_collectors[0], doomed], config=RayPushConfig(timeout_s=60))
+    updater.init()  # metadata fetched while both are alive
+    ray.kill(doomed.actor, no_restart=True)
+    started = time.monotonic()
+    with pytest.raises(WeightPushError, match="worker 1 died"):
+        updater.push_weights()
+    assert time.monotonic() - started < 30
+    doomed.shutdown(timeout=1)
+
+
+def test_a_stuck_worker_times_out_instead_of_hanging(small_collectors) -> None:
+    collector = small_collectors[1]
+    collector.cascade_execute("policy.set_delay", 4.0)
+    busy = collector.actor.collect_next.remote()  # holds the policy read lock for ~4 s per turn
+    time.sleep(0.5)
+    updater = RayRemoteWeightUpdater(SmallNet(), [collector], config=RayPushConfig(timeout_s=1.0))
+    updater.init()
+    with pytest.raises(WeightPushError, match=r"\[0\] did not apply the weights within timeout_s=1.0"):
+        updater.push_weights()
+    collector.cascade_execute("policy.set_delay", 0.0)
+    ray.get(busy, timeout=60)
+
+
+# ---------------------------------------------------------------------- schemes across processes
+def test_object_store_scheme_pulls_the_newest_push(small_collectors) -> None:
+    collector = small_collectors[0]
+    sender = RayObjectStoreSender()
+    collector.register_scheme_receiver({"critic": sender.make_receiver()}, synchronize_weights=False)
+    start = collector.policy_version
+    collector.receive_weights()
+    assert collector.policy_version == start  # nothing published yet
+    trainer = SmallNet()
+    sender.send(trainer)
+    sender.send(trainer)  # only the newest push is pulled
+    collector.receive_weights()
+    assert collector.policy_version == start + 1
+    assert same_state(remote_state(collector), trainer.state_dict())
+    sender.close()
+
+
+def test_process_group_scheme_with_a_collector_actor(small_collectors) -> None:
+    collector = small_collectors[1]
+    sender = ProcessGroupSender(ProcessGroupConfig(num_receivers=1, backend="gloo", timeout_s=60))
+    collector.register_scheme_receiver({"policy": ProcessGroupReceiver()}, synchronize_weights=False)
+    collector.cascade_execute("_receiver_schemes['policy']._set_dist_connection_info", sender.connection_info(), worker_idx=0)
+    joined = collector.actor.cascade_execute.remote("_receiver_schemes['policy'].connect")
+    sender.connect()
+    ray.get(joined, timeout=60)
+    start = collector.policy_version
+    trainer = SmallNet()
+    pulled = collector.actor.receive_weights.remote()
+    sender.send(trainer)
+    ray.get(pulled, timeout=60)
+    assert collector.policy_version == start + 1
+    assert same_state(remote_state(collector), trainer.state_dict())
+    sender.close()
