@@ -24,6 +24,21 @@ _EXPORTS = {
     "TransformersPolicy": "lmcollect.policies",
     "ScriptedPolicy": "lmcollect.policies",
     "SamplingConfig": "lmcollect.policies",
+    "WeightUpdaterBase": "lmcollect.weight_sync",
+    "LocalWeightUpdater": "lmcollect.weight_sync",
+    "WeightPushError": "lmcollect.weight_sync",
+    "WeightSender": "lmcollect.weight_sync",
+    "WeightReceiver": "lmcollect.weight_sync",
+    "SharedMemorySender": "lmcollect.weight_sync",
+    "SharedMemoryReceiver": "lmcollect.weight_sync",
+    "RayRemoteWeightUpdater": "lmcollect.weight_sync.ray_updater",
+    "RayWeightUpdater": "lmcollect.weight_sync.ray_updater",
+    "RayPushConfig": "lmcollect.weight_sync.ray_updater",
+    "RayObjectStoreSender": "lmcollect.weight_sync.schemes.ray_object_store",
+    "RayObjectStoreReceiver": "lmcollect.weight_sync.schemes.ray_object_store",
+    "ProcessGroupConfig": "lmcollect.weight_sync.schemes.process_group",
+    "ProcessGroupSender": "lmcollect.weight_sync.schemes.process_group",
+    "ProcessGroupReceiver": "lmcollect.weight_sync.schemes.process_group",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import functools
+import time
+
+import torch
 
 from lmcollect.envs import ChatEnv, GuessingGameTask, binary_search_player, guessing_game_dataset
 from lmcollect.policies import ScriptedPolicy
@@ -18,3 +21,47 @@ make_guessing_env = functools.partial(
 
 make_guesser = functools.partial(ScriptedPolicy, binary_search_player)
 """A deterministic player that always wins within five guesses."""
+
+
+# ---------------------------------------------------------------------- weight-sync tests
+def make_arithmetic_env() -> ChatEnv:
+    """Four single-turn arithmetic dialogs at a time."""
+    from lmcollect.envs import MathAnswerReward, arithmetic_dataset
+
+    return ChatEnv(arithmetic_dataset(64, seed=0), reward_fn=MathAnswerReward(), batch_size=4, seed=0)
+
+
+def make_greedy_tiny_policy(model_path: str, max_new_tokens: int = 6):
+    """A greedy TransformersPolicy on the model saved at ``model_path``."""
+    from lmcollect.models import load_model_and_tokenizer
+    from lmcollect.policies import TransformersPolicy
+
+    model, tokenizer = load_model_and_tokenizer(model_path)
+    return TransformersPolicy(model, tokenizer, max_new_tokens=max_new_tokens, temperature=0)
+
+
+class SmallNet(torch.nn.Module):
+    """A few small tensors, with tied weights, to push around."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.head = torch.nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+        self.norm = torch.nn.LayerNorm(8)
+
+
+class SmallModelPolicy(ScriptedPolicy):
+    """A scripted answer, a :class:`SmallNet` to update, and an optional delay per policy call."""
+
+    def __init__(self) -> None:
+        super().__init__("#### 1")
+        self.model = SmallNet()
+        self.delay_s = 0.0
+
+    def set_delay(self, delay_s: float) -> None:
+        self.delay_s = delay_s
+
+    def __call__(self, td):
+        time.sleep(self.delay_s)
+        return super().__call__(td)

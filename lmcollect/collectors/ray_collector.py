@@ -16,6 +16,8 @@ from lmcollect.collectors.collector_worker import CollectorWorker
 from lmcollect.collectors.config import resolve_batching
 from lmcollect.collectors.versioning import PolicyVersion
 from lmcollect.distributed.ray_cluster import actor_options, init_ray, torch_threads_for
+from lmcollect.weight_sync.base import resolve_updater
+from lmcollect.weight_sync.buckets import view_buckets
 from lmcollect.weight_sync.weights import to_weight_dict
 
 logger = logging.getLogger(__name__)
@@ -332,8 +334,7 @@ class RayLLMCollector:
 
     @weight_updater.setter
     def weight_updater(self, updater: Any) -> None:
-        if updater is not None and not hasattr(updater, "push_weights") and callable(updater):
-            updater = updater()
+        updater = resolve_updater(updater)
         self._weight_updater = updater
         if updater is not None:
             updater.register_collector(self)
@@ -345,24 +346,42 @@ class RayLLMCollector:
         else:
             self._call("init_updater", *args, **kwargs)
 
-    def update_policy_weights_(self, policy_or_weights: Any = None, *, worker_ids: Any = None, **kwargs: Any) -> None:
+    def update_policy_weights_(self, policy_or_weights: Any = None, worker_ids: Any = None, **kwargs: Any) -> Any:
         """Push weights through the updater, or straight to the actor (one object-store copy)."""
         if self._weight_updater is not None:
-            self._weight_updater.push_weights(policy_or_weights, worker_ids=worker_ids, **kwargs)
-            return
+            return self._weight_updater.push_weights(policy_or_weights, worker_ids=worker_ids, **kwargs)
+        if worker_ids not in (None, 0, [0]):
+            raise ValueError(f"worker_ids={worker_ids!r}: a collector without a weight_updater has one worker, 0.")
         if policy_or_weights is None:
             self._call("receive_weights")
-            return
-        self._call("receive_weights", ray.put(to_weight_dict(policy_or_weights)))
+        else:
+            self._call("apply_weights", _put_weights(policy_or_weights))
+        return None
 
     def receive_weights(self, policy_or_weights: Any = None, *, weights: Any = None, policy: Any = None) -> None:
-        self._call("receive_weights", policy_or_weights, weights=weights, policy=policy)
+        """Apply weights in the actor (one object-store copy), or let it pull from its receiver schemes."""
+        given = [x for x in (policy_or_weights, weights, policy) if x is not None]
+        if len(given) > 1:
+            raise ValueError("pass only one of policy_or_weights, weights= and policy=.")
+        if given:
+            self._call("receive_weights", _put_weights(given[0]))
+        else:
+            self._call("receive_weights")
+
+    def weight_metadata(self, model_id: str = "policy") -> tuple[dict, dict]:
+        """name -> (dtype, shape) of the actor's model, and its tied aliases."""
+        return self._call("weight_metadata", model_id)
 
     def register_scheme_receiver(self, weight_recv_schemes: dict[str, Any], *, synchronize_weights: bool = True) -> None:
         self._call("register_scheme_receiver", weight_recv_schemes, synchronize_weights=synchronize_weights)
 
     def cascade_execute(self, attr_path: str, *args: Any, **kwargs: Any) -> Any:
         return self._call("cascade_execute", attr_path, *args, **kwargs)
+
+
+def _put_weights(source: Any) -> ray.ObjectRef:
+    # Tensors' bytes go into one object-store object (a single copy); the actor maps it zero-copy.
+    return ray.put(view_buckets(to_weight_dict(source)).to_numpy())
 
 
 def _cause(exc: BaseException) -> str:

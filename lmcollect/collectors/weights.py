@@ -1,13 +1,15 @@
 """The weight-receiving side of a collector: updater, receiver schemes, versions, model lookup."""
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
 import torch
 
 from lmcollect.collectors.attr_path import resolve_attr_path
-from lmcollect.weight_sync.weights import load_weights_, to_weight_dict
+from lmcollect.weight_sync.base import resolve_updater
+from lmcollect.weight_sync.weights import expected_metadata, load_weights_, to_weight_dict
 
 logger = logging.getLogger(__name__)
 
@@ -15,7 +17,7 @@ logger = logging.getLogger(__name__)
 class WeightReceiverMixin:
     """Weight-update methods shared by the local collector (and, through it, the Ray one).
 
-    Every applied update goes through :meth:`_apply_weights`, which bumps the policy version
+    Every applied update goes through :meth:`apply_weights`, which bumps the policy version
     exactly once.
     """
 
@@ -37,12 +39,7 @@ class WeightReceiverMixin:
 
     @weight_updater.setter
     def weight_updater(self, updater: Any) -> None:
-        if updater is not None and not hasattr(updater, "push_weights") and callable(updater):
-            updater = updater()  # a constructor
-        if updater is not None and not hasattr(updater, "push_weights"):
-            raise TypeError(
-                f"weight_updater must be a WeightUpdaterBase or a callable returning one, got {type(updater).__name__}."
-            )
+        updater = resolve_updater(updater)
         self._weight_updater = updater
         if updater is not None:
             updater.register_collector(self)
@@ -80,14 +77,23 @@ class WeightReceiverMixin:
             raise RuntimeError("this collector has no weight_updater; pass weight_updater=... first.")
         self._weight_updater.init(*args, **kwargs)
 
-    def update_policy_weights_(self, policy_or_weights: Any = None, *, worker_ids: Any = None, **kwargs: Any) -> None:
+    def weight_metadata(self, model_id: str = "policy") -> tuple[dict[str, tuple[torch.dtype, torch.Size]], dict[str, str]]:
+        """What the model accepts: name -> (dtype, shape) of its distinct tensors, and tied aliases."""
+        return expected_metadata(self.get_model(model_id))
+
+    def update_policy_weights_(self, policy_or_weights: Any = None, worker_ids: Any = None, **kwargs: Any) -> Any:
         """Push weights through the weight updater, or apply them here when there is none."""
         if self._weight_updater is not None:
-            self._weight_updater.push_weights(policy_or_weights, worker_ids=worker_ids, **kwargs)
-        elif policy_or_weights is not None:
+            return self._weight_updater.push_weights(policy_or_weights, worker_ids=worker_ids, **kwargs)
+        if worker_ids not in (None, 0, [0]):
+            raise ValueError(f"worker_ids={worker_ids!r}: a collector without a weight_updater has one worker, 0.")
+        if kwargs:
+            raise TypeError(f"unexpected arguments {sorted(kwargs)}: they are for a weight_updater, and there is none.")
+        if policy_or_weights is not None:
             self.receive_weights(policy_or_weights)
         else:
             self.receive_weights()
+        return None
 
     def receive_weights(self, policy_or_weights: Any = None, *, weights: Any = None, policy: Any = None) -> None:
         """Apply weights to the policy's model, or pull them from the registered receiver schemes."""
@@ -100,20 +106,32 @@ class WeightReceiverMixin:
                 "without arguments, or push through the sender side."
             )
         if given:
-            self._apply_weights(to_weight_dict(given[0]))
+            self.apply_weights(given[0])
             return
         for model_id, scheme in self._receiver_schemes.items():
-            received = scheme.receive(timeout_s=getattr(scheme, "timeout_s", None))
-            if received is not None:
-                self._apply_weights(received, model_id=model_id)
+            apply = functools.partial(self.apply_weights, model_id=model_id)
+            timeout_s = getattr(scheme, "timeout_s", None)
+            if hasattr(scheme, "receive_into"):
+                scheme.receive_into(apply, timeout_s=timeout_s)
+            else:
+                received = scheme.receive(timeout_s=timeout_s)
+                if received is not None:
+                    apply(received)
 
-    def _apply_weights(self, weights: dict[str, torch.Tensor], *, model_id: str = "policy", convert_dtype: bool = False) -> None:
-        target = self.get_model(model_id)
+    def apply_weights(self, weights: Any, *, model_id: str = "policy", convert_dtype: bool = False) -> None:
+        """Check ``weights`` against the model, load them in place, reset the cache, bump the version.
+
+        All or nothing: a missing, extra, misshapen or wrongly typed tensor raises one ValueError
+        before anything changes. This is what weight updaters call; it bypasses receiver schemes.
+        """
         children = getattr(self, "_sub_collectors", None)
         if children:  # a collector holding collectors passes weights down; each leaf bumps itself
+            weights = to_weight_dict(weights)
             for child in children:
-                child.receive_weights(weights)
+                child.apply_weights(weights, model_id=model_id, convert_dtype=convert_dtype)
             return
+        target = self.get_model(model_id)
+        weights = to_weight_dict(weights)
         # Weights, cache and version change together while no policy call runs (waits at most
         # one turn), so every turn's policy_version names the weights that produced it.
         with self._policy_lock.write():

@@ -6,12 +6,22 @@ from typing import Any
 
 import torch
 from tensordict import TensorDictBase
+from tensordict.nn import TensorDictModule
+
+from lmcollect.weight_sync.buckets import WeightBuckets
 
 WeightDict = dict[str, torch.Tensor]
+Metadata = Mapping[str, tuple[torch.dtype, torch.Size]]
 
 
 def to_weight_dict(source: Any) -> WeightDict:
-    """Names and tensors of an ``nn.Module``, a TensorDict module, a TensorDict or a (nested) dict."""
+    """Names and tensors of an ``nn.Module``, a TensorDict module, a TensorDict, a (nested) dict,
+    a policy exposing ``.model``, or :class:`WeightBuckets` (zero-copy views)."""
+    if isinstance(source, WeightBuckets):
+        return source.tensors()
+    if isinstance(source, TensorDictModule) and isinstance(source.module, torch.nn.Module):
+        # the wrapped model's names (no "module." prefix), as the receiving model spells them
+        return dict(source.module.state_dict())
     if isinstance(source, torch.nn.Module):
         return dict(source.state_dict())
     if isinstance(source, TensorDictBase):
@@ -22,7 +32,7 @@ def to_weight_dict(source: Any) -> WeightDict:
     if isinstance(model, torch.nn.Module):
         return dict(model.state_dict())
     raise TypeError(
-        "weights must be an nn.Module, a TensorDict, a dict of tensors, or a policy with a .model, "
+        "weights must be an nn.Module, a TensorDict, a dict of tensors, WeightBuckets or a policy with a .model, "
         f"got {type(source).__name__}."
     )
 
@@ -52,7 +62,7 @@ def unique_targets(model: torch.nn.Module) -> tuple[WeightDict, dict[str, str]]:
     seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-        if key in seen:
+        if key in seen and tensor.numel() > 0:  # empty tensors may all report data_ptr 0
             aliases[name] = seen[key]
         else:
             seen[key] = name
@@ -62,46 +72,68 @@ def unique_targets(model: torch.nn.Module) -> tuple[WeightDict, dict[str, str]]:
 
 def check_weights(
     weights: Mapping[str, torch.Tensor],
-    expected: Mapping[str, tuple[torch.dtype, torch.Size]],
+    expected: Metadata,
     *,
     aliases: Mapping[str, str] | None = None,
     convert_dtype: bool = False,
 ) -> None:
-    """Raise one ValueError listing every missing, extra, misshapen or wrongly typed tensor.
+    """Raise one ValueError listing every missing, extra, misshapen or wrongly typed tensor."""
+    raise_if_problems(weight_problems(tensor_metadata(weights), expected, aliases=aliases, convert_dtype=convert_dtype))
 
-    ``aliases`` (tied weights) may be sent or left out; ``convert_dtype`` accepts other float
-    dtypes (they are cast when loaded).
+
+def weight_problems(
+    sent: Metadata,
+    expected: Metadata,
+    *,
+    aliases: Mapping[str, str] | None = None,
+    convert_dtype: bool = False,
+) -> list[str]:
+    """Every difference between the ``sent`` and ``expected`` (name -> (dtype, shape)) metadata.
+
+    ``aliases`` (tied weights: alias -> name) may be sent or left out; ``convert_dtype`` accepts
+    other floating dtypes for floating tensors (they are cast when loaded).
     """
     aliases = aliases or {}
     problems: list[str] = []
     for name in expected:
-        if name not in weights and not any(a in weights for a, t in aliases.items() if t == name):
+        if name not in sent and not any(a in sent for a, t in aliases.items() if t == name):
             problems.append(f"missing {name!r}")
-    for name, tensor in weights.items():
+    for name, (dtype, shape) in sent.items():
         target = aliases.get(name, name)
         if target not in expected:
             problems.append(f"unexpected {name!r}")
             continue
-        dtype, shape = expected[target]
-        if tuple(tensor.shape) != tuple(shape):
-            problems.append(f"{name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(shape)}")
-        if tensor.dtype != dtype and not (convert_dtype and tensor.is_floating_point() and dtype.is_floating_point):
+        want_dtype, want_shape = expected[target]
+        if tuple(shape) != tuple(want_shape):
+            problems.append(f"{name!r} has shape {tuple(shape)}, the model expects {tuple(want_shape)}")
+        if dtype != want_dtype and not (convert_dtype and dtype.is_floating_point and want_dtype.is_floating_point):
             problems.append(
-                f"{name!r} has dtype {tensor.dtype}, the model expects {dtype} (pass convert_dtype=True to cast)"
+                f"{name!r} has dtype {dtype}, the model expects {want_dtype} (pass convert_dtype=True to cast)"
             )
-    if problems:
-        shown = "; ".join(problems[:20]) + (f"; ... and {len(problems) - 20} more" if len(problems) > 20 else "")
-        raise ValueError(f"weight push rejected, no weight was changed: {len(problems)} problem(s): {shown}")
+    return problems
+
+
+def raise_if_problems(problems: list[str], *, where: str = "") -> None:
+    """One ValueError naming every problem (the first 20 in full)."""
+    if not problems:
+        return
+    shown = "; ".join(problems[:20]) + (f"; ... and {len(problems) - 20} more" if len(problems) > 20 else "")
+    raise ValueError(f"weight push rejected{where}, no weight was changed: {len(problems)} problem(s): {shown}")
 
 
 def expected_metadata(model: torch.nn.Module) -> tuple[dict[str, tuple[torch.dtype, torch.Size]], dict[str, str]]:
+    """What ``model`` accepts: name -> (dtype, shape) of its distinct tensors, and its tied aliases."""
     targets, aliases = unique_targets(model)
     return tensor_metadata(targets), aliases
 
 
 @torch.no_grad()
 def load_weights_(model: torch.nn.Module, weights: Mapping[str, torch.Tensor], *, convert_dtype: bool = False) -> None:
-    """Check ``weights`` against ``model``, then copy them into its tensors in place (all or nothing)."""
+    """Check ``weights`` against ``model``, then copy them into its tensors in place (all or nothing).
+
+    Only the model's state-dict tensors change: tied weights stay tied (same storage), and
+    non-persistent buffers and other attributes are left alone.
+    """
     targets, aliases = unique_targets(model)
     check_weights(weights, tensor_metadata(targets), aliases=aliases, convert_dtype=convert_dtype)
     for name, tensor in weights.items():

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import sys
 import threading
 import time
 
@@ -14,54 +13,18 @@ from torch import nn
 from lmcollect.collectors.ray_collector import RayLLMCollector
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
-from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
 from lmcollect.models import load_model_and_tokenizer
-from lmcollect.policies import ScriptedPolicy, TransformersPolicy
+from lmcollect.policies import TransformersPolicy
 from lmcollect.weight_sync import WeightPushError
 from lmcollect.weight_sync.ray_updater import PushHandle, RayPushConfig, RayRemoteWeightUpdater, RayWeightUpdater
 from lmcollect.weight_sync.schemes.process_group import ProcessGroupConfig, ProcessGroupReceiver, ProcessGroupSender
 from lmcollect.weight_sync.schemes.ray_object_store import RayObjectStoreSender
+from tests.factories import SmallModelPolicy, SmallNet, make_arithmetic_env, make_greedy_tiny_policy
 
 pytestmark = pytest.mark.integration
 
-# The policy factories below live in this test module, which actors cannot import by name.
-ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
 MAX_NEW_TOKENS = 6
-
-
-def make_env() -> ChatEnv:
-    return ChatEnv(arithmetic_dataset(64, seed=0), reward_fn=MathAnswerReward(), batch_size=4, seed=0)
-
-
-def tiny_policy(model_path: str) -> TransformersPolicy:
-    model, tokenizer = load_model_and_tokenizer(model_path)
-    return TransformersPolicy(model, tokenizer, max_new_tokens=MAX_NEW_TOKENS, temperature=0)
-
-
-class SmallNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(16, 8)
-        self.head = nn.Linear(8, 16, bias=False)
-        self.head.weight = self.embed.weight
-        self.norm = nn.LayerNorm(8)
-
-
-class SmallModelPolicy(ScriptedPolicy):
-    """A scripted answer, a small model to update, and an optional delay per policy call."""
-
-    def __init__(self) -> None:
-        super().__init__("#### 1")
-        self.model = SmallNet()
-        self.delay_s = 0.0
-
-    def set_delay(self, delay_s: float) -> None:
-        self.delay_s = delay_s
-
-    def __call__(self, td):
-        time.sleep(self.delay_s)
-        return super().__call__(td)
+make_env = make_arithmetic_env
 
 
 def start_collectors(n: int, policy_factory) -> list[RayLLMCollector]:
@@ -84,7 +47,7 @@ def start_collectors(n: int, policy_factory) -> list[RayLLMCollector]:
 
 @pytest.fixture(scope="module")
 def tiny_collectors(ray_cluster, tiny_model_path):
-    collectors = start_collectors(2, functools.partial(tiny_policy, str(tiny_model_path)))
+    collectors = start_collectors(2, functools.partial(make_greedy_tiny_policy, str(tiny_model_path), MAX_NEW_TOKENS))
     yield collectors
     for c in collectors:
         c.shutdown()

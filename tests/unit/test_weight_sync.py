@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import pickle
 import threading
 from collections.abc import Callable
 
@@ -15,7 +16,7 @@ from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
 from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
 from lmcollect.policies import ScriptedPolicy
-from lmcollect.weight_sync import LocalWeightUpdater, SharedMemorySender, WeightUpdaterBase
+from lmcollect.weight_sync import LocalWeightUpdater, SharedMemorySender, WeightUpdaterBase, pack_buckets
 from lmcollect.weight_sync.schemes.process_group import ProcessGroupConfig, ProcessGroupReceiver, ProcessGroupSender
 
 
@@ -114,6 +115,7 @@ def test_registration_is_once_and_weak() -> None:
         updater.register_collector(make_collector())
     with pytest.raises(RuntimeError, match="already registered"):
         make_collector().weight_updater = updater
+    assert pickle.loads(pickle.dumps(updater)).collector is None  # the weak link does not travel
     del collector
     gc.collect()
     assert updater.collector is None
@@ -354,3 +356,17 @@ def test_greedy_outputs_follow_pushed_weights(tiny_model_path) -> None:
     old, _ = load_model_and_tokenizer(tiny_model_path)
     _, _, old_log_probs = TransformersPolicy(old, tokenizer, max_new_tokens=6, temperature=0).generate(texts)
     assert not torch.allclose(old_log_probs[0][:1], log_probs[0][:1])  # the push changed the outputs
+
+
+@pytest.mark.gpu
+def test_cuda_model_takes_cpu_weights_and_buckets_pack_on_the_gpu() -> None:
+    collector = make_collector(weight_updater=LocalWeightUpdater())
+    collector.policy.model.cuda()
+    trainer = trained()
+    collector.update_policy_weights_(trainer)
+    got = {k: v.cpu() for k, v in collector.policy.model.state_dict().items()}
+    assert all(torch.equal(got[k], v) for k, v in trainer.state_dict().items())
+    assert collector.policy.model.head.weight is collector.policy.model.embed.weight
+    buckets = pack_buckets(trainer.cuda().state_dict())
+    assert all(b.is_cuda for b in buckets.buffers)
+    assert all(torch.equal(buckets.tensors()[k], v) for k, v in trainer.state_dict().items())

@@ -1,0 +1,232 @@
+"""Weight-sync speed: seconds per push into 2 Ray collectors, next to one in-process memcpy.
+
+Run: .venv/bin/python benchmarks/weight_sync.py [--quick] [--gb 1.0] [--reps 5] [--rows memcpy,put,views,flat,medium]
+
+A push is timed from ``push_weights()`` to every collector having applied the weights (checked,
+copied into its parameters in place, version bumped). Rows: ``memcpy`` (one in-process copy of
+the same bytes, the floor), ``put`` (``ray.put`` of the weights alone), ``views`` and ``flat``
+(RayRemoteWeightUpdater with ``packing="views"``, the default, and ``"flat"``: one buffer per
+dtype first), ``medium`` (the 75M-parameter preset model) and ``pg`` (the gloo process-group
+scheme into one collector actor). Warm-up pushes come first: fresh shared memory is slow to
+fault in on a VM, and a trainer pushes many times. ``max s`` shows the pushes whose object landed
+on shared memory Ray's store had not touched yet. Prints a table; the last line is JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+TARGET_S_PER_GB = 0.3
+NUM_LAYERS, LAYER_WIDTH = 8, 4096  # 1 GiB: 8 layers of 8192 x 4096 fp32 (128 MiB each)
+
+
+class BigNet(nn.Module):
+    """fp32 parameters totalling about ``gb`` GiB in 8 linear layers (no compute ever runs)."""
+
+    def __init__(self, gb: float, fill: float = 0.0) -> None:
+        super().__init__()
+        rows = max(1, round(gb * 2**30 / (NUM_LAYERS * 4 * LAYER_WIDTH)))
+        self.layers = nn.ModuleList(nn.Linear(LAYER_WIDTH, rows, bias=False, device="meta") for _ in range(NUM_LAYERS))
+        self.to_empty(device="cpu")
+        with torch.no_grad():
+            for p in self.parameters():
+                p.fill_(fill)
+
+
+class ModelOnlyPolicy:
+    """The collector only needs ``policy.model`` here: no turn is ever collected."""
+
+    def __init__(self, build_model: Callable[[], nn.Module]) -> None:
+        self.model = build_model()
+
+    def __call__(self, td):
+        raise RuntimeError("this benchmark policy does not generate")
+
+
+def medium_model(path: str) -> nn.Module:
+    from lmcollect.models import load_model_and_tokenizer
+
+    return load_model_and_tokenizer(path)[0]
+
+
+def make_env():
+    from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
+
+    return ChatEnv(arithmetic_dataset(8, seed=0), reward_fn=MathAnswerReward(), batch_size=1, seed=0)
+
+
+def nbytes(model: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def timed(fn: Callable[[], object], reps: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def row(name: str, size_bytes: int, seconds: list[float], memcpy_s: float | None) -> dict:
+    median = statistics.median(seconds)
+    gb = size_bytes / 2**30
+    return {
+        "row": name,
+        "gb": round(gb, 3),
+        "median_s": round(median, 4),
+        "min_s": round(min(seconds), 4),
+        "max_s": round(max(seconds), 4),
+        "s_per_gb": round(median / gb, 4),
+        "x_memcpy": round(median / (memcpy_s * gb), 2) if memcpy_s else None,
+    }
+
+
+def bench_memcpy(gb: float, reps: int) -> dict:
+    src = BigNet(gb, fill=1.0).state_dict()
+    dst = BigNet(gb).state_dict()
+
+    def copy() -> None:
+        for k in src:
+            dst[k].copy_(src[k])
+
+    size = sum(t.numel() * t.element_size() for t in src.values())
+    return row("memcpy (in-process)", size, timed(copy, reps, warmup=2), None)
+
+
+def start_collectors(build_model: Callable[[], nn.Module], num_collectors: int = 2) -> list:
+    from lmcollect.collectors.ray_collector import RayLLMCollector
+
+    return [
+        RayLLMCollector(
+            make_env,
+            policy_factory=functools.partial(ModelOnlyPolicy, build_model),
+            dialog_turns_per_batch=1,
+            track_policy_version=True,
+            num_cpus=0.5,
+            remote_config={"max_concurrency": 2},
+        )
+        for _ in range(num_collectors)
+    ]
+
+
+def bench_updater(name: str, trainer: nn.Module, collectors: list, packing: str, reps: int, memcpy_gb_s: float) -> dict:
+    from lmcollect.weight_sync.ray_updater import RayPushConfig, RayRemoteWeightUpdater
+
+    updater = RayRemoteWeightUpdater(trainer, collectors, config=RayPushConfig(packing=packing, timeout_s=600))
+    updater.init()
+    before = [c.policy_version for c in collectors]
+    seconds = timed(updater.push_weights, reps, warmup=3)
+    after = [c.policy_version for c in collectors]
+    assert all(a - b == reps + 3 for a, b in zip(after, before)), "every push must bump every collector once"
+    return row(name, nbytes(trainer), seconds, memcpy_gb_s)
+
+
+def bench_put(trainer: nn.Module, reps: int, memcpy_gb_s: float) -> dict:
+    import ray
+
+    from lmcollect.weight_sync.buckets import view_buckets
+
+    weights = trainer.state_dict()
+
+    def put() -> None:
+        ref = ray.put(view_buckets(weights).to_numpy())
+        del ref
+
+    return row("ray.put only (driver side)", nbytes(trainer), timed(put, reps, warmup=3), memcpy_gb_s)
+
+
+def bench_process_group(trainer: nn.Module, collector, reps: int, memcpy_gb_s: float) -> dict:
+    import ray
+
+    from lmcollect.weight_sync.schemes.process_group import ProcessGroupConfig, ProcessGroupReceiver, ProcessGroupSender
+
+    sender = ProcessGroupSender(ProcessGroupConfig(num_receivers=1, backend="gloo", timeout_s=600))
+    collector.register_scheme_receiver({"policy": ProcessGroupReceiver()}, synchronize_weights=False)
+    collector.cascade_execute("_receiver_schemes['policy']._set_dist_connection_info", sender.connection_info(), worker_idx=0)
+    joined = collector.actor.cascade_execute.remote("_receiver_schemes['policy'].connect")
+    sender.connect()
+    ray.get(joined)
+
+    def push() -> None:
+        pulled = collector.actor.receive_weights.remote()
+        sender.send(trainer)
+        ray.get(pulled)
+
+    result = row("gloo process group, 1 collector", nbytes(trainer), timed(push, reps, warmup=2), memcpy_gb_s)
+    sender.close()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gb", type=float, default=1.0, help="size of the dummy fp32 state dict")
+    parser.add_argument("--reps", type=int, default=5, help="timed pushes per row (after warm-up)")
+    parser.add_argument("--rows", default="memcpy,put,views,flat,medium", help="comma-separated rows (also: pg)")
+    parser.add_argument("--quick", action="store_true", help="0.25 GB, 2 reps, no medium model")
+    args = parser.parse_args()
+    if args.quick:
+        args.gb, args.reps, args.rows = 0.25, 2, args.rows.replace(",medium", "")
+    rows_wanted = set(args.rows.split(","))
+    logging.basicConfig(level=logging.WARNING)
+
+    from lmcollect.distributed.ray_cluster import init_ray
+
+    results = [bench_memcpy(args.gb, args.reps)]
+    memcpy_gb_s = results[0]["s_per_gb"]
+    init_ray({"num_cpus": 2})
+    trainer = BigNet(args.gb, fill=0.5)
+    if rows_wanted & {"views", "flat", "pg"}:
+        collectors = start_collectors(functools.partial(BigNet, args.gb))
+        if "put" in rows_wanted:
+            results.append(bench_put(trainer, args.reps, memcpy_gb_s))
+        for packing in ("views", "flat"):
+            if packing in rows_wanted:
+                name = f"RayRemoteWeightUpdater {packing}, 2 collectors"
+                results.append(bench_updater(name, trainer, collectors, packing, args.reps, memcpy_gb_s))
+        if "pg" in rows_wanted:
+            results.append(bench_process_group(trainer, collectors[0], args.reps, memcpy_gb_s))
+        for c in collectors:
+            c.shutdown()
+    if "medium" in rows_wanted:
+        from lmcollect.models import ModelSpec, get_model_path
+
+        path = str(get_model_path(ModelSpec(size="medium")))
+        collectors = start_collectors(functools.partial(medium_model, path))
+        name = "RayRemoteWeightUpdater views, medium model, 2 collectors"
+        results.append(bench_updater(name, medium_model(path), collectors, "views", args.reps, memcpy_gb_s))
+        for c in collectors:
+            c.shutdown()
+    print_table(results)
+    push = next((r for r in results if r["row"].startswith("RayRemoteWeightUpdater views, 2")), None)
+    summary = {
+        "rows": results,
+        "target_s_per_gb": TARGET_S_PER_GB,
+        "push_s_per_gb": push["s_per_gb"] if push else None,
+        "memcpy_s_per_gb": memcpy_gb_s,
+        "meets_target": bool(push and push["s_per_gb"] <= TARGET_S_PER_GB),
+    }
+    print(json.dumps(summary))
+
+
+def print_table(results: list[dict]) -> None:
+    header = f"{'row':58} {'GB':>6} {'median s':>9} {'min s':>7} {'max s':>7} {'s/GB':>7} {'x memcpy':>9}"
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        x = "" if r["x_memcpy"] is None else f"{r['x_memcpy']:.2f}"
+        print(f"{r['row']:58} {r['gb']:6.3f} {r['median_s']:9.4f} {r['min_s']:7.4f} {r['max_s']:7.4f} {r['s_per_gb']:7.4f} {x:>9}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""WeightUpdaterBase: the trainer-side object that pushes weights into collectors' inference engines."""
+from __future__ import annotations
+
+import abc
+import logging
+import weakref
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+
+from lmcollect.weight_sync.weights import WeightDict, expected_metadata, to_weight_dict
+
+logger = logging.getLogger(__name__)
+
+WorkerIds = int | torch.device | Sequence[int] | Sequence[torch.device] | None
+
+
+class WeightPushError(RuntimeError):
+    """A worker died, or did not apply a push within the updater's timeout."""
+
+
+class WeightUpdaterBase(abc.ABC):
+    """Pushes a trainer's weights to the inference workers behind a collector.
+
+    One push, in order:
+
+    1. resolve the weights: the argument (an ``nn.Module``, a TensorDict module, a TensorDict, a
+       dict) or, when it is None, :meth:`_get_server_weights`; then :meth:`_maybe_map_weights`;
+    2. check ``worker_ids`` against :meth:`all_worker_ids` and :meth:`_validate` the weights, so a
+       bad push is rejected before any worker changes anything;
+    3. for every targeted worker that :meth:`_skip_update` does not skip,
+       :meth:`_sync_weights_with_worker`: the receiver pauses its policy (no turn runs), loads
+       the weights in place, resets its prefix cache, bumps its policy version once, resumes;
+    4. run the :attr:`post_hooks` (only when some worker was updated).
+
+    Receivers that cannot bump a version themselves (e.g. vLLM workers fed over a process group)
+    leave it to the updater, which then calls :meth:`increment_version` after syncing.
+
+    Example::
+
+        updater = LocalWeightUpdater()
+        collector = LLMCollector(env, policy=policy, dialog_turns_per_batch=64, weight_updater=updater)
+        for batch in collector:
+            train_step(trainer_model, batch)
+            collector.update_policy_weights_(trainer_model)  # same as updater(trainer_model)
+    """
+
+    def __init__(self) -> None:
+        self._collector_ref: weakref.ref | None = None
+        self._post_hooks: list[Callable[[], None]] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the collector link is a weak reference, which cannot travel; register again after unpickling
+        state = self.__dict__.copy()
+        state["_collector_ref"] = None
+        return state
+
+    # ------------------------------------------------------------------ registration
+    def register_collector(self, collector: Any) -> None:
+        """Register the collector this updater serves (once: a second call raises)."""
+        if self._collector_ref is not None:
+            raise RuntimeError(
+                f"this {type(self).__name__} is already registered with a collector; an updater serves "
+                "one collector. Build a new updater for another collector."
+            )
+        self._collector_ref = weakref.ref(collector)
+
+    @property
+    def collector(self) -> Any:
+        """The registered collector, or None if there is none or it was garbage-collected."""
+        return None if self._collector_ref is None else self._collector_ref()
+
+    def init(self, *args: Any, **kwargs: Any) -> None:
+        """Prepare the transport (no-op here; a vLLM updater opens its process group)."""
+
+    @classmethod
+    def from_policy(cls, policy: Any) -> WeightUpdaterBase | None:
+        """An updater built from ``policy``, or None when this class cannot build one from it."""
+        return None
+
+    @classmethod
+    def get_model_metadata(cls, model: Any) -> dict[str, tuple[torch.dtype, torch.Size]]:
+        """name -> (dtype, shape) of the distinct tensors of ``model`` (or of ``policy.model``)."""
+        module = model if isinstance(model, torch.nn.Module) else getattr(model, "model", None)
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"get_model_metadata needs an nn.Module or a policy with a .model, got {type(model).__name__}.")
+        return expected_metadata(module)[0]
+
+    # ------------------------------------------------------------------ hooks and versions
+    @property
+    def post_hooks(self) -> list[Callable[[], None]]:
+        """Callables run after each push that updated at least one worker."""
+        return self._post_hooks
+
+    def register_post_hook(self, hook: Callable[[], None]) -> None:
+        if not callable(hook):
+            raise TypeError(f"a post hook must be callable with no arguments, got {type(hook).__name__}.")
+        self._post_hooks.append(hook)
+
+    def _run_post_hooks(self) -> None:
+        for hook in self._post_hooks:
+            hook()
+
+    def increment_version(self) -> None:
+        """Bump the registered collector's policy version (for receivers that cannot do it)."""
+        collector = self.collector
+        if collector is None:
+            raise RuntimeError(f"this {type(self).__name__} has no live collector; register one first.")
+        collector.increment_version()
+
+    # ------------------------------------------------------------------ what subclasses define
+    @abc.abstractmethod
+    def all_worker_ids(self) -> list[Hashable]:
+        """Every worker this updater can push to."""
+
+    def _get_server_weights(self) -> Any:
+        """The weights to push when ``push_weights`` gets none (None: there are none)."""
+        return None
+
+    def _maybe_map_weights(self, server_weights: WeightDict) -> WeightDict:
+        """Rename or convert the weights for the receivers (identity here)."""
+        return server_weights
+
+    def _validate(self, weights: WeightDict, worker_ids: list[Hashable]) -> None:
+        """Raise ValueError before anything is sent if the weights do not fit (receivers check too)."""
+
+    def _skip_update(self, worker_id: Hashable) -> bool:
+        """True to leave ``worker_id`` out of this push (every worker is updated here)."""
+        return False
+
+    @abc.abstractmethod
+    def _sync_weights_with_worker(self, *, worker_id: Hashable, server_weights: Any) -> Any:
+        """Send ``server_weights`` to one worker (what it returns is the subclass's business)."""
+
+    # ------------------------------------------------------------------ pushing
+    def push_weights(self, policy_or_weights: Any = None, worker_ids: WorkerIds = None) -> None:
+        """Push weights (see the class docstring for the steps) to ``worker_ids`` (default: all)."""
+        weights = self._resolve_weights(policy_or_weights)
+        ids = self._resolve_worker_ids(worker_ids)
+        self._validate(weights, ids)
+        targets = [i for i in ids if not self._skip_update(i)]
+        for worker_id in targets:
+            self._sync_weights_with_worker(worker_id=worker_id, server_weights=weights)
+        if targets:
+            self._run_post_hooks()
+
+    def __call__(self, policy_or_weights: Any = None, worker_ids: WorkerIds = None, **kwargs: Any) -> Any:
+        return self.push_weights(policy_or_weights, worker_ids, **kwargs)
+
+    def _resolve_weights(self, policy_or_weights: Any) -> WeightDict:
+        source = policy_or_weights if policy_or_weights is not None else self._get_server_weights()
+        if source is None:
+            raise ValueError(
+                f"{type(self).__name__} has no weights to push: pass them (push_weights(model_or_weights)) "
+                "or give the updater policy_weights when you build it."
+            )
+        return self._maybe_map_weights(to_weight_dict(source))
+
+    def _resolve_worker_ids(self, worker_ids: WorkerIds) -> list[Hashable]:
+        """``worker_ids`` as a list without repeats, each one checked against all_worker_ids()."""
+        known = self.all_worker_ids()
+        if worker_ids is None:
+            return list(known)
+        ids = list(worker_ids) if isinstance(worker_ids, (list, tuple, range)) else [worker_ids]
+        bad = [i for i in ids if isinstance(i, bool) or i not in known]
+        if bad:
+            raise ValueError(
+                f"worker_ids={worker_ids!r} names unknown worker(s) {bad}; this {type(self).__name__} has "
+                f"workers {known} (see all_worker_ids())."
+            )
+        return list(dict.fromkeys(ids))
+
+
+def resolve_updater(updater: Any) -> WeightUpdaterBase | None:
+    """An updater given as an instance or as a constructor (a class or factory) -> the instance."""
+    if updater is not None and (isinstance(updater, type) or not hasattr(updater, "push_weights")) and callable(updater):
+        updater = updater()
+    if updater is not None and not hasattr(updater, "push_weights"):
+        raise TypeError(
+            f"weight_updater must be a WeightUpdaterBase or a callable returning one, got {type(updater).__name__}."
+        )
+    return updater

@@ -1,0 +1,234 @@
+"""Weights as a few byte buffers plus a layout (the metadata, sent first): packing and views.
+
+A :class:`WeightBuckets` is what every transport moves: a :class:`BucketLayout` (name, dtype,
+shape and byte offset of every tensor) and the byte buffers it points into. Two ways to build one:
+
+* :func:`pack_buckets` copies the tensors into one flat buffer per dtype (split at
+  ``bucket_size_bytes``). Transports that move raw buffers (a process-group broadcast, a shared
+  buffer) use it: a handful of large messages instead of one per tensor.
+* :func:`view_buckets` copies nothing: each distinct tensor is its own buffer. Ray's object store
+  writes all of them back to back into one shared-memory object with a single copy, so packing
+  first would only add a copy.
+
+Receivers get zero-copy views with :meth:`WeightBuckets.tensors` and validate
+:meth:`BucketLayout.metadata` against their model before loading anything.
+"""
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+ALIGN_BYTES = 64  # every tensor starts on a 64-byte boundary, so any dtype view is aligned
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where one named tensor lives: a byte range of one buffer."""
+
+    name: str
+    """State-dict name of the tensor."""
+    dtype: torch.dtype
+    """Its dtype."""
+    shape: tuple[int, ...]
+    """Its shape."""
+    buffer_index: int
+    """Index of the buffer that holds it."""
+    offset_bytes: int
+    """Byte offset of its first element in that buffer (a multiple of ``ALIGN_BYTES``)."""
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """The metadata of one push: every tensor's slot, and the size of every buffer."""
+
+    slots: tuple[TensorSlot, ...]
+    """One slot per name; tied names may share a byte range."""
+    buffer_nbytes: tuple[int, ...]
+    """Size in bytes of each buffer."""
+
+    def metadata(self) -> dict[str, tuple[torch.dtype, torch.Size]]:
+        """name -> (dtype, shape), the form receivers check against their model."""
+        return {s.name: (s.dtype, torch.Size(s.shape)) for s in self.slots}
+
+    @property
+    def total_nbytes(self) -> int:
+        return sum(self.buffer_nbytes)
+
+
+@dataclass
+class WeightBuckets:
+    """A layout and the byte buffers it points into (1-D uint8 torch tensors or numpy arrays)."""
+
+    layout: BucketLayout
+    """Where each tensor is."""
+    buffers: list[Any]
+    """The bytes; numpy arrays when the buckets travel through Ray's object store."""
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """name -> a view of its bytes with the right dtype and shape (no copy)."""
+        flat = [_as_byte_tensor(b) for b in self.buffers]
+        return {s.name: _slot_view(flat[s.buffer_index], s) for s in self.layout.slots}
+
+    def to_numpy(self) -> WeightBuckets:
+        """The same buckets with numpy buffers (zero-copy), which Ray stores without pickling bytes."""
+        return WeightBuckets(self.layout, [b.numpy() if isinstance(b, torch.Tensor) else b for b in self.buffers])
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.total_nbytes
+
+
+def _as_byte_tensor(buffer: Any) -> torch.Tensor:
+    if isinstance(buffer, torch.Tensor):
+        return buffer
+    with warnings.catch_warnings():
+        # Object-store arrays are read-only; we only read them (copy_ into the model).
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.asarray(buffer))
+
+
+def _slot_view(flat: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
+    end = slot.offset_bytes + slot.nbytes
+    if end > flat.numel():
+        raise ValueError(
+            f"weight buckets are corrupt: {slot.name!r} needs bytes [{slot.offset_bytes}, {end}) "
+            f"of buffer {slot.buffer_index}, which has {flat.numel()} bytes."
+        )
+    if slot.nbytes == 0:  # empty byte views may have stride 0, which view(dtype) refuses
+        return torch.empty(slot.shape, dtype=slot.dtype, device=flat.device)
+    return flat[slot.offset_bytes : end].view(slot.dtype).view(slot.shape)
+
+
+def _align(offset: int) -> int:
+    return -(-offset // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def _tie_key(tensor: torch.Tensor) -> tuple:
+    """Tensors with equal keys are the same memory (tied weights): sent once."""
+    return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+
+
+def plan_layout(weights: Mapping[str, torch.Tensor], *, bucket_size_bytes: int | None = None) -> BucketLayout:
+    """One buffer per dtype (in order of first appearance), split when a buffer would pass
+    ``bucket_size_bytes`` (a tensor larger than that gets a buffer of its own)."""
+    if bucket_size_bytes is not None and bucket_size_bytes <= 0:
+        raise ValueError(f"bucket_size_bytes must be positive or None, got {bucket_size_bytes}.")
+    open_buffer: dict[torch.dtype, int] = {}  # dtype -> index of the buffer being filled
+    sizes: list[int] = []
+    seen: dict[tuple, tuple[int, int]] = {}
+    slots = []
+    for name, tensor in weights.items():
+        key = _tie_key(tensor)
+        if key not in seen:
+            seen[key] = _place(tensor, open_buffer, sizes, bucket_size_bytes)
+        index, offset = seen[key]
+        slots.append(TensorSlot(name, tensor.dtype, tuple(tensor.shape), index, offset))
+    return BucketLayout(tuple(slots), tuple(sizes))
+
+
+def _place(tensor: torch.Tensor, open_buffer: dict, sizes: list[int], cap: int | None) -> tuple[int, int]:
+    nbytes = tensor.numel() * tensor.element_size()
+    index = open_buffer.get(tensor.dtype)
+    if index is None or (cap is not None and sizes[index] > 0 and _align(sizes[index]) + nbytes > cap):
+        index = len(sizes)
+        sizes.append(0)
+        open_buffer[tensor.dtype] = index
+    offset = _align(sizes[index])
+    sizes[index] = offset + nbytes
+    return index, offset
+
+
+def pack_buckets(
+    weights: Mapping[str, torch.Tensor],
+    *,
+    bucket_size_bytes: int | None = None,
+    out: list[torch.Tensor] | None = None,
+    device: torch.device | str | None = None,
+) -> WeightBuckets:
+    """Copy ``weights`` into flat per-dtype buffers (reusing ``out`` when its sizes match)."""
+    layout = plan_layout(weights, bucket_size_bytes=bucket_size_bytes)
+    device = torch.device(device) if device is not None else _common_device(weights)
+    if out is not None and [(b.numel(), b.device) for b in out] == [(n, device) for n in layout.buffer_nbytes]:
+        buffers = out
+    else:
+        buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in layout.buffer_nbytes]
+    copied: set[tuple] = set()
+    with torch.no_grad():
+        for slot, tensor in zip(layout.slots, weights.values()):
+            key = _tie_key(tensor)
+            if key in copied:
+                continue  # a tied alias of a tensor already copied
+            copied.add(key)
+            _slot_view(buffers[slot.buffer_index], slot).copy_(tensor)
+    return WeightBuckets(layout, buffers)
+
+
+def view_buckets(weights: Mapping[str, torch.Tensor]) -> WeightBuckets:
+    """One buffer per distinct CPU tensor, viewing its bytes (a copy only if not contiguous or on GPU)."""
+    buffers: list[torch.Tensor] = []
+    seen: dict[tuple, int] = {}
+    slots = []
+    for name, tensor in weights.items():
+        key = _tie_key(tensor)
+        if key not in seen:
+            seen[key] = len(buffers)
+            buffers.append(_bytes_of(tensor))
+        slots.append(TensorSlot(name, tensor.dtype, tuple(tensor.shape), seen[key], 0))
+    return WeightBuckets(BucketLayout(tuple(slots), tuple(b.numel() for b in buffers)), buffers)
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _common_device(weights: Mapping[str, torch.Tensor]) -> torch.device:
+    devices = {t.device for t in weights.values()}
+    if len(devices) > 1:
+        raise ValueError(f"weights are spread over devices {sorted(map(str, devices))}; pass device=... to pack them.")
+    return devices.pop() if devices else torch.device("cpu")
+
+
+def layout_to_json(layout: BucketLayout) -> str:
+    """The layout as JSON (what travels ahead of the buffers; no pickle on the wire)."""
+    slots = [[s.name, str(s.dtype).removeprefix("torch."), list(s.shape), s.buffer_index, s.offset_bytes] for s in layout.slots]
+    return json.dumps({"slots": slots, "buffer_nbytes": list(layout.buffer_nbytes)})
+
+
+def layout_from_json(text: str | bytes) -> BucketLayout:
+    data = json.loads(text)
+    slots = tuple(TensorSlot(name, dtype_from_name(dtype), tuple(shape), index, offset) for name, dtype, shape, index, offset in data["slots"])
+    return BucketLayout(slots, tuple(data["buffer_nbytes"]))
+
+
+def metadata_to_json(metadata: Mapping[str, tuple[torch.dtype, torch.Size]], aliases: Mapping[str, str]) -> str:
+    """A model's metadata (name -> (dtype, shape)) and tied aliases as JSON."""
+    meta = {name: [str(dtype).removeprefix("torch."), list(shape)] for name, (dtype, shape) in metadata.items()}
+    return json.dumps({"metadata": meta, "aliases": dict(aliases)})
+
+
+def metadata_from_json(text: str | bytes) -> tuple[dict[str, tuple[torch.dtype, torch.Size]], dict[str, str]]:
+    data = json.loads(text)
+    meta = {name: (dtype_from_name(dtype), torch.Size(shape)) for name, (dtype, shape) in data["metadata"].items()}
+    return meta, dict(data["aliases"])
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """``"float32"`` -> ``torch.float32`` (only real torch dtypes are accepted)."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype name {name!r} in weight metadata.")
+    return dtype

@@ -1,0 +1,55 @@
+"""LocalWeightUpdater: pushes weights into an in-process collector's policy."""
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+from lmcollect.weight_sync.base import WeightUpdaterBase
+from lmcollect.weight_sync.weights import WeightDict, to_weight_dict
+
+
+class LocalWeightUpdater(WeightUpdaterBase):
+    """Loads weights into the collector it is registered with, in this process.
+
+    The collector checks every name, shape and dtype first, then (under its policy write lock,
+    so no turn runs meanwhile) copies the weights into its model in place, resets the policy's
+    prefix cache and bumps its policy version once.
+
+    Args:
+        policy_weights: what ``push_weights()`` pushes when given nothing: an ``nn.Module``, a
+            TensorDict (module) or a dict, read at push time (so it follows training).
+        convert_dtype: cast floating tensors to the model's dtype instead of rejecting them.
+
+    Example::
+
+        collector = LLMCollector(env, policy=policy, dialog_turns_per_batch=8,
+                                 weight_updater=LocalWeightUpdater(trainer_model))
+        for batch in collector:
+            train_step(trainer_model, batch)
+            collector.update_policy_weights_()  # pushes trainer_model's current weights
+    """
+
+    def __init__(self, policy_weights: Any = None, *, convert_dtype: bool = False) -> None:
+        super().__init__()
+        self._policy_weights = policy_weights
+        self.convert_dtype = convert_dtype
+
+    @classmethod
+    def from_policy(cls, policy: Any) -> LocalWeightUpdater:
+        """An updater with no default weights: in-process collectors need no setup."""
+        return cls()
+
+    def all_worker_ids(self) -> list[Hashable]:
+        return [0]
+
+    def _get_server_weights(self) -> WeightDict | None:
+        return None if self._policy_weights is None else to_weight_dict(self._policy_weights)
+
+    def _sync_weights_with_worker(self, *, worker_id: Hashable, server_weights: WeightDict) -> None:
+        collector = self.collector
+        if collector is None:
+            raise RuntimeError(
+                "this LocalWeightUpdater has no live collector: pass it as weight_updater=... to a "
+                "collector (or set collector.weight_updater) before pushing."
+            )
+        collector.apply_weights(server_weights, convert_dtype=self.convert_dtype)

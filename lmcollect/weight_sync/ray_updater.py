@@ -1,0 +1,296 @@
+"""RayRemoteWeightUpdater: one object-store copy per push, loaded in place by every collector actor."""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import ray
+from ray.actor import ActorHandle
+from ray.exceptions import RayActorError, RayTaskError
+
+from lmcollect.weight_sync.base import WeightPushError, WeightUpdaterBase, WorkerIds
+from lmcollect.weight_sync.buckets import WeightBuckets, pack_buckets, view_buckets
+from lmcollect.weight_sync.weights import WeightDict, raise_if_problems, tensor_metadata, to_weight_dict, weight_problems
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RayPushConfig:
+    """How a :class:`RayRemoteWeightUpdater` pushes."""
+
+    timeout_s: float | None = 300.0
+    """Longest wait for every targeted worker to apply a push (None: no limit). A worker that
+    died fails the push at once; one that takes longer fails it with :class:`WeightPushError`."""
+    convert_dtype: bool = False
+    """Cast floating tensors to the receiving model's dtype; otherwise a dtype mismatch rejects the push."""
+    packing: Literal["views", "flat"] = "views"
+    """"views": each tensor's bytes go straight into the one object-store object (one copy on
+    the driver). "flat": copy into one buffer per dtype first (one more copy, fewer buffers)."""
+    bucket_size_bytes: int | None = None
+    """With ``packing="flat"``: largest buffer (None: one buffer per dtype)."""
+
+    def __post_init__(self) -> None:
+        if self.timeout_s is not None and self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive or None, got {self.timeout_s}.")
+        if self.packing not in ("views", "flat"):
+            raise ValueError(f"packing must be 'views' or 'flat', got {self.packing!r}.")
+        if self.bucket_size_bytes is not None and self.bucket_size_bytes <= 0:
+            raise ValueError(f"bucket_size_bytes must be positive or None, got {self.bucket_size_bytes}.")
+
+
+class RayRemoteWeightUpdater(WeightUpdaterBase):
+    """Pushes weights to collectors running as Ray actors (``RayLLMCollector`` s or actor handles).
+
+    One push, in order: (1) check the weights on the driver against the metadata every worker
+    reported once (names, shapes, dtypes): a bad push raises one ValueError and no worker
+    changes anything; (2) ``ray.put`` the weights once (a layout plus byte buffers), shared by
+    every worker; (3) each targeted worker maps the object zero-copy, checks it again, pauses its
+    policy (write lock), copies into its parameters in place, resets its prefix cache, bumps its
+    policy version and resumes; (4) ``push_weights`` returns when all have applied (or, with
+    ``wait=False``, at once with a :class:`PushHandle`). At most one push is in flight: a new
+    push first waits for the previous one, so workers apply pushes in order.
+
+    Args:
+        policy_weights: what ``push_weights()`` pushes when given nothing (a module, TensorDict
+            or dict, read at push time).
+        remote_collectors: ``RayLLMCollector`` objects or collector actor handles; worker ``i``
+            is ``remote_collectors[i]``. None: the collector this updater gets registered with.
+        max_interval: a worker is skipped until it has missed ``max_interval`` pushes in a row
+            (0: every push reaches every worker).
+        config: timeout, dtype conversion and packing (see :class:`RayPushConfig`).
+
+    Example::
+
+        collectors = [RayLLMCollector(make_env, policy_factory=make_policy, dialog_turns_per_batch=64)
+                      for _ in range(2)]
+        updater = RayRemoteWeightUpdater(trainer_model, collectors)
+        for step in range(num_steps):
+            batch = collectors[step % 2].next()
+            train_step(trainer_model, batch)
+            updater.push_weights()  # every collector now generates with the new weights
+    """
+
+    def __init__(
+        self,
+        policy_weights: Any = None,
+        remote_collectors: list[Any] | None = None,
+        max_interval: int = 0,
+        *,
+        config: RayPushConfig | None = None,
+    ) -> None:
+        super().__init__()
+        if isinstance(max_interval, bool) or not isinstance(max_interval, int) or max_interval < 0:
+            raise ValueError(f"max_interval must be an int >= 0 (0: update every push), got {max_interval!r}.")
+        self._policy_weights = policy_weights
+        self._actors = [_actor_of(c, i) for i, c in enumerate(remote_collectors or [])]
+        self.max_interval = max_interval
+        self.config = config or RayPushConfig()
+        self._missed = [0] * len(self._actors)  # pushes each worker missed in a row
+        self._worker_metadata: list[tuple[dict, dict]] | None = None
+        self._in_flight: PushHandle | None = None
+        self._pack_out: list | None = None
+
+    def register_collector(self, collector: Any) -> None:
+        """Register the collector; with no ``remote_collectors`` it becomes worker 0."""
+        super().register_collector(collector)
+        if not self._actors:
+            self._actors = [_actor_of(collector, 0)]
+            self._missed = [0]
+
+    def init(self, *args: Any, **kwargs: Any) -> None:
+        """Fetch every worker's weight metadata now, so the first push does not wait for it."""
+        self._fetch_metadata()
+
+    def all_worker_ids(self) -> list[Hashable]:
+        """Indices of the remote collectors: ``[0, ..., len(remote_collectors) - 1]``."""
+        return list(range(len(self._actors)))
+
+    # ------------------------------------------------------------------ the steps of a push
+    def _get_server_weights(self) -> WeightDict | None:
+        return None if self._policy_weights is None else to_weight_dict(self._policy_weights)
+
+    def _skip_update(self, worker_id: Hashable) -> bool:
+        if self._missed[worker_id] < self.max_interval:
+            self._missed[worker_id] += 1
+            return True
+        self._missed[worker_id] = 0
+        return False
+
+    def _validate(self, weights: WeightDict, worker_ids: list[Hashable]) -> None:
+        """Check against what every targeted worker reported, so a bad push reaches none of them."""
+        metadata = self._fetch_metadata()
+        sent = tensor_metadata(weights)
+        groups: dict[tuple[str, ...], list[Hashable]] = {}  # the same problems -> the workers that have them
+        for worker_id in worker_ids:
+            expected, aliases = metadata[worker_id]
+            found = weight_problems(sent, expected, aliases=aliases, convert_dtype=self.config.convert_dtype)
+            if found:
+                groups.setdefault(tuple(found), []).append(worker_id)
+        problems = [p if len(groups) == 1 else f"worker(s) {workers}: {p}" for found, workers in groups.items() for p in found]
+        raise_if_problems(problems, where=f" for worker(s) {sorted(w for ws in groups.values() for w in ws)}")
+
+    def _fetch_metadata(self) -> list[tuple[dict, dict]]:
+        if self._worker_metadata is None:
+            refs = {i: actor.weight_metadata.remote() for i, actor in enumerate(self._actors)}
+            found = gather_refs(refs, what="report its model's weight metadata", timeout_s=self.config.timeout_s)
+            self._worker_metadata = [found[i] for i in range(len(self._actors))]
+        return self._worker_metadata
+
+    def _payload(self, weights: WeightDict) -> WeightBuckets:
+        if self.config.packing == "views":
+            return view_buckets(weights).to_numpy()
+        buckets = pack_buckets(
+            weights, bucket_size_bytes=self.config.bucket_size_bytes, out=self._pack_out, device="cpu"
+        )
+        self._pack_out = buckets.buffers  # reused next push: ray.put copies, so this is free again
+        return buckets.to_numpy()
+
+    def _sync_weights_with_worker(self, *, worker_id: Hashable, server_weights: Any) -> Any:
+        """Ask worker ``worker_id`` to apply the payload behind the ObjectRef ``server_weights``."""
+        return self._actors[worker_id].apply_weights.remote(server_weights, convert_dtype=self.config.convert_dtype)
+
+    # ------------------------------------------------------------------ pushing
+    def push_weights(
+        self, policy_or_weights: Any = None, worker_ids: WorkerIds = None, *, wait: bool = True
+    ) -> PushHandle | None:
+        """Push to ``worker_ids`` (default: all). Returns None once every targeted worker has
+        applied the weights, or with ``wait=False`` a :class:`PushHandle` right away."""
+        if not self._actors:
+            raise ValueError("this RayRemoteWeightUpdater has no workers: pass remote_collectors=[...] or register a collector.")
+        self._settle_in_flight()
+        weights = self._resolve_weights(policy_or_weights)
+        ids = self._resolve_worker_ids(worker_ids)
+        self._validate(weights, ids)
+        targets = [i for i in ids if not self._skip_update(i)]
+        refs: dict[int, Any] = {}
+        if targets:
+            payload_ref = ray.put(self._payload(weights))  # one copy, shared by every worker
+            refs = {i: self._sync_weights_with_worker(worker_id=i, server_weights=payload_ref) for i in targets}
+        handle = PushHandle(refs, timeout_s=self.config.timeout_s, on_done=self._run_post_hooks if targets else None)
+        if wait:
+            handle.wait()
+            return None
+        self._in_flight = handle
+        return handle
+
+    def _settle_in_flight(self) -> None:
+        handle, self._in_flight = self._in_flight, None
+        if handle is not None:
+            handle.settle()
+
+
+RayWeightUpdater = RayRemoteWeightUpdater
+
+
+class PushHandle:
+    """A push in flight (``push_weights(..., wait=False)``): :meth:`wait` returns once every
+    targeted worker has applied the weights, and raises if one failed."""
+
+    def __init__(
+        self, refs: dict[int, Any], *, timeout_s: float | None, on_done: Callable[[], None] | None = None
+    ) -> None:
+        self._refs = refs
+        self._timeout_s = timeout_s
+        self._on_done = on_done
+        self._error: BaseException | None = None
+        self._finished = not refs
+        self._reported = False
+        if self._finished and on_done is not None:
+            on_done()
+
+    @property
+    def worker_ids(self) -> list[int]:
+        """The workers this push updates (skipped workers are not in it)."""
+        return sorted(self._refs)
+
+    def done(self) -> bool:
+        """True when every targeted worker has answered (applied, or failed)."""
+        if self._finished:
+            return True
+        refs = list(self._refs.values())
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        return len(ready) == len(refs)
+
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until every targeted worker applied the push (None: the updater's timeout_s)."""
+        self._reported = True
+        self._wait(self._timeout_s if timeout_s is None else timeout_s)
+
+    def settle(self) -> None:
+        """Wait for the push; raise its error only if nobody has seen it yet."""
+        try:
+            self._wait(self._timeout_s)
+        except Exception:
+            if self._reported:
+                logger.info("an earlier push failed (already reported); pushing the next one")
+                return
+            self._reported = True
+            raise
+
+    def _wait(self, timeout_s: float | None) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._finished:
+            return
+        try:
+            gather_refs(self._refs, what="apply the weights", timeout_s=timeout_s)
+        except Exception as exc:
+            self._error = exc
+            raise
+        self._finished = True
+        if self._on_done is not None:
+            self._on_done()
+
+
+def gather_refs(refs: dict[int, Any], *, what: str, timeout_s: float | None) -> dict[int, Any]:
+    """worker -> result of each ref; fails fast, naming the worker, if one died, raised or timed out."""
+    worker_of = {ref: worker for worker, ref in refs.items()}
+    results: dict[int, Any] = {}
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    pending = list(refs.values())
+    while pending:
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+        if not ready:
+            late = sorted(worker_of[r] for r in pending)
+            raise WeightPushError(
+                f"worker(s) {late} did not {what} within timeout_s={timeout_s}; they may be hung "
+                "or overloaded. Raise RayPushConfig(timeout_s=...) if they are only slow."
+            )
+        for ref in ready:
+            results[worker_of[ref]] = _get(ref, worker_of[ref], what)
+    return results
+
+
+def _get(ref: Any, worker: int, what: str) -> Any:
+    try:
+        return ray.get(ref)
+    except RayActorError as exc:
+        raise WeightPushError(f"worker {worker} died before it could {what}: {_first_line(exc)}") from exc
+    except RayTaskError as exc:
+        cause = exc.cause if isinstance(exc.cause, Exception) else exc
+        if isinstance(cause, (ValueError, TypeError)):
+            kind = ValueError if isinstance(cause, ValueError) else TypeError
+            raise kind(f"worker {worker} rejected the push: {cause}") from exc
+        raise WeightPushError(f"worker {worker} failed to {what}: {cause!r}") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    return lines[0][:300] if lines else type(exc).__name__
+
+
+def _actor_of(collector: Any, index: int) -> ActorHandle:
+    if isinstance(collector, ActorHandle):
+        return collector
+    actor = getattr(collector, "actor", None)  # a RayLLMCollector exposes its actor handle
+    if isinstance(actor, ActorHandle):
+        return actor
+    raise TypeError(
+        f"remote_collectors[{index}] is a {type(collector).__name__}; pass RayLLMCollector objects or "
+        "the actor handles of collector actors."
+    )

@@ -1,0 +1,81 @@
+"""Weight sync through Ray's object store: one object per push, pulled by each collector actor."""
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from lmcollect.weight_sync.buckets import view_buckets
+from lmcollect.weight_sync.schemes.base import WeightReceiver, WeightSender
+from lmcollect.weight_sync.weights import WeightDict, to_weight_dict
+
+
+class WeightMailbox:
+    """Holds the newest push (version and ObjectRef); a plain class, run as a tiny actor."""
+
+    def __init__(self) -> None:
+        self._version = 0
+        self._refs: list[Any] = []
+
+    def publish(self, version: int, refs: list[Any]) -> None:
+        # refs arrive wrapped in a list, so Ray passes the ObjectRef itself, not its value
+        self._version, self._refs = version, refs
+
+    def latest(self, after_version: int) -> tuple[int, list[Any]] | None:
+        return None if self._version <= after_version else (self._version, self._refs)
+
+
+class RayObjectStoreSender(WeightSender):
+    """Puts each push into the object store once and posts its ref in a mailbox actor.
+
+    Receivers (in collector actors, on any node) pull the newest push when their collector's
+    ``receive_weights()`` runs: they map the object zero-copy and the collector loads it
+    (checked, in place, under its policy lock, one version bump). Older pushes are freed once
+    no receiver reads them.
+
+    Example::
+
+        sender = RayObjectStoreSender()
+        collector.register_scheme_receiver({"policy": sender.make_receiver()}, synchronize_weights=False)
+        sender.send(trainer_model)
+        collector.receive_weights()
+
+    Args:
+        actor_options: options of the mailbox actor (default: no CPU reserved).
+    """
+
+    def __init__(self, *, actor_options: dict[str, Any] | None = None) -> None:
+        options = {"num_cpus": 0, **(actor_options or {})}
+        self._mailbox = ray.remote(**options)(WeightMailbox).remote()
+        self._version = 0
+
+    def send(self, weights: object) -> None:
+        ref = ray.put(view_buckets(to_weight_dict(weights)).to_numpy())
+        self._version += 1
+        ray.get(self._mailbox.publish.remote(self._version, [ref]))
+
+    def make_receiver(self, *, call_timeout_s: float = 60.0) -> RayObjectStoreReceiver:
+        return RayObjectStoreReceiver(self._mailbox, call_timeout_s=call_timeout_s)
+
+    def close(self) -> None:
+        ray.kill(self._mailbox)
+
+
+class RayObjectStoreReceiver(WeightReceiver):
+    """Pulls the newest push from a :class:`RayObjectStoreSender` 's mailbox (see the sender)."""
+
+    def __init__(self, mailbox: Any, *, call_timeout_s: float = 60.0) -> None:
+        super().__init__()
+        self._mailbox = mailbox
+        self._seen = 0
+        self.call_timeout_s = call_timeout_s
+
+    def receive(self, timeout_s: float | None = None) -> WeightDict | None:
+        """Views of the newest push's tensors (valid while the caller holds them), or None."""
+        found = ray.get(self._mailbox.latest.remote(self._seen), timeout=self.call_timeout_s)
+        if found is None:
+            return None
+        version, (ref,) = found
+        buckets = ray.get(ref, timeout=self.call_timeout_s)
+        self._seen = version
+        return buckets.tensors()
