@@ -13,15 +13,16 @@ logger = logging.getLogger(__name__)
 def init_ray(ray_init_config: dict[str, Any] | None = None) -> None:
     """Make sure Ray runs: attach to ``address`` / ``RAY_ADDRESS`` if given, else start locally.
 
-    A local cluster listens on loopback only, has no dashboard, and uses the machine's CPUs.
+    A local cluster uses the machine's CPUs and has no dashboard.
     """
     if ray.is_initialized():
         return
     config = dict(ray_init_config or {})
     attaching = config.get("address") is not None or "RAY_ADDRESS" in os.environ
     if not attaching:
+        # Ray 2.60 maps a loopback node address to the machine's own address, so we do not pass
+        # one; the cluster is local to this machine and has no dashboard.
         config.setdefault("num_cpus", os.cpu_count())
-        config.setdefault("_node_ip_address", "127.0.0.1")
     config.setdefault("include_dashboard", False)
     config.setdefault("log_to_driver", True)
     logger.info("ray.init(%s)", config)
