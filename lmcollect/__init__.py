@@ -34,6 +34,8 @@ _EXPORTS = {
     "RayRemoteWeightUpdater": "lmcollect.weight_sync.ray_updater",
     "RayWeightUpdater": "lmcollect.weight_sync.ray_updater",
     "RayPushConfig": "lmcollect.weight_sync.ray_updater",
+    "vLLMUpdater": "lmcollect.weight_sync.vllm_updater",
+    "VLLMUpdater": "lmcollect.weight_sync.vllm_updater",
     "RayObjectStoreSender": "lmcollect.weight_sync.schemes.ray_object_store",
     "RayObjectStoreReceiver": "lmcollect.weight_sync.schemes.ray_object_store",
     "ProcessGroupConfig": "lmcollect.weight_sync.schemes.process_group",

@@ -138,9 +138,9 @@ class RayLLMCollector:
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return self._get(getattr(self._actor, method).remote(*args, **kwargs), method)
 
-    def _get(self, ref: Any, what: str) -> Any:
+    def _get(self, ref: Any, what: str, timeout_s: float | None = None) -> Any:
         try:
-            return ray.get(ref, timeout=self._call_timeout_s)
+            return ray.get(ref, timeout=timeout_s if timeout_s is not None else self._call_timeout_s)
         except RayActorError as exc:
             if self._options.get("max_restarts", 0) and self._wait_until_restarted():
                 logger.warning("%s restarted after dying during %s; collection continues", self._name, what)
@@ -151,7 +151,8 @@ class RayLLMCollector:
             raise CollectorActorError(f"{self._name}'s actor died during {what}(): {_cause(exc)}") from exc
         except GetTimeoutError as exc:
             raise CollectorActorError(
-                f"{self._name} did not answer {what}() within call_timeout_s={self._call_timeout_s}."
+                f"{self._name} did not answer {what}() within "
+                f"{timeout_s if timeout_s is not None else self._call_timeout_s} s."
             ) from exc
 
     def _wait_until_restarted(self, timeout_s: float = 120.0) -> bool:
@@ -377,6 +378,27 @@ class RayLLMCollector:
 
     def cascade_execute(self, attr_path: str, *args: Any, **kwargs: Any) -> Any:
         return self._call("cascade_execute", attr_path, *args, **kwargs)
+
+
+    # ------------------------------------------------------------------ a vLLM policy's engine (vLLMUpdater)
+    def policy_engine_num_replicas(self) -> int:
+        return self._call("policy_engine_num_replicas")
+
+    def submit_policy_engine_rpc(
+        self, method: str, args_per_replica: list[tuple], kwargs: dict[str, Any] | None = None
+    ) -> Callable[[float | None], list[Any]]:
+        """Start ``policy_engine_rpc`` in the actor without waiting; returns ``wait(timeout_s)``.
+
+        A weight push needs it: the engine's receive returns only once the driver has sent.
+        """
+        ref = self._actor.policy_engine_rpc.remote(method, args_per_replica, kwargs)
+        return lambda timeout_s=None: self._get(ref, f"policy_engine_rpc({method!r})", timeout_s)
+
+    def reset_policy_prefix_cache(self) -> None:
+        self._call("reset_policy_prefix_cache")
+
+    def __repr__(self) -> str:
+        return self._name
 
 
 def _put_weights(source: Any) -> ray.ObjectRef:

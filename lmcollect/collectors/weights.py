@@ -141,6 +141,37 @@ class WeightReceiverMixin:
                 reset_cache()
             self.increment_version()
 
+    # ------------------------------------------------------------------ a vLLM policy's engine
+    # A vLLM engine holds its own weights: a vLLMUpdater reaches them with these calls (through
+    # the actor for a Ray collector) instead of apply_weights.
+    def _policy_engine(self) -> Any:
+        engine = getattr(self.policy, "engine", None)
+        if engine is None or not hasattr(engine, "collective_rpc"):
+            raise TypeError(
+                f"this collector's policy ({type(self.policy).__name__}) has no vLLM engine "
+                "(policy.engine with collective_rpc); use a VLLMPolicy with a vLLMUpdater."
+            )
+        return engine
+
+    def policy_engine_num_replicas(self) -> int:
+        """How many engine replicas the policy's engine has (1 for an in-process engine)."""
+        return int(getattr(self._policy_engine(), "num_replicas", 1))
+
+    def policy_engine_rpc(self, method: str, args_per_replica: list[tuple], kwargs: dict[str, Any] | None = None) -> list[Any]:
+        """``collective_rpc`` on the policy's engine, replica ``i`` with ``args_per_replica[i]``,
+        while no turn runs (an engine is not safe to call from two threads)."""
+        from lmcollect.policies.vllm_policy import collective_rpc_each  # no vllm import: plain helpers
+
+        engine = self._policy_engine()
+        with self._policy_lock.write():
+            return collective_rpc_each(engine, method, args_per_replica, kwargs)
+
+    def reset_policy_prefix_cache(self) -> None:
+        """Drop the policy engine's cached prefixes (after its weights changed)."""
+        engine = self._policy_engine()
+        with self._policy_lock.write():
+            engine.reset_prefix_cache()
+
     def register_scheme_receiver(self, weight_recv_schemes: dict[str, Any], *, synchronize_weights: bool = True) -> None:
         """Register receiver schemes ({model_id: scheme}); optionally pull weights right away."""
         for model_id, scheme in weight_recv_schemes.items():

@@ -157,6 +157,18 @@ class VLLMEngine:
         """Call ``method`` on every worker of the engine (see ``vllm.LLM.collective_rpc``)."""
         return self.llm.collective_rpc(method, args=args, kwargs=kwargs)
 
+    @property
+    def num_replicas(self) -> int:
+        return 1
+
+    def collective_rpc_each(
+        self, method: str, args_per_replica: list[tuple], kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """Like ``VLLMReplicas.collective_rpc_each``: one engine, so one tuple of arguments."""
+        if len(args_per_replica) != 1:
+            raise ValueError(f"this engine has one replica; got arguments for {len(args_per_replica)}.")
+        return self.collective_rpc(method, args_per_replica[0], kwargs)
+
     def reset_prefix_cache(self) -> None:
         """Drop cached KV blocks; needed after a weight update, or old activations are reused."""
         if not self.llm.reset_prefix_cache():
@@ -165,6 +177,19 @@ class VLLMEngine:
     def ready(self) -> bool:
         """True (a cheap call that returns once the engine is built, e.g. through a Ray actor)."""
         return True
+
+
+def collective_rpc_each(
+    engine: EngineProtocol, method: str, args_per_replica: list[tuple], kwargs: dict[str, Any] | None = None
+) -> list[Any]:
+    """``method`` on every worker, replica ``i`` with ``args_per_replica[i]`` (engines without
+    ``collective_rpc_each`` count as one replica)."""
+    each = getattr(engine, "collective_rpc_each", None)
+    if callable(each):
+        return each(method, args_per_replica, kwargs)
+    if len(args_per_replica) != 1:
+        raise ValueError(f"{type(engine).__name__} has one replica; got arguments for {len(args_per_replica)}.")
+    return engine.collective_rpc(method, args_per_replica[0], kwargs)
 
 
 def _merge_sampling(sampling: SamplingConfig | None, overrides: dict[str, Any]) -> SamplingConfig:

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError
 
 from lmcollect.distributed.ray_cluster import actor_options
 from lmcollect.policies.sampling import SamplingConfig
@@ -89,6 +90,21 @@ class VLLMReplicas:
         """``method`` on every worker of every replica, all at once; results replica by replica."""
         results = ray.get([actor.collective_rpc.remote(method, args, kwargs) for actor in self.actors])
         return [result for replica in results for result in replica]
+
+    def collective_rpc_each(
+        self, method: str, args_per_replica: list[tuple], kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """``method`` on every worker, replica ``i`` with ``args_per_replica[i]`` (e.g. its ranks)."""
+        if len(args_per_replica) != self.num_replicas:
+            raise ValueError(f"got arguments for {len(args_per_replica)} replicas; there are {self.num_replicas}.")
+        refs = [actor.collective_rpc.remote(method, args, kwargs) for actor, args in zip(self.actors, args_per_replica)]
+        results = []
+        for index, ref in enumerate(refs):
+            try:
+                results += ray.get(ref)
+            except RayActorError as exc:  # name the replica: the caller reports which engine died
+                raise RuntimeError(f"vLLM replica {index} died during {method}: {exc}") from exc
+        return results
 
     def reset_prefix_cache(self) -> None:
         ray.get([actor.reset_prefix_cache.remote() for actor in self.actors])

@@ -26,6 +26,8 @@ _LAZY = {
     "ProcessGroupConfig": "lmcollect.weight_sync.schemes.process_group",
     "ProcessGroupSender": "lmcollect.weight_sync.schemes.process_group",
     "ProcessGroupReceiver": "lmcollect.weight_sync.schemes.process_group",
+    "vLLMUpdater": "lmcollect.weight_sync.vllm_updater",
+    "VLLMUpdater": "lmcollect.weight_sync.vllm_updater",
 }
 
 __all__ = sorted(

@@ -137,7 +137,11 @@ class VLLMWeightReceiverExtension:
     _lmcollect_num_pushes: int = 0
 
     def init_weight_group(self, connection_info: dict[str, Any], first_rank: int = 1) -> None:
-        """Join the sender's group as rank ``first_rank + worker rank`` (blocks until the group forms)."""
+        """Join the sender's group as rank ``first_rank + worker rank`` (blocks until the group forms).
+
+        A worker that was in an earlier group (an earlier updater) leaves it first.
+        """
+        self.close_weight_group()
         model_config = self.model_config  # type: ignore[attr-defined]
         metadata, aliases = checkpoint_metadata(
             model_config.model,
@@ -148,13 +152,17 @@ class VLLMWeightReceiverExtension:
         receiver = ProcessGroupReceiver()
         receiver.init_on_receiver(model_id="policy", context=self._lmcollect_context)
         rank = first_rank + self.rank  # type: ignore[attr-defined]
-        receiver._set_dist_connection_info(connection_info, worker_idx=rank - 1)
+        receiver.set_connection_info(connection_info, worker_idx=rank - 1)
         receiver.connect()
         self._lmcollect_receiver = receiver
         logger.info("vLLM worker joined the weight group as rank %d of %d", rank, connection_info["world_size"])
 
-    def receive_weights(self, timeout_s: float | None = None) -> dict[str, Any]:
-        """Take one push and reload it into the model; returns what was loaded and how long it took."""
+    def receive_weights(self, timeout_s: float | None = None, verify: bool = False) -> dict[str, Any]:
+        """Take one push and reload it into the model; returns what was loaded and how long it took.
+
+        With ``verify``, the result also holds ``"checksums"``: the CRC32 of every received buffer,
+        for the trainer to compare with what it sent.
+        """
         if self._lmcollect_receiver is None:
             raise RuntimeError("receive_weights before init_weight_group; call collective_rpc('init_weight_group').")
         start = time.perf_counter()
@@ -166,12 +174,16 @@ class VLLMWeightReceiverExtension:
         reload(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
         refresh_tied_modules(self.model_runner.get_model())  # type: ignore[attr-defined]
         self._lmcollect_num_pushes += 1
-        return {
+        info: dict[str, Any] = {
+            "rank": self._lmcollect_receiver.rank,
             "num_pushes": self._lmcollect_num_pushes,
             "num_tensors": len(weights),
             "receive_s": received - start,
             "reload_s": time.perf_counter() - received,
         }
+        if verify:
+            info["checksums"] = self._lmcollect_receiver.last_checksums()
+        return info
 
     def close_weight_group(self) -> None:
         if self._lmcollect_receiver is not None:

@@ -8,78 +8,26 @@ build their own engine in a Ray actor.
 from __future__ import annotations
 
 import json
-import shutil
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from tensordict import TensorDict, TensorDictBase, lazy_stack
+from tensordict import TensorDictBase
 
 from lmcollect.collectors.llm_collector import LLMCollector
 from lmcollect.data import keys
-from lmcollect.data.history import History
 from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
 from lmcollect.models import ModelSpec, get_model_path, load_model_and_tokenizer
 from lmcollect.policies import TransformersPolicy
 from lmcollect.policies.vllm_policy import VLLMEngine, VLLMPolicy, engine_kwargs_for, sampling_params_kwargs
 from lmcollect.policies.sampling import SamplingConfig
+from tests.integration.conftest import CPU_ENGINE_KWARGS, MAX_NEW_TOKENS, QUESTIONS, chat_batch
 
 pytestmark = pytest.mark.integration
 
 ATOL = 1e-4
-MAX_NEW_TOKENS = 24
-# vLLM on CPU: a small KV cache (the default does not fit) and no torch.compile (start-up in seconds).
-CPU_ENGINE_KWARGS = {"kv_cache_memory_bytes": 1 << 30, "enforce_eager": True}
-QUESTIONS = ["What is 3 + 4?", "hello there", "Compute 12 * 7 and answer.", "x"]
-
-
-def chat_batch(questions: list[str]) -> TensorDictBase:
-    return lazy_stack(
-        [TensorDict({"history": {"prompt": History.from_text(q, system_prompt="Be brief.")}}) for q in questions]
-    )
-
-
-@pytest.fixture(scope="session")
-def vllm_env() -> Iterator[None]:
-    """vLLM in this process (a few seconds to start instead of ~20 s for its own processes)."""
-    pytest.importorskip("vllm")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        yield
-
-
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Path:
-    """The tiny model with one extra eos id: a token its greedy answer to QUESTIONS[0] produces.
-
-    A randomly initialised model never writes its real eos, so without this the stop-at-eos path
-    (eos kept, shorter response) would go untested.
-    """
-    folder = tmp_path_factory.mktemp("tiny-eos")
-    shutil.copytree(tiny_model_path, folder, dirs_exist_ok=True)
-    model, tokenizer = load_model_and_tokenizer(folder)
-    reference = TransformersPolicy(model, tokenizer, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
-    extra_eos = int(reference(chat_batch(QUESTIONS[:1]))[0][keys.TOKENS_RESPONSE][-1])
-    config_file = folder / "generation_config.json"
-    config = json.loads(config_file.read_text())
-    config["eos_token_id"] = [config["eos_token_id"], extra_eos]
-    config_file.write_text(json.dumps(config))
-    return folder
-
-
-@pytest.fixture(scope="session")
-def greedy_policy(vllm_env: None, model_dir: Path) -> VLLMPolicy:
-    """The session's one in-process engine, built by the policy; other policies share it."""
-    return VLLMPolicy(model_dir, engine_kwargs=CPU_ENGINE_KWARGS, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
-
-
-@pytest.fixture(scope="session")
-def engine(greedy_policy: VLLMPolicy) -> VLLMEngine:
-    assert isinstance(greedy_policy.engine, VLLMEngine)
-    return greedy_policy.engine
 
 
 @pytest.fixture(scope="session")

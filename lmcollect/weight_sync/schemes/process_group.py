@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import zlib
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -55,7 +56,7 @@ class ProcessGroupSender(WeightSender):
     """Rank 0 of a process group whose other ranks are receivers inside collectors.
 
     Once: build the sender (it starts the rendezvous store), give ``connection_info()`` to each
-    receiver (``_set_dist_connection_info``, e.g. through ``collector.cascade_execute``), then
+    receiver (``set_connection_info``, e.g. through ``collector.cascade_execute``), then
     call ``connect()`` on every side at the same time: each receiver posts its model's metadata,
     and the group forms. Per push: ``send`` checks the weights against every receiver's metadata
     (one ValueError, nothing sent), posts the layout in the store, then broadcasts a few flat
@@ -66,7 +67,7 @@ class ProcessGroupSender(WeightSender):
 
         sender = ProcessGroupSender(ProcessGroupConfig(num_receivers=1))
         collector.register_scheme_receiver({"policy": ProcessGroupReceiver()}, synchronize_weights=False)
-        collector.cascade_execute("_receiver_schemes['policy']._set_dist_connection_info",
+        collector.cascade_execute("_receiver_schemes['policy'].set_connection_info",
                                   sender.connection_info(), worker_idx=0)
         joined = collector.actor.cascade_execute.remote("_receiver_schemes['policy'].connect")
         sender.connect(); ray.get(joined)
@@ -101,6 +102,27 @@ class ProcessGroupSender(WeightSender):
             "timeout_s": self.config.timeout_s,
         }
 
+    @property
+    def receiver_metadata(self) -> list[tuple[dict[str, tuple[torch.dtype, torch.Size]], dict[str, str]]]:
+        """What each receiver (rank 1, 2, ...) accepts: name -> (dtype, shape), and tied aliases."""
+        if self._group is None:
+            raise RuntimeError("receivers post their metadata in connect(); call connect() first.")
+        return list(self._receiver_metadata)
+
+    def check(self, weights: object) -> None:
+        """Raise one ValueError, before anything is sent, if ``weights`` do not fit every receiver."""
+        if self._group is None:
+            raise RuntimeError("call connect() (on the sender and every receiver) before send().")
+        sent = tensor_metadata(to_weight_dict(weights))
+        problems = []
+        for rank, (expected, aliases) in enumerate(self._receiver_metadata, start=1):
+            problems += [f"receiver {rank}: {p}" for p in weight_problems(sent, expected, aliases=aliases)]
+        raise_if_problems(problems, where=" on every receiver")
+
+    def last_checksums(self) -> list[int]:
+        """CRC32 of each buffer of the last push (compare with the receivers' :meth:`last_checksums`)."""
+        return buffer_checksums(self._out or [])
+
     def connect(self) -> None:
         """Form the group (blocks until every receiver has called ``connect``)."""
         self._group = _make_group(self.backend, self._store, _SENDER_RANK, self.config.num_receivers + 1, self._timeout)
@@ -110,14 +132,8 @@ class ProcessGroupSender(WeightSender):
         logger.info("process group formed: %d receiver(s), backend %s", self.config.num_receivers, self.backend)
 
     def send(self, weights: object) -> None:
-        if self._group is None:
-            raise RuntimeError("call connect() (on the sender and every receiver) before send().")
         weights = to_weight_dict(weights)
-        sent = tensor_metadata(weights)
-        problems = []
-        for rank, (expected, aliases) in enumerate(self._receiver_metadata, start=1):
-            problems += [f"receiver {rank}: {p}" for p in weight_problems(sent, expected, aliases=aliases)]
-        raise_if_problems(problems, where=" on every receiver")
+        self.check(weights)
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         buckets = pack_buckets(weights, bucket_size_bytes=self.config.bucket_size_bytes, out=self._out, device=device)
         self._out = buckets.buffers
@@ -156,8 +172,8 @@ class ProcessGroupReceiver(WeightReceiver):
         state.update(_store=None, _group=None, _buffers=None)  # connections never travel
         return state
 
-    def _set_dist_connection_info(self, connection_info: dict[str, Any], worker_idx: int = 0) -> None:
-        """Where the sender is; this receiver becomes rank ``worker_idx + 1``."""
+    def set_connection_info(self, connection_info: dict[str, Any], worker_idx: int = 0) -> None:
+        """Where the sender is (its ``connection_info()``); this receiver becomes rank ``worker_idx + 1``."""
         self._info = dict(connection_info)
         self._rank = worker_idx + 1
         if not 1 <= self._rank < self._info["world_size"]:
@@ -170,7 +186,7 @@ class ProcessGroupReceiver(WeightReceiver):
         """Post this collector's model metadata and join the group (blocks until all have joined)."""
         if self._info is None or self.context is None:
             raise RuntimeError(
-                "register this receiver with a collector and call _set_dist_connection_info(...) before connect()."
+                "register this receiver with a collector and call set_connection_info(...) before connect()."
             )
         timeout = datetime.timedelta(seconds=self._info["timeout_s"])
         self._store = dist.TCPStore(self._info["master_address"], self._info["master_port"], is_master=False, timeout=timeout)
@@ -197,9 +213,26 @@ class ProcessGroupReceiver(WeightReceiver):
         self._num_pushes += 1
         return WeightBuckets(layout, self._buffers).tensors()
 
+    @property
+    def rank(self) -> int:
+        """This receiver's rank in the group (-1 before ``set_connection_info``)."""
+        return self._rank
+
+    # the older private name, kept for callers written against it
+    _set_dist_connection_info = set_connection_info
+
+    def last_checksums(self) -> list[int]:
+        """CRC32 of each buffer of the last push received (see ``ProcessGroupSender.last_checksums``)."""
+        return buffer_checksums(self._buffers or [])
+
     def close(self) -> None:
         _shutdown(self._group)
         self._group = None
+
+
+def buffer_checksums(buffers: list[torch.Tensor]) -> list[int]:
+    """CRC32 of each 1-D uint8 buffer (GPU buffers are copied to the CPU first: a debugging aid)."""
+    return [zlib.crc32(b.detach().cpu().contiguous().numpy()) for b in buffers]
 
 
 def _resolve_backend(backend: str) -> str:

@@ -1,0 +1,284 @@
+"""vLLMUpdater: pushes a trainer's weights into the vLLM engine behind a collector over a process group."""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from lmcollect.weight_sync.base import WeightPushError, WeightUpdaterBase
+from lmcollect.weight_sync.schemes.process_group import ProcessGroupConfig, ProcessGroupSender
+from lmcollect.weight_sync.weights import WeightDict, raise_if_problems, tensor_metadata, weight_problems
+
+logger = logging.getLogger(__name__)
+
+Metadata = dict[str, tuple[torch.dtype, torch.Size]]
+Wait = Callable[[float | None], list[Any]]
+
+
+class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.collectors.llm.vLLMUpdater)
+    """Sends a trainer's weights to the vLLM workers of a collector's ``VLLMPolicy``.
+
+    The trainer is rank 0 of a process group whose other ranks are the engine's workers (ranks
+    ``1..tp`` per replica; gloo when the weights are on the CPU, NCCL when on CUDA). The engine
+    needs ``worker_extension_cls=VLLM_EXTENSION`` (``lmcollect.weight_sync.vllm_worker_ext``).
+    The engine may be in this process (a local ``LLMCollector``), in a ``RayLLMCollector``'s
+    actor, or in engine actors (``VLLMReplicas``); the updater reaches it through the collector.
+
+    One push, in order:
+
+    1. check the weights against what every worker accepts (one ValueError, nothing sent);
+    2. pause: the workers start receiving (``collective_rpc("receive_weights")``, which holds the
+       collector's policy lock, so no turn runs) without the trainer waiting for them;
+    3. send: the layout (metadata) through the store, then a few flat per-dtype buckets by broadcast;
+    4. load: each worker reloads the weights (vLLM fuses q/k/v etc.); the trainer waits for all,
+       at most ``timeout_s`` from the start of the push, then compares checksums with ``verify``;
+    5. reset the prefix cache, resume (the lock is released), and the post-hook bumps the
+       collector's policy version once.
+
+    Args:
+        master_address: address the workers reach the trainer at (default: loopback).
+        master_port: port of the rendezvous store (None: a free one).
+        model_metadata: name -> (dtype, shape) the trainer will push; checked against the engine
+            at :meth:`init` (None: the engine's own checkpoint metadata, read by its workers).
+        vllm_tp_size: tensor-parallel size of each engine replica (None: 1).
+        verify: workers return a CRC32 of every bucket; a mismatch raises ``WeightPushError``.
+        timeout_s: longest a push (or ``init``) may take; a worker that died makes the push raise
+            ``WeightPushError`` within it instead of hanging.
+        bucket_size_bytes: largest broadcast buffer.
+        backend: "auto" (NCCL when the pushed weights are on CUDA, else gloo), "gloo" or "nccl".
+
+    Example::
+
+        policy = VLLMPolicy(path, engine_kwargs={"worker_extension_cls": VLLM_EXTENSION, ...})
+        collector = LLMCollector(env, policy=policy, dialog_turns_per_batch=64,
+                                 weight_updater=vLLMUpdater(), track_policy_version=True)
+        for batch in collector:
+            train_step(trainer_model, batch)
+            collector.update_policy_weights_(trainer_model)  # group formed on the first push
+    """
+
+    def __init__(
+        self,
+        master_address: str | None = None,
+        master_port: int | None = None,
+        model_metadata: Metadata | None = None,
+        vllm_tp_size: int | None = None,
+        *,
+        verify: bool = False,
+        timeout_s: float = 300.0,
+        bucket_size_bytes: int = 512 * 2**20,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        tp_size = 1 if vllm_tp_size is None else vllm_tp_size
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"vllm_tp_size must be a positive int or None, got {vllm_tp_size!r}.")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}.")
+        if backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}.")
+        self.master_address = master_address or "127.0.0.1"
+        self.master_port = master_port
+        self.model_metadata = model_metadata
+        self.vllm_tp_size = tp_size
+        self.verify = verify
+        self.timeout_s = timeout_s
+        self.bucket_size_bytes = bucket_size_bytes
+        self.backend = backend
+        self._policy: Any = None  # set by from_policy: an engine reached without a collector
+        self._sender: ProcessGroupSender | None = None
+        self._num_replicas = 1
+        self._pool: ThreadPoolExecutor | None = None
+        self.last_push_info: list[dict[str, Any]] = []
+        self.register_post_hook(self._bump_collector_version)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state.update(_sender=None, _pool=None)  # connections and threads never travel
+        return state
+
+    # ------------------------------------------------------------------ spec API
+    @classmethod
+    def from_policy(cls, policy: Any) -> vLLMUpdater | None:
+        """An updater for a vLLM-backed policy (one with ``.engine.collective_rpc``), else None."""
+        if not hasattr(getattr(policy, "engine", None), "collective_rpc"):
+            return None
+        updater = cls()
+        updater._policy = policy
+        return updater
+
+    @classmethod
+    def get_model_metadata(cls, model: Any) -> Metadata:
+        """name -> (dtype, shape) of a trainer model, or of a ``VLLMPolicy``'s checkpoint."""
+        if isinstance(model, torch.nn.Module) or isinstance(getattr(model, "model", None), torch.nn.Module):
+            return super().get_model_metadata(model)
+        if hasattr(model, "model_path") and hasattr(model, "engine"):
+            from lmcollect.policies.vllm_policy import checkpoint_dtype  # plain helpers: no vllm import
+            from lmcollect.weight_sync.vllm_worker_ext import checkpoint_metadata
+
+            name = checkpoint_dtype(model.model_path)
+            return checkpoint_metadata(model.model_path, dtype=getattr(torch, name) if name else None)[0]
+        raise TypeError(f"get_model_metadata needs an nn.Module or a (vLLM) policy, got {type(model).__name__}.")
+
+    def all_worker_ids(self) -> list[Hashable]:
+        """[0]: the engine (all its replicas and tensor-parallel workers) is one worker."""
+        return [0]
+
+    def _get_server_weights(self) -> None:
+        """Not used: pass the weights to ``push_weights``."""
+        return None
+
+    def _maybe_map_weights(self, server_weights: WeightDict) -> WeightDict:
+        """No mapping: vLLM's loader takes Hugging Face names and fuses layers itself."""
+        return server_weights
+
+    # ------------------------------------------------------------------ the group
+    def init(self, model_metadata: Metadata | None = None, *, device: torch.device | str | None = None) -> None:
+        """Form the process group with the engine's workers (again, if one was formed before).
+
+        ``device`` (of the weights to push) chooses the backend when it is "auto"; None: CUDA if
+        this process has it. ``model_metadata`` (or the constructor's) is checked against what
+        the workers accept.
+        """
+        self.close()
+        metadata = model_metadata if model_metadata is not None else self.model_metadata
+        self._num_replicas = self._call_num_replicas()
+        config = ProcessGroupConfig(
+            master_address=self.master_address,
+            master_port=self.master_port or 0,
+            num_receivers=self.vllm_tp_size * self._num_replicas,
+            backend=self._choose_backend(device),
+            timeout_s=self.timeout_s,
+            bucket_size_bytes=self.bucket_size_bytes,
+        )
+        sender = ProcessGroupSender(config)
+        info = sender.connection_info()
+        args = [(info, 1 + replica * self.vllm_tp_size) for replica in range(self._num_replicas)]
+        deadline = time.monotonic() + self.timeout_s
+        joined = self._start_rpc("init_weight_group", args)
+        try:
+            sender.connect()
+        except Exception as exc:  # a worker that never joins: the group times out
+            sender.close()
+            raise WeightPushError(f"vLLM worker 0 did not join the weight group: {self._cause(joined, exc)}") from exc
+        self._wait(joined, deadline, "init_weight_group")
+        self._sender = sender
+        if metadata is not None:
+            self.model_metadata = metadata
+            expected, aliases = sender.receiver_metadata[0]
+            raise_if_problems(weight_problems(metadata, expected, aliases=aliases), where=" (model_metadata at init)")
+        logger.info("vLLMUpdater: group formed with %d worker(s), backend %s", config.num_receivers, config.backend)
+
+    def close(self) -> None:
+        """Leave the process group (the next push forms a new one)."""
+        if self._sender is not None:
+            self._sender.close()
+        self._sender = None
+
+    # ------------------------------------------------------------------ one push
+    def _validate(self, weights: WeightDict, worker_ids: list[Hashable]) -> None:
+        if self._sender is None:
+            first = next(iter(weights.values()), None)
+            self.init(device=None if first is None else first.device)
+        if self.model_metadata is not None:  # the trainer's contract, then what every worker accepts
+            raise_if_problems(weight_problems(tensor_metadata(weights), self.model_metadata), where=" (model_metadata)")
+        assert self._sender is not None
+        self._sender.check(weights)
+
+    def _sync_weights_with_worker(self, *, worker_id: Hashable, server_weights: WeightDict) -> None:
+        sender = self._sender
+        assert sender is not None, "_validate forms the group"
+        deadline = time.monotonic() + self.timeout_s
+        received = self._start_rpc("receive_weights", [(self.timeout_s, self.verify)] * self._num_replicas)
+        try:
+            sender.send(server_weights)
+        except Exception as exc:  # a worker died mid-broadcast: the group is broken, name it and start over
+            self.close()
+            raise WeightPushError(f"push to vLLM worker {worker_id} failed: {self._cause(received, exc)}") from exc
+        self.last_push_info = self._wait(received, deadline, "receive_weights")
+        if self.verify:
+            self._check_checksums(sender.last_checksums())
+        self._reset_prefix_cache()
+
+    def _check_checksums(self, sent: list[int]) -> None:
+        bad = [info.get("rank") for info in self.last_push_info if info.get("checksums") != sent]
+        if bad:
+            self.close()
+            raise WeightPushError(f"vLLM worker rank(s) {bad} received buckets whose checksums differ from the sent ones.")
+
+    def _bump_collector_version(self) -> None:
+        if self.collector is not None:  # an updater built from a bare policy has no version to bump
+            self.increment_version()
+
+    # ------------------------------------------------------------------ reaching the engine
+    # Through the registered collector (in-process or a Ray actor), else the from_policy policy.
+    def _target(self) -> Any:
+        target = self.collector if self.collector is not None else self._policy
+        if target is None:
+            raise RuntimeError(
+                "this vLLMUpdater has no collector: pass it as weight_updater=... to a collector whose "
+                "policy is a VLLMPolicy (or build it with vLLMUpdater.from_policy(policy))."
+            )
+        return target
+
+    def _call_num_replicas(self) -> int:
+        target = self._target()
+        if hasattr(target, "policy_engine_num_replicas"):
+            return target.policy_engine_num_replicas()
+        return int(getattr(target.engine, "num_replicas", 1))
+
+    def _start_rpc(self, method: str, args_per_replica: list[tuple]) -> Wait:
+        """Start ``method`` on every worker without waiting (it returns only once the trainer has sent)."""
+        target = self._target()
+        if hasattr(target, "submit_policy_engine_rpc"):  # a Ray collector: the call is already asynchronous
+            return target.submit_policy_engine_rpc(method, args_per_replica)
+        if hasattr(target, "policy_engine_rpc"):
+            call = target.policy_engine_rpc
+        else:
+            from lmcollect.policies.vllm_policy import collective_rpc_each  # plain helpers: no vllm import
+
+            def call(method: str, args: list[tuple]) -> list[Any]:
+                return collective_rpc_each(target.engine, method, args)
+
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="vllm-updater")
+        future = self._pool.submit(call, method, args_per_replica)
+        return future.result
+
+    def _wait(self, wait: Wait, deadline: float, what: str) -> list[Any]:
+        try:
+            return wait(max(deadline - time.monotonic(), 0.0))
+        except Exception as exc:  # dead actor, worker error or timeout: the group cannot be trusted
+            self.close()
+            raise WeightPushError(
+                f"vLLM worker 0 ({self._target()!r}) failed {what} within timeout_s={self.timeout_s}: {exc}"
+            ) from exc
+
+    def _cause(self, wait: Wait, exc: BaseException) -> str:
+        """The worker side's error if it already failed (it names the dead replica), else ``exc``."""
+        try:
+            wait(1.0)
+        except Exception as worker_exc:  # the informative one
+            return f"{worker_exc} (trainer side: {exc})"
+        return str(exc)
+
+    def _reset_prefix_cache(self) -> None:
+        target = self._target()
+        if hasattr(target, "reset_policy_prefix_cache"):
+            target.reset_policy_prefix_cache()
+        else:
+            target.reset_prefix_cache()
+
+    def _choose_backend(self, device: torch.device | str | None) -> str:
+        if self.backend != "auto":
+            return self.backend
+        if device is None:
+            return "nccl" if torch.cuda.is_available() else "gloo"
+        return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+VLLMUpdater = vLLMUpdater

@@ -1,0 +1,250 @@
+"""vLLMUpdater pushing into real vLLM engines (CPU, tiny model): in-process, in a Ray collector, in engine actors.
+
+Run with a Python that has vLLM: ``python -m pytest tests/integration/test_vllm_updater.py``. The
+in-process engine is the session's (conftest); it gets its original weights back at the end.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tensordict import TensorDictBase, lazy_stack
+
+from lmcollect.collectors.llm_collector import LLMCollector
+from lmcollect.data import keys
+from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
+from lmcollect.models import ModelSpec, get_model_path, load_model_and_tokenizer
+from lmcollect.policies import ScriptedPolicy, TransformersPolicy
+from lmcollect.weight_sync import WeightPushError
+from lmcollect.weight_sync.weights import unique_targets
+from tests.integration.conftest import CPU_ENGINE_KWARGS, MAX_NEW_TOKENS, QUESTIONS, chat_batch
+
+pytest.importorskip("vllm")
+from lmcollect.policies.vllm_policy import VLLMPolicy  # noqa: E402
+from lmcollect.weight_sync.vllm_updater import VLLMUpdater, vLLMUpdater  # noqa: E402
+from lmcollect.weight_sync.vllm_worker_ext import VLLM_EXTENSION  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+ATOL = 1e-4
+EXT_ENGINE_KWARGS = {**CPU_ENGINE_KWARGS, "worker_extension_cls": VLLM_EXTENSION}
+# a prompt spanning several KV blocks: after a push its cached prefix must not be reused
+LONG_SYSTEM_PROMPT = " ".join(f"Rule {i}: answer with digits only." for i in range(60))
+
+
+@pytest.fixture(scope="module")
+def new_model(model_dir: Path, tiny_model_path: Path) -> torch.nn.Module:
+    """The session model's architecture (and eos config) with other weights: the tiny model of seed 1."""
+    model = load_model_and_tokenizer(model_dir)[0]
+    seed1 = get_model_path(ModelSpec(size="tiny", seed=1), cache_dir=tiny_model_path.parent)
+    model.load_state_dict(load_model_and_tokenizer(seed1)[0].state_dict())
+    return model
+
+
+@pytest.fixture(scope="module")
+def new_reference(new_model: torch.nn.Module, model_dir: Path) -> TransformersPolicy:
+    tokenizer = load_model_and_tokenizer(model_dir)[1]
+    return TransformersPolicy(new_model, tokenizer, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def old_reference(model_dir: Path) -> TransformersPolicy:
+    model, tokenizer = load_model_and_tokenizer(model_dir)
+    return TransformersPolicy(model, tokenizer, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def local_engine(greedy_policy: VLLMPolicy, old_reference: TransformersPolicy) -> Iterator[VLLMPolicy]:
+    """The session's in-process engine; its original weights are pushed back afterwards."""
+    yield greedy_policy
+    vLLMUpdater.from_policy(greedy_policy).push_weights(old_reference.model)
+
+
+def make_env(num_items: int = 32) -> ChatEnv:
+    return ChatEnv(arithmetic_dataset(num_items, seed=0), reward_fn=MathAnswerReward(), batch_size=4, seed=0)
+
+
+def assert_same_answers(got: TensorDictBase, want: TensorDictBase) -> None:
+    for i in range(want.batch_size[0]):
+        assert torch.equal(got[i][keys.TOKENS_FULL], want[i][keys.TOKENS_FULL]), f"element {i}"
+        torch.testing.assert_close(got[i][keys.LOG_PROBS_RESPONSE], want[i][keys.LOG_PROBS_RESPONSE], atol=ATOL, rtol=0)
+
+
+def prompts_of_batch(batch: TensorDictBase) -> TensorDictBase:
+    turns = batch.reshape(-1)
+    return lazy_stack([turns[i].select(keys.HISTORY_PROMPT) for i in range(turns.numel())])
+
+
+# ------------------------------------------------------------------------------------ construction
+def test_constructor_defaults_and_policy_lookup(greedy_policy: VLLMPolicy) -> None:
+    updater = vLLMUpdater()
+    assert VLLMUpdater is vLLMUpdater
+    assert (updater.master_address, updater.master_port, updater.vllm_tp_size) == ("127.0.0.1", None, 1)
+    assert updater.all_worker_ids() == [0] and updater.collector is None
+    assert vLLMUpdater.from_policy(ScriptedPolicy("1")) is None
+    assert isinstance(vLLMUpdater.from_policy(greedy_policy), vLLMUpdater)
+    metadata = vLLMUpdater.get_model_metadata(greedy_policy)
+    assert metadata["model.norm.weight"][0] == torch.float32 and "model.embed_tokens.weight" in metadata
+    with pytest.raises(ValueError, match="vllm_tp_size"):
+        vLLMUpdater(vllm_tp_size=0)
+
+
+# ------------------------------------------------------------------------------------ in-process engine
+def test_push_matches_transformers_resets_cache_and_bumps_version(
+    local_engine: VLLMPolicy,
+    new_model: torch.nn.Module,
+    old_reference: TransformersPolicy,
+    new_reference: TransformersPolicy,
+) -> None:
+    updater = vLLMUpdater(verify=True, timeout_s=60)
+    collector = LLMCollector(
+        make_env(), policy=local_engine, dialog_turns_per_batch=4, weight_updater=updater, track_policy_version=True
+    )
+    assert updater.collector is collector
+    td = chat_batch(QUESTIONS)
+    long_td = chat_batch(QUESTIONS[:2], system_prompt=LONG_SYSTEM_PROMPT)
+    assert_same_answers(local_engine(long_td), old_reference(long_td))  # fills the prefix cache
+    assert collector.policy_version == 0
+
+    collector.update_policy_weights_(new_model)  # a whole state_dict (tied lm_head named too)
+    assert collector.policy_version == 1
+    (info,) = updater.last_push_info  # one worker (tp 1), which checked the buckets' checksums
+    assert info["rank"] == 1 and len(info["checksums"]) >= 1
+    assert_same_answers(local_engine(long_td), new_reference(long_td))  # the new model's answer: cache reset
+    assert_same_answers(local_engine(td), new_reference(td))
+    batch = collector.next().reshape(-1)
+    assert batch[keys.POLICY_VERSION].tolist() == [1] * batch.numel()
+
+    updater.push_weights(unique_targets(old_reference.model)[0])  # distinct tensors only: lm_head rebuilt
+    assert collector.policy_version == 2
+    assert_same_answers(local_engine(td), old_reference(td))
+    collector.shutdown()
+
+
+def test_bad_pushes_change_nothing(
+    local_engine: VLLMPolicy, new_model: torch.nn.Module, old_reference: TransformersPolicy
+) -> None:
+    updater = vLLMUpdater(timeout_s=60)
+    collector = LLMCollector(
+        make_env(), policy=local_engine, dialog_turns_per_batch=4, weight_updater=updater, track_policy_version=True
+    )
+    td = chat_batch(QUESTIONS[:2])
+    updater.push_weights(old_reference.model)  # forms the group; a known starting point
+    state = dict(new_model.state_dict())
+    bad_pushes = {
+        "missing 'model.norm.weight'": {k: v for k, v in state.items() if k != "model.norm.weight"},
+        "unexpected 'extra.weight'": {**state, "extra.weight": torch.zeros(2)},
+        "has shape": {**state, "model.norm.weight": torch.zeros(3)},
+        "has dtype": {**state, "model.norm.weight": state["model.norm.weight"].double()},
+    }
+    for match, weights in bad_pushes.items():
+        with pytest.raises(ValueError, match=match):
+            collector.update_policy_weights_(weights)
+    assert collector.policy_version == 1
+    assert_same_answers(local_engine(td), old_reference(td))
+    with pytest.raises(ValueError, match="worker_ids"):
+        updater.push_weights(state, worker_ids=[1])
+    updater.push_weights(old_reference.model)  # the group is still in step after the refusals
+    assert collector.policy_version == 2
+    collector.shutdown()
+
+
+# ------------------------------------------------------------------------------------ Ray
+def test_ray_collector_with_vllm_policy_gets_pushes(
+    ray_cluster: Any, model_dir: Path, new_model: torch.nn.Module, new_reference: TransformersPolicy,
+    old_reference: TransformersPolicy,
+) -> None:
+    from lmcollect.collectors.ray_collector import RayLLMCollector
+
+    policy_factory = functools.partial(
+        VLLMPolicy, str(model_dir), engine_kwargs=EXT_ENGINE_KWARGS, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS
+    )
+    collector = RayLLMCollector(
+        make_env(),
+        policy_factory=policy_factory,
+        dialog_turns_per_batch=4,
+        weight_updater=vLLMUpdater(timeout_s=120, verify=True),
+        track_policy_version=True,
+        # max_concurrency=1: vLLM's CPU attention binds OpenMP threads per thread, so every engine
+        # call (generate, receive_weights) must run on the actor's one thread
+        remote_config={
+            "num_cpus": 0.5,
+            "max_concurrency": 1,
+            "runtime_env": {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}},
+        },
+    )
+    try:
+        first = collector.next()
+        assert collector.policy_version == 0
+        assert_same_answers(first.reshape(-1), old_reference(prompts_of_batch(first)))
+        collector.update_policy_weights_(new_model)
+        assert collector.policy_version == 1
+        second = collector.next()
+        assert_same_answers(second.reshape(-1), new_reference(prompts_of_batch(second)))
+        assert first.reshape(-1)[keys.POLICY_VERSION].tolist() == [0] * 4
+        assert second.reshape(-1)[keys.POLICY_VERSION].tolist() == [1] * 4
+    finally:
+        collector.shutdown()
+
+
+def test_engine_actor_push_and_killed_engine_fails_within_timeout(
+    ray_cluster: Any, model_dir: Path, new_model: torch.nn.Module, new_reference: TransformersPolicy
+) -> None:
+    """The engine in its own actor (VLLMReplicas) behind a local collector; then it is killed."""
+    import ray
+
+    from lmcollect.policies.vllm_ray import VLLMReplicas
+
+    replicas = VLLMReplicas(model_dir, engine_kwargs=EXT_ENGINE_KWARGS, remote_config={"num_cpus": 0.5})
+    policy = VLLMPolicy(model_dir, engine=replicas, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
+    timeout_s = 20.0
+    updater = vLLMUpdater(timeout_s=timeout_s)
+    collector = LLMCollector(
+        make_env(), policy=policy, dialog_turns_per_batch=4, weight_updater=updater, track_policy_version=True
+    )
+    try:
+        collector.update_policy_weights_(new_model)
+        td = chat_batch(QUESTIONS)
+        assert_same_answers(policy(td), new_reference(td))
+        ray.kill(replicas.actors[0])
+        start = time.monotonic()
+        with pytest.raises(WeightPushError, match="replica 0"):
+            collector.update_policy_weights_(new_model)
+        assert time.monotonic() - start < timeout_s + 5
+        assert collector.policy_version == 1
+    finally:
+        collector.shutdown()
+        replicas.shutdown()
+
+
+# ------------------------------------------------------------------------------------ GPU only
+@pytest.mark.gpu
+def test_nccl_push_into_tensor_parallel_engine(ray_cluster: Any, model_dir: Path, new_model: torch.nn.Module) -> None:
+    """NCCL from a CUDA trainer into a tp=2 engine actor: the trainer and each worker need a GPU of their own."""
+    if torch.cuda.device_count() < 3:
+        pytest.skip("NCCL into a tp=2 engine needs 3 GPUs (trainer + 2 workers; NCCL refuses shared devices)")
+    from lmcollect.policies.vllm_ray import VLLMReplicas
+
+    gpu_kwargs = {"worker_extension_cls": VLLM_EXTENSION, "tensor_parallel_size": 2, "enforce_eager": True}
+    replicas = VLLMReplicas(model_dir, engine_kwargs=gpu_kwargs, remote_config={"num_cpus": 0.5, "num_gpus": 2})
+    policy = VLLMPolicy(model_dir, engine=replicas, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
+    updater = vLLMUpdater.from_policy(policy)
+    updater.vllm_tp_size = 2
+    trainer_model = new_model.to("cuda:0")
+    try:
+        updater.push_weights(trainer_model)
+        assert updater._sender is not None and updater._sender.backend == "nccl"
+        assert len(updater.last_push_info) == 2
+        td = chat_batch(QUESTIONS)
+        reference = TransformersPolicy(trainer_model, policy.tokenizer, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
+        want = reference(td)
+        for i in range(len(QUESTIONS)):  # GPU kernels differ: compare the first tokens only
+            assert torch.equal(policy(td)[i][keys.TOKENS_RESPONSE][:4], want[i][keys.TOKENS_RESPONSE][:4])
+    finally:
+        new_model.to("cpu")
+        replicas.shutdown()
