@@ -385,13 +385,18 @@ class RayLLMCollector:
         return self._call("policy_engine_num_replicas")
 
     def submit_policy_engine_rpc(
-        self, method: str, args_per_replica: list[tuple], kwargs: dict[str, Any] | None = None
+        self,
+        method: str,
+        args_per_replica: list[tuple],
+        kwargs: dict[str, Any] | None = None,
+        *,
+        finish_update: bool = False,
     ) -> Callable[[float | None], list[Any]]:
         """Start ``policy_engine_rpc`` in the actor without waiting; returns ``wait(timeout_s)``.
 
         A weight push needs it: the engine's receive returns only once the driver has sent.
         """
-        ref = self._actor.policy_engine_rpc.remote(method, args_per_replica, kwargs)
+        ref = self._actor.policy_engine_rpc.remote(method, args_per_replica, kwargs, finish_update=finish_update)
         return lambda timeout_s=None: self._get(ref, f"policy_engine_rpc({method!r})", timeout_s)
 
     def reset_policy_prefix_cache(self) -> None:

@@ -157,14 +157,29 @@ class WeightReceiverMixin:
         """How many engine replicas the policy's engine has (1 for an in-process engine)."""
         return int(getattr(self._policy_engine(), "num_replicas", 1))
 
-    def policy_engine_rpc(self, method: str, args_per_replica: list[tuple], kwargs: dict[str, Any] | None = None) -> list[Any]:
+    def policy_engine_rpc(
+        self,
+        method: str,
+        args_per_replica: list[tuple],
+        kwargs: dict[str, Any] | None = None,
+        *,
+        finish_update: bool = False,
+    ) -> list[Any]:
         """``collective_rpc`` on the policy's engine, replica ``i`` with ``args_per_replica[i]``,
-        while no turn runs (an engine is not safe to call from two threads)."""
+        while no turn runs (an engine is not safe to call from two threads).
+
+        ``finish_update=True`` (a weight push): also reset the prefix cache and bump the policy
+        version inside the same pause, so no turn sees new weights with a stale cache or version.
+        """
         from lmcollect.policies.vllm_policy import collective_rpc_each  # no vllm import: plain helpers
 
         engine = self._policy_engine()
         with self._policy_lock.write():
-            return collective_rpc_each(engine, method, args_per_replica, kwargs)
+            results = collective_rpc_each(engine, method, args_per_replica, kwargs)
+            if finish_update:
+                engine.reset_prefix_cache()
+                self.increment_version()
+            return results
 
     def reset_policy_prefix_cache(self) -> None:
         """Drop the policy engine's cached prefixes (after its weights changed)."""

@@ -1,6 +1,7 @@
 """vLLMUpdater: pushes a trainer's weights into the vLLM engine behind a collector over a process group."""
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Hashable
@@ -36,8 +37,8 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
     3. send: the layout (metadata) through the store, then a few flat per-dtype buckets by broadcast;
     4. load: each worker reloads the weights (vLLM fuses q/k/v etc.); the trainer waits for all,
        at most ``timeout_s`` from the start of the push, then compares checksums with ``verify``;
-    5. reset the prefix cache, resume (the lock is released), and the post-hook bumps the
-       collector's policy version once.
+    5. still inside the same pause, reset the prefix cache and bump the collector's policy
+       version once, then resume (the lock is released) and run the post-hooks.
 
     Args:
         master_address: address the workers reach the trainer at (default: loopback).
@@ -94,7 +95,6 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
         self._num_replicas = 1
         self._pool: ThreadPoolExecutor | None = None
         self.last_push_info: list[dict[str, Any]] = []
-        self.register_post_hook(self._bump_collector_version)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -193,7 +193,11 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
         sender = self._sender
         assert sender is not None, "_validate forms the group"
         deadline = time.monotonic() + self.timeout_s
-        received = self._start_rpc("receive_weights", [(self.timeout_s, self.verify)] * self._num_replicas)
+        # With a collector, the workers' receive, the prefix-cache reset and the version bump run
+        # in one pause of its policy: no turn sees new weights with a stale cache or version.
+        received = self._start_rpc(
+            "receive_weights", [(self.timeout_s, self.verify)] * self._num_replicas, finish_update=self.collector is not None
+        )
         try:
             sender.send(server_weights)
         except Exception as exc:  # a worker died mid-broadcast: the group is broken, name it and start over
@@ -202,17 +206,14 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
         self.last_push_info = self._wait(received, deadline, "receive_weights")
         if self.verify:
             self._check_checksums(sender.last_checksums())
-        self._reset_prefix_cache()
+        if self.collector is None:
+            self._reset_prefix_cache()  # a bare policy (from_policy): no collector did it
 
     def _check_checksums(self, sent: list[int]) -> None:
         bad = [info.get("rank") for info in self.last_push_info if info.get("checksums") != sent]
         if bad:
             self.close()
             raise WeightPushError(f"vLLM worker rank(s) {bad} received buckets whose checksums differ from the sent ones.")
-
-    def _bump_collector_version(self) -> None:
-        if self.collector is not None:  # an updater built from a bare policy has no version to bump
-            self.increment_version()
 
     # ------------------------------------------------------------------ reaching the engine
     # Through the registered collector (in-process or a Ray actor), else the from_policy policy.
@@ -231,13 +232,13 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
             return target.policy_engine_num_replicas()
         return int(getattr(target.engine, "num_replicas", 1))
 
-    def _start_rpc(self, method: str, args_per_replica: list[tuple]) -> Wait:
+    def _start_rpc(self, method: str, args_per_replica: list[tuple], *, finish_update: bool = False) -> Wait:
         """Start ``method`` on every worker without waiting (it returns only once the trainer has sent)."""
         target = self._target()
         if hasattr(target, "submit_policy_engine_rpc"):  # a Ray collector: the call is already asynchronous
-            return target.submit_policy_engine_rpc(method, args_per_replica)
+            return target.submit_policy_engine_rpc(method, args_per_replica, finish_update=finish_update)
         if hasattr(target, "policy_engine_rpc"):
-            call = target.policy_engine_rpc
+            call = functools.partial(target.policy_engine_rpc, finish_update=finish_update)
         else:
             from lmcollect.policies.vllm_policy import collective_rpc_each  # plain helpers: no vllm import
 
