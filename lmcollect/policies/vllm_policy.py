@@ -89,6 +89,8 @@ def engine_kwargs_for(model_path: str | Path, engine_kwargs: dict[str, Any] | No
     # vLLM's "auto" downcasts float32 checkpoints to 16 bits; keep the checkpoint's own dtype so
     # log-probs match the trainer's model unless the caller chooses otherwise.
     kwargs.setdefault("dtype", checkpoint_dtype(model_path) or "auto")
+    # the workers can then join a vLLMUpdater's process group (a dotted path: no import here)
+    kwargs.setdefault("worker_extension_cls", "lmcollect.weight_sync.vllm_worker_ext.VLLMWeightReceiverExtension")
     return kwargs
 
 
