@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -21,6 +22,12 @@ from lmcollect.data.turns import flatten_turns, non_tensor_values, stack_turns
 from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
 from lmcollect.models import ModelSpec, get_model_path, load_model_and_tokenizer
 from lmcollect.policies import SamplingConfig, TransformersPolicy
+
+
+if __name__ != "__main__":  # imported (e.g. by `lmcollect bench`): Ray actors get this module's code by value
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def make_env(batch_size: int) -> ChatEnv:
@@ -49,17 +56,29 @@ def prompts_of(batch) -> list[str]:
     return non_tensor_values(stack_turns(flatten_turns(batch)), keys.TEXT_PROMPT)
 
 
-def alternate(collector, model, tokenizer, sampling: SamplingConfig, reps: int) -> tuple[list, list, list]:
-    """Collector batch, then raw generate on that batch's prompts, ``reps`` times (after a warm-up)."""
+def alternate(collector, raw_seconds, reps: int) -> tuple[list, list, list]:
+    """Collector batch, then ``raw_seconds(prompts)`` on that batch's prompts, ``reps`` times (after a warm-up)."""
     collector.next()
     collector_s, raw_s, ratios = [], [], []
     for _ in range(reps):
         start = time.perf_counter()
         batch = collector.next()
         collector_s.append(time.perf_counter() - start)
-        raw_s.append(raw_generate_s(model, tokenizer, prompts_of(batch), sampling))
+        raw_s.append(raw_seconds(prompts_of(batch)))
         ratios.append(raw_s[-1] / collector_s[-1])
     return collector_s, raw_s, ratios
+
+
+class RawGenerator:
+    """The Ray row's baseline: raw ``model.generate`` in an actor with the collector's CPUs."""
+
+    def __init__(self, model_path: str, sampling: SamplingConfig, num_threads: int) -> None:
+        torch.set_num_threads(num_threads)
+        self.model, self.tokenizer = load_model_and_tokenizer(model_path)
+        self.sampling = sampling
+
+    def seconds(self, prompt_texts: list[str]) -> float:
+        return raw_generate_s(self.model, self.tokenizer, prompt_texts, self.sampling)
 
 
 def bench_local(size: str, batch_size: int, sampling: SamplingConfig, reps: int) -> dict:
@@ -70,7 +89,7 @@ def bench_local(size: str, batch_size: int, sampling: SamplingConfig, reps: int)
         dialog_turns_per_batch=batch_size,
         track_policy_version=True,
     )
-    collector_s, raw_s, ratios = alternate(collector, model, tokenizer, sampling, reps)
+    collector_s, raw_s, ratios = alternate(collector, lambda p: raw_generate_s(model, tokenizer, p, sampling), reps)
     collector.shutdown()
     return _row(f"LLMCollector {size}", batch_size, collector_s, raw_s, ratios, target=0.95)
 
@@ -97,8 +116,10 @@ def bench_ray(size: str, batch_size: int, sampling: SamplingConfig, reps: int) -
         track_policy_version=True,
         num_cpus=2,
     )
-    model, tokenizer = load_model_and_tokenizer(path)
-    collector_s, raw_s, ratios = alternate(collector, model, tokenizer, sampling, reps)
+    # Both sides run in actors with 2 CPUs: the same process kind, threads and placement.
+    raw = ray.remote(num_cpus=0)(RawGenerator).remote(path, sampling, 2)
+    collector_s, raw_s, ratios = alternate(collector, lambda p: ray.get(raw.seconds.remote(p)), reps)
+    ray.kill(raw)
     row = _row(f"RayLLMCollector {size}", batch_size, collector_s, raw_s, ratios, target=0.95)
     row["ray_init_s"] = round(ray_init_s, 2)
     row["actor_startup_s"] = round(collector.startup_s, 2)
@@ -155,6 +176,23 @@ def _row(name: str, batch_size: int, collector_s: list, raw_s: list, ratios: lis
     }
 
 
+def run(
+    *, quick: bool = False, sizes: str = "small,medium", rows: str = "local,ray", batch_size: int = 16, max_new_tokens: int = 32
+) -> list[dict]:
+    """Every row of this benchmark (``lmcollect bench`` calls this)."""
+    size_names = ["small"] if quick else sizes.split(",")
+    reps = 3 if quick else 5
+    sampling = SamplingConfig(max_new_tokens=max_new_tokens, temperature=1.0, ignore_eos=True, seed=0)
+    torch.set_num_threads(2)
+    results = []
+    for size in size_names:
+        if "local" in rows:
+            results.append(bench_local(size, batch_size, sampling, reps))
+        if "ray" in rows:
+            results.extend(bench_ray(size, batch_size, sampling, reps))
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions, small model only")
@@ -163,16 +201,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     args = parser.parse_args()
-    sizes = ["small"] if args.quick else args.sizes.split(",")
-    reps = 3 if args.quick else 5
-    sampling = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=1.0, ignore_eos=True, seed=0)
-    torch.set_num_threads(2)
-    rows = []
-    for size in sizes:
-        if "local" in args.rows:
-            rows.append(bench_local(size, args.batch_size, sampling, reps))
-        if "ray" in args.rows:
-            rows.extend(bench_ray(size, args.batch_size, sampling, reps))
+    rows = run(quick=args.quick, sizes=args.sizes, rows=args.rows, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens)
     print(f"{'row':34} {'metric':32} {'value':>7} {'target':>8}  met")
     for row in rows:
         print(f"{row['row']:34} {row['metric']:32} {row['value']:7.3f} {row['target']:>8}  {row['met']}")

@@ -15,7 +15,7 @@ from lmcollect.buffers.replay_buffer import ReplayBuffer
 from lmcollect.collectors.collector_worker import CollectorWorker
 from lmcollect.collectors.config import resolve_batching
 from lmcollect.collectors.versioning import PolicyVersion
-from lmcollect.distributed.ray_cluster import actor_options, init_ray, torch_threads_for
+from lmcollect.distributed.ray_cluster import actor_options, init_ray, torch_threads_for, with_thread_env
 from lmcollect.weight_sync.base import resolve_updater
 from lmcollect.weight_sync.buckets import view_buckets
 from lmcollect.weight_sync.weights import to_weight_dict
@@ -99,8 +99,9 @@ class RayLLMCollector:
         self._has_replay_buffer = replay_buffer is not None
         self._shut_down = False
         self._prefetch: ray.ObjectRef | None = None
+        torch_threads = torch_threads_for(self._options.get("num_cpus"))
         started = time.perf_counter()
-        self._actor = self.as_remote(self._options).remote(
+        self._actor = self.as_remote(with_thread_env(self._options, torch_threads)).remote(
             env,
             policy=policy,
             policy_factory=policy_factory,
@@ -115,7 +116,7 @@ class RayLLMCollector:
             flatten_data=flatten_data,
             track_policy_version=track_policy_version,
             verbose=verbose,
-            torch_threads=torch_threads_for(self._options.get("num_cpus")),
+            torch_threads=torch_threads,
         )
         self._call("ping")  # surfaces constructor errors here, with the actor's traceback
         self.startup_s = time.perf_counter() - started

@@ -50,3 +50,17 @@ def torch_threads_for(num_cpus: float | None) -> int:
     if num_cpus is None or num_cpus < 1:
         return 1
     return int(num_cpus)
+
+
+def with_thread_env(options: dict[str, Any], num_threads: int) -> dict[str, Any]:
+    """``options`` with ``OMP_NUM_THREADS`` in the actor's environment (unless the caller set it).
+
+    Ray runs a threaded actor's calls on other threads than the one that built it; OpenMP gives
+    each new thread the environment's thread count, so ``torch.set_num_threads`` in ``__init__``
+    alone would leave the work on one core.
+    """
+    runtime_env = dict(options.get("runtime_env") or {})
+    env_vars = dict(runtime_env.get("env_vars") or {})
+    env_vars.setdefault("OMP_NUM_THREADS", str(num_threads))
+    runtime_env["env_vars"] = env_vars
+    return {**options, "runtime_env": runtime_env}
