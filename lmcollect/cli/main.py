@@ -5,85 +5,64 @@ import argparse
 import dataclasses
 import logging
 import sys
+import types
+import typing
 from typing import Any, Callable, Sequence
+
+from lmcollect.cli.configs import BenchConfig, CollectConfig, DemoConfig, UsageError
 
 # Heavy imports (torch, ray, transformers) happen inside the commands so `--help` stays instant.
 
 
-@dataclasses.dataclass(kw_only=True)
-class QuickstartConfig:
-    """A short collection run with the tiny offline model."""
+def run_demo(config: DemoConfig) -> int:
+    from lmcollect.cli.demo import run_demo as run
 
-    model: str | None = None
-    """A local model folder (default: the tiny model, built offline on first use)."""
-    num_envs: int = 8
-    """Dialogs collected side by side."""
-    num_batches: int = 3
-    """Batches to collect."""
-    max_new_tokens: int = 24
-    """Token budget of one answer."""
-    seed: int = 0
-    """Seed of envs and sampling."""
+    return run(config)
 
 
-def run_quickstart(config: QuickstartConfig) -> int:
-    import time
+def run_collect(config: CollectConfig) -> int:
+    from lmcollect.cli.collect import run_collect as run
 
-    from lmcollect.collectors import LLMCollector
-    from lmcollect.data import keys
-    from lmcollect.data.turns import flatten_turns
-    from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
-    from lmcollect.models import ModelSpec, load_model_and_tokenizer
-    from lmcollect.policies import TransformersPolicy
+    return run(config)
 
-    model, tokenizer = load_model_and_tokenizer(config.model or ModelSpec(size="tiny"))
-    env = ChatEnv(arithmetic_dataset(256, seed=config.seed), reward_fn=MathAnswerReward(), batch_size=config.num_envs)
-    policy = TransformersPolicy(model, tokenizer, max_new_tokens=config.max_new_tokens, temperature=1.0)
-    collector = LLMCollector(
-        env,
-        policy=policy,
-        dialog_turns_per_batch=config.num_envs,
-        total_dialog_turns=config.num_envs * config.num_batches,
-        track_policy_version=True,
-    )
-    collector.set_seed(config.seed)
-    start, turns, batch = time.perf_counter(), 0, None
-    for batch in collector:
-        turns += batch.numel()
-    elapsed = time.perf_counter() - start
-    turn = flatten_turns(batch)[0]
-    print(f"collected {turns} dialog turns in {elapsed:.2f} s: {turns / elapsed:.1f} turns/s")
-    print("sample dialog:")
-    for message in turn[keys.HISTORY_FULL].messages:
-        print(f"  [{message.role}] {message.content!r}")
-    print(f"  reward={float(turn[keys.NEXT_REWARD]):.1f} policy_version={int(turn[keys.POLICY_VERSION])}")
-    return 0
+
+def run_bench(config: BenchConfig) -> int:
+    from lmcollect.cli.bench import run_bench as run
+
+    return run(config)
 
 
 COMMANDS: dict[str, tuple[type, Callable[[Any], int]]] = {
-    "demo": (QuickstartConfig, run_quickstart),
+    "demo": (DemoConfig, run_demo),
+    "collect": (CollectConfig, run_collect),
+    "bench": (BenchConfig, run_bench),
 }
 
 
 def add_dataclass_arguments(parser: argparse.ArgumentParser, config_cls: type) -> None:
-    """One --flag per dataclass field, with the field's docstring as help."""
+    """One --flag per dataclass field, with the field's docstring as help (Literal fields get choices)."""
     docs = _field_docs(config_cls)
+    hints = typing.get_type_hints(config_cls)
     for field in dataclasses.fields(config_cls):
         flag = "--" + field.name.replace("_", "-")
         default = field.default if field.default is not dataclasses.MISSING else None
-        kind = _arg_type(field.type)
+        kind, choices = _arg_type(hints[field.name])
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=docs.get(field.name))
         else:
-            parser.add_argument(flag, type=kind, default=default, help=f"{docs.get(field.name, '')} (default: {default})")
+            parser.add_argument(
+                flag, type=kind, choices=choices, default=default, help=f"{docs.get(field.name, '')} (default: {default})"
+            )
 
 
-def _arg_type(annotation: Any) -> type:
-    text = str(annotation)
-    for name, kind in (("bool", bool), ("int", int), ("float", float)):
-        if text.startswith(name):
-            return kind
-    return str
+def _arg_type(annotation: Any) -> tuple[type, tuple[Any, ...] | None]:
+    """(argparse type, choices or None) of a field annotation such as ``int``, ``str | None``, ``Literal[...]``."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is typing.Literal:
+        return type(args[0]), tuple(args)
+    if args and typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return _arg_type(args[0])  # X | None: a flag of type X, absent means None
+    return (annotation if annotation in (bool, int, float) else str), None
 
 
 def _field_docs(config_cls: type) -> dict[str, str]:
@@ -111,11 +90,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     config_cls, run = COMMANDS[args.command]
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)}
-    return run(config_cls(**values))
+    try:
+        config = config_cls(**values)
+    except (TypeError, ValueError) as exc:  # __post_init__ checks: a bad flag value
+        parser.exit(2, f"lmcollect {args.command}: error: {exc}\n")
+    try:
+        return run(config)
+    except UsageError as exc:  # a missing model folder, a malformed prompt file, an unknown task...
+        parser.exit(2, f"lmcollect {args.command}: error: {exc}\n")
 
 
 if __name__ == "__main__":

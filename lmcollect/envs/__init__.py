@@ -22,6 +22,7 @@ from lmcollect.envs.tasks import (
     binary_search_player,
     guessing_game_dataset,
 )
+from lmcollect.envs.tasks import SHIPPED_TASKS, ShippedTask, comparison_dataset, get_shipped_task
 
 __all__ = [
     "PROMPT_ID",
@@ -46,4 +47,8 @@ __all__ = [
     "guessing_game_dataset",
     "parse_math_answer",
     "row_to_history",
+    "SHIPPED_TASKS",
+    "ShippedTask",
+    "comparison_dataset",
+    "get_shipped_task",
 ]

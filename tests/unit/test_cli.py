@@ -1,19 +1,272 @@
-"""The `lmcollect` command: help without heavy imports, and a tiny demo run."""
+"""The `lmcollect` command without Ray: parser, help, input errors, output files, report and bench pieces."""
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
+import json
 import subprocess
 import sys
+import time
+from pathlib import Path
 
-from lmcollect.cli.main import main
+import pytest
+
+from lmcollect.cli.configs import BenchConfig, CollectConfig, DemoConfig
+from lmcollect.cli.main import COMMANDS, _field_docs, build_parser, main
+
+LMCOLLECT = [sys.executable, "-m", "lmcollect.cli.main"]
 
 
+# ---------------------------------------------------------------------------------------- shape
 def test_help_imports_nothing_heavy() -> None:
-    code = "import sys, lmcollect.cli.main as m; m.build_parser(); print(sorted({'torch', 'ray', 'transformers'} & set(sys.modules)))"
+    code = "import sys, lmcollect.cli.main as m; m.build_parser(); print(sorted({'torch', 'ray', 'transformers', 'rich'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 
-def test_demo_runs_on_the_tiny_model(tiny_model_path, capsys) -> None:
-    assert main(["demo", "--model", str(tiny_model_path), "--num-envs", "2", "--num-batches", "1", "--max-new-tokens", "4"]) == 0
+def test_help_answers_fast() -> None:
+    start = time.perf_counter()
+    out = subprocess.run([*LMCOLLECT, "--help"], capture_output=True, text=True, check=True)
+    elapsed = time.perf_counter() - start
+    assert "demo" in out.stdout and "collect" in out.stdout and "bench" in out.stdout
+    assert elapsed < 2.0, f"lmcollect --help took {elapsed:.2f} s"  # about 0.1 s; generous for a busy CI box
+
+
+def test_every_field_of_every_command_has_a_help_line() -> None:
+    assert set(COMMANDS) == {"demo", "collect", "bench"}
+    for name, (config_cls, _) in COMMANDS.items():
+        docs = _field_docs(config_cls)
+        missing = [f.name for f in dataclasses.fields(config_cls) if not docs.get(f.name)]
+        assert not missing, f"{name}: fields without a docstring: {missing}"
+
+
+@pytest.mark.parametrize("command", ["demo", "collect", "bench"])
+def test_subcommand_help(command: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([command, "--help"])
+    assert exc.value.code == 0
     out = capsys.readouterr().out
-    assert "collected 2 dialog turns" in out and "[user]" in out and "[assistant]" in out
+    assert "--output" in out or "--output-dir" in out
+
+
+def test_flags_come_from_the_dataclass_with_types_and_choices() -> None:
+    args = build_parser().parse_args(["demo", "--max-steps", "7", "--lr", "0.01", "--no-progress", "--backend", "vllm"])
+    assert (args.max_steps, args.lr, args.progress, args.backend, args.model) == (7, 0.01, False, "vllm", None)
+
+
+def test_task_help_names_the_shipped_tasks() -> None:
+    from lmcollect.envs import SHIPPED_TASKS
+
+    docs = _field_docs(CollectConfig)["task"]
+    assert all(name in docs for name in SHIPPED_TASKS)
+
+
+# ---------------------------------------------------------------------------------------- bad input
+def _error(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_bad_flag_values_exit_2_with_the_flag_named(capsys) -> None:
+    assert "--group-size must be >= 2" in _error(["demo", "--group-size", "1"], capsys)
+    assert "--max-staleness must be >= 1" in _error(["demo", "--max-staleness", "0"], capsys)
+    assert "invalid choice: 'tpu'" in _error(["collect", "--backend", "tpu"], capsys)
+    assert "--output must end with .parquet or .jsonl" in _error(["collect", "--output", "x.csv"], capsys)
+    assert "--num-envs (6) must be a multiple of --group-size (4)" in _error(["collect", "--num-envs", "6", "--group-size", "4"], capsys)
+
+
+def test_collect_reports_a_missing_model_folder(tmp_path: Path, capsys) -> None:
+    err = _error(["collect", "--model", str(tmp_path / "nowhere")], capsys)
+    assert f"--model {tmp_path / 'nowhere'}: no such folder" in err
+    assert "not a model folder (no config.json" in _error(["collect", "--model", str(tmp_path)], capsys)
+
+
+def test_collect_reports_the_line_of_a_malformed_prompt_file(tmp_path: Path, capsys) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "What is 1 + 1?"}\n{"prompt": "broken\n', encoding="utf-8")
+    err = _error(["collect", "--prompts", str(prompts)], capsys)
+    assert f"{prompts}:2: malformed JSON line" in err
+    prompts.write_text('{"prompt": "ok"}\n{"question": "no prompt key"}\n', encoding="utf-8")
+    assert f"{prompts}:2: row has no 'prompt' key" in _error(["collect", "--prompts", str(prompts)], capsys)
+    assert "no such file" in _error(["collect", "--prompts", str(tmp_path / "missing.jsonl")], capsys)
+
+
+def test_collect_needs_answers_to_score_prompt_rows(tmp_path: Path, capsys) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "What is 1 + 1?", "answer": "2"}\n{"prompt": "What is 2 + 2?"}\n', encoding="utf-8")
+    err = _error(["collect", "--prompts", str(prompts), "--task", "arithmetic"], capsys)
+    assert "row 2 has no 'answer' for --task arithmetic" in err
+
+
+def test_unknown_or_unsuitable_tasks(capsys) -> None:
+    assert "unknown task 'chess'; shipped tasks: comparison" in _error(["collect", "--task", "chess"], capsys)
+    assert "unknown task 'chess'" in _error(["demo", "--task", "chess"], capsys)
+    assert "the demo trains on single-turn tasks" in _error(["demo", "--task", "guessing"], capsys)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed: --backend vllm runs")
+def test_vllm_backend_without_vllm(capsys) -> None:
+    assert "vLLM is not installed" in _error(["collect", "--backend", "vllm"], capsys)
+    assert "vLLM is not installed" in _error(["demo", "--backend", "vllm"], capsys)
+
+
+def test_bench_rejects_unknown_benchmarks(capsys) -> None:
+    assert "unknown benchmark(s) ['nope']" in _error(["bench", "--only", "nope"], capsys)
+
+
+# ---------------------------------------------------------------------------------------- collect output
+def test_collected_turns_round_trip_through_parquet_and_jsonl(tmp_path: Path) -> None:
+    import pandas as pd
+
+    from lmcollect.cli.builders import EnvFactory
+    from lmcollect.cli.rollouts import COLUMNS, batch_records, write_records
+    from lmcollect.collectors import LLMCollector
+    from lmcollect.envs import get_shipped_task
+    from lmcollect.policies import ScriptedPolicy
+
+    env = EnvFactory(task_name="comparison", rows=get_shipped_task("comparison").make_rows(16, seed=0), num_envs=4, repeats=2, seed=0)
+    collector = LLMCollector(env, policy=ScriptedPolicy("9"), dialog_turns_per_batch=4, total_dialog_turns=8, track_policy_version=True)
+    records = [record for batch in collector for record in batch_records(batch)]
+    assert len(records) == 8
+    for path, read in ((tmp_path / "t.parquet", pd.read_parquet), (tmp_path / "t.jsonl", lambda p: pd.read_json(p, lines=True, dtype=False))):
+        df = read(write_records(records, path))
+        assert list(df.columns) == list(COLUMNS) and len(df) == 8
+        row = df.iloc[0]
+        assert row["response"] == "9" and bool(row["done"])
+        assert df["reward"].tolist() == [float(" 9 " in p or " 9?" in p) for p in df["prompt"]]  # 9 wins when asked
+        assert "Which is larger" in row["prompt"]  # as the policy rendered it
+        assert len(row["log_probs"]) == len(row["tokens_response"]) > 0 and len(row["tokens_prompt"]) > 0
+        assert df["policy_version"].tolist() == [0] * 8 and df["traj_id"].nunique() == 8
+        assert df.groupby("prompt_id").size().tolist() == [2, 2, 2, 2]  # group size 2
+
+
+# ---------------------------------------------------------------------------------------- report
+def test_run_folder_metrics_summary_and_plot(tmp_path: Path) -> None:
+    from lmcollect.cli.report import MetricsLog, make_run_dir, plot_training, write_summary
+
+    first, second = make_run_dir(tmp_path, "demo"), make_run_dir(tmp_path, "demo")
+    assert first != second and first.is_dir() and second.is_dir()
+    log = MetricsLog(first / "metrics.jsonl")
+    for step in range(1, 4):
+        log.append({"step": step, "reward/mean": step / 4, "collect/turns_per_s": 10.0, "timing/weight_sync/push_s": 0.01})
+    assert [json.loads(line)["step"] for line in (first / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    png = plot_training(log.records, first / "training.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot_training([], first / "none.png") is None
+    assert json.loads(write_summary(first, {"interrupted": True}).read_text()) == {"interrupted": True}
+
+
+def test_training_status_table_shows_the_six_metrics() -> None:
+    from rich.console import Console
+
+    from lmcollect.cli.progress import training_status
+
+    console = Console(width=100, record=True)
+    console.print(training_status({"collect/turns": 640, "reward/mean": 0.5, "policy_version": 11, "collect/turns_per_s": 99.0,
+                                   "timing/weight_sync/push_s": 0.02, "staleness/mean": 1.25}))
+    text = console.export_text()
+    for expected in ("turns", "mean reward", "version", "turns/s", "push s", "staleness", "640", "0.500", "11", "0.020", "1.25"):
+        assert expected in text
+
+
+# ---------------------------------------------------------------------------------------- bench
+def test_bench_rows_share_one_shape() -> None:
+    from lmcollect.cli.bench import markdown_table, normalize_row
+
+    collect = normalize_row("collect", {"row": "LLMCollector small", "metric": "turns/s vs raw generate", "value": 0.97, "target": ">= 0.95", "met": True})
+    sync = normalize_row("weight_sync", {"row": "views", "gb": 0.25, "median_s": 0.1, "s_per_gb": 0.4, "x_memcpy": 3.5})
+    for row in (collect, sync):
+        assert {"benchmark", "row", "metric", "value", "target", "met"} <= set(row)
+    assert sync["value"] == 3.5 and sync["metric"] == "push s / memcpy s (0.400 s/GB)"
+    table = markdown_table({"date": "2026-01-01", "machine": "x86_64 2 CPU cores", "quick": True, "rows": [collect, sync]})
+    assert "2026-01-01" in table and "| collect | LLMCollector small | turns/s vs raw generate | 0.970 | >= 0.95 | True |" in table
+
+
+def test_bench_reads_the_json_line_of_a_script_without_run(tmp_path: Path) -> None:
+    from lmcollect.cli.bench import _json_of_main, _load_path
+
+    script = tmp_path / "fake_bench.py"
+    script.write_text(
+        "import json, sys\n"
+        "def main():\n"
+        "    print('a human table')\n"
+        "    print(json.dumps({'rows': [{'row': 'r', 'argv': sys.argv[1:]}]}))\n",
+        encoding="utf-8",
+    )
+    assert _json_of_main(_load_path(script), ["--quick"]) == {"rows": [{"row": "r", "argv": ["--quick"]}]}
+
+
+def test_bench_smoke_runs_the_collect_benchmark(tmp_path: Path, capsys) -> None:
+    output = tmp_path / "bench.json"
+    argv = ["bench", "--only", "collect", "--sizes", "tiny", "--rows", "local", "--batch-size", "2", "--max-new-tokens", "4", "--output", str(output)]
+    assert main(argv) == 0
+    report = json.loads(output.read_text())
+    assert report["date"] and "CPU cores" in report["machine"]
+    assert [r["row"] for r in report["rows"]] == ["LLMCollector tiny"] and report["rows"][0]["value"] > 0
+    assert "LLMCollector tiny" in output.with_suffix(".md").read_text()
+    assert "LLMCollector tiny" in capsys.readouterr().out
+
+
+def test_configs_are_keyword_only_dataclasses() -> None:
+    for config_cls in (DemoConfig, CollectConfig, BenchConfig):
+        with pytest.raises(TypeError):
+            config_cls(1)  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------------------------------- background collection
+def _local_collector(buffer, respond) -> object:
+    from lmcollect.cli.builders import EnvFactory
+    from lmcollect.collectors import LLMCollector
+    from lmcollect.envs import get_shipped_task
+    from lmcollect.policies import ScriptedPolicy
+
+    env = EnvFactory(task_name="comparison", rows=get_shipped_task("comparison").make_rows(16, seed=0), num_envs=2, repeats=2, seed=0)
+    return LLMCollector(env, policy=ScriptedPolicy(respond), dialog_turns_per_batch=2, replay_buffer=buffer)
+
+
+@pytest.mark.parametrize("backend", ["transformers", "vllm"])
+def test_background_collection_fills_the_buffer_until_stopped(backend: str) -> None:
+    """In the actor's thread (start()) or from driver threads (next() in a loop: the vLLM way)."""
+    from lmcollect.buffers import ReplayBuffer
+    from lmcollect.cli.collection import background_collection
+
+    buffer = ReplayBuffer(capacity=1000)
+    collectors = [_local_collector(buffer, "9"), _local_collector(buffer, "8")]
+    collection = background_collection(collectors, backend)
+    collection.start()
+    deadline = time.monotonic() + 30
+    while buffer.write_count < 8 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert collection.is_running() and buffer.write_count >= 8
+    collection.stop()
+    for collector in collectors:
+        collector.shutdown()
+    assert not collection.is_running()
+
+
+def test_driver_side_collection_reports_a_failed_collector() -> None:
+    from lmcollect.buffers import ReplayBuffer
+    from lmcollect.cli.vllm_backend import DriverSideCollection
+
+    def respond(history) -> str:
+        raise ValueError("engine exploded")
+
+    collection = DriverSideCollection([_local_collector(ReplayBuffer(capacity=10), respond)])
+    collection.start()
+    deadline = time.monotonic() + 30
+    with pytest.raises(RuntimeError, match="engine exploded"):
+        while time.monotonic() < deadline:
+            collection.is_running()
+            time.sleep(0.01)
+
+
+def test_vllm_engine_and_actor_settings() -> None:
+    from lmcollect.cli import vllm_backend
+
+    assert vllm_backend.engine_kwargs(0.0) == {"kv_cache_memory_bytes": 1 << 30, "enforce_eager": True}
+    assert vllm_backend.engine_kwargs(0.5) == {"gpu_memory_utilization": pytest.approx(0.425)}
+    cpu, gpu = vllm_backend.remote_config(0.0), vllm_backend.remote_config(0.5)
+    assert cpu["max_concurrency"] == 1 and "num_gpus" not in cpu and gpu["num_gpus"] == 0.5
+    assert cpu["runtime_env"]["env_vars"] == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}

@@ -1,0 +1,401 @@
+"""`lmcollect demo`: GRPO on a shipped task, Ray collectors filling a buffer while the driver trains.
+
+Run: ``lmcollect demo`` (about 3-4 minutes on 2 CPU cores; ``lmcollect demo --help`` for the knobs).
+
+After a short supervised warm-up (the model starts from random weights), the loop is::
+
+    for step in range(max_steps):
+        turns = buffer.sample(turns_per_step, min_policy_version=version - max_staleness)
+        learner.train_step(turns)        # clipped policy gradient on group-normalised advantages
+        push_weights()                   # every collector now generates with version + 1
+
+Collectors compute each turn's advantage when they write it (a batch holds whole groups), and go
+on collecting while the driver trains: collection overlaps training, and the importance ratio
+against the log-probs recorded at collection corrects for turns a version or two old.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from lmcollect.buffers.ray_buffer import RayReplayBuffer
+from lmcollect.cli.builders import (
+    EnvFactory,
+    PolicyFactory,
+    check_backend,
+    collector_placement,
+    resolve_model_path,
+    resolve_task,
+)
+from lmcollect.cli.cluster import ray_session
+from lmcollect.cli.collection import Collection, background_collection
+from lmcollect.cli.configs import DemoConfig, UsageError
+from lmcollect.cli.progress import TrainingProgress
+from lmcollect.cli.report import (
+    METRICS_FILE,
+    PLOT_FILE,
+    MetricsLog,
+    make_run_dir,
+    plot_training,
+    summary_table,
+    write_summary,
+)
+from lmcollect.cli.weight_push import make_weight_pusher
+from lmcollect.collectors.ray_group import RayCollectorGroup
+from lmcollect.envs import ShippedTask
+from lmcollect.models import load_model_and_tokenizer
+from lmcollect.policies import SamplingConfig, TransformersPolicy
+from lmcollect.training.batch import LEARNER_KEYS, GroupAdvantage, TrainBatch, train_batch_from_turns
+from lmcollect.training.evaluate import mean_reward
+from lmcollect.training.trainer import GRPOConfig, GRPOLearner
+from lmcollect.training.warmup import WarmupConfig, warm_up
+
+logger = logging.getLogger(__name__)
+
+NUM_TRAIN_PROMPTS = 4096
+WAIT_TIMEOUT_S = 120.0
+HEALTH_CHECK_S = 2.0
+
+
+def run_demo(config: DemoConfig) -> int:
+    task = _single_turn_task(config.task)
+    check_backend(config.backend)
+    model_path = resolve_model_path(config.model)
+    console = Console()
+    run_dir = make_run_dir(config.output_dir, "demo")
+    console.print(f"[bold]lmcollect demo[/]: GRPO on '{task.name}' ({task.description}); run folder {run_dir}")
+    torch.manual_seed(config.seed)
+    model, tokenizer = load_model_and_tokenizer(model_path)
+    with ray_session(config.address), _torch_threads(_trainer_threads(config)):
+        demo = DemoRun(config, task, model, tokenizer, model_path=model_path, run_dir=run_dir, console=console)
+        summary = demo.run()
+    console.print(summary_table(_table_rows(summary), title=f"lmcollect demo: {run_dir}"))
+    return 130 if summary["interrupted"] else 0
+
+
+def _trainer_threads(config: DemoConfig) -> int:
+    """Torch threads of the trainer: the cores the collectors leave (at least one; each uses one or more)."""
+    collector_threads = config.num_collectors * max(1, math.floor(config.cpus_per_collector))
+    return max(1, (os.cpu_count() or 1) - collector_threads)
+
+
+@contextlib.contextmanager
+def _torch_threads(num_threads: int) -> Iterator[None]:
+    saved = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _single_turn_task(name: str) -> ShippedTask:
+    task = resolve_task(name)
+    if task.max_turns != 1 or not task.has_reference_answers:
+        raise UsageError(
+            f"--task {name}: the demo trains on single-turn tasks with reference answers (comparison, addition, arithmetic)."
+        )
+    return task
+
+
+class DemoRun:
+    """One demo run: collectors, buffer, learner, and what has happened so far (for summary.json)."""
+
+    def __init__(
+        self,
+        config: DemoConfig,
+        task: ShippedTask,
+        model: Any,
+        tokenizer: Any,
+        *,
+        model_path: Path,
+        run_dir: Path,
+        console: Console,
+    ) -> None:
+        self.config, self.task, self.model, self.tokenizer = config, task, model, tokenizer
+        self.model_path, self.run_dir, self.console = model_path, run_dir, console
+        self.log = MetricsLog(run_dir / METRICS_FILE)
+        self.version = 0  # the trainer's weights; every collector has them after a push
+        self.rewards: dict[str, float] = {}
+        self.timings_s: dict[str, float] = {}
+        self.interrupted = False
+        self.eval_rows = task.make_rows(config.num_eval_prompts, seed=config.seed + 1)
+        self.buffer: RayReplayBuffer | None = None
+        self.group: RayCollectorGroup | None = None
+        self.collection: Collection | None = None
+
+    def run(self) -> dict[str, Any]:
+        """All phases; Ctrl-C stops them, and the collectors are shut down in any case."""
+        started = time.perf_counter()
+        try:
+            self.buffer = RayReplayBuffer(capacity=8 * self.config.turns_per_step, seed=self.config.seed)
+            self.group = self._build_collectors()
+            self.timings_s["setup"] = time.perf_counter() - started
+            self._run_phases()
+        except KeyboardInterrupt:
+            self.interrupted = True
+            self.console.print("[yellow]interrupted: shutting the collectors down; the run folder keeps what was written[/]")
+        finally:
+            collectors = self._shut_down()
+            self.timings_s["total"] = time.perf_counter() - started
+            summary = self._summary(collectors)
+            write_summary(self.run_dir, summary)
+            plot_training(self.log.records, self.run_dir / PLOT_FILE)
+        return summary
+
+    def _run_phases(self) -> None:
+        self.rewards["initial"] = self._evaluate()
+        if self.config.warmup_steps:
+            self.console.print(f"supervised warm-up before RL: {self.config.warmup_steps} steps on {self._warmup_kind()}")
+            self._timed("warmup", self._warm_up)
+        self.rewards["before_rl"] = self._evaluate()
+        self.console.print(f"mean reward {self.rewards['initial']:.3f} at init, {self.rewards['before_rl']:.3f} before RL")
+        push_weights = make_weight_pusher(self.model, list(self.group), self.config.backend)
+        push_weights()  # version 1: the warmed-up weights
+        self.version = 1
+        self.collection = background_collection(list(self.group), self.config.backend)
+        self.collection.start()
+        self._timed("rl", lambda: self._train(push_weights))
+        self.rewards["final"] = self._evaluate()
+        self.console.print(f"mean reward {self.rewards['before_rl']:.3f} before RL, {self.rewards['final']:.3f} after RL")
+
+    def _train(self, push_weights: Callable[[], None]) -> None:
+        """The RL loop: wait for fresh turns, one GRPO step, push the new weights to every collector."""
+        config = self.config
+        learner = GRPOLearner(self.model, GRPOConfig(lr=config.lr, clip_epsilon=config.clip_epsilon))
+        throughput = _Throughput(self.buffer.write_count)
+        start = time.perf_counter()
+        with self._progress() as progress:
+            for step in range(1, config.max_steps + 1):
+                if time.perf_counter() - start > config.max_train_s:
+                    break
+                clock = _Stopwatch()
+                with clock.lap("timing/wait_s"):
+                    self._wait_for_turns(throughput.written + config.turns_per_step)
+                with clock.lap("timing/sample_s"):
+                    batch = self._sample_batch()
+                with clock.lap("timing/train_s"):
+                    metrics = learner.train_step(batch)
+                with clock.lap("timing/weight_sync/push_s"):
+                    push_weights()
+                self.version += 1
+                record = {
+                    "step": step,
+                    "time_s": time.perf_counter() - start,
+                    "policy_version": self.version,
+                    "reward/mean": float(batch.rewards.mean()),
+                    **throughput.update(self.buffer.write_count),
+                    **_staleness(self.version - 1, batch),
+                    **metrics,
+                    **clock.laps,
+                }
+                self.log.append(record)
+                progress.update(record)
+
+    def _sample_batch(self) -> TrainBatch:
+        """``turns_per_step`` turns generated at most ``max_staleness`` versions ago, packed for the learner."""
+        min_version = max(0, self.version - self.config.max_staleness)
+        turns = self.buffer.sample(self.config.turns_per_step, min_policy_version=min_version)
+        return train_batch_from_turns(turns, pad_token_id=self.tokenizer.pad_token_id)
+
+    def _wait_for_turns(self, target: int) -> None:
+        """Block until the buffer has had ``target`` writes (collectors are checked every few seconds)."""
+        deadline = time.monotonic() + WAIT_TIMEOUT_S
+        next_check = time.monotonic() + HEALTH_CHECK_S
+        while self.buffer.write_count < target:
+            now = time.monotonic()
+            if now > next_check:
+                # is_running() re-raises the error that stopped a collector, if one did
+                if not self.collection.is_running():
+                    raise RuntimeError("every collector has stopped collecting; see the log above for why.")
+                next_check = now + HEALTH_CHECK_S
+            if now > deadline:
+                raise RuntimeError(f"no {target} buffer writes after {WAIT_TIMEOUT_S:.0f} s; are the collectors stuck?")
+            time.sleep(0.01)
+
+    # ------------------------------------------------------------------ pieces
+    def _build_collectors(self) -> RayCollectorGroup:
+        config = self.config
+        sampling = SamplingConfig(max_new_tokens=config.max_new_tokens, temperature=config.temperature)
+        remote_config, engine_kwargs = collector_placement(config.backend, config.num_collectors)
+        return RayCollectorGroup(
+            config.num_collectors,
+            seed=config.seed,
+            env=EnvFactory(
+                task_name=self.task.name,
+                rows=self.task.make_rows(NUM_TRAIN_PROMPTS, seed=config.seed),
+                num_envs=config.turns_per_batch,
+                repeats=config.group_size,
+                seed=config.seed,
+            ),
+            policy_factory=PolicyFactory(
+                backend=config.backend, model_path=str(self.model_path), sampling=sampling, engine_kwargs=engine_kwargs
+            ),
+            replay_buffer=self.buffer,
+            dialog_turns_per_batch=config.turns_per_batch,
+            postproc=GroupAdvantage(keep_keys=LEARNER_KEYS),  # a batch holds whole groups: advantages are exact here
+            track_policy_version=True,
+            remote_config=remote_config,
+            num_cpus=config.cpus_per_collector,
+        )
+
+    def _warmup_kind(self) -> str:
+        if self.task.format_answer is None:
+            return "reference answers"
+        return "format-only answers (right only by chance: they teach the reply format, RL has to learn the task)"
+
+    def _warm_up(self) -> None:
+        config = self.config
+        rows = self.task.make_rows(NUM_TRAIN_PROMPTS, seed=config.seed)
+        if self.task.format_answer is not None:  # teach the reply's format, leave the task itself to RL
+            rng = random.Random(config.seed)
+            rows = [{**row, "answer": self.task.format_answer(row, rng)} for row in rows]
+        warmup = WarmupConfig(
+            num_steps=config.warmup_steps, batch_size=config.warmup_batch_size, lr=config.warmup_lr, seed=config.seed
+        )
+        warm_up(self.model, self.tokenizer, rows, warmup)
+
+    def _evaluate(self) -> float:
+        sampling = SamplingConfig(max_new_tokens=self.config.max_new_tokens, temperature=self.config.temperature)
+        policy = TransformersPolicy(self.model, self.tokenizer, sampling=sampling)
+        return mean_reward(policy, self.eval_rows, self.task.make_task(), seed=self.config.seed)
+
+    def _timed(self, name: str, fn: Callable[[], None]) -> None:
+        start = time.perf_counter()
+        try:
+            fn()
+        finally:
+            self.timings_s[name] = time.perf_counter() - start
+
+    @contextlib.contextmanager
+    def _progress(self) -> Iterator[Any]:
+        if not self.config.progress:
+            yield _NoProgress()
+            return
+        with TrainingProgress(self.config.max_steps, console=self.console) as progress:
+            yield progress
+
+    def _shut_down(self) -> list[dict[str, Any]]:
+        """Shut every collector and the buffer down; each collector's last version and state."""
+        collectors = []
+        if self.collection is not None:
+            self.collection.stop()
+        if self.group is not None:
+            versions = [_policy_version_or_none(c) for c in self.group]
+            self.group.shutdown()
+            collectors = [{"policy_version": v, "shut_down": not c.is_initialized()} for v, c in zip(versions, self.group)]
+        if self.buffer is not None:
+            self.buffer.shutdown()
+        return collectors
+
+    def _summary(self, collectors: list[dict[str, Any]]) -> dict[str, Any]:
+        records = self.log.records
+        return {
+            "command": "demo",
+            "task": self.task.name,
+            "model": str(self.model_path),
+            "interrupted": self.interrupted,
+            "steps": len(records),
+            "policy_version": self.version,
+            "reward": self.rewards,
+            "train_reward": {
+                "first_10_steps": _mean(records[:10], "reward/mean"),
+                "last_10_steps": _mean(records[-10:], "reward/mean"),
+            },
+            "turns_collected": records[-1]["collect/turns"] if records else 0,
+            "turns_per_s": _mean(records, "collect/turns_per_s"),
+            "weight_push_s": {"mean": _mean(records, "timing/weight_sync/push_s"), "max": _max(records, "timing/weight_sync/push_s")},
+            "staleness": {"mean": _mean(records, "staleness/mean"), "max": _max(records, "staleness/max")},
+            "timings_s": self.timings_s,
+            "collectors": collectors,
+            "files": {"metrics": METRICS_FILE, "plot": PLOT_FILE if records else None},
+            "config": asdict(self.config),
+        }
+
+
+class _Stopwatch:
+    """Seconds spent in named phases of one step."""
+
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def lap(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.laps[name] = time.perf_counter() - start
+
+
+class _Throughput:
+    """Turns written to the buffer so far, and per second since the previous step."""
+
+    def __init__(self, written: int) -> None:
+        self.written, self._time = written, time.perf_counter()
+
+    def update(self, written: int) -> dict[str, float]:
+        now = time.perf_counter()
+        rate = (written - self.written) / (now - self._time)
+        self.written, self._time = written, now
+        return {"collect/turns": written, "collect/turns_per_s": rate}
+
+
+def _staleness(trainer_version: int, batch: TrainBatch) -> dict[str, float]:
+    """How many versions behind the trained weights the batch's turns were generated (0: the same)."""
+    behind = (trainer_version - batch.policy_versions).float()
+    return {"staleness/mean": float(behind.mean()), "staleness/max": float(behind.max())}
+
+
+class _NoProgress:
+    def update(self, record: dict[str, Any]) -> None:
+        logger.debug("step %d: %s", record["step"], record)
+
+
+def _policy_version_or_none(collector: Any) -> int | None:
+    try:
+        return collector.policy_version
+    except Exception:  # designed: a dead collector reports nothing, the others must still shut down
+        logger.exception("could not read a collector's policy version")
+        return None
+
+
+def _mean(records: list[dict[str, Any]], key: str) -> float | None:
+    return sum(r[key] for r in records) / len(records) if records else None
+
+
+def _max(records: list[dict[str, Any]], key: str) -> float | None:
+    return max((r[key] for r in records), default=None)
+
+
+def _fmt(value: float | None, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _table_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    reward, train = summary["reward"], summary["train_reward"]
+    push, staleness = summary["weight_push_s"], summary["staleness"]
+    return [
+        ("mean reward at init / before RL / after RL",
+         f"{_fmt(reward.get('initial'))} / {_fmt(reward.get('before_rl'))} / {_fmt(reward.get('final'))}"),
+        ("train reward, first / last 10 steps", f"{_fmt(train['first_10_steps'])} / {_fmt(train['last_10_steps'])}"),
+        ("training steps / final policy version", f"{summary['steps']} / {summary['policy_version']}"),
+        ("turns collected, turns/s", f"{summary['turns_collected']}, {_fmt(summary['turns_per_s'], '.1f')}"),
+        ("weight push s (mean / max)", f"{_fmt(push['mean'])} / {_fmt(push['max'])}"),
+        ("staleness in versions (mean / max)", f"{_fmt(staleness['mean'], '.2f')} / {_fmt(staleness['max'], '.0f')}"),
+        ("warm-up s / RL s / total s",
+         " / ".join(_fmt(summary["timings_s"].get(k), ".0f") for k in ("warmup", "rl", "total"))),
+        ("collectors shut down", f"{sum(c['shut_down'] for c in summary['collectors'])} of {len(summary['collectors'])}"),
+        ("interrupted", str(summary["interrupted"])),
+    ]

@@ -1,0 +1,98 @@
+"""What a run leaves behind: its folder, metrics.jsonl (one line per step), summary.json and a PNG plot."""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+SUMMARY_FILE = "summary.json"
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "training.png"
+
+
+def make_run_dir(output_dir: str | Path, prefix: str) -> Path:
+    """A new folder ``output_dir/<prefix>-YYYYmmdd-HHMMSS`` (suffixed ``-2``, ``-3``... if taken)."""
+    base = Path(output_dir) / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, n = base, 1
+    while True:
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            n += 1
+            path = base.with_name(f"{base.name}-{n}")
+
+
+class MetricsLog:
+    """Appends one JSON line per training step to ``metrics.jsonl`` as it goes (kept after Ctrl-C)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.records: list[dict[str, Any]] = []
+        path.touch()
+
+    def append(self, record: Mapping[str, Any]) -> None:
+        self.records.append(dict(record))
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def write_summary(run_dir: Path, summary: Mapping[str, Any]) -> Path:
+    path = run_dir / SUMMARY_FILE
+    path.write_text(json.dumps(summary, indent=2, default=str) + "\n", encoding="utf-8")
+    return path
+
+
+def _moving_average(values: Sequence[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot_training(records: Sequence[Mapping[str, Any]], path: Path) -> Path | None:
+    """Reward, throughput and weight-push time over training steps, one panel each (None: no step ran)."""
+    if not records:
+        return None
+    import matplotlib  # imported here: only runs that train pay for it
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    panels = (
+        ("reward/mean", "mean reward of the batch", True),
+        ("collect/turns_per_s", "turns collected / s", False),
+        ("timing/weight_sync/push_s", "weight push (s)", False),
+    )
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 8), sharex=True)
+    for ax, (key, label, smooth) in zip(axes, panels):
+        values = [float(r[key]) for r in records]
+        ax.plot(steps, values, lw=0.8, alpha=0.5 if smooth else 1.0)
+        if smooth:
+            ax.plot(steps, _moving_average(values, 10), lw=2, label="moving average (10 steps)")
+            ax.legend(loc="lower right")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("training step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def summary_table(rows: Sequence[tuple[str, str]], *, title: str) -> Table:
+    """A two-column rich table of (what, value) rows."""
+    table = Table(title=title, show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    for name, value in rows:
+        table.add_row(name, value)
+    return table

@@ -1,0 +1,80 @@
+"""`lmcollect demo` end to end on the session's Ray cluster: a handful of steps, and Ctrl-C."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lmcollect.cli.main import main
+
+pytestmark = pytest.mark.integration
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SMALL_RUN = [
+    "--warmup-steps", "2", "--num-eval-prompts", "8", "--prompts-per-batch", "2", "--group-size", "4",
+    "--turns-per-step", "16", "--cpus-per-collector", "0.25", "--no-progress",
+]
+
+
+def _run_dir(output_dir: Path) -> Path:
+    (run_dir,) = output_dir.iterdir()
+    return run_dir
+
+
+def test_demo_trains_pushes_every_step_and_shuts_every_collector_down(ray_cluster, tiny_model_path: Path, tmp_path: Path, capsys) -> None:
+    argv = ["demo", "--model", str(tiny_model_path), "--max-steps", "4", "--output-dir", str(tmp_path), *SMALL_RUN]
+    assert main(argv) == 0
+    run_dir = _run_dir(tmp_path)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert summary["steps"] == 4 and summary["interrupted"] is False
+    # version 1 is the warmed-up weights; every step pushes once more to every collector
+    assert [r["policy_version"] for r in records] == [2, 3, 4, 5]
+    assert summary["collectors"] == [{"policy_version": 5, "shut_down": True}] * 2
+    assert all(0 <= r["staleness/mean"] <= 2 and r["timing/weight_sync/push_s"] > 0 for r in records)
+    assert records[-1]["collect/turns"] >= 4 * 16
+    assert set(summary["reward"]) == {"initial", "before_rl", "final"}
+    assert (run_dir / "training.png").read_bytes()[:8] == PNG_MAGIC
+    out = capsys.readouterr().out
+    assert "supervised warm-up" in out and "after RL" in out and "collectors shut down" in out
+
+
+def test_ctrl_c_shuts_the_collectors_down_and_keeps_the_run_folder(ray_cluster, tiny_model_path: Path, tmp_path: Path) -> None:
+    address = ray_cluster.get_runtime_context().gcs_address  # attach: no second cluster to start
+    argv = [*_lmcollect(), "demo", "--address", address, "--model", str(tiny_model_path), "--max-steps", "10000",
+            "--max-train-s", "600", "--output-dir", str(tmp_path), *SMALL_RUN]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        metrics = _wait_for_steps(tmp_path, proc, num_steps=2, timeout_s=90)
+        proc.send_signal(signal.SIGINT)
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, output
+    summary = json.loads((metrics.parent / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["steps"] >= 2
+    assert len(summary["collectors"]) == 2 and all(c["shut_down"] for c in summary["collectors"])
+    assert len(metrics.read_text().splitlines()) == summary["steps"]  # every finished step was written
+    assert "interrupted" in output
+
+
+def _lmcollect() -> list[str]:
+    return [sys.executable, "-m", "lmcollect.cli.main"]
+
+
+def _wait_for_steps(output_dir: Path, proc: subprocess.Popen, *, num_steps: int, timeout_s: float) -> Path:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"the demo exited early ({proc.returncode}): {proc.stdout.read()}")
+        for metrics in output_dir.glob("*/metrics.jsonl"):
+            if len(metrics.read_text().splitlines()) >= num_steps:
+                return metrics
+        time.sleep(0.2)
+    raise AssertionError(f"no {num_steps} training steps within {timeout_s} s")
