@@ -58,7 +58,13 @@ def test_sampling_params_mapping() -> None:
 
 def test_engine_kwargs_defaults_and_errors(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
-    assert engine_kwargs_for(tmp_path, {"seed": 1}) == {"seed": 1, "logprobs_mode": "raw_logprobs", "dtype": "float32"}
+    assert engine_kwargs_for(tmp_path, {"seed": 1}) == {
+        "seed": 1,
+        "logprobs_mode": "raw_logprobs",
+        "dtype": "float32",
+        "worker_extension_cls": "lmcollect.weight_sync.vllm_worker_ext.VLLMWeightReceiverExtension",
+    }
+    assert engine_kwargs_for(tmp_path, {"worker_extension_cls": None})["worker_extension_cls"] is None
     assert engine_kwargs_for(tmp_path, {"dtype": "bfloat16"})["dtype"] == "bfloat16"
     with pytest.raises(ValueError, match="logprobs_mode='processed_logprobs'"):
         engine_kwargs_for(tmp_path, {"logprobs_mode": "processed_logprobs"})
