@@ -1,6 +1,8 @@
 """Builds the per-turn TensorDict every policy backend returns (one layout for all)."""
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 from tensordict import TensorDictBase, lazy_stack
 
@@ -56,3 +58,29 @@ def prompts_of(td: TensorDictBase) -> list[History]:
 
 def stack_outputs(outputs: list[TensorDictBase]) -> TensorDictBase:
     return lazy_stack(outputs)
+
+
+# prompt texts -> (prompt tokens, response tokens, response log-probs), one entry per prompt
+GenerateFn = Callable[[list[str]], tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]]
+
+
+def answer_prompts(td: TensorDictBase, tokenizer: Any, generate: GenerateFn) -> TensorDictBase:
+    """The body of every tokenizer-based policy: render each prompt with the chat template,
+    generate, decode, and build one turn output per element (a lazy stack)."""
+    prompts = prompts_of(td)
+    texts = [p.apply_chat_template(tokenizer) for p in prompts]
+    prompt_tokens, response_tokens, log_probs = generate(texts)
+    outputs = []
+    for i, prompt in enumerate(prompts):
+        outputs.append(
+            turn_output(
+                td[i] if td.batch_dims else td,
+                prompt=prompt,
+                prompt_text=texts[i],
+                response_text=tokenizer.decode(response_tokens[i], skip_special_tokens=True),
+                prompt_tokens=prompt_tokens[i],
+                response_tokens=response_tokens[i],
+                log_probs=log_probs[i],
+            )
+        )
+    return stack_outputs(outputs)

@@ -11,7 +11,7 @@ import torch
 from tensordict import TensorDictBase
 from transformers import AutoTokenizer
 
-from lmcollect.policies.outputs import prompts_of, stack_outputs, turn_output
+from lmcollect.policies.outputs import answer_prompts
 from lmcollect.policies.sampling import SamplingConfig
 
 if TYPE_CHECKING:  # vllm is an optional extra and slow to import; VLLMEngine imports it when built
@@ -274,21 +274,4 @@ class VLLMPolicy:
         return prompts, responses, log_probs
 
     def __call__(self, td: TensorDictBase) -> TensorDictBase:
-        prompts = prompts_of(td)
-        texts = [p.apply_chat_template(self.tokenizer) for p in prompts]
-        prompt_tokens, response_tokens, log_probs = self.generate(texts)
-        outputs = []
-        for i, prompt in enumerate(prompts):
-            response_text = self.tokenizer.decode(response_tokens[i], skip_special_tokens=True)
-            outputs.append(
-                turn_output(
-                    td[i] if td.batch_dims else td,
-                    prompt=prompt,
-                    prompt_text=texts[i],
-                    response_text=response_text,
-                    prompt_tokens=prompt_tokens[i],
-                    response_tokens=response_tokens[i],
-                    log_probs=log_probs[i],
-                )
-            )
-        return stack_outputs(outputs)
+        return answer_prompts(td, self.tokenizer, self.generate)
