@@ -96,11 +96,20 @@ class EnvRunner:
                 done_rows.append(i)
                 self.tracker.end(slot, version_index)
             else:
-                next_obs[i] = nxt_i.exclude(keys.REWARD)
+                next_obs[i] = _next_observation(turn, nxt_i)
         self._obs = next_obs
         if done_rows:
             self._reset_rows(done_rows)
         return turns
+
+
+def _next_observation(turn: TensorDictBase, nxt: TensorDictBase) -> TensorDictBase:
+    """The env's next observation plus the dialog's tokens so far (token-exact multi-turn)."""
+    obs = nxt.exclude(keys.REWARD)
+    if keys.TOKENS_FULL in turn.keys(include_nested=True):
+        obs.set(keys.TOKENS_PREFIX, turn.get(keys.TOKENS_FULL))
+        obs.set(keys.HISTORY_PREFIX, turn.get(keys.HISTORY_FULL))
+    return obs
 
 
 def _stamp(

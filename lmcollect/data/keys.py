@@ -25,6 +25,12 @@ TOKENS_FULL = ("tokens", "full")
 ATTENTION_MASK = ("masks", "all_attention_mask")
 ASSISTANT_MASK = ("masks", "all_assistant_mask")
 
+# Carried by the collector into the next turn's observation (never in a collected turn): the
+# previous turn's full history and its tokens exactly as the engine saw and generated them, so the
+# policy builds the next prompt's tokens by appending to them instead of re-tokenizing the dialog.
+HISTORY_PREFIX = ("history", "prefix")
+TOKENS_PREFIX = ("tokens", "prefix")
+
 # Log-probs of each response token under the policy that generated it (1-D float32).
 LOG_PROBS_RESPONSE = ("log_probs", "response")
 

@@ -26,7 +26,8 @@ def turn_output(
     num_prompt, num_response = prompt_tokens.numel(), response_tokens.numel()
     assistant_mask = torch.zeros(num_prompt + num_response, dtype=torch.bool)
     assistant_mask[num_prompt:] = True
-    out = obs.copy()  # shallow: the observation's entries (env ids, flags) travel with the turn
+    # the observation's entries (env ids, flags) travel with the turn; the carried prefix does not
+    out = obs.exclude(keys.HISTORY_PREFIX, keys.TOKENS_PREFIX)
     out.update(
         {
             "history": {"prompt": prompt, "response": History(full.messages[-1:]), "full": full},
