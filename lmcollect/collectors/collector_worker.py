@@ -10,8 +10,13 @@ import torch
 from tensordict import TensorDictBase
 
 from lmcollect.collectors.llm_collector import LLMCollector
+from lmcollect.weight_sync.version import PushVersion
 
 logger = logging.getLogger(__name__)
+
+
+class CollectorRestartedError(RuntimeError):
+    """A restarted collector actor was asked to collect before it was restored."""
 
 
 class CollectorWorker(LLMCollector):
@@ -19,12 +24,62 @@ class CollectorWorker(LLMCollector):
 
     It is a plain class (Ray is applied where the actor is created); env and policy
     constructors are called here, inside the actor, so no model travels through the driver.
+
+    ``restarted=True`` (the actor was reconstructed after a crash, see ``max_restarts``): it
+    holds its initial weights, a fresh worker index and seed, so it refuses to collect until
+    :meth:`restore_after_restart` gives it back its worker index, seed and last weights with
+    their version (``RayLLMCollector`` does that by itself before its next call).
     """
 
-    def __init__(self, *args: Any, torch_threads: int | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, torch_threads: int | None = None, restarted: bool = False, **kwargs: Any) -> None:
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
         super().__init__(*args, **kwargs)
+        self._awaiting_restore = restarted
+
+    def _check_restored(self) -> None:
+        if self._awaiting_restore:
+            raise CollectorRestartedError(
+                "this collector's actor was restarted after a crash and still holds its initial weights, "
+                "worker index and seed, so its turns would carry a version whose weights it does not hold. "
+                "RayLLMCollector restores it before its next call; driving the actor yourself, call "
+                "restore_after_restart(...) (or push weights) first."
+            )
+
+    def restore_after_restart(
+        self,
+        *,
+        worker_idx: int | None,
+        restarts: int,
+        seed: tuple[int, bool] | None,
+        weights: Any = None,
+        version: Any = None,
+        convert_dtype: bool = False,
+    ) -> None:
+        """Give a restarted actor back what it held: worker index (ids continue in a fresh
+        sub-block of its range), seed, and the last weights pushed to it with their version."""
+        if weights is not None:
+            self.apply_weights(weights, convert_dtype=convert_dtype, version=version)
+        if worker_idx is not None:
+            self.set_worker_idx(worker_idx, restarts=restarts)
+        if seed is not None:
+            self.set_seed(*seed)
+        self._awaiting_restore = False
+
+    def is_awaiting_restore(self) -> bool:
+        return self._awaiting_restore
+
+    def apply_weights(self, weights: Any, **kwargs: Any) -> Any:
+        """Apply a push (see :meth:`LLMCollector.apply_weights`); returns the version now held
+        (a :class:`PushVersion`, None when versions are not tracked), so the driver can re-send it."""
+        super().apply_weights(weights, **kwargs)
+        if self._policy_version is None:
+            return None
+        return PushVersion(self._policy_version.index, self._policy_version.version_uuid)
+
+    def start(self) -> None:
+        self._check_restored()
+        super().start()
 
     def ping(self) -> bool:
         return True
@@ -47,17 +102,16 @@ class CollectorWorker(LLMCollector):
             raise AttributeError(f"{name!r} is not a readable collector attribute; readable: {sorted(_READABLE)}.")
         return getattr(self, name)
 
-    def set_worker_idx(self, worker_idx: int | None) -> None:
-        self.worker_idx = worker_idx
-
     def collect_next(self) -> tuple[TensorDictBase | None, bool]:
         """(next batch or None, whether the collector is finished after it)."""
+        self._check_restored()
         if self._finished():
             return None, True
         batch = self.next()
         return batch, self._finished()
 
     def rollout_once(self) -> TensorDictBase:
+        self._check_restored()
         return self.rollout()
 
     def is_finished(self) -> bool:

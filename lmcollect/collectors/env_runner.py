@@ -14,8 +14,11 @@ from lmcollect.data import keys
 # (version written into turns, integer index of that version)
 VersionFn = Callable[[], tuple[int | str, int]]
 
+_ENV_NEXT_KEYS = (keys.DONE, keys.REWARD)
 
-def check_policy_output(out: TensorDictBase, policy: object) -> None:
+
+def check_policy_output(out: TensorDictBase, policy: object, num_envs: int) -> None:
+    """The keys and batch size the collector reads from a policy call (cheap: every turn)."""
     present = out.keys(include_nested=True)
     missing = [k for k in keys.POLICY_OUTPUT_KEYS if k not in present]
     if missing:
@@ -23,13 +26,55 @@ def check_policy_output(out: TensorDictBase, policy: object) -> None:
             f"policy {type(policy).__name__} returned no {missing}; a policy must add "
             f"{list(keys.POLICY_OUTPUT_KEYS)} to its input (see lmcollect.policies.PolicyProtocol)."
         )
+    if out.batch_size[:1] != torch.Size([num_envs]):
+        raise ValueError(
+            f"policy {type(policy).__name__} returned batch size {tuple(out.batch_size)} for {num_envs} env "
+            "elements; return one entry per element of its input."
+        )
+
+
+def check_turn(turn: TensorDictBase, slot: int, policy: object) -> None:
+    """One log-prob per response token."""
+    num_tokens = turn.get(keys.TOKENS_RESPONSE).shape[-1]
+    num_log_probs = turn.get(keys.LOG_PROBS_RESPONSE).shape[-1]
+    if num_tokens != num_log_probs:
+        raise ValueError(
+            f"policy {type(policy).__name__} returned {num_log_probs} {keys.LOG_PROBS_RESPONSE} for "
+            f"{num_tokens} {keys.TOKENS_RESPONSE} at env index {slot}; it must return one log-prob per "
+            "generated token."
+        )
+
+
+def env_next(stepped: TensorDictBase, env: object, slot_offset: int, num_envs: int) -> TensorDictBase:
+    """The ``"next"`` entry of an env step, with the keys the collector reads (named if missing)."""
+    nxt = stepped.get("next", None) if stepped is not None else None
+    if nxt is None:
+        raise ValueError(
+            f"env {type(env).__name__} (env indices {slot_offset}..{slot_offset + num_envs - 1}) returned no "
+            "'next' entry from step(); write td['next'] = ... with the next observation, reward and done."
+        )
+    present = nxt.keys(include_nested=True)
+    for key in _ENV_NEXT_KEYS:
+        if key not in present:
+            raise ValueError(
+                f"env {type(env).__name__} step() returned no ('next', {key!r}) at env index {slot_offset}"
+                f"{'' if num_envs == 1 else f'..{slot_offset + num_envs - 1}'}; every step must set "
+                "('next', 'reward') (float, shape [1]) and ('next', 'done') (bool, shape [1])."
+            )
+    if nxt.batch_size[:1] != torch.Size([num_envs]):
+        raise ValueError(
+            f"env {type(env).__name__} step() returned 'next' with batch size {tuple(nxt.batch_size)} for "
+            f"{num_envs} elements (env indices from {slot_offset}); return one entry per element."
+        )
+    return nxt
 
 
 class EnvRunner:
     """Owns one env's current observations and turns each step into :class:`CollectedTurn` s.
 
-    ``slot_offset`` numbers this env's elements within the collector (several envs run side by
-    side with ``async_envs``).
+    ``slot_offset`` numbers this env's elements within the collector, and ``env_number`` /
+    ``num_env_runners`` the env among the collector's envs (several run side by side with
+    ``async_envs``); group ids depend on both.
     """
 
     def __init__(
@@ -41,6 +86,8 @@ class EnvRunner:
         version_fn: VersionFn,
         policy_lock: ReadWriteLock,
         slot_offset: int = 0,
+        env_number: int = 0,
+        num_env_runners: int = 1,
     ) -> None:
         self.env = env
         self.policy = policy
@@ -48,9 +95,10 @@ class EnvRunner:
         self.version_fn = version_fn
         self.policy_lock = policy_lock
         self.slot_offset = slot_offset
+        self.env_number = env_number
+        self.num_env_runners = num_env_runners
         self.num_envs = int(torch.Size(env.batch_size).numel())
         self._obs: list[TensorDictBase] | None = None
-        self._checked = False
 
     def reset(self, index: list[int] | None = None) -> None:
         """Start new dialogs in every element, or only in ``index`` (local element indices)."""
@@ -77,20 +125,18 @@ class EnvRunner:
         with self.policy_lock.read():  # weights never change under a running policy call
             version, version_index = self.version_fn()
             out = self.policy(lazy_stack(self._obs))
-        if not self._checked:
-            check_policy_output(out, self.policy)
-            self._checked = True
-        stepped = self.env.step(out)
-        nxt = stepped.get("next")
+        check_policy_output(out, self.policy, self.num_envs)
+        nxt = env_next(self.env.step(out), self.env, self.slot_offset, self.num_envs)
         turns, done_rows, next_obs = [], [], list(self._obs)
         for i in range(self.num_envs):
+            slot = self.slot_offset + i
             turn = out[i]
+            check_turn(turn, slot, self.policy)
             nxt_i = nxt[i]
             turn.set("next", nxt_i)
             done = bool(nxt_i.get(keys.DONE).any())
-            slot = self.slot_offset + i
             traj_id, step_count, min_version = self.tracker.stamp(slot, version_index)
-            _stamp(turn, version, version_index, traj_id, step_count, min_version, slot)
+            _stamp(turn, version, version_index, traj_id, step_count, min_version, slot, self._group_id(turn))
             turns.append(CollectedTurn(slot=slot, traj_id=traj_id, done=done, td=turn))
             if done:
                 done_rows.append(i)
@@ -101,6 +147,12 @@ class EnvRunner:
         if done_rows:
             self._reset_rows(done_rows)
         return turns
+
+    def _group_id(self, turn: TensorDictBase) -> int:
+        prompt_id = turn.get(keys.ENV_PROMPT_ID, None)
+        if prompt_id is None:
+            return -1
+        return self.tracker.group_id(self.env_number, self.num_env_runners, int(prompt_id))
 
 
 def _next_observation(turn: TensorDictBase, nxt: TensorDictBase) -> TensorDictBase:
@@ -120,9 +172,11 @@ def _stamp(
     step_count: int,
     min_version: int,
     slot: int,
+    group_id: int,
 ) -> None:
     turn.set(keys.POLICY_VERSION, torch.tensor(version) if isinstance(version, int) else version)
     turn.set(keys.TRAJ_IDS, torch.tensor(traj_id))
+    turn.set(keys.GROUP_ID, torch.tensor(group_id))
     turn.set(keys.ENV_INDEX, torch.tensor(slot))
     turn.set(keys.TRAJ_MIN_VERSION, torch.tensor(min_version))
     turn.set(keys.TRAJ_MAX_VERSION, torch.tensor(version_index))

@@ -16,9 +16,10 @@ from lmcollect.collectors.config import resolve_batching
 from lmcollect.collectors.env_runner import EnvRunner
 from lmcollect.collectors.runners import AsyncRunners, SyncRunners
 from lmcollect.collectors.rwlock import ReadWriteLock
-from lmcollect.collectors.trajectories import TrajectoryTracker
+from lmcollect.collectors.trajectories import TrajectoryTracker, id_base, random_namespace
 from lmcollect.collectors.versioning import PolicyVersion, make_policy_version
 from lmcollect.collectors.weights import WeightReceiverMixin
+from lmcollect.weight_sync.version import PushVersion
 
 logger = logging.getLogger(__name__)
 
@@ -107,9 +108,10 @@ class LLMCollector(WeightReceiverMixin):
     # ------------------------------------------------------------------ construction
     def _build_runners(self, async_envs: bool) -> tuple[SyncRunners | AsyncRunners, int]:
         sizes = [int(torch.Size(env.batch_size).numel()) for env in self.envs]
-        self._tracker = TrajectoryTracker(sum(sizes))
+        # ids of this collector's trajectories and groups: a random block until worker_idx is set
+        self._tracker = TrajectoryTracker(sum(sizes), first_id=id_base(random_namespace()))
         runners, offset = [], 0
-        for env, size in zip(self.envs, sizes):
+        for number, (env, size) in enumerate(zip(self.envs, sizes)):
             runners.append(
                 EnvRunner(
                     env,
@@ -118,6 +120,8 @@ class LLMCollector(WeightReceiverMixin):
                     version_fn=self._version,
                     policy_lock=self._policy_lock,
                     slot_offset=offset,
+                    env_number=number,
+                    num_env_runners=len(self.envs),
                 )
             )
             offset += size
@@ -165,10 +169,13 @@ class LLMCollector(WeightReceiverMixin):
         return self.policy_version
 
     def increment_version(self) -> None:
-        """Bump the policy version; turns collected from now on carry the new one."""
+        """Bump the policy version; turns collected from now on carry the new one.
+
+        With ``track_policy_version=False`` nothing changes: turns stay "untracked" (-1).
+        """
         if self._policy_version is None:
-            self._policy_version = PolicyVersion()
-            logger.info("increment_version() turned on policy version tracking")
+            logger.debug("increment_version(): versions are not tracked (track_policy_version=False)")
+            return
         self._policy_version.increment()
 
     def is_initialized(self) -> bool:
@@ -247,9 +254,7 @@ class LLMCollector(WeightReceiverMixin):
 
     def is_running(self) -> bool:
         """True while start()'s thread collects; re-raises the error that stopped it, if any."""
-        if self._thread_error is not None:
-            error, self._thread_error = self._thread_error, None
-            raise RuntimeError(f"background collection failed: {error!r}") from error
+        self._raise_thread_error()
         return self._thread is not None and self._thread.is_alive()
 
     def _wait_if_paused(self) -> None:
@@ -277,12 +282,26 @@ class LLMCollector(WeightReceiverMixin):
             self.pause_end()
 
     def pause_begin(self, timeout_s: float = 600.0) -> None:
-        """First half of :meth:`pause` (for callers that cannot use a context manager, e.g. Ray)."""
-        running = self._thread is not None and self._thread.is_alive()
+        """First half of :meth:`pause` (for callers that cannot use a context manager, e.g. Ray).
+
+        Returns once the background thread is paused, at once if it is not running (finished
+        its budget, or never started), and raises the error that stopped it if it crashed.
+        """
         self._pause_requested.set()
-        if running and not self._paused.wait(timeout_s):
+        deadline = time.monotonic() + timeout_s
+        while not self._paused.wait(0.05):
+            if self._thread is None or not self._thread.is_alive():
+                self._raise_thread_error()
+                return
+            if time.monotonic() > deadline:
+                self._pause_requested.clear()
+                raise TimeoutError(f"the collector did not pause within timeout_s={timeout_s}.")
+
+    def _raise_thread_error(self) -> None:
+        if self._thread_error is not None:
             self._pause_requested.clear()
-            raise TimeoutError(f"the collector did not pause within timeout_s={timeout_s}.")
+            error, self._thread_error = self._thread_error, None
+            raise RuntimeError(f"background collection failed: {error!r}") from error
 
     def pause_end(self) -> None:
         self._pause_requested.clear()
@@ -331,7 +350,14 @@ class LLMCollector(WeightReceiverMixin):
                 runner.reset(local)
 
     def set_seed(self, seed: int, static_seed: bool = False) -> int:
-        """Seed the envs (seed, seed+1, ...) and the policy; returns the last env's seed."""
+        """Seed the envs (seed, seed+1, ...) and the policy; returns the last env's seed.
+
+        Waits for the batch under way (the collector's lock): no turn runs while reseeding.
+        """
+        with self._lock:
+            return self._set_seed(seed, static_seed)
+
+    def _set_seed(self, seed: int, static_seed: bool) -> int:
         out_seed = seed
         for env in self.envs:
             set_env_seed = getattr(env, "set_seed", None)
@@ -357,20 +383,30 @@ class LLMCollector(WeightReceiverMixin):
         return state
 
     def load_state_dict(self, state_dict: OrderedDict, **kwargs: Any) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what :meth:`state_dict` returned.
+
+        The weights load like a push (checked first, under the policy write lock, prefix cache
+        reset) and the collector takes the state's version (never an older one than it holds;
+        an untracked collector stays untracked).
+        """
+        with self._lock:
+            self._load_state_dict(state_dict, **kwargs)
+
+    def _load_state_dict(self, state_dict: OrderedDict, **kwargs: Any) -> None:
+        version = state_dict.get("policy_version")
+        pushed = None if version is None else PushVersion(int(version["index"]), str(version["uuid"]))
+        policy_state = state_dict.get("policy_state_dict")
+        if policy_state is not None and hasattr(self.get_policy_model(), "load_state_dict"):
+            self.apply_weights(policy_state, convert_dtype=bool(kwargs.get("convert_dtype", False)), version=pushed)
+        elif pushed is not None and self._policy_version is not None:
+            self._check_version(pushed)
+            with self._policy_lock.write():
+                self._finish_update(pushed)
         for env, env_state in zip(self.envs, state_dict.get("env_state_dict", [])):
             if env_state is not None:
                 env.load_state_dict(env_state)
-        policy_state = state_dict.get("policy_state_dict")
-        model = self.get_policy_model()
-        if policy_state is not None and hasattr(model, "load_state_dict"):
-            model.load_state_dict(policy_state, **kwargs)
         self._turns_run = state_dict.get("turns_run", self._turns_run)
         self._batches = state_dict.get("batches", self._batches)
-        version = state_dict.get("policy_version")
-        if version is not None:
-            self._policy_version = self._policy_version or PolicyVersion(version["version_type"])
-            self._policy_version.load_state_dict(version)
         if "trajectories" in state_dict:
             self._tracker.load_state_dict(state_dict["trajectories"])
         self.reset()  # dialogs restart from the loaded env state

@@ -8,22 +8,25 @@ import uuid
 from typing import Any, Callable, Iterator
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from tensordict import TensorDictBase
 
 from lmcollect.buffers.replay_buffer import ReplayBuffer
-from lmcollect.collectors.collector_worker import CollectorWorker
+from lmcollect.collectors.collector_worker import CollectorRestartedError, CollectorWorker
 from lmcollect.collectors.config import resolve_batching
 from lmcollect.collectors.versioning import PolicyVersion
+from lmcollect.collectors.weights import attach_updater
 from lmcollect.distributed.ray_cluster import actor_options, init_ray, torch_threads_for, with_thread_env
-from lmcollect.weight_sync.base import resolve_updater
 from lmcollect.weight_sync.buckets import view_buckets
+from lmcollect.weight_sync.version import PushVersion
 from lmcollect.weight_sync.weights import to_weight_dict
 
 logger = logging.getLogger(__name__)
 
 _ACTOR_DEFAULTS = {"num_cpus": 1, "max_concurrency": 4}
 _COLLECT_GROUP = "collect"
+_COLLECT_METHODS = ("collect_next", "rollout_once")
+_MAX_RESTARTS_LEFT = 64  # id sub-blocks per worker (see collectors.trajectories.RESTART_BITS)
 
 
 class CollectorActorError(RuntimeError):
@@ -44,7 +47,16 @@ class RayLLMCollector:
         num_cpus, num_gpus: override the same keys of ``remote_config``.
         sync_iter: True: each batch is collected when asked for. False: the actor collects the
             next batch while the caller works on the current one.
-        call_timeout_s: how long a call to the actor may take before it counts as hung.
+        call_timeout_s: longest wait for a control call (getters, pause, state, weights; default
+            120 s); a stuck actor then raises :class:`CollectorActorError` naming the call.
+            None: no limit.
+        collect_timeout_s: the same for a call that collects a batch (default 1800 s).
+
+    If the actor dies and comes back (``remote_config={"max_restarts": n}``), the collector
+    restores it before collecting again: same ``worker_idx`` (its ids continue in a fresh
+    sub-block of the worker's id range, so none repeats), same seed, and the last weights pushed
+    to it with their version (pushes made by this object or by a ``RayRemoteWeightUpdater`` given
+    this object). Until then the actor refuses to collect (``CollectorRestartedError``).
 
     The env and ``policy_factory`` are called inside the actor, so no model is pickled through
     the driver. Batches come back through Ray's object store; with a ``replay_buffer`` (for
@@ -74,7 +86,8 @@ class RayLLMCollector:
         verbose: bool = False,
         num_cpus: float | None = None,
         num_gpus: float | None = None,
-        call_timeout_s: float | None = None,
+        call_timeout_s: float | None = 120.0,
+        collect_timeout_s: float | None = 1800.0,
     ) -> None:
         resolve_batching(  # fail in the driver, before an actor starts
             dialog_turns_per_batch=dialog_turns_per_batch,
@@ -95,10 +108,18 @@ class RayLLMCollector:
         self._collect_group = _add_collect_group(self._options)
         self._name = f"RayLLMCollector-{uuid.uuid4().hex[:6]}"
         self._sync_iter = sync_iter
-        self._call_timeout_s = call_timeout_s
+        self._call_timeout_s = _check_timeout(call_timeout_s, "call_timeout_s")
+        self._collect_timeout_s = _check_timeout(collect_timeout_s, "collect_timeout_s")
+        # what a restarted actor gets back (see restore_after_restart)
+        self._assigned_worker_idx: int | None = None
+        self._seed: tuple[int, bool] | None = None
+        self._last_push: tuple[Any, PushVersion | None, bool] | None = None
+        self._restarts = 0
+        self._started = False
         self._dialog_turns_per_batch = dialog_turns_per_batch
         self._total_dialog_turns = total_dialog_turns
         self._has_replay_buffer = replay_buffer is not None
+        self._policy_arg = policy
         self._shut_down = False
         self._prefetch: ray.ObjectRef | None = None
         torch_threads = torch_threads_for(self._options.get("num_cpus"))
@@ -130,7 +151,7 @@ class RayLLMCollector:
     def as_remote(cls, remote_config: dict[str, Any] | None = None) -> Any:
         """The Ray actor class of the collector, with ``remote_config`` as its options."""
         options = dict(remote_config or {})
-        return ray.remote(**options)(CollectorWorker) if options else ray.remote(CollectorWorker)
+        return ray.remote(**options)(_RayCollectorWorker) if options else ray.remote(_RayCollectorWorker)
 
     # ------------------------------------------------------------------ calls to the actor
     @property
@@ -141,6 +162,9 @@ class RayLLMCollector:
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return self._get(getattr(self._actor, method).remote(*args, **kwargs), method)
 
+    def _call_timeout(self, method: str, timeout_s: float | None, *args: Any, **kwargs: Any) -> Any:
+        return self._get(getattr(self._actor, method).remote(*args, **kwargs), method, timeout_s)
+
     def _collect_ref(self, method: str) -> Any:
         """Start a collecting call on the actor's collection thread."""
         remote_method = getattr(self._actor, method)
@@ -149,24 +173,59 @@ class RayLLMCollector:
         return remote_method.remote()
 
     def _collect(self, method: str) -> Any:
-        return self._get(self._collect_ref(method), method)
+        try:
+            return self._get(self._collect_ref(method), method)
+        except _NeedsRestore:  # the actor restarted while idle: restore it, then collect
+            self._restore()
+            return self._get(self._collect_ref(method), method)
 
     def _get(self, ref: Any, what: str, timeout_s: float | None = None) -> Any:
+        if timeout_s is None:
+            timeout_s = self._collect_timeout_s if what in _COLLECT_METHODS else self._call_timeout_s
         try:
-            return ray.get(ref, timeout=timeout_s if timeout_s is not None else self._call_timeout_s)
+            return ray.get(ref, timeout=timeout_s)
         except RayActorError as exc:
             if self._options.get("max_restarts", 0) and self._wait_until_restarted():
-                logger.warning("%s restarted after dying during %s; collection continues", self._name, what)
+                self._restore()
+                logger.warning("%s restarted after dying during %s; restored, collection continues", self._name, what)
                 raise CollectorActorError(
-                    f"{self._name}'s actor died during {what}() and was restarted (max_restarts); "
+                    f"{self._name}'s actor died during {what}() and was restarted (max_restarts) and restored; "
                     f"the call was lost, call it again. Cause: {_cause(exc)}"
                 ) from exc
             raise CollectorActorError(f"{self._name}'s actor died during {what}(): {_cause(exc)}") from exc
+        except RayTaskError as exc:
+            if isinstance(exc.cause, CollectorRestartedError) and what in _COLLECT_METHODS:
+                raise _NeedsRestore from exc
+            raise
         except GetTimeoutError as exc:
             raise CollectorActorError(
-                f"{self._name} did not answer {what}() within "
-                f"{timeout_s if timeout_s is not None else self._call_timeout_s} s."
+                f"{self._name} did not answer {what}() within {timeout_s} s (call_timeout_s / "
+                "collect_timeout_s); the actor may be stuck (a hung env or engine?)."
             ) from exc
+
+    def _restore(self) -> None:
+        """Give a restarted actor its worker index, seed and last weights + version back."""
+        self._restarts += 1
+        if self._restarts >= _MAX_RESTARTS_LEFT:
+            raise CollectorActorError(f"{self._name} restarted {self._restarts} times; giving up.")
+        weights, version, convert_dtype = self._last_push or (None, None, False)
+        self._get(
+            self._actor.restore_after_restart.remote(
+                worker_idx=self._assigned_worker_idx,
+                restarts=self._restarts,
+                seed=self._seed,
+                weights=weights,
+                version=version,
+                convert_dtype=convert_dtype,
+            ),
+            "restore_after_restart",
+        )
+        if self._started:
+            self._call("start")
+
+    def remember_push(self, payload_ref: Any, *, version: PushVersion | None, convert_dtype: bool = False) -> None:
+        """Record the last weights pushed to this collector (an ObjectRef), for a restart."""
+        self._last_push = (payload_ref, version, convert_dtype)
 
     def _wait_until_restarted(self, timeout_s: float = 120.0) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -191,7 +250,11 @@ class RayLLMCollector:
 
     def _take_prefetched(self) -> tuple[TensorDictBase | None, bool]:
         ref, self._prefetch = self._prefetch, None
-        return self._get(ref, "collect_next")
+        try:
+            return self._get(ref, "collect_next")
+        except _NeedsRestore:
+            self._restore()
+            return self._collect("collect_next")
 
     def iterator(self) -> Iterator[TensorDictBase | None]:
         """Yields batches until total_dialog_turns have run."""
@@ -222,7 +285,14 @@ class RayLLMCollector:
     def start(self) -> None:
         """Collect into the replay buffer in the actor's background thread."""
         self._check_open()
-        self._call("start")
+        try:
+            self._call("start")
+        except RayTaskError as exc:
+            if not isinstance(exc.cause, CollectorRestartedError):
+                raise
+            self._restore()
+            self._call("start")
+        self._started = True
 
     def is_running(self) -> bool:
         return self._call("is_running")
@@ -230,7 +300,7 @@ class RayLLMCollector:
     @contextlib.contextmanager
     def pause(self, timeout_s: float = 600.0) -> Iterator[None]:
         """Context manager: the actor collects no turn inside it."""
-        self._call("pause_begin", timeout_s)
+        self._call_timeout("pause_begin", timeout_s + 30.0, timeout_s)
         try:
             yield
         finally:
@@ -303,6 +373,7 @@ class RayLLMCollector:
     @worker_idx.setter
     def worker_idx(self, value: int | None) -> None:
         self._call("set_worker_idx", value)
+        self._assigned_worker_idx = value
 
     def process_info(self) -> dict[str, Any]:
         """The actor's process id, host and Ray node."""
@@ -320,7 +391,9 @@ class RayLLMCollector:
         self._call("load_state_dict", state_dict, **kwargs)
 
     def set_seed(self, seed: int, static_seed: bool = False) -> int:
-        return self._call("set_seed", seed, static_seed)
+        out = self._call("set_seed", seed, static_seed)
+        self._seed = (seed, static_seed)
+        return out
 
     def reset(self, index: Any = None, **kwargs: Any) -> None:
         self._call("reset", index, **kwargs)
@@ -348,10 +421,7 @@ class RayLLMCollector:
 
     @weight_updater.setter
     def weight_updater(self, updater: Any) -> None:
-        updater = resolve_updater(updater)
-        self._weight_updater = updater
-        if updater is not None:
-            updater.register_collector(self)
+        attach_updater(self, updater, self._policy_arg)
 
     def init_updater(self, *args: Any, **kwargs: Any) -> None:
         """``init(*args, **kwargs)`` on the weight updater (the driver's, else the actor's)."""
@@ -367,9 +437,10 @@ class RayLLMCollector:
         if worker_ids not in (None, 0, [0]):
             raise ValueError(f"worker_ids={worker_ids!r}: a collector without a weight_updater has one worker, 0.")
         if policy_or_weights is None:
-            self._call("receive_weights")
+            self._call("update_policy_weights_")  # the actor's receiver schemes, or a clear error
         else:
-            self._call("apply_weights", _put_weights(policy_or_weights))
+            ref = _put_weights(policy_or_weights)
+            self.remember_push(ref, version=self._call("apply_weights", ref))
         return None
 
     def receive_weights(self, policy_or_weights: Any = None, *, weights: Any = None, policy: Any = None) -> None:
@@ -378,7 +449,8 @@ class RayLLMCollector:
         if len(given) > 1:
             raise ValueError("pass only one of policy_or_weights, weights= and policy=.")
         if given:
-            self._call("receive_weights", _put_weights(given[0]))
+            ref = _put_weights(given[0])
+            self.remember_push(ref, version=self._call("apply_weights", ref))
         else:
             self._call("receive_weights")
 
@@ -404,12 +476,15 @@ class RayLLMCollector:
         kwargs: dict[str, Any] | None = None,
         *,
         finish_update: bool = False,
+        version: PushVersion | None = None,
     ) -> Callable[[float | None], list[Any]]:
         """Start ``policy_engine_rpc`` in the actor without waiting; returns ``wait(timeout_s)``.
 
         A weight push needs it: the engine's receive returns only once the driver has sent.
         """
-        ref = self._actor.policy_engine_rpc.remote(method, args_per_replica, kwargs, finish_update=finish_update)
+        ref = self._actor.policy_engine_rpc.remote(
+            method, args_per_replica, kwargs, finish_update=finish_update, version=version
+        )
         return lambda timeout_s=None: self._get(ref, f"policy_engine_rpc({method!r})", timeout_s)
 
     def reset_policy_prefix_cache(self) -> None:
@@ -417,6 +492,24 @@ class RayLLMCollector:
 
     def __repr__(self) -> str:
         return self._name
+
+
+class _RayCollectorWorker(CollectorWorker):
+    """The actor body: knows whether Ray reconstructed it after a crash (Ray stays at this edge)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        super().__init__(*args, restarted=restarted, **kwargs)
+
+
+class _NeedsRestore(Exception):
+    """A collecting call found the actor restarted and not yet restored."""
+
+
+def _check_timeout(value: float | None, name: str) -> float | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+        raise ValueError(f"{name} must be a positive number of seconds or None (no limit), got {value!r}.")
+    return value
 
 
 def _put_weights(source: Any) -> ray.ObjectRef:

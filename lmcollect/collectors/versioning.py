@@ -5,6 +5,8 @@ import threading
 import uuid
 from typing import Literal
 
+from lmcollect.weight_sync.version import PushVersion
+
 
 class PolicyVersion:
     """The version of the weights a policy generates with.
@@ -22,6 +24,11 @@ class PolicyVersion:
         self._uuid = str(uuid.uuid4())
 
     @property
+    def version_uuid(self) -> str:
+        """The uuid of the current version (what ``"uuid"`` collectors report)."""
+        return self._uuid
+
+    @property
     def version(self) -> int | str:
         return self.index if self.version_type == "int" else self._uuid
 
@@ -30,6 +37,22 @@ class PolicyVersion:
             self.index += 1
             self._uuid = str(uuid.uuid4())
             return self.version
+
+    def set(self, pushed: PushVersion) -> int | str:
+        """Take the version of an applied push (never goes back: a lower one raises ValueError)."""
+        with self._lock:
+            self.check(pushed)
+            self.index = pushed.index
+            self._uuid = pushed.uuid
+            return self.version
+
+    def check(self, pushed: PushVersion) -> None:
+        """Raise the ValueError :meth:`set` would, without changing anything."""
+        if pushed.index < self.index:
+            raise ValueError(
+                f"pushed version {pushed.index} is older than this collector's version {self.index}; "
+                "versions only go up (push with a higher version, or leave version=None)."
+            )
 
     def state_dict(self) -> dict:
         return {"version_type": self.version_type, "index": self.index, "uuid": self._uuid}

@@ -8,17 +8,29 @@ from typing import Any
 import torch
 
 from lmcollect.collectors.attr_path import resolve_attr_path
+from lmcollect.weight_sync.version import PushVersion
+from lmcollect.collectors.trajectories import id_base
 from lmcollect.weight_sync.base import resolve_updater
 from lmcollect.weight_sync.weights import expected_metadata, load_weights_, to_weight_dict
 
 logger = logging.getLogger(__name__)
 
 
+def attach_updater(collector: Any, updater: Any, policy: Any) -> None:
+    """``collector.weight_updater = updater`` for local and Ray collectors: an updater class is
+    built with ``from_policy(policy)`` first (its constructor if that gives None), then registered."""
+    updater = resolve_updater(updater, policy)
+    collector._weight_updater = updater
+    if updater is not None:
+        updater.register_collector(collector)
+
+
 class WeightReceiverMixin:
     """Weight-update methods shared by the local collector (and, through it, the Ray one).
 
-    Every applied update goes through :meth:`apply_weights`, which bumps the policy version
-    exactly once.
+    Every applied update goes through :meth:`apply_weights` (or, for a vLLM engine,
+    :meth:`policy_engine_rpc`), which sets the policy version exactly once: to the version the
+    push carries (assigned by the updater), or one more than before for a push without one.
     """
 
     policy: Any
@@ -39,10 +51,7 @@ class WeightReceiverMixin:
 
     @weight_updater.setter
     def weight_updater(self, updater: Any) -> None:
-        updater = resolve_updater(updater)
-        self._weight_updater = updater
-        if updater is not None:
-            updater.register_collector(self)
+        attach_updater(self, updater, self.policy)
 
     @property
     def worker_idx(self) -> int | None:
@@ -53,9 +62,16 @@ class WeightReceiverMixin:
 
     @worker_idx.setter
     def worker_idx(self, value: int | None) -> None:
-        self._worker_idx = value
-        if value is not None:  # trajectory ids of worker i start at i * 2**32: unique across workers
-            self._tracker.set_id_base(value << 32)
+        self.set_worker_idx(value)
+
+    def set_worker_idx(self, worker_idx: int | None, restarts: int = 0) -> None:
+        """Set the worker index: trajectory and group ids of worker ``i`` lie in
+        ``[i * 2**32, (i + 1) * 2**32)`` (each restart of its actor in a fresh ``2**26`` sub-block)."""
+        if worker_idx is not None and (isinstance(worker_idx, bool) or not isinstance(worker_idx, int) or worker_idx < 0):
+            raise ValueError(f"worker_idx must be an int >= 0 or None, got {worker_idx!r}.")
+        self._worker_idx = worker_idx
+        if worker_idx is not None:
+            self._tracker.set_id_base(id_base(worker_idx, restarts))
 
     def get_policy_model(self) -> Any:
         """The policy's model (``policy.model`` when it has one, else the policy itself)."""
@@ -89,6 +105,12 @@ class WeightReceiverMixin:
             raise ValueError(f"worker_ids={worker_ids!r}: a collector without a weight_updater has one worker, 0.")
         if kwargs:
             raise TypeError(f"unexpected arguments {sorted(kwargs)}: they are for a weight_updater, and there is none.")
+        if policy_or_weights is None and not self._receiver_schemes:
+            raise ValueError(
+                "update_policy_weights_() has nothing to push or pull: this collector has no weight_updater "
+                "and no receiver schemes. Pass the weights (update_policy_weights_(model_or_weights)), give "
+                "the collector a weight_updater with policy_weights, or register_scheme_receiver(...)."
+            )
         if policy_or_weights is not None:
             self.receive_weights(policy_or_weights)
         else:
@@ -118,28 +140,53 @@ class WeightReceiverMixin:
                 if received is not None:
                     apply(received)
 
-    def apply_weights(self, weights: Any, *, model_id: str = "policy", convert_dtype: bool = False) -> None:
-        """Check ``weights`` against the model, load them in place, reset the cache, bump the version.
+    def apply_weights(
+        self,
+        weights: Any,
+        *,
+        model_id: str = "policy",
+        convert_dtype: bool = False,
+        version: PushVersion | None = None,
+    ) -> None:
+        """Check ``weights`` against the model, load them in place, reset the cache, take the version.
 
-        All or nothing: a missing, extra, misshapen or wrongly typed tensor raises one ValueError
-        before anything changes. This is what weight updaters call; it bypasses receiver schemes.
+        All or nothing: a missing, extra, misshapen or wrongly typed tensor (or a ``version`` older
+        than the collector's) raises one ValueError before anything changes. ``version``: the
+        push's version (None: one more than now). This is what weight updaters call; it bypasses
+        receiver schemes.
         """
         children = getattr(self, "_sub_collectors", None)
-        if children:  # a collector holding collectors passes weights down; each leaf bumps itself
+        if children:  # a collector holding collectors passes weights down; each leaf takes the version
             weights = to_weight_dict(weights)
             for child in children:
-                child.apply_weights(weights, model_id=model_id, convert_dtype=convert_dtype)
+                child.apply_weights(weights, model_id=model_id, convert_dtype=convert_dtype, version=version)
             return
         target = self.get_model(model_id)
-        weights = to_weight_dict(weights)
+        weights = to_weight_dict(weights, like=target)
+        self._check_version(version)
         # Weights, cache and version change together while no policy call runs (waits at most
         # one turn), so every turn's policy_version names the weights that produced it.
         with self._policy_lock.write():
             load_weights_(target, weights, convert_dtype=convert_dtype)
-            reset_cache = getattr(self.policy, "reset_prefix_cache", None)
-            if callable(reset_cache):
-                reset_cache()
-            self.increment_version()
+            self._finish_update(version)
+
+    def _check_version(self, version: PushVersion | None) -> None:
+        if version is not None and not isinstance(version, PushVersion):
+            raise TypeError(f"version must be a PushVersion (built by a weight updater), got {type(version).__name__}.")
+        if version is not None and self._policy_version is not None:
+            self._policy_version.check(version)
+
+    def _finish_update(self, version: PushVersion | None) -> None:
+        """After new weights are in (under the policy write lock): reset the prefix cache, take the version."""
+        reset_cache = getattr(self.policy, "reset_prefix_cache", None)
+        if callable(reset_cache):
+            reset_cache()
+        if self._policy_version is None:
+            return  # untracked (-1) stays untracked
+        if version is None:
+            self._policy_version.increment()
+        else:
+            self._policy_version.set(version)
 
     # ------------------------------------------------------------------ a vLLM policy's engine
     # A vLLM engine holds its own weights: a vLLMUpdater reaches them with these calls (through
@@ -164,21 +211,24 @@ class WeightReceiverMixin:
         kwargs: dict[str, Any] | None = None,
         *,
         finish_update: bool = False,
+        version: PushVersion | None = None,
     ) -> list[Any]:
         """``collective_rpc`` on the policy's engine, replica ``i`` with ``args_per_replica[i]``,
         while no turn runs (an engine is not safe to call from two threads).
 
-        ``finish_update=True`` (a weight push): also reset the prefix cache and bump the policy
-        version inside the same pause, so no turn sees new weights with a stale cache or version.
+        ``finish_update=True`` (a weight push): also reset the prefix cache and take the push's
+        ``version`` (None: one more) inside the same pause, so no turn sees new weights with a
+        stale cache or version.
         """
         from lmcollect.policies.vllm_policy import collective_rpc_each  # no vllm import: plain helpers
 
         engine = self._policy_engine()
+        if finish_update:
+            self._check_version(version)
         with self._policy_lock.write():
             results = collective_rpc_each(engine, method, args_per_replica, kwargs)
             if finish_update:
-                engine.reset_prefix_cache()
-                self.increment_version()
+                self._finish_update(version)
             return results
 
     def reset_policy_prefix_cache(self) -> None:

@@ -34,12 +34,26 @@ TOKENS_PREFIX = ("tokens", "prefix")
 # Log-probs of each response token under the policy that generated it (1-D float32).
 LOG_PROBS_RESPONSE = ("log_probs", "response")
 
+# What the trainer needs next to each sample (written by TransformersPolicy and VLLMPolicy).
+# LOG_PROBS_RESPONSE holds the raw log-probs (the model's softmax at temperature 1, before top-p /
+# top-k): what a trainer's forward pass recomputes, the ratio PPO / GRPO take. LOG_PROBS_SAMPLED,
+# present only with SamplingConfig(sampled_log_probs=True), holds the log-probs of the distribution
+# the token was actually drawn from (after temperature, top-k, top-p; 0 for greedy): the behaviour
+# policy of off-policy / truncated-importance-sampling corrections of the sampler itself.
+LOG_PROBS_SAMPLED = ("log_probs", "sampled")  # 1-D float32, like LOG_PROBS_RESPONSE
+SAMPLING_TEMPERATURE = ("sampling", "temperature")  # float32 scalar; 0 = greedy
+SAMPLING_TOP_P = ("sampling", "top_p")  # float32 scalar; 1 = off
+SAMPLING_TOP_K = ("sampling", "top_k")  # int64 scalar; 0 = off
+SAMPLING_MAX_NEW_TOKENS = ("sampling", "max_new_tokens")  # int64 scalar; the turn's token budget
+SAMPLING_SAMPLED_LOG_PROBS = ("sampling", "sampled_log_probs")  # bool scalar: LOG_PROBS_SAMPLED is stored
+
 # Bookkeeping written by the collector.
 POLICY_VERSION = "policy_version"  # version that generated this turn (int64 scalar)
 TRAJ_IDS = ("collector", "traj_ids")  # unique id of the trajectory (int64 scalar)
 ENV_INDEX = ("collector", "env_index")  # which env slot produced the turn (int64 scalar)
 TRAJ_MIN_VERSION = ("collector", "min_policy_version")  # oldest version in the trajectory so far
 TRAJ_MAX_VERSION = ("collector", "max_policy_version")  # newest version in the trajectory so far
+GROUP_ID = ("collector", "group_id")  # GRPO group key: unique across envs and collectors (-1: no group)
 STEP_COUNT = "step_count"  # index of the turn within its trajectory (int64 scalar, 0-based)
 
 # Written by the env's step under "next" (shape [1], as in torchrl).
@@ -52,6 +66,10 @@ NEXT_DONE = ("next", DONE)
 NEXT_TERMINATED = ("next", TERMINATED)
 NEXT_TRUNCATED = ("next", TRUNCATED)
 NEXT_HISTORY_PROMPT = ("next", "history", "prompt")
+
+# Written by envs that draw prompts in groups (ChatEnv): the env's own draw counter; the collector
+# turns it into GROUP_ID.
+ENV_PROMPT_ID = ("env", "prompt_id")
 
 # Partial reset mask passed to env.reset (bool, shape [B, 1]).
 RESET = "_reset"

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from lmcollect.weight_sync.version import PushVersion
 from lmcollect.weight_sync.weights import WeightDict, expected_metadata, to_weight_dict
 
 logger = logging.getLogger(__name__)
@@ -29,13 +30,15 @@ class WeightUpdaterBase(abc.ABC):
        dict) or, when it is None, :meth:`_get_server_weights`; then :meth:`_maybe_map_weights`;
     2. check ``worker_ids`` against :meth:`all_worker_ids` and :meth:`_validate` the weights, so a
        bad push is rejected before any worker changes anything;
-    3. for every targeted worker that :meth:`_skip_update` does not skip,
+    3. assign the push its version (:meth:`next_version`): one more than the last push, or
+       ``push_weights(..., version=N)``; versions only go up, a lower or equal one is refused;
+    4. for every targeted worker that :meth:`_skip_update` does not skip,
        :meth:`_sync_weights_with_worker`: the receiver pauses its policy (no turn runs), loads
-       the weights in place, resets its prefix cache, bumps its policy version once, resumes;
-    4. run the :attr:`post_hooks` (only when some worker was updated).
+       the weights in place, resets its prefix cache, takes the push's version, resumes;
+    5. run the :attr:`post_hooks` (only when some worker was updated).
 
-    Receivers that cannot bump a version themselves (e.g. vLLM workers fed over a process group)
-    leave it to the updater, which then calls :meth:`increment_version` after syncing.
+    The version belongs to the push, not to each receiver: collectors holding the same weights
+    report the same version, and one that skipped pushes reports the one it holds.
 
     Example::
 
@@ -49,6 +52,7 @@ class WeightUpdaterBase(abc.ABC):
     def __init__(self) -> None:
         self._collector_ref: weakref.ref | None = None
         self._post_hooks: list[Callable[[], None]] = []
+        self._pushed_version = 0
 
     def __getstate__(self) -> dict[str, Any]:
         # the collector link is a weak reference, which cannot travel; register again after unpickling
@@ -102,6 +106,27 @@ class WeightUpdaterBase(abc.ABC):
         for hook in self._post_hooks:
             hook()
 
+    @property
+    def version(self) -> int:
+        """The version of the last push (0 before any)."""
+        return self._pushed_version
+
+    def next_version(self, version: int | None = None) -> PushVersion:
+        """The version of the push about to go out (checked; recorded by :meth:`_commit_version`)."""
+        if version is None:
+            return PushVersion(self._pushed_version + 1)
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise TypeError(f"version must be an int, got {type(version).__name__}.")
+        if version <= self._pushed_version:
+            raise ValueError(
+                f"version={version} is not above the last pushed version {self._pushed_version}: versions "
+                "only go up. Pass a larger one, or leave version=None to count up from the last push."
+            )
+        return PushVersion(version)
+
+    def _commit_version(self, pushed: PushVersion) -> None:
+        self._pushed_version = pushed.index
+
     def increment_version(self) -> None:
         """Bump the registered collector's policy version (for receivers that cannot do it)."""
         collector = self.collector
@@ -130,18 +155,24 @@ class WeightUpdaterBase(abc.ABC):
         return False
 
     @abc.abstractmethod
-    def _sync_weights_with_worker(self, *, worker_id: Hashable, server_weights: Any) -> Any:
-        """Send ``server_weights`` to one worker (what it returns is the subclass's business)."""
+    def _sync_weights_with_worker(self, *, worker_id: Hashable, server_weights: Any, version: PushVersion) -> Any:
+        """Send ``server_weights`` to one worker, which takes ``version`` when it applies them
+        (what it returns is the subclass's business)."""
 
     # ------------------------------------------------------------------ pushing
-    def push_weights(self, policy_or_weights: Any = None, worker_ids: WorkerIds = None) -> None:
-        """Push weights (see the class docstring for the steps) to ``worker_ids`` (default: all)."""
+    def push_weights(
+        self, policy_or_weights: Any = None, worker_ids: WorkerIds = None, *, version: int | None = None
+    ) -> None:
+        """Push weights (see the class docstring for the steps) to ``worker_ids`` (default: all),
+        as ``version`` (default: one more than the last push)."""
         weights = self._resolve_weights(policy_or_weights)
         ids = self._resolve_worker_ids(worker_ids)
+        pushed = self.next_version(version)
         self._validate(weights, ids)
         targets = [i for i in ids if not self._skip_update(i)]
+        self._commit_version(pushed)  # from here some worker may hold it: never hand it out twice
         for worker_id in targets:
-            self._sync_weights_with_worker(worker_id=worker_id, server_weights=weights)
+            self._sync_weights_with_worker(worker_id=worker_id, server_weights=weights, version=pushed)
         if targets:
             self._run_post_hooks()
 
@@ -172,8 +203,16 @@ class WeightUpdaterBase(abc.ABC):
         return list(dict.fromkeys(ids))
 
 
-def resolve_updater(updater: Any) -> WeightUpdaterBase | None:
-    """An updater given as an instance or as a constructor (a class or factory) -> the instance."""
+def resolve_updater(updater: Any, policy: Any = None) -> WeightUpdaterBase | None:
+    """An updater given as an instance or as a constructor (a class or factory) -> the instance.
+
+    A class is first asked ``from_policy(policy)`` (when there is a policy); its plain
+    constructor is the fallback when that returns None.
+    """
+    if isinstance(updater, type) and policy is not None and callable(getattr(updater, "from_policy", None)):
+        built = updater.from_policy(policy)
+        if built is not None:
+            return resolve_updater(built)
     if updater is not None and (isinstance(updater, type) or not hasattr(updater, "push_weights")) and callable(updater):
         updater = updater()
     if updater is not None and not hasattr(updater, "push_weights"):

@@ -5,6 +5,7 @@ from collections.abc import Hashable
 from typing import Any
 
 from lmcollect.weight_sync.base import WeightUpdaterBase
+from lmcollect.weight_sync.version import PushVersion
 from lmcollect.weight_sync.weights import WeightDict, to_weight_dict
 
 
@@ -13,7 +14,7 @@ class LocalWeightUpdater(WeightUpdaterBase):
 
     The collector checks every name, shape and dtype first, then (under its policy write lock,
     so no turn runs meanwhile) copies the weights into its model in place, resets the policy's
-    prefix cache and bumps its policy version once.
+    prefix cache and takes the push's version (see :meth:`WeightUpdaterBase.push_weights`).
 
     Args:
         policy_weights: what ``push_weights()`` pushes when given nothing: an ``nn.Module``, a
@@ -45,11 +46,11 @@ class LocalWeightUpdater(WeightUpdaterBase):
     def _get_server_weights(self) -> WeightDict | None:
         return None if self._policy_weights is None else to_weight_dict(self._policy_weights)
 
-    def _sync_weights_with_worker(self, *, worker_id: Hashable, server_weights: WeightDict) -> None:
+    def _sync_weights_with_worker(self, *, worker_id: Hashable, server_weights: WeightDict, version: PushVersion) -> None:
         collector = self.collector
         if collector is None:
             raise RuntimeError(
                 "this LocalWeightUpdater has no live collector: pass it as weight_updater=... to a "
                 "collector (or set collector.weight_updater) before pushing."
             )
-        collector.apply_weights(server_weights, convert_dtype=self.convert_dtype)
+        collector.apply_weights(server_weights, convert_dtype=self.convert_dtype, version=version)

@@ -13,7 +13,15 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from lmcollect.weight_sync.base import WeightPushError, WeightUpdaterBase, WorkerIds
 from lmcollect.weight_sync.buckets import WeightBuckets, pack_buckets, view_buckets
-from lmcollect.weight_sync.weights import WeightDict, raise_if_problems, tensor_metadata, to_weight_dict, weight_problems
+from lmcollect.weight_sync.version import PushVersion
+from lmcollect.weight_sync.weights import (
+    WeightDict,
+    align_names,
+    raise_if_problems,
+    tensor_metadata,
+    to_weight_dict,
+    weight_problems,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +57,8 @@ class RayRemoteWeightUpdater(WeightUpdaterBase):
     reported once (names, shapes, dtypes): a bad push raises one ValueError and no worker
     changes anything; (2) ``ray.put`` the weights once (a layout plus byte buffers), shared by
     every worker; (3) each targeted worker maps the object zero-copy, checks it again, pauses its
-    policy (write lock), copies into its parameters in place, resets its prefix cache, bumps its
-    policy version and resumes; (4) ``push_weights`` returns when all have applied (or, with
+    policy (write lock), copies into its parameters in place, resets its prefix cache, takes the
+    push's version (the updater's counter, or ``push_weights(version=N)``) and resumes; (4) ``push_weights`` returns when all have applied (or, with
     ``wait=False``, at once with a :class:`PushHandle`). At most one push is in flight: a new
     push first waits for the previous one, so workers apply pushes in order.
 
@@ -86,7 +94,8 @@ class RayRemoteWeightUpdater(WeightUpdaterBase):
         if isinstance(max_interval, bool) or not isinstance(max_interval, int) or max_interval < 0:
             raise ValueError(f"max_interval must be an int >= 0 (0: update every push), got {max_interval!r}.")
         self._policy_weights = policy_weights
-        self._actors = [_actor_of(c, i) for i, c in enumerate(remote_collectors or [])]
+        self._collectors = list(remote_collectors or [])  # RayLLMCollectors remember pushes for restarts
+        self._actors = [_actor_of(c, i) for i, c in enumerate(self._collectors)]
         self.max_interval = max_interval
         self.config = config or RayPushConfig()
         self._missed = [0] * len(self._actors)  # pushes each worker missed in a row
@@ -98,6 +107,7 @@ class RayRemoteWeightUpdater(WeightUpdaterBase):
         """Register the collector; with no ``remote_collectors`` it becomes worker 0."""
         super().register_collector(collector)
         if not self._actors:
+            self._collectors = [collector]
             self._actors = [_actor_of(collector, 0)]
             self._missed = [0]
 
@@ -149,27 +159,47 @@ class RayRemoteWeightUpdater(WeightUpdaterBase):
         self._pack_out = buckets.buffers  # reused next push: ray.put copies, so this is free again
         return buckets.to_numpy()
 
-    def _sync_weights_with_worker(self, *, worker_id: Hashable, server_weights: Any) -> Any:
+    def _sync_weights_with_worker(self, *, worker_id: Hashable, server_weights: Any, version: PushVersion) -> Any:
         """Ask worker ``worker_id`` to apply the payload behind the ObjectRef ``server_weights``."""
-        return self._actors[worker_id].apply_weights.remote(server_weights, convert_dtype=self.config.convert_dtype)
+        convert_dtype = self.config.convert_dtype
+        remember = getattr(self._collectors[worker_id], "remember_push", None)
+        if callable(remember):  # a RayLLMCollector re-sends it to its actor if the actor restarts
+            remember(server_weights, version=version, convert_dtype=convert_dtype)
+        return self._actors[worker_id].apply_weights.remote(server_weights, convert_dtype=convert_dtype, version=version)
+
+    def _aligned(self, weights: WeightDict) -> WeightDict:
+        """Names spelled as the workers' models spell them (a policy wrapping ``.model`` sends ``model.*``)."""
+        expected, aliases = self._fetch_metadata()[0]
+        return align_names(weights, set(expected) | set(aliases))
 
     # ------------------------------------------------------------------ pushing
     def push_weights(
-        self, policy_or_weights: Any = None, worker_ids: WorkerIds = None, *, wait: bool = True
+        self,
+        policy_or_weights: Any = None,
+        worker_ids: WorkerIds = None,
+        *,
+        wait: bool = True,
+        version: int | None = None,
     ) -> PushHandle | None:
-        """Push to ``worker_ids`` (default: all). Returns None once every targeted worker has
-        applied the weights, or with ``wait=False`` a :class:`PushHandle` right away."""
+        """Push to ``worker_ids`` (default: all) as ``version`` (default: one more than the last
+        push; only ever up). Returns None once every targeted worker has applied the weights, or
+        with ``wait=False`` a :class:`PushHandle` right away."""
         if not self._actors:
             raise ValueError("this RayRemoteWeightUpdater has no workers: pass remote_collectors=[...] or register a collector.")
         self._settle_in_flight()
-        weights = self._resolve_weights(policy_or_weights)
+        weights = self._aligned(self._resolve_weights(policy_or_weights))
         ids = self._resolve_worker_ids(worker_ids)
+        pushed = self.next_version(version)
         self._validate(weights, ids)
         targets = [i for i in ids if not self._skip_update(i)]
+        self._commit_version(pushed)
         refs: dict[int, Any] = {}
         if targets:
             payload_ref = ray.put(self._payload(weights))  # one copy, shared by every worker
-            refs = {i: self._sync_weights_with_worker(worker_id=i, server_weights=payload_ref) for i in targets}
+            refs = {
+                i: self._sync_weights_with_worker(worker_id=i, server_weights=payload_ref, version=pushed)
+                for i in targets
+            }
         handle = PushHandle(refs, timeout_s=self.config.timeout_s, on_done=self._run_post_hooks if targets else None)
         if wait:
             handle.wait()

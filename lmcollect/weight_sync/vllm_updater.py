@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from lmcollect.weight_sync.base import WeightPushError, WeightUpdaterBase
+from lmcollect.weight_sync.version import PushVersion
 from lmcollect.weight_sync.schemes.process_group import ProcessGroupConfig, ProcessGroupSender
 from lmcollect.weight_sync.weights import WeightDict, raise_if_problems, tensor_metadata, weight_problems
 
@@ -189,14 +190,17 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
         assert self._sender is not None
         self._sender.check(weights)
 
-    def _sync_weights_with_worker(self, *, worker_id: Hashable, server_weights: WeightDict) -> None:
+    def _sync_weights_with_worker(self, *, worker_id: Hashable, server_weights: WeightDict, version: PushVersion) -> None:
         sender = self._sender
         assert sender is not None, "_validate forms the group"
         deadline = time.monotonic() + self.timeout_s
         # With a collector, the workers' receive, the prefix-cache reset and the version bump run
         # in one pause of its policy: no turn sees new weights with a stale cache or version.
         received = self._start_rpc(
-            "receive_weights", [(self.timeout_s, self.verify)] * self._num_replicas, finish_update=self.collector is not None
+            "receive_weights",
+            [(self.timeout_s, self.verify)] * self._num_replicas,
+            finish_update=self.collector is not None,
+            version=version,
         )
         try:
             sender.send(server_weights)
@@ -232,13 +236,23 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
             return target.policy_engine_num_replicas()
         return int(getattr(target.engine, "num_replicas", 1))
 
-    def _start_rpc(self, method: str, args_per_replica: list[tuple], *, finish_update: bool = False) -> Wait:
-        """Start ``method`` on every worker without waiting (it returns only once the trainer has sent)."""
+    def _start_rpc(
+        self,
+        method: str,
+        args_per_replica: list[tuple],
+        *,
+        finish_update: bool = False,
+        version: PushVersion | None = None,
+    ) -> Wait:
+        """Start ``method`` on every worker without waiting (it returns only once the trainer has sent).
+
+        ``finish_update``: the collector resets its prefix cache and takes ``version`` in the same pause."""
         target = self._target()
+        update = {"finish_update": True, "version": version} if finish_update else {}
         if hasattr(target, "submit_policy_engine_rpc"):  # a Ray collector: the call is already asynchronous
-            return target.submit_policy_engine_rpc(method, args_per_replica, finish_update=finish_update)
+            return target.submit_policy_engine_rpc(method, args_per_replica, **update)
         if hasattr(target, "policy_engine_rpc"):
-            call = functools.partial(target.policy_engine_rpc, finish_update=finish_update)
+            call = functools.partial(target.policy_engine_rpc, **update)
         else:
             from lmcollect.policies.vllm_policy import collective_rpc_each  # plain helpers: no vllm import
 

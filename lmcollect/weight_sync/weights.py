@@ -14,9 +14,40 @@ WeightDict = dict[str, torch.Tensor]
 Metadata = Mapping[str, tuple[torch.dtype, torch.Size]]
 
 
-def to_weight_dict(source: Any) -> WeightDict:
+def to_weight_dict(source: Any, *, like: Any = None) -> WeightDict:
     """Names and tensors of an ``nn.Module``, a TensorDict module, a TensorDict, a (nested) dict,
-    a policy exposing ``.model``, or :class:`WeightBuckets` (zero-copy views)."""
+    a policy exposing ``.model``, or :class:`WeightBuckets` (zero-copy views).
+
+    ``like``: the receiving model (or its names); names that all carry one extra leading
+    component it lacks (a policy module wrapping the model as ``.model`` gives ``model.*``)
+    are spelled its way (see :func:`align_names`).
+    """
+    weights = _extract(source)
+    if like is None:
+        return weights
+    names = like if isinstance(like, (set, frozenset, Mapping)) else set(like.state_dict().keys())
+    return align_names(weights, names)
+
+
+def align_names(weights: WeightDict, expected_names: Any) -> WeightDict:
+    """``weights`` renamed to ``expected_names`` when every name has one extra leading component.
+
+    A policy that wraps its model (``policy.model = model``) reports ``model.layer.weight`` for the
+    model's ``layer.weight``; dropping the common ``model.`` makes the push fit. Names that already
+    fit, or that do not fit after dropping it either, are returned unchanged (the check then names
+    what is wrong).
+    """
+    expected = set(expected_names)
+    if not weights or set(weights) <= expected:
+        return weights
+    prefixes = {name.split(".", 1)[0] for name in weights}
+    if len(prefixes) != 1 or any("." not in name for name in weights):
+        return weights
+    stripped = {name.split(".", 1)[1]: tensor for name, tensor in weights.items()}
+    return stripped if set(stripped) <= expected else weights
+
+
+def _extract(source: Any) -> WeightDict:
     if isinstance(source, WeightBuckets):
         return source.tensors()
     if isinstance(source, TensorDictModule) and isinstance(source.module, torch.nn.Module):

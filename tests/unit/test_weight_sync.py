@@ -205,7 +205,8 @@ def test_no_updater_applies_directly_and_receive_weights_forms() -> None:
         collector.receive_weights(trainer, weights=trainer.state_dict())
     with pytest.raises(ValueError, match="one worker"):
         collector.update_policy_weights_(trainer, worker_ids=[1])
-    collector.update_policy_weights_()  # nothing to pull: nothing changes
+    with pytest.raises(ValueError, match="nothing to push or pull"):
+        collector.update_policy_weights_()  # no updater, no schemes: a clear error, nothing changes
     assert collector.policy_version == 3
     assert collector.weight_metadata()[1] == {"head.weight": "embed.weight"}
 
