@@ -244,7 +244,8 @@ class DemoRun:
             ),
             replay_buffer=self.buffer,
             dialog_turns_per_batch=config.turns_per_batch,
-            postproc=GroupAdvantage(keep_keys=LEARNER_KEYS),  # a batch holds whole groups: advantages are exact here
+            # complete groups only (group ids are unique across both collectors); incomplete ones wait
+            postproc=GroupAdvantage(group_size=config.group_size, keep_keys=LEARNER_KEYS),
             track_policy_version=True,
             remote_config=remote_config,
             num_cpus=config.cpus_per_collector,

@@ -14,7 +14,7 @@ from lmcollect.envs import PROMPT_ID
 
 COLUMNS = (
     "prompt", "response", "tokens_prompt", "tokens_response", "log_probs",
-    "reward", "done", "policy_version", "traj_id", "step", "prompt_id",
+    "reward", "done", "policy_version", "traj_id", "step", "prompt_id", "group_id",
 )
 """Columns of the output, in order. ``prompt`` is the prompt as the model saw it (chat template applied)."""
 
@@ -37,6 +37,7 @@ def turn_record(turn: TensorDictBase) -> dict[str, Any]:
         "traj_id": int(turn.get(keys.TRAJ_IDS)),
         "step": int(turn.get(keys.STEP_COUNT)),
         "prompt_id": int(turn.get(PROMPT_ID)),
+        "group_id": int(turn.get(keys.GROUP_ID, -1)),
     }
 
 

@@ -22,10 +22,14 @@ def resolve_batching(
         raise ValueError(
             f"total_dialog_turns must be a positive int or -1 (endless), got {total_dialog_turns!r}."
         )
-    if yield_only_last_steps and yield_completed_trajectories:
-        raise ValueError(
-            "yield_only_last_steps=True and yield_completed_trajectories=True exclude each other: "
-            "pick one (last steps only, or whole trajectories)."
+    # As in the API we follow: yield_only_last_steps=True means "completed trajectories, last
+    # step only", so yield_completed_trajectories defaults to it and may not contradict it.
+    if yield_completed_trajectories is None:
+        yield_completed_trajectories = bool(yield_only_last_steps)
+    if yield_only_last_steps and not yield_completed_trajectories:
+        raise TypeError(
+            "yield_only_last_steps=True yields the last step of completed trajectories, so it needs "
+            "yield_completed_trajectories=True (or None, its default); drop yield_completed_trajectories=False."
         )
     if yield_only_last_steps:
         mode: BatchMode = "last_steps"

@@ -202,6 +202,14 @@ class LLMCollector(WeightReceiverMixin):
             logger.info("batch %d: %d turns run of %s", self._batches, self._turns_run, self._total_dialog_turns)
         return self.postproc(batch) if self.postproc is not None else batch
 
+    def _collect_output(self) -> TensorDictBase | None:
+        """The next batch after ``postproc``; a postproc may hold a whole batch back (return None),
+        e.g. :class:`~lmcollect.training.GroupAdvantage` waiting for incomplete groups: collect on."""
+        batch = self._collect_batch()
+        while batch is None and not self._finished() and not self._stop.is_set():
+            batch = self._collect_batch()
+        return batch
+
     def next(self) -> TensorDictBase | None:
         """The next batch (None when a replay buffer is used: the batch went there)."""
         self._raise_if_unusable()
@@ -210,10 +218,13 @@ class LLMCollector(WeightReceiverMixin):
                 f"the collector has run total_dialog_turns={self._total_dialog_turns} turns "
                 f"({self._turns_run} run); build a new collector or raise total_dialog_turns."
             )
-        batch = self._collect_batch()
+        batch = self._collect_output()
         if self.replay_buffer is not None:
-            self.replay_buffer.extend(batch)
+            if batch is not None:
+                self.replay_buffer.extend(batch)
             return None
+        if batch is None:
+            raise StopIteration(f"postproc held back every turn of the last batches ({self._turns_run} turns run).")
         return batch
 
     def iterator(self) -> Iterator[TensorDictBase | None]:
@@ -243,7 +254,9 @@ class LLMCollector(WeightReceiverMixin):
     def _run_free(self) -> None:
         try:
             while not self._stop.is_set() and not self._finished():
-                self.replay_buffer.extend(self._collect_batch())
+                batch = self._collect_output()
+                if batch is not None:
+                    self.replay_buffer.extend(batch)
         except _Stopped:
             pass
         except BaseException as exc:  # designed: surfaced by is_running()/shutdown()

@@ -18,22 +18,30 @@ LEARNER_KEYS = (
     keys.NEXT_REWARD,
     keys.POLICY_VERSION,
     keys.TRAJ_IDS,
+    keys.GROUP_ID,
     PROMPT_ID,
     ADVANTAGE,
 )
 """What :func:`train_batch_from_turns` reads (plus ids for debugging): ``GroupAdvantage(keep_keys=...)``."""
+
+_MAX_PENDING_GROUPS = 10_000
 
 
 @dataclass(kw_only=True)
 class GroupAdvantage:
     """A collector ``postproc`` writing each turn's GRPO advantage next to its reward.
 
-    It runs where a batch is complete: with single-turn tasks and ``dialog_turns_per_batch``
-    equal to the env's batch size, a batch holds every answer of each of its prompts (turns with
-    the same ``("env", "prompt_id")``), so the advantage is exact however the buffer is sampled
-    later (torchrl's ``MCAdvantage`` does the same when writing to its buffer).
+    Groups are keyed by ``("collector", "group_id")``, unique across a collector's envs and
+    across collectors, so answers to different prompts never share a baseline. With
+    ``group_size``, only complete groups (exactly ``group_size`` turns) are normalised and
+    written; the turns of an incomplete group wait in this object for the rest of their group
+    (a later batch), and :attr:`pending_groups` reports how many wait. Advantages are thus exact
+    however the buffer is sampled later (torchrl's ``MCAdvantage`` also works at write time).
     """
 
+    group_size: int | None = None
+    """Turns per complete group (the env's ``repeats`` for single-turn tasks). None: every group
+    in a batch counts as complete (use only when a batch is known to hold whole groups)."""
     normalize_std: bool = True
     """Divide by the group's reward std (GRPO); False only subtracts the group mean."""
     eps: float = 1e-6
@@ -42,16 +50,57 @@ class GroupAdvantage:
     """Keep only these keys in each turn (e.g. :data:`LEARNER_KEYS`): turns then cross the object
     store about four times faster; histories and texts are dropped. None keeps every key."""
 
-    def __call__(self, batch: TensorDictBase) -> TensorDictBase:
-        turns = flatten_turns(batch)
+    def __post_init__(self) -> None:
+        if self.group_size is not None and (isinstance(self.group_size, bool) or self.group_size < 1):
+            raise ValueError(f"group_size must be a positive int or None, got {self.group_size!r}.")
+        self._pending: dict[int, list[TensorDictBase]] = {}
+
+    @property
+    def pending_groups(self) -> int:
+        """Incomplete groups whose turns wait for the rest of their group."""
+        return len(self._pending)
+
+    def __call__(self, batch: TensorDictBase) -> TensorDictBase | None:
+        turns = self._complete(flatten_turns(batch))
+        if not turns:
+            return None  # every group is still incomplete: nothing to write yet
         rewards = torch.stack([turn.get(keys.NEXT_REWARD).sum() for turn in turns])
-        groups = torch.stack([turn.get(PROMPT_ID).reshape(()) for turn in turns])
+        groups = torch.stack([_group_of(turn) for turn in turns])
         advantages = group_advantages(rewards, groups, normalize_std=self.normalize_std, eps=self.eps)
         for turn, advantage in zip(turns, advantages):
             turn.set(ADVANTAGE, advantage)
         if self.keep_keys is not None:
-            turns = [turn.select(*self.keep_keys) for turn in turns]
+            turns = [turn.select(*self.keep_keys, strict=False) for turn in turns]
         return stack_turns(turns)
+
+    def _complete(self, turns: list[TensorDictBase]) -> list[TensorDictBase]:
+        """The turns of complete groups (pending ones first joined with their earlier turns)."""
+        if self.group_size is None:
+            return turns
+        for turn in turns:
+            self._pending.setdefault(int(_group_of(turn)), []).append(turn)
+        complete: list[TensorDictBase] = []
+        for group_id in [g for g, members in self._pending.items() if len(members) >= self.group_size]:
+            members = self._pending.pop(group_id)
+            if len(members) > self.group_size:
+                raise ValueError(
+                    f"group {group_id} has {len(members)} turns, more than group_size={self.group_size}; set "
+                    "group_size to the env's repeats (answers per prompt) with single-turn tasks."
+                )
+            complete.extend(members)
+        if len(self._pending) > _MAX_PENDING_GROUPS:
+            raise RuntimeError(
+                f"{len(self._pending)} groups are still incomplete; groups never fill up (is group_size="
+                f"{self.group_size} the env's repeats? do resets drop turns?)."
+            )
+        return complete
+
+
+def _group_of(turn: TensorDictBase) -> torch.Tensor:
+    group = turn.get(keys.GROUP_ID, None)
+    if group is None:  # turns built outside a collector: the env's own draw id
+        group = turn.get(PROMPT_ID)
+    return group.reshape(())
 
 
 @dataclass(frozen=True, kw_only=True)

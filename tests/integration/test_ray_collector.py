@@ -53,14 +53,23 @@ def test_policy_is_built_inside_the_actor(ray_cluster) -> None:
         assert c.getattr_policy("num_calls") == 2  # the actor's own policy did the work
 
 
+def _turns_run_within(c: RayLLMCollector, target: int, timeout_s: float) -> int:
+    deadline = time.monotonic() + timeout_s
+    while c.turns_run < target and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return c.turns_run
+
+
 def test_sync_iter_false_collects_while_caller_works(ray_cluster) -> None:
     with collector(sync_iter=False, total_dialog_turns=16) as c:
         batches = []
         for batch in c:
             batches.append(batch)
-            time.sleep(0.3)  # while the caller "trains", the actor collects the next batch
             if len(batches) == 1:
-                assert c.turns_run >= 8, "the next batch was not collected in the background"
+                # while the caller holds batch 1 (and asks for nothing), the actor collects batch 2
+                assert _turns_run_within(c, 8, timeout_s=30) == 8, "the next batch was not collected in the background"
+                time.sleep(0.5)
+                assert c.turns_run == 8, "the actor ran past the one prefetched batch"
         assert len(batches) == 4
         ids = [(int(t[keys.TRAJ_IDS]), int(t[keys.STEP_COUNT])) for b in batches for t in flatten_turns(b)]
         assert len(ids) == len(set(ids)) == 16
@@ -68,10 +77,11 @@ def test_sync_iter_false_collects_while_caller_works(ray_cluster) -> None:
 
 def test_sync_iter_true_waits_for_the_caller(ray_cluster) -> None:
     with collector(sync_iter=True, total_dialog_turns=16) as c:
+        seen = []
         for _ in c:
-            time.sleep(0.2)
-            assert c.turns_run == 4 or c.turns_run % 4 == 0
-            break
+            time.sleep(1.0)  # the actor would finish another batch in this time, if it ran ahead
+            seen.append(c.turns_run)
+        assert seen == [4, 8, 12, 16], "with sync_iter=True the actor collects only when asked"
 
 
 def test_two_collectors_fill_one_ray_buffer(ray_cluster) -> None:

@@ -316,9 +316,15 @@ def test_no_policy() -> None:
         LLMCollector(arithmetic_env(), dialog_turns_per_batch=2)
 
 
-def test_exclusive_yield_modes() -> None:
-    with pytest.raises(ValueError, match="yield_only_last_steps.*yield_completed_trajectories"):
-        LLMCollector(arithmetic_env(), policy=ScriptedPolicy(), dialog_turns_per_batch=2, yield_only_last_steps=True, yield_completed_trajectories=True)
+def test_yield_modes_follow_the_spec_rule() -> None:
+    # yield_only_last_steps=True means "completed trajectories, last step only": both True is
+    # the same thing, and last steps without completed trajectories is the contradiction.
+    both = LLMCollector(guessing_env(3), policy=guesser(), dialog_turns_per_batch=4, total_dialog_turns=40,
+                        yield_only_last_steps=True, yield_completed_trajectories=True)
+    batch = both.next()
+    assert batch.batch_size == torch.Size([4]) and all(bool(t[keys.NEXT_DONE]) for t in flatten_turns(batch))
+    with pytest.raises(TypeError, match="yield_completed_trajectories=False"):
+        LLMCollector(arithmetic_env(), policy=ScriptedPolicy(), dialog_turns_per_batch=2, yield_only_last_steps=True, yield_completed_trajectories=False)
     with pytest.raises(ValueError, match="flatten_data=False"):
         LLMCollector(arithmetic_env(), policy=ScriptedPolicy(), dialog_turns_per_batch=2, yield_completed_trajectories=True, flatten_data=False)
 
