@@ -101,8 +101,8 @@ class EnvFactory:
 
 
 def collector_placement(backend: Backend, num_collectors: int) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    """(actor options, engine arguments) of each collector: None for transformers; for vLLM, one
-    call at a time per actor and an even share of the cluster's GPUs (or a CPU-sized KV cache)."""
+    """(actor options, engine arguments) of each collector: None for transformers; for vLLM, the
+    engine in the actor's process and an even share of the cluster's GPUs (or a CPU-sized KV cache)."""
     if backend != "vllm":
         return None, None
     from lmcollect.cli import vllm_backend

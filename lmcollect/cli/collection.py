@@ -1,10 +1,8 @@
-"""How the demo keeps its collectors collecting into the buffer: in their actors, or driven from here."""
+"""How the demo keeps its collectors collecting into the buffer: each in its own actor (``start()``)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any, Protocol
-
-from lmcollect.cli.vllm_backend import DriverSideCollection
 
 
 class Collection(Protocol):
@@ -37,5 +35,6 @@ class InActorCollection:
 
 
 def background_collection(collectors: Sequence[Any], backend: str) -> Collection:
-    """vLLM engines take calls on one thread only: their collectors are driven from the driver."""
-    return DriverSideCollection(collectors) if backend == "vllm" else InActorCollection(collectors)
+    """Collection in the collectors' actors, for every ``backend``: a vLLM engine runs its calls
+    on its own thread, so it collects from ``start()``'s thread like a transformers model."""
+    return InActorCollection(collectors)
