@@ -1,7 +1,8 @@
 """Builds the per-turn TensorDict every policy backend returns (one layout for all)."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable, Collection
+from typing import Any, NamedTuple
 
 import torch
 from tensordict import TensorDictBase, lazy_stack
@@ -9,6 +10,25 @@ from tensordict import TensorDictBase, lazy_stack
 from lmcollect.data import keys
 from lmcollect.data.history import History
 from lmcollect.data.turns import non_tensor_values
+from lmcollect.policies.prompt_tokens import dialog_prompt_ids, tokenize_texts
+from lmcollect.policies.sampling import SamplingConfig
+
+__all__ = ["GenerateFn", "Generation", "answer_prompts", "prompts_of", "stack_outputs", "tokenize_texts", "turn_output"]
+
+
+class Generation(NamedTuple):
+    """One response generated from prompt token ids."""
+
+    tokens: torch.Tensor
+    """int64 ``[n]``: the generated ids, ending with the stop token if the response stopped there."""
+    log_probs: torch.Tensor
+    """float32 ``[n]``: raw log-probs (the model's softmax at temperature 1, before top-k / top-p)."""
+    sampled_log_probs: torch.Tensor | None = None
+    """float32 ``[n]``: log-probs under the distribution sampled, if ``SamplingConfig.sampled_log_probs``."""
+
+
+# prompt token ids -> one Generation per prompt, in order
+GenerateFn = Callable[[list[list[int]]], list[Generation]]
 
 
 def turn_output(
@@ -47,6 +67,22 @@ def turn_output(
     return out
 
 
+def record_sampling(out: TensorDictBase, sampling: SamplingConfig, sampled_log_probs: torch.Tensor | None) -> None:
+    """Write the turn's sampling parameters (``keys.SAMPLING_*``) and, if kept, its sampled log-probs."""
+    if sampling.sampled_log_probs != (sampled_log_probs is not None):
+        raise ValueError(
+            f"sampling.sampled_log_probs={sampling.sampled_log_probs} but the engine "
+            f"{'returned no' if sampled_log_probs is None else 'returned'} sampled log-probs."
+        )
+    out.set(keys.SAMPLING_TEMPERATURE, torch.tensor(sampling.temperature, dtype=torch.float32))
+    out.set(keys.SAMPLING_TOP_P, torch.tensor(sampling.top_p, dtype=torch.float32))
+    out.set(keys.SAMPLING_TOP_K, torch.tensor(sampling.top_k, dtype=torch.int64))
+    out.set(keys.SAMPLING_MAX_NEW_TOKENS, torch.tensor(sampling.max_new_tokens, dtype=torch.int64))
+    out.set(keys.SAMPLING_SAMPLED_LOG_PROBS, torch.tensor(sampling.sampled_log_probs))
+    if sampled_log_probs is not None:
+        out.set(keys.LOG_PROBS_SAMPLED, sampled_log_probs)
+
+
 def prompts_of(td: TensorDictBase) -> list[History]:
     """The ``("history", "prompt")`` of every element, with a clear error if missing."""
     if keys.HISTORY_PROMPT not in td.keys(include_nested=True):
@@ -61,27 +97,41 @@ def stack_outputs(outputs: list[TensorDictBase]) -> TensorDictBase:
     return lazy_stack(outputs)
 
 
-# prompt texts -> (prompt tokens, response tokens, response log-probs), one entry per prompt
-GenerateFn = Callable[[list[str]], tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]]
+def answer_prompts(
+    td: TensorDictBase,
+    tokenizer: Any,
+    generate: GenerateFn,
+    *,
+    sampling: SamplingConfig,
+    stop_token_ids: Collection[int],
+) -> TensorDictBase:
+    """The body of every tokenizer-based policy: prompt token ids, generate, decode, one turn output per element.
 
-
-def answer_prompts(td: TensorDictBase, tokenizer: Any, generate: GenerateFn) -> TensorDictBase:
-    """The body of every tokenizer-based policy: render each prompt with the chat template,
-    generate, decode, and build one turn output per element (a lazy stack)."""
+    An element carrying the previous turn's tokens and history (``keys.TOKENS_PREFIX`` /
+    ``keys.HISTORY_PREFIX``, put there by the collector) whose prompt extends that history gets
+    those tokens, exactly as generated, followed by the tokens of the new messages (see
+    :mod:`lmcollect.policies.prompt_tokens`); any other element (first turns, single-turn or custom
+    envs) gets its history rendered with the chat template and tokenized. The tokens are the truth
+    a trainer should use; ``text`` entries are the chat template's rendering of the history and may
+    differ from the decoded tokens (e.g. after a reply cut by ``max_new_tokens``, which the tokens
+    keep without an end token).
+    """
     prompts = prompts_of(td)
+    elements = [td[i] for i in range(len(prompts))] if td.batch_dims else [td]
     texts = [p.apply_chat_template(tokenizer) for p in prompts]
-    prompt_tokens, response_tokens, log_probs = generate(texts)
+    prompt_ids = dialog_prompt_ids(elements, prompts, texts, tokenizer, stop_token_ids)
+    generations = generate(prompt_ids)
     outputs = []
-    for i, prompt in enumerate(prompts):
-        outputs.append(
-            turn_output(
-                td[i] if td.batch_dims else td,
-                prompt=prompt,
-                prompt_text=texts[i],
-                response_text=tokenizer.decode(response_tokens[i], skip_special_tokens=True),
-                prompt_tokens=prompt_tokens[i],
-                response_tokens=response_tokens[i],
-                log_probs=log_probs[i],
-            )
+    for element, prompt, text, ids, generation in zip(elements, prompts, texts, prompt_ids, generations):
+        out = turn_output(
+            element,
+            prompt=prompt,
+            prompt_text=text,
+            response_text=tokenizer.decode(generation.tokens, skip_special_tokens=True),
+            prompt_tokens=torch.tensor(ids, dtype=torch.long),
+            response_tokens=generation.tokens,
+            log_probs=generation.log_probs,
         )
+        record_sampling(out, sampling, generation.sampled_log_probs)
+        outputs.append(out)
     return stack_outputs(outputs)

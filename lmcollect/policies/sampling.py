@@ -20,6 +20,13 @@ class SamplingConfig:
     """Seed of the sampling RNG (None: leave the RNG as it is)."""
     ignore_eos: bool = False
     """Always generate ``max_new_tokens`` tokens (benchmarks use it for equal work)."""
+    sampled_log_probs: bool = False
+    """Also store ``("log_probs", "sampled")``: log-probs under the distribution actually sampled
+    (after temperature / top-k / top-p; 0 for greedy), next to the raw ones in
+    ``("log_probs", "response")``. Raw log-probs are what a trainer's forward pass at temperature 1
+    recomputes (the PPO / GRPO ratio); the sampled ones are the behaviour policy for off-policy or
+    truncated-importance-sampling corrections of the sampler. TransformersPolicy only (vLLM computes
+    one kind of log-prob per engine)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:

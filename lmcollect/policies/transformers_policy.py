@@ -1,13 +1,15 @@
 """A policy that generates with a Hugging Face transformers causal LM."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDictBase
 
-from lmcollect.policies.outputs import answer_prompts
+from lmcollect.policies.outputs import Generation, answer_prompts, tokenize_texts
 from lmcollect.policies.sampling import SamplingConfig
+from lmcollect.policies.step_log_probs import StepLogProbs, no_generate_warpers
 
 if TYPE_CHECKING:  # transformers is imported by the caller who built the model
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -16,8 +18,16 @@ if TYPE_CHECKING:  # transformers is imported by the caller who built the model
 class TransformersPolicy:
     """Answers a batch of chat prompts with ``model.generate`` (left padding, one call per batch).
 
+    Prompts go in as token ids (see :func:`lmcollect.policies.outputs.answer_prompts`): in a
+    multi-turn dialog the next prompt starts with the previous turn's tokens exactly as generated.
+    The tokens are the truth; ``text`` entries are a rendering of the history.
+
     Log-probs are those of the raw model (before temperature / top-p / top-k), so they equal a
-    plain forward pass on the same tokens, as trainers need for importance ratios.
+    plain forward pass on the same tokens, as trainers need for importance ratios. They are
+    gathered one decoding step at a time (:class:`~lmcollect.policies.step_log_probs.StepLogProbs`),
+    so memory does not grow with batch x length x vocabulary. With
+    ``SamplingConfig(sampled_log_probs=True)`` the log-probs of the distribution actually sampled
+    are stored too, under ``("log_probs", "sampled")``.
 
     Args:
         model: a causal LM; exposed as ``.model`` for weight updates.
@@ -54,44 +64,74 @@ class TransformersPolicy:
             raise ValueError("neither the model's generation_config nor the tokenizer defines an eos token.")
         return ids
 
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """Token ids that end a response (kept as its last token)."""
+        return list(self._eos_ids)
+
     def set_seed(self, seed: int) -> None:
         torch.manual_seed(seed)
 
     def _generate_kwargs(self) -> dict[str, Any]:
-        s = self.sampling
-        kwargs: dict[str, Any] = {
-            "max_new_tokens": s.max_new_tokens,
-            "do_sample": not s.greedy,
+        # eos stays a stopping token under ignore_eos: StepLogProbs masks it, so it is never drawn
+        return {
+            "max_new_tokens": self.sampling.max_new_tokens,
+            "do_sample": not self.sampling.greedy,
             "pad_token_id": self.tokenizer.pad_token_id,
             "eos_token_id": self._eos_ids,
-            "return_dict_in_generate": True,
-            "output_logits": True,
+            **no_generate_warpers(self.sampling),
         }
-        if s.ignore_eos:
-            kwargs["min_new_tokens"] = s.max_new_tokens
-        if not s.greedy:
-            kwargs.update(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
-        else:  # the model's generation_config may carry sampling defaults; greedy ignores them
-            kwargs.update(temperature=None, top_p=None, top_k=None)
-        return kwargs
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]] | Sequence[str]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """Prompt tokens, response tokens and raw response log-probs for each prompt.
+
+        ``prompts`` are token-id lists; strings are tokenized (no special tokens added) for callers
+        that render prompts themselves.
+        """
+        prompt_ids = tokenize_texts(self.tokenizer, prompts)
+        generations = self.generate_responses(prompt_ids)
+        prompt_tensors = [torch.tensor(ids, dtype=torch.long) for ids in prompt_ids]
+        return prompt_tensors, [g.tokens for g in generations], [g.log_probs for g in generations]
 
     @torch.inference_mode()
-    def generate(self, prompt_texts: list[str]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        """Prompt tokens, response tokens and response log-probs for each prompt text."""
-        enc = self.tokenizer(
-            prompt_texts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False
-        )
+    def generate_responses(self, prompt_ids: list[list[int]]) -> list[Generation]:
+        """One response per prompt (token ids), in order; prompts are left-padded here."""
+        input_ids, attention = self._left_pad(prompt_ids)
+        steps = StepLogProbs(self.sampling, self._eos_ids)
+        with steps.attached(self.model):
+            sequences = self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention,
+                logits_processor=steps.processor,
+                stopping_criteria=steps.criterion,
+                **self._generate_kwargs(),
+            )
+        generated = sequences[:, input_ids.shape[1] :]
+        log_probs, sampled = steps.log_probs(generated.shape[1])
+        generations = []
+        for i, n in enumerate(self._response_lengths(generated)):
+            generations.append(
+                Generation(
+                    tokens=generated[i, :n].cpu(),
+                    log_probs=log_probs[i, :n].cpu(),
+                    sampled_log_probs=None if sampled is None else sampled[i, :n].cpu(),
+                )
+            )
+        return generations
+
+    def _left_pad(self, prompt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        if not prompt_ids or any(len(ids) == 0 for ids in prompt_ids):
+            raise ValueError("every prompt needs at least one token; got an empty prompt or no prompts.")
+        width = max(len(ids) for ids in prompt_ids)
+        input_ids = torch.full((len(prompt_ids), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        attention = torch.zeros((len(prompt_ids), width), dtype=torch.long)
+        for row, ids in enumerate(prompt_ids):
+            input_ids[row, width - len(ids) :] = torch.as_tensor(ids, dtype=torch.long)
+            attention[row, width - len(ids) :] = 1
         device = self.model.device
-        input_ids, attention = enc["input_ids"].to(device), enc["attention_mask"].to(device)
-        out = self.model.generate(input_ids=input_ids, attention_mask=attention, **self._generate_kwargs())
-        generated = out.sequences[:, input_ids.shape[1] :]
-        logits = torch.stack(out.logits, dim=1).float()
-        log_probs = logits.log_softmax(-1).gather(-1, generated.unsqueeze(-1)).squeeze(-1)
-        lengths = self._response_lengths(generated)
-        prompts = [ids[mask.bool()].cpu() for ids, mask in zip(input_ids, attention)]
-        responses = [generated[i, :n].cpu() for i, n in enumerate(lengths)]
-        response_log_probs = [log_probs[i, :n].cpu() for i, n in enumerate(lengths)]
-        return prompts, responses, response_log_probs
+        return input_ids.to(device), attention.to(device)
 
     def _response_lengths(self, generated: torch.Tensor) -> list[int]:
         # A row ends at its first eos (kept); later positions are padding. Tokens equal to the
@@ -103,4 +143,6 @@ class TransformersPolicy:
         return lengths.tolist()
 
     def __call__(self, td: TensorDictBase) -> TensorDictBase:
-        return answer_prompts(td, self.tokenizer, self.generate)
+        return answer_prompts(
+            td, self.tokenizer, self.generate_responses, sampling=self.sampling, stop_token_ids=self._eos_ids
+        )

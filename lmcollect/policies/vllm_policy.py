@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
@@ -11,7 +12,7 @@ import torch
 from tensordict import TensorDictBase
 from transformers import AutoTokenizer
 
-from lmcollect.policies.outputs import answer_prompts
+from lmcollect.policies.outputs import Generation, answer_prompts, tokenize_texts
 from lmcollect.policies.sampling import SamplingConfig
 
 if TYPE_CHECKING:  # vllm is an optional extra and slow to import; VLLMEngine imports it when built
@@ -204,11 +205,15 @@ def _merge_sampling(sampling: SamplingConfig | None, overrides: dict[str, Any]) 
 class VLLMPolicy:
     """Answers a batch of chat prompts with vLLM; same output layout as ``TransformersPolicy``.
 
-    Prompts are rendered with the tokenizer's chat template and tokenized here, exactly like
-    ``TransformersPolicy``, and sent to vLLM as token ids, so both see identical prompt tokens.
-    Log-probs are those of the raw model (vLLM's ``logprobs_mode="raw_logprobs"``). Weights live in
-    the engine, so there is no ``.model``: weight updates go through ``policy.engine.collective_rpc``
-    and must be followed by :meth:`reset_prefix_cache`.
+    Prompt token ids are built here exactly as ``TransformersPolicy`` builds them (a multi-turn
+    dialog's next prompt starts with the previous turn's tokens as generated, see
+    :func:`lmcollect.policies.outputs.answer_prompts`) and sent to vLLM as token ids, so both see
+    identical prompt tokens. The tokens are the truth; ``text`` entries are a rendering.
+    Log-probs are those of the raw model (vLLM's ``logprobs_mode="raw_logprobs"``).
+    ``SamplingConfig(sampled_log_probs=True)`` is refused: vLLM (0.32) picks one log-prob mode per
+    engine, not per request, so it cannot return the raw and the sampled log-probs together.
+    Weights live in the engine, so there is no ``.model``: weight updates go through
+    ``policy.engine.collective_rpc`` and must be followed by :meth:`reset_prefix_cache`.
 
     Args:
         model_path: a local Hugging Face model folder (weights, config and tokenizer).
@@ -235,9 +240,16 @@ class VLLMPolicy:
         if engine is not None and engine_kwargs is not None:
             raise ValueError("pass either engine or engine_kwargs, not both: engine_kwargs only build a new engine.")
         self.sampling = _merge_sampling(sampling, sampling_kwargs)
+        if self.sampling.sampled_log_probs:
+            raise ValueError(
+                "VLLMPolicy cannot store sampled log-probs (sampled_log_probs=True): vLLM sets logprobs_mode per "
+                f"engine and this policy's engines return {LOGPROBS_MODE!r}, which ('log_probs', 'response') "
+                "needs. Use TransformersPolicy for sampled log-probs, or set sampled_log_probs=False."
+            )
         self.model_path = str(model_path)
         engine_kwargs = dict(engine_kwargs or {})
         self.tokenizer = AutoTokenizer.from_pretrained(engine_kwargs.get("tokenizer", self.model_path))
+        self.stop_token_ids = engine_stop_token_ids(self.model_path, self.tokenizer)
         if self.sampling.seed is not None:
             engine_kwargs.setdefault("seed", self.sampling.seed)
         if engine is None:
@@ -264,14 +276,40 @@ class VLLMPolicy:
         """Drop the engine's cached prefixes (call after every weight update)."""
         self.engine.reset_prefix_cache()
 
-    def generate(self, prompt_texts: list[str]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        """Prompt tokens, response tokens and response log-probs for each prompt text."""
-        prompt_ids = self.tokenizer(prompt_texts, add_special_tokens=False)["input_ids"]
+    def generate(
+        self, prompts: Sequence[Sequence[int]] | Sequence[str]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """Prompt tokens, response tokens and raw response log-probs for each prompt.
+
+        ``prompts`` are token-id lists; strings are tokenized (no special tokens added) for callers
+        that render prompts themselves.
+        """
+        prompt_ids = tokenize_texts(self.tokenizer, prompts)
+        generations = self.generate_responses(prompt_ids)
+        prompt_tensors = [torch.tensor(ids, dtype=torch.long) for ids in prompt_ids]
+        return prompt_tensors, [g.tokens for g in generations], [g.log_probs for g in generations]
+
+    def generate_responses(self, prompt_ids: list[list[int]]) -> list[Generation]:
+        """One response per prompt (token ids), in order."""
         completions = self.engine.generate_tokens(prompt_ids, self.sampling, self._seeds_for(len(prompt_ids)))
-        prompts = [torch.tensor(ids, dtype=torch.long) for ids in prompt_ids]
-        responses = [torch.tensor(c.tokens, dtype=torch.long) for c in completions]
-        log_probs = [torch.tensor(c.log_probs, dtype=torch.float32) for c in completions]
-        return prompts, responses, log_probs
+        return [
+            Generation(torch.tensor(c.tokens, dtype=torch.long), torch.tensor(c.log_probs, dtype=torch.float32))
+            for c in completions
+        ]
 
     def __call__(self, td: TensorDictBase) -> TensorDictBase:
-        return answer_prompts(td, self.tokenizer, self.generate)
+        return answer_prompts(
+            td, self.tokenizer, self.generate_responses, sampling=self.sampling, stop_token_ids=self.stop_token_ids
+        )
+
+
+def engine_stop_token_ids(model_path: str | Path, tokenizer: Any) -> list[int]:
+    """The ids vLLM stops at: the generation config's eos ids plus the tokenizer's eos."""
+    config_file = Path(model_path) / "generation_config.json"
+    ids: list[int] = []
+    if config_file.is_file():
+        eos = json.loads(config_file.read_text(encoding="utf-8")).get("eos_token_id")
+        ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
