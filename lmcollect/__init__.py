@@ -24,6 +24,7 @@ _EXPORTS = {
     "TransformersPolicy": "lmcollect.policies",
     "ScriptedPolicy": "lmcollect.policies",
     "SamplingConfig": "lmcollect.policies",
+    "check_logprobs": "lmcollect.diagnostics",
     "WeightUpdaterBase": "lmcollect.weight_sync",
     "LocalWeightUpdater": "lmcollect.weight_sync",
     "WeightPushError": "lmcollect.weight_sync",

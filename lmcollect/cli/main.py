@@ -9,6 +9,7 @@ import types
 import typing
 from typing import Any, Callable, Sequence
 
+from lmcollect.cli.check_logprobs import CheckLogprobsConfig, run_check_logprobs
 from lmcollect.cli.configs import BenchConfig, CollectConfig, DemoConfig, UsageError
 
 # Heavy imports (torch, ray, transformers) happen inside the commands so `--help` stays instant.
@@ -36,6 +37,7 @@ COMMANDS: dict[str, tuple[type, Callable[[Any], int]]] = {
     "demo": (DemoConfig, run_demo),
     "collect": (CollectConfig, run_collect),
     "bench": (BenchConfig, run_bench),
+    "check-logprobs": (CheckLogprobsConfig, run_check_logprobs),
 }
 
 
