@@ -65,3 +65,25 @@ class SmallModelPolicy(ScriptedPolicy):
     def __call__(self, td):
         time.sleep(self.delay_s)
         return super().__call__(td)
+
+
+# ---------------------------------------------------------------------- data-contract tests
+def make_grouped_env(seed: int = 0) -> ChatEnv:
+    """Four single-turn arithmetic dialogs, two answers per prompt (GRPO groups of two)."""
+    from lmcollect.envs import MathAnswerReward, arithmetic_dataset
+
+    return ChatEnv(arithmetic_dataset(64, seed=seed), reward_fn=MathAnswerReward(), batch_size=4, repeats=2, seed=seed)
+
+
+class SlowEnv(ChatEnv):
+    """An env whose every step takes 30 s (a hung tool call)."""
+
+    def step(self, td):
+        time.sleep(30)
+        return super().step(td)
+
+
+def make_slow_env() -> ChatEnv:
+    from lmcollect.envs import MathAnswerReward, arithmetic_dataset
+
+    return SlowEnv(arithmetic_dataset(8, seed=0), reward_fn=MathAnswerReward(), batch_size=2, seed=0)

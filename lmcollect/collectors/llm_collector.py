@@ -168,6 +168,10 @@ class LLMCollector(WeightReceiverMixin):
         """The current policy version (a method, for calls through a Ray actor)."""
         return self.policy_version
 
+    def version_index(self) -> int:
+        """The version as a counter (also for uuid versions; 0 when versions are not tracked)."""
+        return 0 if self._policy_version is None else self._policy_version.index
+
     def increment_version(self) -> None:
         """Bump the policy version; turns collected from now on carry the new one.
 

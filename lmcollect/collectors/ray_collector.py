@@ -5,6 +5,7 @@ import contextlib
 import logging
 import time
 import uuid
+import warnings
 from typing import Any, Callable, Iterator
 
 import ray
@@ -366,6 +367,10 @@ class RayLLMCollector:
     def increment_version(self) -> None:
         self._call("increment_version")
 
+    def version_index(self) -> int:
+        """The version as a counter (also for uuid versions; 0 when versions are not tracked)."""
+        return self._call("version_index")
+
     @property
     def worker_idx(self) -> int | None:
         return self._call("get_attribute", "worker_idx")
@@ -498,7 +503,9 @@ class _RayCollectorWorker(CollectorWorker):
     """The actor body: knows whether Ray reconstructed it after a crash (Ray stays at this edge)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        with warnings.catch_warnings():  # Ray 2.60 warns about its own use of a deprecated property here
+            warnings.simplefilter("ignore", DeprecationWarning)
+            restarted = ray.get_runtime_context().was_current_actor_reconstructed
         super().__init__(*args, restarted=restarted, **kwargs)
 
 

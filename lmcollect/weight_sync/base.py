@@ -53,6 +53,7 @@ class WeightUpdaterBase(abc.ABC):
         self._collector_ref: weakref.ref | None = None
         self._post_hooks: list[Callable[[], None]] = []
         self._pushed_version = 0
+        self._caught_up = False  # the counter starts from the workers' version at the first push
 
     def __getstate__(self) -> dict[str, Any]:
         # the collector link is a weak reference, which cannot travel; register again after unpickling
@@ -112,7 +113,14 @@ class WeightUpdaterBase(abc.ABC):
         return self._pushed_version
 
     def next_version(self, version: int | None = None) -> PushVersion:
-        """The version of the push about to go out (checked; recorded by :meth:`_commit_version`)."""
+        """The version of the push about to go out (checked; recorded by :meth:`_commit_version`).
+
+        A new updater first catches up with the highest version its workers hold, so a trainer
+        that restarts (or builds a second updater) keeps counting up instead of going back.
+        """
+        if not self._caught_up:
+            self._pushed_version = max(self._pushed_version, self._workers_version())
+            self._caught_up = True
         if version is None:
             return PushVersion(self._pushed_version + 1)
         if isinstance(version, bool) or not isinstance(version, int):
@@ -123,6 +131,11 @@ class WeightUpdaterBase(abc.ABC):
                 "only go up. Pass a larger one, or leave version=None to count up from the last push."
             )
         return PushVersion(version)
+
+    def _workers_version(self) -> int:
+        """The highest version index the workers hold (the registered collector's here)."""
+        index = getattr(self.collector, "version_index", None)
+        return int(index()) if callable(index) else 0
 
     def _commit_version(self, pushed: PushVersion) -> None:
         self._pushed_version = pushed.index

@@ -143,6 +143,11 @@ class RayRemoteWeightUpdater(WeightUpdaterBase):
         problems = [p if len(groups) == 1 else f"worker(s) {workers}: {p}" for found, workers in groups.items() for p in found]
         raise_if_problems(problems, where=f" for worker(s) {sorted(w for ws in groups.values() for w in ws)}")
 
+    def _workers_version(self) -> int:
+        refs = {i: actor.version_index.remote() for i, actor in enumerate(self._actors)}
+        found = gather_refs(refs, what="report its policy version", timeout_s=self.config.timeout_s)
+        return max(found.values(), default=0)
+
     def _fetch_metadata(self) -> list[tuple[dict, dict]]:
         if self._worker_metadata is None:
             refs = {i: actor.weight_metadata.remote() for i, actor in enumerate(self._actors)}

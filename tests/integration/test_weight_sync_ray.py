@@ -90,14 +90,15 @@ def test_outputs_after_a_push_match_a_fresh_model_with_the_new_weights(tiny_coll
     for c, v in zip(tiny_collectors, before):
         assert {int(t[keys.POLICY_VERSION]) for t in flatten_turns(c.next())} == {v}
     assert updater.push_weights() is None  # returns once every worker applied the weights
-    assert versions(tiny_collectors) == [v + 1 for v in before]
+    # the push carries the version (one above the newest a worker held): the same on every worker
+    assert versions(tiny_collectors) == [max(before) + 1] * 2 == [updater.version] * 2
     fresh, tokenizer = load_model_and_tokenizer(tiny_model_path)
     fresh.load_state_dict(trainer.state_dict())
     reference = TransformersPolicy(fresh, tokenizer, max_new_tokens=MAX_NEW_TOKENS, temperature=0)
     for c, v in zip(tiny_collectors, before):
         assert same_state(remote_state(c), trainer.state_dict())
         turns = flatten_turns(c.next())
-        assert {int(t[keys.POLICY_VERSION]) for t in turns} == {v + 1}
+        assert {int(t[keys.POLICY_VERSION]) for t in turns} == {updater.version}
         _, responses, log_probs = reference.generate([t[keys.TEXT_PROMPT] for t in turns])
         for turn, response, lp in zip(turns, responses, log_probs):
             assert torch.equal(turn[keys.TOKENS_RESPONSE], response)
@@ -113,7 +114,7 @@ def test_collector_property_setter_registers_and_pushes_to_all(tiny_collectors, 
         assert updater.collector is first and first.weight_updater is updater
         before = versions(tiny_collectors)
         first.update_policy_weights_()
-        assert versions(tiny_collectors) == [v + 1 for v in before]
+        assert versions(tiny_collectors) == [max(before) + 1] * 2
         assert all(same_state(remote_state(c), trainer.state_dict()) for c in tiny_collectors)
     finally:
         first.weight_updater = None
@@ -136,11 +137,13 @@ def test_an_updater_without_collectors_serves_the_one_it_is_registered_with(smal
 def test_max_interval_skips_until_enough_pushes_were_missed(small_collectors) -> None:
     updater = RayRemoteWeightUpdater(SmallNet(), small_collectors, max_interval=2)
     start = versions(small_collectors)
-    bumps = []
+    seen = []
     for _ in range(6):
         updater.push_weights()
-        bumps.append([v - s for v, s in zip(versions(small_collectors), start)])
-    assert bumps == [[0, 0], [0, 0], [1, 1], [1, 1], [1, 1], [2, 2]]
+        seen.append(versions(small_collectors))
+    # skipped workers keep the version of the weights they hold; pushes 3 and 6 reach them
+    b = max(start)
+    assert seen == [start, start, [b + 3] * 2, [b + 3] * 2, [b + 3] * 2, [b + 6] * 2]
     with pytest.raises(ValueError, match="max_interval"):
         RayRemoteWeightUpdater(SmallNet(), small_collectors, max_interval=-1)
 
@@ -155,7 +158,7 @@ def test_worker_ids_are_bounds_checked_and_target_only_those(small_collectors) -
     updater.push_weights(worker_ids=[1])
     updater.push_weights(worker_ids=0)
     updater.push_weights(worker_ids=[1, 1])
-    assert [v - s for v, s in zip(versions(small_collectors), start)] == [1, 2]
+    assert versions(small_collectors) == [max(start) + 2, max(start) + 3]  # each holds the push it got
 
 
 def test_wait_false_returns_a_handle_and_runs_hooks_when_done(small_collectors) -> None:
@@ -168,10 +171,10 @@ def test_wait_false_returns_a_handle_and_runs_hooks_when_done(small_collectors) 
     assert isinstance(handle, PushHandle) and handle.worker_ids == [0, 1]
     handle.wait(timeout_s=30)
     assert handle.done()
-    assert hook_versions == [[s + 1 for s in start]]
+    assert hook_versions == [[max(start) + 1] * 2]
     second = updater.push_weights(wait=False)
     updater.push_weights()  # waits for the push in flight first, so workers apply them in order
-    assert second.done() and versions(small_collectors) == [s + 3 for s in start]
+    assert second.done() and versions(small_collectors) == [max(start) + 3] * 2
     assert all(same_state(remote_state(c), trainer.state_dict()) for c in small_collectors)
 
 

@@ -355,3 +355,13 @@ def test_the_policy_object_itself_can_be_pushed() -> None:
     with pytest.raises(ValueError, match="missing"):
         make_collector().update_policy_weights_({"model.embed.weight": torch.zeros(10, 4)})
 
+
+
+def test_a_new_updater_continues_from_the_workers_version() -> None:
+    collector = make_collector(weight_updater=LocalWeightUpdater(trained()))
+    collector.weight_updater.push_weights(version=6)
+    collector._weight_updater = None  # the trainer restarts with a fresh updater
+    fresh = LocalWeightUpdater(trained())
+    collector.weight_updater = fresh
+    fresh.push_weights()
+    assert collector.policy_version == fresh.version == 7
