@@ -87,3 +87,52 @@ def make_slow_env() -> ChatEnv:
     from lmcollect.envs import MathAnswerReward, arithmetic_dataset
 
     return SlowEnv(arithmetic_dataset(8, seed=0), reward_fn=MathAnswerReward(), batch_size=2, seed=0)
+
+
+class TorchrlShapedEnv:
+    """An env written the torchrl way, with no lmcollect base class: dense TensorDicts of batch
+    ``(B,)``, torchrl's key names (``"done"`` / ``"terminated"`` / ``"truncated"`` / ``"reward"``
+    shaped ``(B, 1)`` under ``"next"``), partial resets through ``"_reset"``. Its prompts are
+    lmcollect ``History`` objects (what the shipped policies read). Each dialog asks for "ok" twice.
+    """
+
+    def __init__(self, batch_size: int = 2) -> None:
+        self.batch_size = torch.Size([batch_size])
+        self._turn = [0] * batch_size
+
+    def _flags(self, done: list[bool]) -> dict:
+        flag = torch.tensor(done, dtype=torch.bool).unsqueeze(-1)
+        return {"done": flag, "terminated": flag.clone(), "truncated": torch.zeros_like(flag)}
+
+    def reset(self, td=None):
+        from tensordict import NonTensorStack, TensorDict
+
+        from lmcollect.data.history import History
+
+        n = self.batch_size[0]
+        mask = [True] * n if td is None or "_reset" not in td.keys() else td["_reset"].flatten().tolist()
+        for i, reset in enumerate(mask):
+            if reset:
+                self._turn[i] = 0
+        prompts = NonTensorStack(*[History.from_text("say ok") for _ in range(n)])
+        return TensorDict({"history": {"prompt": prompts}, **self._flags([False] * n)}, batch_size=self.batch_size)
+
+    def step(self, td):
+        from tensordict import NonTensorStack, TensorDict
+
+        fulls = [td[i]["history", "full"] for i in range(self.batch_size[0])]
+        rewards, done, prompts = [], [], []
+        for i, full in enumerate(fulls):
+            self._turn[i] += 1
+            rewards.append([float(full.messages[-1].content.strip() == "ok")])
+            done.append(self._turn[i] >= 2)
+            prompts.append(full.append("user", "again"))
+        td["next"] = TensorDict(
+            {"history": {"prompt": NonTensorStack(*prompts)}, "reward": torch.tensor(rewards), **self._flags(done)},
+            batch_size=self.batch_size,
+        )
+        return td
+
+
+def make_ok_policy() -> ScriptedPolicy:
+    return ScriptedPolicy("ok")

@@ -155,3 +155,24 @@ def test_start_pause_shutdown(make_collector) -> None:
     collector.shutdown()
     collector.shutdown()
     assert not collector.is_initialized()
+
+
+def test_a_torchrl_shaped_env_passes_through_both_collectors(make_collector, request) -> None:
+    from lmcollect.collectors.ray_collector import RayLLMCollector
+    from tests.factories import TorchrlShapedEnv, make_ok_policy
+
+    kwargs = {"policy_factory": make_ok_policy, "dialog_turns_per_batch": 4, "yield_completed_trajectories": True}
+    if make_collector.kind == "local":
+        collector = LLMCollector(TorchrlShapedEnv, **kwargs)
+    else:
+        collector = RayLLMCollector(TorchrlShapedEnv, num_cpus=0.25, **kwargs)
+    try:
+        turns = flatten_turns(collector.next())
+    finally:
+        collector.shutdown()
+    assert len(turns) == 4 and [int(t[keys.STEP_COUNT]) for t in turns] == [0, 1, 0, 1]
+    assert all(float(t[keys.NEXT_REWARD]) == 1.0 for t in turns)
+    assert [bool(t[keys.NEXT_DONE]) for t in turns] == [False, True, False, True]
+    # the second turn's prompt holds the first turn's answer and the env's reply
+    second = turns[1]
+    assert [m.content for m in second.get_non_tensor(keys.HISTORY_PROMPT).messages][-2:] == ["ok", "again"]
