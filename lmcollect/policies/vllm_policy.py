@@ -4,9 +4,10 @@ from __future__ import annotations
 import json
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 import torch
 from tensordict import TensorDictBase
@@ -25,6 +26,7 @@ logger = logging.getLogger(__name__)
 # and as trainers need for importance ratios. vLLM's other modes would silently differ.
 LOGPROBS_MODE = "raw_logprobs"
 MAX_REQUEST_SEED = 2**63
+T = TypeVar("T")
 
 
 class Completion(NamedTuple):
@@ -39,7 +41,8 @@ class EngineProtocol(Protocol):
     """What :class:`VLLMPolicy` needs from an engine: a local :class:`VLLMEngine` or Ray replicas.
 
     ``collective_rpc`` and ``reset_prefix_cache`` are for weight updates (see
-    ``lmcollect.weight_sync.vllm_worker_ext``); they reach every worker of every replica.
+    ``lmcollect.weight_sync.vllm_worker_ext``); they reach every worker of every replica. Every
+    method may be called from any thread, also concurrently: the engine serialises the calls.
     """
 
     def generate_tokens(
@@ -115,6 +118,13 @@ def _completion(output: CompletionOutput) -> Completion:
 class VLLMEngine:
     """An in-process ``vllm.LLM`` behind :class:`EngineProtocol`; also the body of Ray replica actors.
 
+    Any thread may call it, several at once: the engine is built on a thread of its own, and
+    every call (generate, ``collective_rpc``, prefix-cache reset) runs there, one at a time, while
+    the caller waits. vLLM's engine is not thread-safe (two overlapping ``generate`` calls corrupt
+    its request bookkeeping), and its CPU kernels bind their OpenMP threads on the thread that
+    built it; so ``LLMCollector.start()``, ``async_envs`` and Ray actors with several threads all
+    work without care from the caller.
+
     On CPU, vLLM's default KV cache does not fit: pass ``engine_kwargs={"kv_cache_memory_bytes":
     1 << 30}`` (or set ``VLLM_CPU_KVCACHE_SPACE=1``, in GiB). With ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
     the engine runs in this process (start-up ~3 s instead of ~20 s); otherwise it spawns processes
@@ -135,8 +145,13 @@ class VLLMEngine:
         vllm = _import_vllm()
         self.model_path = str(model_path)
         kwargs = engine_kwargs_for(model_path, engine_kwargs)
+        self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="lmcollect-vllm-engine")
         logger.info("starting vllm.LLM(model=%s, %s)", self.model_path, kwargs)
-        self.llm: LLM = vllm.LLM(model=self.model_path, **kwargs)
+        self.llm: LLM = self._on_engine_thread(vllm.LLM, model=self.model_path, **kwargs)
+
+    def _on_engine_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` on the engine's thread, after the calls queued before it."""
+        return self._engine_thread.submit(fn, *args, **kwargs).result()
 
     def generate_tokens(
         self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int] | None = None
@@ -153,12 +168,12 @@ class VLLMEngine:
         else:
             params = [SamplingParams(**sampling_params_kwargs(sampling, seed=s)) for s in seeds]
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        outputs = self._on_engine_thread(self.llm.generate, requests, params, use_tqdm=False)
         return [_completion(out.outputs[0]) for out in outputs]
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
         """Call ``method`` on every worker of the engine (see ``vllm.LLM.collective_rpc``)."""
-        return self.llm.collective_rpc(method, args=args, kwargs=kwargs)
+        return self._on_engine_thread(self.llm.collective_rpc, method, args=args, kwargs=kwargs)
 
     @property
     def num_replicas(self) -> int:
@@ -174,7 +189,7 @@ class VLLMEngine:
 
     def reset_prefix_cache(self) -> None:
         """Drop cached KV blocks; needed after a weight update, or old activations are reused."""
-        if not self.llm.reset_prefix_cache():
+        if not self._on_engine_thread(self.llm.reset_prefix_cache):
             raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?).")
 
     def ready(self) -> bool:

@@ -17,8 +17,8 @@ logger = logging.getLogger(__name__)
 # The actor is already the engine's own process: running vLLM in it starts in ~3 s instead of
 # spawning an engine-core process (~20 s). Callers can override any of these.
 DEFAULT_ENV_VARS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-# max_concurrency=1: an in-process vllm.LLM is not thread-safe, so one call at a time per replica.
-_ACTOR_DEFAULTS: dict[str, Any] = {"num_cpus": 1, "max_concurrency": 1}
+# Any max_concurrency works: each VLLMEngine runs its calls on its own engine thread, one at a time.
+_ACTOR_DEFAULTS: dict[str, Any] = {"num_cpus": 1}
 
 
 def split_evenly(num_items: int, num_parts: int) -> list[range]:
@@ -48,8 +48,8 @@ class VLLMReplicas:
         model_path: a model folder every actor can read.
         num_replicas: number of engine actors.
         engine_kwargs: ``vllm.LLM`` arguments of every replica (see :class:`VLLMEngine`).
-        remote_config: actor options (``num_cpus``, ``num_gpus``, ``runtime_env``...); defaults
-            ``num_cpus=1``, ``max_concurrency=1``.
+        remote_config: actor options (``num_cpus``, ``num_gpus``, ``runtime_env``,
+            ``max_concurrency``...); default ``num_cpus=1``.
         env_vars: environment of the actors, over :data:`DEFAULT_ENV_VARS` and ``runtime_env``'s
             (vLLM reads its settings there, e.g. ``VLLM_CPU_KVCACHE_SPACE``).
     """

@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDictBase, lazy_stack
 
+from lmcollect.buffers import ReplayBuffer
 from lmcollect.collectors.llm_collector import LLMCollector
 from lmcollect.data import keys
 from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
@@ -36,8 +37,8 @@ def reference(model_dir: Path) -> TransformersPolicy:
     return TransformersPolicy(model, tokenizer, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
 
 
-def make_env() -> ChatEnv:
-    return ChatEnv(arithmetic_dataset(32, seed=0), reward_fn=MathAnswerReward(), batch_size=4, seed=0)
+def make_env(seed: int = 0) -> ChatEnv:
+    return ChatEnv(arithmetic_dataset(32, seed=seed), reward_fn=MathAnswerReward(), batch_size=4, seed=seed)
 
 
 def assert_same_answers(got: TensorDictBase, want: TensorDictBase) -> None:
@@ -125,6 +126,53 @@ def test_collects_with_llm_collector(greedy_policy: VLLMPolicy) -> None:
             assert torch.isfinite(turn[keys.LOG_PROBS_RESPONSE]).all()
             assert turn[keys.NEXT_REWARD].shape == (1,)
     collector.shutdown()
+
+
+def assert_turns_answered_like(turns: TensorDictBase, reference: TransformersPolicy) -> None:
+    """Every collected turn (a flat stack) holds the reference's greedy answer to its own prompt."""
+    want = reference(lazy_stack([turns[i].select(keys.HISTORY_PROMPT) for i in range(turns.numel())]))
+    for i in range(turns.numel()):
+        assert torch.equal(turns[i][keys.TOKENS_RESPONSE], want[i][keys.TOKENS_RESPONSE]), f"turn {i}"
+        torch.testing.assert_close(turns[i][keys.LOG_PROBS_RESPONSE], want[i][keys.LOG_PROBS_RESPONSE], atol=ATOL, rtol=0)
+
+
+# ------------------------------------------------------------------------------------ calls from several threads
+# One engine, callers on several threads at once: the engine runs every call on its own thread.
+def test_start_collects_in_the_background_while_this_thread_calls_the_policy(
+    greedy_policy: VLLMPolicy, reference: TransformersPolicy
+) -> None:
+    buffer = ReplayBuffer(capacity=100)
+    collector = LLMCollector(
+        make_env(), policy=greedy_policy, dialog_turns_per_batch=4, total_dialog_turns=12, replay_buffer=buffer
+    )
+    td = chat_batch(QUESTIONS)
+    want = reference(td)
+    collector.start()
+    try:
+        num_calls = 0
+        while collector.is_running() or num_calls == 0:  # is_running() re-raises a background failure
+            assert_same_answers(greedy_policy(td), want)
+            num_calls += 1
+    finally:
+        collector.shutdown()
+    assert len(buffer) >= 12
+    assert_turns_answered_like(buffer.sample(len(buffer), replace=False), reference)
+
+
+def test_async_envs_share_one_policy(greedy_policy: VLLMPolicy, reference: TransformersPolicy) -> None:
+    """Two envs, each stepped in its own thread, call the one engine concurrently."""
+    collector = LLMCollector(
+        [make_env(seed=0), make_env(seed=1)],
+        policy=greedy_policy,
+        async_envs=True,
+        dialog_turns_per_batch=8,
+        total_dialog_turns=16,
+    )
+    batches = list(collector)
+    collector.shutdown()
+    assert sum(batch.numel() for batch in batches) >= 16
+    for batch in batches:
+        assert_turns_answered_like(batch.reshape(-1), reference)
 
 
 # ------------------------------------------------------------------------------------ Ray replicas
