@@ -119,9 +119,15 @@ def _tie_key(tensor: torch.Tensor) -> tuple:
     return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.dtype, tuple(tensor.shape), tensor.stride())
 
 
-def plan_layout(weights: Mapping[str, torch.Tensor], *, bucket_size_bytes: int | None = None) -> BucketLayout:
+def plan_layout(
+    weights: Mapping[str, torch.Tensor],
+    *,
+    bucket_size_bytes: int | None = None,
+    dtypes: Mapping[str, torch.dtype] | None = None,
+) -> BucketLayout:
     """One buffer per dtype (in order of first appearance), split when a buffer would pass
-    ``bucket_size_bytes`` (a tensor larger than that gets a buffer of its own)."""
+    ``bucket_size_bytes`` (a tensor larger than that gets a buffer of its own). ``dtypes``
+    (name -> dtype) stores those tensors in another dtype (see :func:`pack_buckets`)."""
     if bucket_size_bytes is not None and bucket_size_bytes <= 0:
         raise ValueError(f"bucket_size_bytes must be positive or None, got {bucket_size_bytes}.")
     open_buffer: dict[torch.dtype, int] = {}  # dtype -> index of the buffer being filled
@@ -130,20 +136,20 @@ def plan_layout(weights: Mapping[str, torch.Tensor], *, bucket_size_bytes: int |
     slots = []
     for name, tensor in weights.items():
         key = _tie_key(tensor)
+        dtype = tensor.dtype if dtypes is None else dtypes.get(name, tensor.dtype)
         if key not in seen:
-            seen[key] = _place(tensor, open_buffer, sizes, bucket_size_bytes)
+            seen[key] = _place(tensor.numel() * dtype.itemsize, dtype, open_buffer, sizes, bucket_size_bytes)
         index, offset = seen[key]
-        slots.append(TensorSlot(name, tensor.dtype, tuple(tensor.shape), index, offset))
+        slots.append(TensorSlot(name, dtype, tuple(tensor.shape), index, offset))
     return BucketLayout(tuple(slots), tuple(sizes))
 
 
-def _place(tensor: torch.Tensor, open_buffer: dict, sizes: list[int], cap: int | None) -> tuple[int, int]:
-    nbytes = tensor.numel() * tensor.element_size()
-    index = open_buffer.get(tensor.dtype)
+def _place(nbytes: int, dtype: torch.dtype, open_buffer: dict, sizes: list[int], cap: int | None) -> tuple[int, int]:
+    index = open_buffer.get(dtype)
     if index is None or (cap is not None and sizes[index] > 0 and _align(sizes[index]) + nbytes > cap):
         index = len(sizes)
         sizes.append(0)
-        open_buffer[tensor.dtype] = index
+        open_buffer[dtype] = index
     offset = _align(sizes[index])
     sizes[index] = offset + nbytes
     return index, offset
@@ -155,9 +161,14 @@ def pack_buckets(
     bucket_size_bytes: int | None = None,
     out: list[torch.Tensor] | None = None,
     device: torch.device | str | None = None,
+    dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> WeightBuckets:
-    """Copy ``weights`` into flat per-dtype buffers (reusing ``out`` when its sizes match)."""
-    layout = plan_layout(weights, bucket_size_bytes=bucket_size_bytes)
+    """Copy ``weights`` into flat per-dtype buffers (reusing ``out`` when its sizes match).
+
+    ``dtypes`` (name -> dtype) casts those tensors while they are copied into their buffer: a
+    cast copy of the whole model is never made (e.g. an fp32 trainer sending to a bf16 engine).
+    """
+    layout = plan_layout(weights, bucket_size_bytes=bucket_size_bytes, dtypes=dtypes)
     device = torch.device(device) if device is not None else _common_device(weights)
     if out is not None and [(b.numel(), b.device) for b in out] == [(n, device) for n in layout.buffer_nbytes]:
         buffers = out

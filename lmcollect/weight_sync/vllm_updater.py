@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -13,12 +13,26 @@ import torch
 from lmcollect.weight_sync.base import WeightPushError, WeightUpdaterBase
 from lmcollect.weight_sync.version import PushVersion
 from lmcollect.weight_sync.schemes.process_group import ProcessGroupConfig, ProcessGroupSender
+from lmcollect.weight_sync.vllm_worker_ext import RayNode, current_ray_node
 from lmcollect.weight_sync.weights import WeightDict, raise_if_problems, tensor_metadata, weight_problems
 
 logger = logging.getLogger(__name__)
 
 Metadata = dict[str, tuple[torch.dtype, torch.Size]]
 Wait = Callable[[float | None], list[Any]]
+LOOPBACK = "127.0.0.1"
+
+
+def default_master_address(trainer_node: RayNode | None, engine_node_ids: Sequence[str]) -> str:
+    """The address the engine's workers reach the trainer at when none is given.
+
+    Loopback when Ray is not running in the trainer's process (then everything is on this
+    machine) or every worker is on the trainer's Ray node; else the trainer node's IP as Ray
+    reports it, which the other nodes can reach.
+    """
+    if trainer_node is None or all(node_id == trainer_node.node_id for node_id in engine_node_ids):
+        return LOOPBACK
+    return trainer_node.ip
 
 
 class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.collectors.llm.vLLMUpdater)
@@ -35,14 +49,17 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
     1. check the weights against what every worker accepts (one ValueError, nothing sent);
     2. pause: the workers start receiving (``collective_rpc("receive_weights")``, which holds the
        collector's policy lock, so no turn runs) without the trainer waiting for them;
-    3. send: the layout (metadata) through the store, then a few flat per-dtype buckets by broadcast;
+    3. send: the layout (metadata) through the store, then a few flat per-dtype buckets by broadcast
+       (with ``convert_dtype``, each tensor is cast to the engine's dtype as its bucket is packed);
     4. load: each worker reloads the weights (vLLM fuses q/k/v etc.); the trainer waits for all,
        at most ``timeout_s`` from the start of the push, then compares checksums with ``verify``;
     5. still inside the same pause, reset the prefix cache and bump the collector's policy
        version once, then resume (the lock is released) and run the post-hooks.
 
     Args:
-        master_address: address the workers reach the trainer at (default: loopback).
+        master_address: address the workers reach the trainer at. None: chosen at :meth:`init` by
+            :func:`default_master_address`: loopback when every engine worker is on this Ray
+            node (or Ray is not running here), else this node's IP as Ray reports it.
         master_port: port of the rendezvous store (None: a free one).
         model_metadata: name -> (dtype, shape) the trainer will push; checked against the engine
             at :meth:`init` (None: the engine's own checkpoint metadata, read by its workers).
@@ -52,6 +69,9 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
             ``WeightPushError`` within it instead of hanging.
         bucket_size_bytes: largest broadcast buffer.
         backend: "auto" (NCCL when the pushed weights are on CUDA, else gloo), "gloo" or "nccl".
+        convert_dtype: cast floating weights to the engine's dtype (e.g. an fp32 trainer into a
+            bf16 engine); the cast happens here, bucket by bucket, as the weights are packed, so
+            only the engine's bytes travel. False: a push in another dtype is refused.
 
     Example::
 
@@ -74,6 +94,7 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
         timeout_s: float = 300.0,
         bucket_size_bytes: int = 512 * 2**20,
         backend: str = "auto",
+        convert_dtype: bool = False,
     ) -> None:
         super().__init__()
         tp_size = 1 if vllm_tp_size is None else vllm_tp_size
@@ -83,7 +104,7 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
             raise ValueError(f"timeout_s must be positive, got {timeout_s}.")
         if backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}.")
-        self.master_address = master_address or "127.0.0.1"
+        self.master_address = master_address
         self.master_port = master_port
         self.model_metadata = model_metadata
         self.vllm_tp_size = tp_size
@@ -91,6 +112,7 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
         self.timeout_s = timeout_s
         self.bucket_size_bytes = bucket_size_bytes
         self.backend = backend
+        self.convert_dtype = convert_dtype
         self._policy: Any = None  # set by from_policy: an engine reached without a collector
         self._sender: ProcessGroupSender | None = None
         self._num_replicas = 1
@@ -149,12 +171,13 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
         metadata = model_metadata if model_metadata is not None else self.model_metadata
         self._num_replicas = self._call_num_replicas()
         config = ProcessGroupConfig(
-            master_address=self.master_address,
+            master_address=self.master_address or self._default_master_address(),
             master_port=self.master_port or 0,
             num_receivers=self.vllm_tp_size * self._num_replicas,
             backend=self._choose_backend(device),
             timeout_s=self.timeout_s,
             bucket_size_bytes=self.bucket_size_bytes,
+            convert_dtype=self.convert_dtype,
         )
         sender = ProcessGroupSender(config)
         info = sender.connection_info()
@@ -171,8 +194,31 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
         if metadata is not None:
             self.model_metadata = metadata
             expected, aliases = sender.receiver_metadata[0]
-            raise_if_problems(weight_problems(metadata, expected, aliases=aliases), where=" (model_metadata at init)")
-        logger.info("vLLMUpdater: group formed with %d worker(s), backend %s", config.num_receivers, config.backend)
+            problems = weight_problems(metadata, expected, aliases=aliases, convert_dtype=self.convert_dtype)
+            raise_if_problems(problems, where=" (model_metadata at init)")
+        logger.info(
+            "vLLMUpdater: group formed with %d worker(s) at %s, backend %s",
+            config.num_receivers,
+            config.master_address,
+            config.backend,
+        )
+
+    def _default_master_address(self) -> str:
+        trainer_node = current_ray_node()
+        if trainer_node is None:  # no Ray here: the engine is in this process or a child of it
+            return LOOPBACK
+        return default_master_address(trainer_node, self._engine_node_ids(trainer_node.node_id))
+
+    def _engine_node_ids(self, trainer_node_id: str) -> list[str]:
+        """The Ray node of every engine worker, as the workers report it."""
+        deadline = time.monotonic() + self.timeout_s
+        reported = self._wait(self._start_rpc("ray_node_id", [()] * self._num_replicas), deadline, "ray_node_id")
+        if None not in reported:
+            return reported
+        # a worker without Ray is a subprocess of the engine's owner: the collector's process
+        process_info = getattr(self._target(), "process_info", None)  # a Ray collector reports its actor's node
+        owner_node_id = process_info()["node_id"] if callable(process_info) else trainer_node_id
+        return [owner_node_id if node_id is None else node_id for node_id in reported]
 
     def close(self) -> None:
         """Leave the process group (the next push forms a new one)."""

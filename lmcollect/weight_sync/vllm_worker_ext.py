@@ -41,10 +41,11 @@ all of its checkpoint tensors arrived.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -90,6 +91,21 @@ def checkpoint_metadata(
     # Tied checkpoints omit the output embedding; a trainer's state_dict still names it.
     tied = tie_word_embeddings and "lm_head.weight" not in metadata and "model.embed_tokens.weight" in metadata
     return metadata, ({"lm_head.weight": "model.embed_tokens.weight"} if tied else {})
+
+
+class RayNode(NamedTuple):
+    """A Ray node as Ray reports it."""
+
+    node_id: str
+    ip: str
+
+
+def current_ray_node() -> RayNode | None:
+    """This process's Ray node, or None when Ray is not running in this process."""
+    ray = sys.modules.get("ray")  # a process that never imported Ray is not part of a cluster: no import
+    if ray is None or not ray.is_initialized():
+        return None
+    return RayNode(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
 
 
 def refresh_tied_modules(model: torch.nn.Module) -> list[str]:
@@ -184,6 +200,12 @@ class VLLMWeightReceiverExtension:
         if verify:
             info["checksums"] = self._lmcollect_receiver.last_checksums()
         return info
+
+    def ray_node_id(self) -> str | None:
+        """The Ray node this worker runs on (None: no Ray in its process, e.g. an engine subprocess;
+        it is then on the node of the process that built the engine)."""
+        node = current_ray_node()
+        return None if node is None else node.node_id
 
     def close_weight_group(self) -> None:
         if self._lmcollect_receiver is not None:

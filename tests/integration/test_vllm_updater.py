@@ -5,7 +5,9 @@ in-process engine is the session's (conftest); it gets its original weights back
 """
 from __future__ import annotations
 
+import copy
 import functools
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -84,7 +86,7 @@ def prompts_of_batch(batch: TensorDictBase) -> TensorDictBase:
 def test_constructor_defaults_and_policy_lookup(greedy_policy: VLLMPolicy) -> None:
     updater = vLLMUpdater()
     assert VLLMUpdater is vLLMUpdater
-    assert (updater.master_address, updater.master_port, updater.vllm_tp_size) == ("127.0.0.1", None, 1)
+    assert (updater.master_address, updater.master_port, updater.vllm_tp_size) == (None, None, 1)  # None: chosen at init
     assert updater.all_worker_ids() == [0] and updater.collector is None
     assert vLLMUpdater.from_policy(ScriptedPolicy("1")) is None
     assert isinstance(vLLMUpdater.from_policy(greedy_policy), vLLMUpdater)
@@ -107,6 +109,8 @@ def test_push_matches_transformers_resets_cache_and_bumps_version(
     )
     assert updater.collector is collector
     td = chat_batch(QUESTIONS)
+    updater.init()
+    assert updater._sender is not None and updater._sender.connection_info()["master_address"] == "127.0.0.1"
     long_td = chat_batch(QUESTIONS[:2], system_prompt=LONG_SYSTEM_PROMPT)
     assert_same_answers(local_engine(long_td), old_reference(long_td))  # fills the prefix cache
     assert collector.policy_version == 0
@@ -155,41 +159,97 @@ def test_bad_pushes_change_nothing(
 
 
 # ------------------------------------------------------------------------------------ Ray
-def test_ray_collector_with_vllm_policy_gets_pushes(
+def wait_until(condition: Any, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def turns_of_version(buffer: Any, version: int) -> TensorDictBase:
+    turns = buffer.sample(len(buffer), replace=False)
+    return turns[(turns[keys.POLICY_VERSION] == version).reshape(-1)]
+
+
+def test_ray_collector_with_vllm_policy_collects_in_the_background_through_a_push(
     ray_cluster: Any, model_dir: Path, new_model: torch.nn.Module, new_reference: TransformersPolicy,
     old_reference: TransformersPolicy,
 ) -> None:
+    """The engine in the collector's actor, the actor's default concurrency: start() collects on the
+    actor's collection thread while the push arrives on a control thread; both reach the engine."""
+    from lmcollect.buffers import RayReplayBuffer
     from lmcollect.collectors.ray_collector import RayLLMCollector
 
     policy_factory = functools.partial(
         VLLMPolicy, str(model_dir), engine_kwargs=EXT_ENGINE_KWARGS, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS
     )
+    buffer = RayReplayBuffer(capacity=1000)
+    updater = vLLMUpdater(timeout_s=120, verify=True)
     collector = RayLLMCollector(
         make_env(),
         policy_factory=policy_factory,
         dialog_turns_per_batch=4,
-        weight_updater=vLLMUpdater(timeout_s=120, verify=True),
+        replay_buffer=buffer,
+        weight_updater=updater,
         track_policy_version=True,
-        # max_concurrency=1: vLLM's CPU attention binds OpenMP threads per thread, so every engine
-        # call (generate, receive_weights) must run on the actor's one thread
-        remote_config={
-            "num_cpus": 0.5,
-            "max_concurrency": 1,
-            "runtime_env": {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}},
-        },
+        remote_config={"runtime_env": {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}},  # engine in the actor
     )
     try:
-        first = collector.next()
-        assert collector.policy_version == 0
-        assert_same_answers(first.reshape(-1), old_reference(prompts_of_batch(first)))
-        collector.update_policy_weights_(new_model)
+        collector.start()
+        wait_until(lambda: len(buffer) >= 4)
+        collector.update_policy_weights_(new_model)  # while the actor collects
         assert collector.policy_version == 1
-        second = collector.next()
-        assert_same_answers(second.reshape(-1), new_reference(prompts_of_batch(second)))
-        assert first.reshape(-1)[keys.POLICY_VERSION].tolist() == [0] * 4
-        assert second.reshape(-1)[keys.POLICY_VERSION].tolist() == [1] * 4
+        assert updater._sender is not None and updater._sender.connection_info()["master_address"] == "127.0.0.1"
+        wait_until(lambda: turns_of_version(buffer, 1).numel() >= 4)
+        assert collector.is_running()  # re-raises a failure of the actor's collection thread
+        old, new = turns_of_version(buffer, 0), turns_of_version(buffer, 1)
     finally:
         collector.shutdown()
+        buffer.shutdown()
+    # every turn was generated entirely under the weights its version names
+    assert_same_answers(old, old_reference(prompts_of_batch(old)))
+    assert_same_answers(new, new_reference(prompts_of_batch(new)))
+
+
+def test_convert_dtype_pushes_an_fp32_trainer_into_a_bf16_engine(
+    ray_cluster: Any, model_dir: Path, new_model: torch.nn.Module, tmp_path: Path
+) -> None:
+    """Refused without convert_dtype; with it, the engine answers like a fresh bf16 engine built from
+    the pushed weights. Both engines are actors (one in-process engine per process)."""
+    from lmcollect.policies.vllm_ray import VLLMReplicas
+
+    pushed_dir = tmp_path / "pushed-bf16"
+    shutil.copytree(model_dir, pushed_dir)
+    copy.deepcopy(new_model).to(torch.bfloat16).save_pretrained(pushed_dir)
+    shutil.copy(model_dir / "generation_config.json", pushed_dir)  # the same stop tokens
+    bf16_kwargs = {**EXT_ENGINE_KWARGS, "dtype": "bfloat16"}
+    engines = [VLLMReplicas(path, engine_kwargs=bf16_kwargs, remote_config={"num_cpus": 0.5}) for path in (model_dir, pushed_dir)]
+    pushed, fresh = (VLLMPolicy(model_dir, engine=engine, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS) for engine in engines)
+    updater = vLLMUpdater(timeout_s=60, verify=True, convert_dtype=True)
+    collector = LLMCollector(
+        make_env(), policy=pushed, dialog_turns_per_batch=4, weight_updater=updater, track_policy_version=True
+    )
+    td = chat_batch(QUESTIONS)
+    want = fresh(td)
+    try:
+        before = pushed(td)  # the checkpoint's weights answer otherwise
+        assert any(not torch.equal(before[i][keys.TOKENS_FULL], want[i][keys.TOKENS_FULL]) for i in range(len(QUESTIONS)))
+        refused = vLLMUpdater.from_policy(pushed)
+        with pytest.raises(ValueError, match=r"has dtype torch.float32, the model expects torch.bfloat16 \(pass convert_dtype=True"):
+            refused.push_weights(new_model)
+        refused.close()
+        collector.update_policy_weights_(new_model)
+        assert collector.policy_version == 1
+        sent_bytes = sum(buffer.numel() for buffer in updater._sender._out)  # bf16 on the wire: half of fp32
+        assert sent_bytes < 0.6 * sum(t.numel() * 4 for t in unique_targets(new_model)[0].values())
+        got = pushed(td)
+        for i in range(len(QUESTIONS)):
+            assert torch.equal(got[i][keys.TOKENS_FULL], want[i][keys.TOKENS_FULL]), f"element {i}"
+            torch.testing.assert_close(got[i][keys.LOG_PROBS_RESPONSE], want[i][keys.LOG_PROBS_RESPONSE], atol=1e-3, rtol=0)
+    finally:
+        collector.shutdown()
+        for engine in engines:
+            engine.shutdown()
 
 
 def test_engine_actor_push_and_killed_engine_fails_within_timeout(

@@ -42,6 +42,9 @@ class ProcessGroupConfig:
     """Longest wait for the rendezvous, a push's metadata, or a broadcast."""
     bucket_size_bytes: int = 512 * 2**20
     """Largest broadcast buffer: weights travel as per-dtype buffers up to this size."""
+    convert_dtype: bool = False
+    """Accept floating tensors of another dtype than the receivers hold (e.g. an fp32 trainer and a
+    bf16 engine) and cast them on this side while packing each bucket; False: such a push is refused."""
 
     def __post_init__(self) -> None:
         if self.num_receivers < 1:
@@ -114,10 +117,29 @@ class ProcessGroupSender(WeightSender):
         if self._group is None:
             raise RuntimeError("call connect() (on the sender and every receiver) before send().")
         sent = tensor_metadata(to_weight_dict(weights))
+        convert = self.config.convert_dtype
         problems = []
         for rank, (expected, aliases) in enumerate(self._receiver_metadata, start=1):
-            problems += [f"receiver {rank}: {p}" for p in weight_problems(sent, expected, aliases=aliases)]
+            problems += [
+                f"receiver {rank}: {p}" for p in weight_problems(sent, expected, aliases=aliases, convert_dtype=convert)
+            ]
         raise_if_problems(problems, where=" on every receiver")
+
+    def receiver_dtypes(self, weights: WeightDict) -> dict[str, torch.dtype]:
+        """name -> the dtype the receivers hold it in, for every floating tensor sent in another one
+        (call after :meth:`check`). Every receiver gets the same broadcast buffers, so all must agree."""
+        dtypes: dict[str, torch.dtype] = {}
+        for name, tensor in weights.items():
+            held = {expected[aliases.get(name, name)][0] for expected, aliases in self._receiver_metadata}
+            if len(held) > 1:
+                raise ValueError(
+                    f"receivers hold {name!r} in different dtypes {sorted(map(str, held))}; one broadcast "
+                    "cannot feed them all: give every engine the same dtype."
+                )
+            dtype = held.pop()
+            if tensor.is_floating_point() and dtype != tensor.dtype:
+                dtypes[name] = dtype
+        return dtypes
 
     def last_checksums(self) -> list[int]:
         """CRC32 of each buffer of the last push (compare with the receivers' :meth:`last_checksums`)."""
@@ -135,7 +157,10 @@ class ProcessGroupSender(WeightSender):
         weights = to_weight_dict(weights)
         self.check(weights)
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
-        buckets = pack_buckets(weights, bucket_size_bytes=self.config.bucket_size_bytes, out=self._out, device=device)
+        dtypes = self.receiver_dtypes(weights) if self.config.convert_dtype else None
+        buckets = pack_buckets(
+            weights, bucket_size_bytes=self.config.bucket_size_bytes, out=self._out, device=device, dtypes=dtypes
+        )
         self._out = buckets.buffers
         self._store.set(f"push/{self._num_pushes}", layout_to_json(buckets.layout))
         if self._num_pushes > 0:
