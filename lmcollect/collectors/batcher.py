@@ -85,6 +85,27 @@ class Batcher:
         self._per_slot[slot].clear()
         return dropped
 
+    def state_dict(self) -> dict:
+        """The turns run but not yet yielded (they go into the next batches after a restore)."""
+        return {
+            "per_slot": [[_turn_state(t) for t in q] for q in self._per_slot],
+            "completed": [[_turn_state(t) for t in traj] for traj in self._completed],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["per_slot"]) != self.num_slots:
+            raise ValueError(
+                f"the state holds turns of {len(state['per_slot'])} env slots, this collector has {self.num_slots}; "
+                "restore into a collector with the same envs and batch sizes."
+            )
+        self._per_slot = [deque(CollectedTurn(**t) for t in q) for q in state["per_slot"]]
+        self._completed = deque([CollectedTurn(**t) for t in traj] for traj in state["completed"])
+        self._num_completed_turns = sum(len(traj) for traj in self._completed)
+
     @property
     def num_buffered_turns(self) -> int:
         return sum(len(q) for q in self._per_slot) + self._num_completed_turns
+
+
+def _turn_state(turn: CollectedTurn) -> dict:
+    return {"slot": turn.slot, "traj_id": turn.traj_id, "done": turn.done, "td": turn.td}

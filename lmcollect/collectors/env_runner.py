@@ -111,6 +111,16 @@ class EnvRunner:
         for i in index:
             self.tracker.end(self.slot_offset + i, version_index)
 
+    def observations(self) -> list[TensorDictBase] | None:
+        """Each element's current observation (None before the first reset)."""
+        return None if self._obs is None else list(self._obs)
+
+    def set_observations(self, observations: list[TensorDictBase] | None) -> None:
+        """Continue from :meth:`observations` of a runner over an env restored to the same point."""
+        if observations is not None and len(observations) != self.num_envs:
+            raise ValueError(f"got {len(observations)} observations for an env with {self.num_envs} elements.")
+        self._obs = None if observations is None else list(observations)
+
     def _reset_rows(self, index: list[int]) -> None:
         mask = torch.zeros(self.num_envs, 1, dtype=torch.bool)
         mask[index] = True

@@ -389,15 +389,48 @@ class LLMCollector(WeightReceiverMixin):
         return out_seed
 
     def state_dict(self) -> OrderedDict:
-        """Counters, policy version, env and policy state."""
-        state: OrderedDict = OrderedDict()
-        state["env_state_dict"] = [_state_of(env) for env in self.envs]
-        state["policy_state_dict"] = _state_of(self.get_policy_model())
-        state["turns_run"] = self._turns_run
-        state["batches"] = self._batches
-        state["policy_version"] = None if self._policy_version is None else self._policy_version.state_dict()
-        state["trajectories"] = self._tracker.state_dict()
-        return state
+        """Everything needed to continue exactly from here in a fresh collector built the same way.
+
+        Counters and the turn budget used, the policy version and weights, the envs' state with
+        their dialogs in flight, each env slot's current observation (with the dialog's tokens so
+        far), the turns run but not yet yielded, trajectory/group id counters, and the RNG states
+        (torch's, which TransformersPolicy samples from, and the policy's own if it has one).
+        Taken between turns: waits for the batch under way.
+        """
+        with self._lock:
+            self._runners.stop_stepping()
+            state: OrderedDict = OrderedDict()
+            state["layout"] = self.layout()
+            state["env_state_dict"] = [_state_of(env) for env in self.envs]
+            state["policy_state_dict"] = _state_of(self.get_policy_model())
+            state["turns_run"] = self._turns_run
+            state["batches"] = self._batches
+            state["policy_version"] = None if self._policy_version is None else self._policy_version.state_dict()
+            state["trajectories"] = self._tracker.state_dict()
+            state["observations"] = [runner.observations() for runner in self._runners.runners]
+            state["pending_turns"] = self._batcher.state_dict()
+            state["rng"] = {"torch": torch.get_rng_state(), "policy": _rng_of(self.policy)}
+            return state
+
+    def layout(self) -> dict[str, Any]:
+        """What a state from :meth:`state_dict` only fits: the same batching and the same env slots."""
+        return {
+            "mode": self._mode,
+            "flatten": self._flatten,
+            "dialog_turns_per_batch": self._dialog_turns_per_batch,
+            "env_batch_sizes": [runner.num_envs for runner in self._runners.runners],
+        }
+
+    def _check_layout(self, layout: dict[str, Any] | None) -> None:
+        if layout is None:
+            return
+        mine = self.layout()
+        wrong = [f"{k}={layout.get(k)!r} (this collector: {v!r})" for k, v in mine.items() if layout.get(k) != v]
+        if wrong:
+            raise ValueError(
+                "this state comes from a collector with another configuration: " + "; ".join(wrong)
+                + ". Restore it into a collector built with the same envs and batching arguments."
+            )
 
     def load_state_dict(self, state_dict: OrderedDict, **kwargs: Any) -> None:
         """Restore what :meth:`state_dict` returned.
@@ -410,6 +443,7 @@ class LLMCollector(WeightReceiverMixin):
             self._load_state_dict(state_dict, **kwargs)
 
     def _load_state_dict(self, state_dict: OrderedDict, **kwargs: Any) -> None:
+        self._check_layout(state_dict.get("layout"))
         version = state_dict.get("policy_version")
         pushed = None if version is None else PushVersion(int(version["index"]), str(version["uuid"]))
         policy_state = state_dict.get("policy_state_dict")
@@ -426,7 +460,18 @@ class LLMCollector(WeightReceiverMixin):
         self._batches = state_dict.get("batches", self._batches)
         if "trajectories" in state_dict:
             self._tracker.load_state_dict(state_dict["trajectories"])
-        self.reset()  # dialogs restart from the loaded env state
+        rng = state_dict.get("rng")
+        if rng is not None:
+            torch.set_rng_state(rng["torch"])
+            if rng.get("policy") is not None:
+                self.policy.set_rng_state(rng["policy"])
+        if state_dict.get("observations") is None:
+            self.reset()  # an older state without dialogs in flight: they restart from the env state
+            return
+        self._runners.stop_stepping()
+        for runner, observations in zip(self._runners.runners, state_dict["observations"]):
+            runner.set_observations(observations)
+        self._batcher.load_state_dict(state_dict["pending_turns"])
 
     # ------------------------------------------------------------------ attribute access
     def getattr_env(self, attr: str) -> Any:
@@ -454,6 +499,11 @@ def _as_index_list(index: list[int] | int | torch.Tensor | None) -> list[int] | 
     if isinstance(index, torch.Tensor):
         return index.flatten().tolist() if index.dtype != torch.bool else index.flatten().nonzero().flatten().tolist()
     return [index] if isinstance(index, int) else list(index)
+
+
+def _rng_of(policy: Any) -> Any:
+    rng_state = getattr(policy, "rng_state", None)
+    return rng_state() if callable(rng_state) else None
 
 
 def _state_of(obj: Any) -> Any:

@@ -395,6 +395,10 @@ class RayLLMCollector:
     def load_state_dict(self, state_dict: Any, **kwargs: Any) -> None:
         self._call("load_state_dict", state_dict, **kwargs)
 
+    def layout(self) -> dict[str, Any]:
+        """What a state from :meth:`state_dict` only fits (batching and env slots)."""
+        return self._call("layout")
+
     def set_seed(self, seed: int, static_seed: bool = False) -> int:
         out = self._call("set_seed", seed, static_seed)
         self._seed = (seed, static_seed)

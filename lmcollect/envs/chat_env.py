@@ -16,7 +16,7 @@ from lmcollect.envs._td import build_batch, read_histories, read_reset_mask
 from lmcollect.envs.config import ChatEnvConfig
 from lmcollect.envs.datasets import PromptDataset, row_to_history
 from lmcollect.envs.rewards import RewardFn
-from lmcollect.envs.sampling import Draw, GroupSampler
+from lmcollect.envs.sampling import Draw, GroupSampler, draw_state
 from lmcollect.envs.tasks.base import SingleTurnTask, Task, TaskReply
 
 logger = logging.getLogger(__name__)
@@ -207,16 +207,43 @@ class ChatEnv:
         return seed if static_seed else seed + 1
 
     def state_dict(self) -> dict[str, Any]:
-        """Seed, rng, dataset position and prompt counter (not the dialogs in flight)."""
-        return {"seed": self._seed, "sampler": self._sampler.state_dict()}
+        """Seed, rng, dataset position, prompt counter, pending group draws and the dialogs in
+        flight (each element's draw, history so far, turn count and flags): everything a fresh
+        env built the same way needs to continue exactly where this one is."""
+        dialogs = [
+            None
+            if draw is None
+            else {"draw": draw_state(draw), "prompt": prompt, "turns": turns, "flags": list(flags)}
+            for draw, prompt, turns, flags in zip(self._draws, self._prompts, self._turns, self._flags)
+        ]
+        return {"seed": self._seed, "sampler": self._sampler.state_dict(), "started": self._started, "dialogs": dialogs}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`; the next reset is a full one."""
+        """Restore :meth:`state_dict`: the dialogs in flight continue (task states are rebuilt from
+        each draw's row and seed, as at their start); a state without them makes the next reset a
+        full one."""
         if "seed" not in state or "sampler" not in state:
             raise ValueError(f"state must come from ChatEnv.state_dict(), got keys {sorted(state)}.")
+        dialogs = state.get("dialogs")
+        if dialogs is not None and len(dialogs) != self.config.batch_size:
+            raise ValueError(
+                f"the state holds {len(dialogs)} dialogs, this env has batch_size={self.config.batch_size}; "
+                "restore into an env built with the same batch_size."
+            )
         self._seed = int(state["seed"])
         self._sampler.load_state_dict(state["sampler"])
-        self._started = False
+        self._started = bool(state.get("started", False)) and dialogs is not None
+        if not self._started:
+            return
+        for i, dialog in enumerate(dialogs):
+            if dialog is None:
+                continue
+            draw = self._sampler.draw_from_state(dialog["draw"])
+            self._states[i] = self.task.start(draw.sample, random.Random(draw.task_seed))
+            self._draws[i] = draw
+            self._prompts[i] = dialog["prompt"]
+            self._turns[i] = int(dialog["turns"])
+            self._flags[i] = tuple(bool(f) for f in dialog["flags"])
 
     def close(self) -> None:
         self._closed = True

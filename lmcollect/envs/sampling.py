@@ -76,7 +76,15 @@ class GroupSampler:
         return draw
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rng": self.rng.getstate(), "next_prompt_id": self.next_prompt_id, "dataset": self.dataset.state_dict()}
+        """RNG, prompt counter, dataset position and the draws groups have not all taken yet."""
+        return {
+            "rng": list(self.rng.getstate()),
+            "next_prompt_id": self.next_prompt_id,
+            "dataset": self.dataset.state_dict(),
+            "queues": [[draw_state(d) for d in queue] for queue in self._queues],
+            "offsets": list(self._offsets),
+            "generations": list(self._generations),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         version, internal, gauss = state["rng"]  # tolerate lists (e.g. after a JSON round trip)
@@ -84,3 +92,17 @@ class GroupSampler:
         self.next_prompt_id = int(state["next_prompt_id"])
         self.dataset.load_state_dict(state["dataset"])
         self.clear()
+        if "queues" in state:  # pending group draws: every element of a group answers the same prompt
+            self._queues = [[self.draw_from_state(d) for d in queue] for queue in state["queues"]]
+            self._offsets = [int(x) for x in state["offsets"]]
+            self._generations = [int(x) for x in state["generations"]]
+
+    def draw_from_state(self, state: dict[str, Any]) -> Draw:
+        """The :class:`Draw` that :func:`draw_state` described (its row read from the dataset)."""
+        index = int(state["sample_index"])
+        return Draw(int(state["prompt_id"]), index, self.dataset[index], int(state["task_seed"]))
+
+
+def draw_state(draw: Draw) -> dict[str, int]:
+    """A draw as plain ints (the row itself is looked up again from the dataset)."""
+    return {"prompt_id": draw.prompt_id, "sample_index": draw.sample_index, "task_seed": draw.task_seed}

@@ -1,0 +1,103 @@
+"""One-call checkpoints of a whole collection setup: collectors and a replay buffer, in a folder.
+
+``save_checkpoint(folder, collectors, replay_buffer=buffer)`` writes, for each collector, its full
+:meth:`~lmcollect.collectors.LLMCollector.state_dict` (weights, version, dialogs in flight, turns
+not yet yielded, id counters, RNG states) and the buffer's contents, as safetensors files whose
+non-tensor part is JSON (no pickle: see :mod:`lmcollect.data.codec`), plus ``manifest.json``.
+``load_checkpoint`` restores them into collectors (and a buffer) built the same way, in any
+process, and refuses a checkpoint from another configuration with an error naming what differs.
+
+Example::
+
+    save_checkpoint("runs/ckpt-100", [collector], replay_buffer=buffer)
+    ...  # the process exits; later, in a new one:
+    collector, buffer = build_the_same_setup()
+    load_checkpoint("runs/ckpt-100", [collector], replay_buffer=buffer)
+    for batch in collector: ...   # exactly the batches the first run would have yielded next
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lmcollect.data import codec
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+
+
+def save_checkpoint(folder: str | Path, collectors: Sequence[Any], *, replay_buffer: Any = None) -> Path:
+    """Write the state of ``collectors`` (local or Ray) and ``replay_buffer`` into ``folder``.
+
+    Each collector's state is taken between two turns (it waits for the batch under way); pause
+    background collection (``collector.pause()``) around the call for a consistent cut across
+    collectors and buffer.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for i, collector in enumerate(collectors):
+        state = collector.state_dict()
+        name = f"collector-{i}.safetensors"
+        codec.save(folder / name, dict(state))
+        entries.append({"file": name, "layout": state.get("layout"), "kind": type(collector).__name__})
+    manifest: dict[str, Any] = {"format": FORMAT, "saved_at": time.time(), "collectors": entries, "replay_buffer": None}
+    if replay_buffer is not None:
+        state = replay_buffer.state_dict()
+        codec.save(folder / "replay_buffer.safetensors", state)
+        manifest["replay_buffer"] = {"file": "replay_buffer.safetensors", "capacity": state["capacity"], "size": len(state["storage"])}
+    tmp = folder / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2), encoding="utf-8")
+    tmp.replace(folder / MANIFEST)  # the manifest is written last: a folder without one is incomplete
+    return folder
+
+
+def load_checkpoint(folder: str | Path, collectors: Sequence[Any], *, replay_buffer: Any = None) -> None:
+    """Restore what :func:`save_checkpoint` wrote into collectors (and a buffer) built the same way."""
+    folder = Path(folder)
+    manifest_path = folder / MANIFEST
+    if not manifest_path.is_file():
+        raise FileNotFoundError(
+            f"{folder} has no {MANIFEST}: not a checkpoint, or one whose save did not finish; pick another folder."
+        )
+    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{folder}: checkpoint format {manifest.get('format')!r}, this lmcollect reads format {FORMAT}.")
+    entries = manifest["collectors"]
+    if len(entries) != len(collectors):
+        raise ValueError(
+            f"{folder} holds {len(entries)} collector state(s), {len(collectors)} collector(s) were given; "
+            "restore into as many collectors, in the same order."
+        )
+    saved_buffer = manifest.get("replay_buffer")
+    if (saved_buffer is None) != (replay_buffer is None):
+        raise ValueError(
+            f"{folder} {'has no' if saved_buffer is None else 'has a'} replay buffer state; "
+            f"{'drop replay_buffer=' if saved_buffer is None else 'pass replay_buffer='} to restore it."
+        )
+    states = [codec.load(folder / entry["file"]) for entry in entries]  # read everything before changing anything
+    buffer_state = None if saved_buffer is None else codec.load(folder / saved_buffer["file"])
+    if buffer_state is not None and buffer_state["capacity"] != replay_buffer_capacity(replay_buffer):
+        raise ValueError(
+            f"{folder}: the replay buffer was saved with capacity={buffer_state['capacity']}, the given one has "
+            f"capacity={replay_buffer_capacity(replay_buffer)}; build it with the same capacity."
+        )
+    for i, (collector, state) in enumerate(zip(collectors, states)):  # check every collector before loading any
+        mine, saved = collector.layout(), state.get("layout")
+        wrong = [f"{k}={saved.get(k)!r} (given collector: {v!r})" for k, v in mine.items() if saved and saved.get(k) != v]
+        if wrong:
+            raise ValueError(
+                f"{folder}: collector {i} was saved with another configuration: {'; '.join(wrong)}. Build the "
+                "collectors with the same envs and batching arguments as the saved run."
+            )
+    for collector, state in zip(collectors, states):
+        collector.load_state_dict(state)
+    if buffer_state is not None:
+        replay_buffer.load_state_dict(buffer_state)
+
+
+def replay_buffer_capacity(buffer: Any) -> int:
+    return int(getattr(buffer, "capacity"))
