@@ -25,6 +25,8 @@ _EXPORTS = {
     "ScriptedPolicy": "lmcollect.policies",
     "SamplingConfig": "lmcollect.policies",
     "check_logprobs": "lmcollect.diagnostics",
+    "save_checkpoint": "lmcollect.checkpoint",
+    "load_checkpoint": "lmcollect.checkpoint",
     "WeightUpdaterBase": "lmcollect.weight_sync",
     "LocalWeightUpdater": "lmcollect.weight_sync",
     "WeightPushError": "lmcollect.weight_sync",
