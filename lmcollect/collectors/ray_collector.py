@@ -534,8 +534,7 @@ def _add_collect_group(options: dict[str, Any]) -> str | None:
     Measured side by side (small model, 2 CPUs), generation called from the actor's general
     thread pool ran at 0.63-0.66 of raw generate, and at 0.86 from a dedicated thread. Control
     calls (pause, weight pushes, getters) keep the other threads, so a push still waits at most
-    one turn. With max_concurrency=1 (e.g. a vLLM engine in the actor) everything stays on one
-    thread and no group is added.
+    one turn. With max_concurrency=1 everything stays on one thread and no group is added.
     """
     if options.get("max_concurrency", 1) <= 1:
         return None
