@@ -11,6 +11,7 @@ from typing import Any, Callable, Sequence
 
 from lmcollect.cli.check_logprobs import CheckLogprobsConfig, run_check_logprobs
 from lmcollect.cli.configs import BenchConfig, CollectConfig, DemoConfig, UsageError
+from lmcollect.cli.view import ViewConfig, run_view
 
 # Heavy imports (torch, ray, transformers) happen inside the commands so `--help` stays instant.
 
@@ -38,6 +39,7 @@ COMMANDS: dict[str, tuple[type, Callable[[Any], int]]] = {
     "collect": (CollectConfig, run_collect),
     "bench": (BenchConfig, run_bench),
     "check-logprobs": (CheckLogprobsConfig, run_check_logprobs),
+    "view": (ViewConfig, run_view),
 }
 
 

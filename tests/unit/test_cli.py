@@ -33,7 +33,7 @@ def test_help_answers_fast() -> None:
 
 
 def test_every_field_of_every_command_has_a_help_line() -> None:
-    assert set(COMMANDS) == {"demo", "collect", "bench", "check-logprobs"}
+    assert set(COMMANDS) == {"demo", "collect", "bench", "check-logprobs", "view"}
     for name, (config_cls, _) in COMMANDS.items():
         docs = _field_docs(config_cls)
         missing = [f.name for f in dataclasses.fields(config_cls) if not docs.get(f.name)]
