@@ -35,6 +35,7 @@ PAGE_TEMPLATE = """<!doctype html>
     <tbody id="dialog-rows"></tbody>
   </table>
   <p id="no-rows" hidden>No dialog matches the filters.</p>
+  <p><button id="show-more" type="button" hidden></button></p>
 </main>
 <aside id="dialog" role="dialog" aria-labelledby="dialog-title" hidden>
   <div id="dialog-bar">
@@ -120,9 +121,10 @@ PAGE_SCRIPT = r"""
   const dialogs = DATA.dialogs;
   dialogs.forEach((d, i) => { d.index = i + 1; });
   const LOG_PROB_FLOOR = -8;  // log-probs at or below this get the reddest colour
+  const ROWS_PER_PAGE = 500;  // rows drawn at a time: laying out thousands of table rows takes seconds
   const PALETTE = ["#bfdbfe", "#fde68a", "#bbf7d0", "#fbcfe8", "#ddd6fe", "#fed7aa", "#a5f3fc", "#e5e7eb", "#d9f99d", "#fecaca"];
   const $ = (id) => document.getElementById(id);
-  const state = { sortKey: "index", sortDir: 1, shown: [], open: null, colourBy: "log_prob" };
+  const state = { sortKey: "index", sortDir: 1, shown: [], numRows: ROWS_PER_PAGE, open: null, colourBy: "log_prob" };
 
   function el(tag, props, ...children) {
     const node = document.createElement(tag);
@@ -213,17 +215,23 @@ PAGE_SCRIPT = r"""
       row.append(th);
     }
   }
-  function renderTable() {
+  function renderTable(fromTop = true) {  // fromTop: list the first page again (a new sort or filter)
+    if (fromTop) state.numRows = ROWS_PER_PAGE;
     const filters = readFilters();
     const column = COLUMNS.find((c) => c.key === state.sortKey);
     const rows = dialogs.filter((d) => matches(d, filters));
     rows.sort((a, b) => state.sortDir * compareValues(column.value(a), column.value(b)) || a.index - b.index);
     state.shown = rows;
+    const drawn = rows.slice(0, state.numRows);
     const body = document.createDocumentFragment();
-    for (const d of rows) body.append(rowElement(d));
+    for (const d of drawn) body.append(rowElement(d));
     $("dialog-rows").replaceChildren(body);
     $("no-rows").hidden = rows.length > 0;
-    $("row-count").textContent = rows.length + " of " + dialogs.length + " dialogs";
+    $("row-count").textContent = rows.length + " of " + dialogs.length + " dialogs" +
+      (drawn.length < rows.length ? " (first " + drawn.length + " listed)" : "");
+    const more = Math.min(ROWS_PER_PAGE, rows.length - drawn.length);
+    $("show-more").hidden = more <= 0;
+    $("show-more").textContent = "List " + more + " more";
     for (const th of $("dialog-headers").children) {
       const sorted = th.dataset.key === state.sortKey;
       if (sorted) th.setAttribute("aria-sort", state.sortDir > 0 ? "ascending" : "descending");
@@ -366,13 +374,14 @@ PAGE_SCRIPT = r"""
   }
   function bindControls() {
     for (const id of ["filter-text", "filter-reward-min", "filter-reward-max", "filter-group"]) {
-      $(id).addEventListener("input", renderTable);
+      $(id).addEventListener("input", () => renderTable());
     }
-    $("filter-version").addEventListener("change", renderTable);
+    $("filter-version").addEventListener("change", () => renderTable());
     $("filter-clear").addEventListener("click", () => {
       for (const id of ["filter-text", "filter-reward-min", "filter-reward-max", "filter-version", "filter-group"]) $(id).value = "";
       renderTable();
     });
+    $("show-more").addEventListener("click", () => { state.numRows += ROWS_PER_PAGE; renderTable(false); });
     $("dialog-close").addEventListener("click", closeDialog);
     $("dialog-prev").addEventListener("click", () => stepDialog(-1));
     $("dialog-next").addEventListener("click", () => stepDialog(1));

@@ -92,7 +92,9 @@ def open_page(browser: Any, path: Path, fragment: str = "") -> None:
 
 
 def table_column(browser: Any, key: str) -> list[str]:
-    return [td.text for td in browser.find_elements(By.CSS_SELECTOR, f"#dialog-rows td[data-key={key}]")]
+    """The listed rows' cells of one column, read in one call (a WebDriver call per cell takes seconds for 500)."""
+    cells = f"#dialog-rows td[data-key={key}]"
+    return browser.execute_script(f"return Array.from(document.querySelectorAll('{cells}'), td => td.textContent)")
 
 
 def test_the_table_lists_every_dialog_and_loads_nothing(browser: Any, report: tuple[Path, list], tmp_path: Path) -> None:
@@ -173,3 +175,22 @@ def test_the_url_fragment_opens_a_dialog(browser: Any, report: tuple[Path, list]
     assert browser.find_element(By.ID, "dialog-title").text == f"Trajectory {MULTI_TURN_TRAJ}"
     browser.find_element(By.ID, "dialog-prev").click()  # previous in table order: the last one-turn dialog
     assert browser.find_element(By.ID, "dialog-title").text == f"Trajectory {GROUPS * ANSWERS_PER_GROUP - 1}"
+
+
+def test_a_long_table_is_listed_in_pages_and_untokenized_turns_show_ids(browser: Any, tmp_path: Path) -> None:
+    num_dialogs = 510  # the page lists 500 rows at a time
+    rows = [
+        {"traj_id": traj_id, "step": 0, "prompt": SYSTEM, "response": "guess 7", "tokens_response": [70, 71, 72],
+         "log_probs": [-0.1, -2.0, -9.0], "reward": traj_id / num_dialogs, "policy_version": 0}
+        for traj_id in range(num_dialogs)
+    ]
+    open_page(browser, write_rollout_report(rows, tmp_path / "long.html"))
+    assert len(table_column(browser, "traj")) == 500
+    assert browser.find_element(By.ID, "row-count").text == f"{num_dialogs} of {num_dialogs} dialogs (first 500 listed)"
+    browser.find_element(By.ID, "show-more").click()
+    assert len(table_column(browser, "traj")) == num_dialogs and not browser.find_element(By.ID, "show-more").is_displayed()
+
+    browser.find_element(By.CSS_SELECTOR, "tr.dialog-row:last-child").click()
+    assert browser.find_element(By.ID, "dialog-title").text == f"Trajectory {num_dialogs - 1}"
+    assert [t.text for t in browser.find_elements(By.CSS_SELECTOR, "#turns .tok.id")] == ["70", "71", "72"]
+    assert browser.find_element(By.CSS_SELECTOR, "#turns pre.response-text").text == "guess 7"
