@@ -136,3 +136,15 @@ class TorchrlShapedEnv:
 
 def make_ok_policy() -> ScriptedPolicy:
     return ScriptedPolicy("ok")
+
+
+def perturbed_model(model_path, seed: int) -> torch.nn.Module:
+    """The model saved at ``model_path`` with seeded noise (std 0.05) added to every parameter."""
+    from lmcollect.models import load_model_and_tokenizer
+
+    model, _ = load_model_and_tokenizer(model_path)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+    return model

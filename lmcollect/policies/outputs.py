@@ -13,7 +13,16 @@ from lmcollect.data.turns import non_tensor_values
 from lmcollect.policies.prompt_tokens import dialog_prompt_ids, tokenize_texts
 from lmcollect.policies.sampling import SamplingConfig
 
-__all__ = ["GenerateFn", "Generation", "answer_prompts", "prompts_of", "stack_outputs", "tokenize_texts", "turn_output"]
+__all__ = [
+    "GenerateFn",
+    "Generation",
+    "answer_prompts",
+    "generate_triples",
+    "prompts_of",
+    "stack_outputs",
+    "tokenize_texts",
+    "turn_output",
+]
 
 
 class Generation(NamedTuple):
@@ -135,3 +144,15 @@ def answer_prompts(
         record_sampling(out, sampling, generation.sampled_log_probs)
         outputs.append(out)
     return stack_outputs(outputs)
+
+
+def generate_triples(
+    tokenizer: Any, generate: GenerateFn, prompts: Any
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """The ``generate(prompts)`` of every tokenizer-based policy: prompt tokens, response tokens and
+    raw response log-probs per prompt. ``prompts`` are token-id lists; strings are tokenized (no
+    special tokens added) for callers that render prompts themselves."""
+    prompt_ids = tokenize_texts(tokenizer, prompts)
+    generations = generate(prompt_ids)
+    prompt_tensors = [torch.tensor(ids, dtype=torch.long) for ids in prompt_ids]
+    return prompt_tensors, [g.tokens for g in generations], [g.log_probs for g in generations]

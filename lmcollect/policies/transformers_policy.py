@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tensordict import TensorDictBase
 
-from lmcollect.policies.outputs import Generation, answer_prompts, tokenize_texts
+from lmcollect.policies.outputs import Generation, answer_prompts, generate_triples
 from lmcollect.policies.sampling import SamplingConfig
 from lmcollect.policies.step_log_probs import StepLogProbs, no_generate_warpers
 
@@ -85,15 +85,9 @@ class TransformersPolicy:
     def generate(
         self, prompts: Sequence[Sequence[int]] | Sequence[str]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        """Prompt tokens, response tokens and raw response log-probs for each prompt.
-
-        ``prompts`` are token-id lists; strings are tokenized (no special tokens added) for callers
-        that render prompts themselves.
-        """
-        prompt_ids = tokenize_texts(self.tokenizer, prompts)
-        generations = self.generate_responses(prompt_ids)
-        prompt_tensors = [torch.tensor(ids, dtype=torch.long) for ids in prompt_ids]
-        return prompt_tensors, [g.tokens for g in generations], [g.log_probs for g in generations]
+        """Prompt tokens, response tokens and raw response log-probs for each prompt (token-id
+        lists, or strings tokenized without special tokens)."""
+        return generate_triples(self.tokenizer, self.generate_responses, prompts)
 
     @torch.inference_mode()
     def generate_responses(self, prompt_ids: list[list[int]]) -> list[Generation]:

@@ -13,7 +13,7 @@ import torch
 from tensordict import TensorDictBase
 from transformers import AutoTokenizer
 
-from lmcollect.policies.outputs import Generation, answer_prompts, tokenize_texts
+from lmcollect.policies.outputs import Generation, answer_prompts, generate_triples
 from lmcollect.policies.sampling import SamplingConfig
 
 if TYPE_CHECKING:  # vllm is an optional extra and slow to import; VLLMEngine imports it when built
@@ -294,15 +294,9 @@ class VLLMPolicy:
     def generate(
         self, prompts: Sequence[Sequence[int]] | Sequence[str]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        """Prompt tokens, response tokens and raw response log-probs for each prompt.
-
-        ``prompts`` are token-id lists; strings are tokenized (no special tokens added) for callers
-        that render prompts themselves.
-        """
-        prompt_ids = tokenize_texts(self.tokenizer, prompts)
-        generations = self.generate_responses(prompt_ids)
-        prompt_tensors = [torch.tensor(ids, dtype=torch.long) for ids in prompt_ids]
-        return prompt_tensors, [g.tokens for g in generations], [g.log_probs for g in generations]
+        """Prompt tokens, response tokens and raw response log-probs for each prompt (token-id
+        lists, or strings tokenized without special tokens)."""
+        return generate_triples(self.tokenizer, self.generate_responses, prompts)
 
     def generate_responses(self, prompt_ids: list[list[int]]) -> list[Generation]:
         """One response per prompt (token ids), in order."""

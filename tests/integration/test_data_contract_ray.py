@@ -22,6 +22,7 @@ from lmcollect.models import load_model_and_tokenizer
 from lmcollect.policies import ScriptedPolicy
 from lmcollect.weight_sync.ray_updater import RayPushConfig, RayRemoteWeightUpdater
 from tests.factories import (
+    perturbed_model,
     make_arithmetic_env,
     make_greedy_tiny_policy,
     make_grouped_env,
@@ -35,13 +36,7 @@ pytestmark = pytest.mark.integration
 MAX_NEW_TOKENS = 6
 
 
-def perturbed(model_path, seed: int) -> torch.nn.Module:
-    model, _ = load_model_and_tokenizer(model_path)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=generator) * 0.05)
-    return model
+
 
 
 def _kill(c: RayLLMCollector) -> None:
@@ -59,7 +54,7 @@ def test_a_restarted_actor_gets_its_weights_version_seed_and_id_range_back(ray_c
     try:
         c.worker_idx = 3
         c.set_seed(11)
-        trainer = perturbed(tiny_model_path, seed=5)
+        trainer = perturbed_model(tiny_model_path, seed=5)
         updater = RayRemoteWeightUpdater(trainer, [c], config=RayPushConfig(timeout_s=60))
         for _ in range(3):
             updater.push_weights()

@@ -19,7 +19,7 @@ from lmcollect.weight_sync import WeightPushError
 from lmcollect.weight_sync.ray_updater import PushHandle, RayPushConfig, RayRemoteWeightUpdater, RayWeightUpdater
 from lmcollect.weight_sync.schemes.process_group import ProcessGroupConfig, ProcessGroupReceiver, ProcessGroupSender
 from lmcollect.weight_sync.schemes.ray_object_store import RayObjectStoreSender
-from tests.factories import SmallModelPolicy, SmallNet, make_arithmetic_env, make_greedy_tiny_policy
+from tests.factories import SmallModelPolicy, SmallNet, make_arithmetic_env, make_greedy_tiny_policy, perturbed_model
 
 pytestmark = pytest.mark.integration
 
@@ -61,13 +61,7 @@ def small_collectors(ray_cluster):
         c.shutdown()
 
 
-def perturbed(model_path, seed: int) -> nn.Module:
-    model, _ = load_model_and_tokenizer(model_path)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=generator) * 0.05)
-    return model
+
 
 
 def remote_state(collector: RayLLMCollector) -> dict[str, torch.Tensor]:
@@ -84,7 +78,7 @@ def versions(collectors) -> list[int]:
 
 # ---------------------------------------------------------------------- the real tiny model
 def test_outputs_after_a_push_match_a_fresh_model_with_the_new_weights(tiny_collectors, tiny_model_path) -> None:
-    trainer = perturbed(tiny_model_path, seed=1)
+    trainer = perturbed_model(tiny_model_path, seed=1)
     updater = RayRemoteWeightUpdater(trainer, tiny_collectors, config=RayPushConfig(timeout_s=60))
     before = versions(tiny_collectors)
     for c, v in zip(tiny_collectors, before):
@@ -106,7 +100,7 @@ def test_outputs_after_a_push_match_a_fresh_model_with_the_new_weights(tiny_coll
 
 
 def test_collector_property_setter_registers_and_pushes_to_all(tiny_collectors, tiny_model_path) -> None:
-    trainer = perturbed(tiny_model_path, seed=2)
+    trainer = perturbed_model(tiny_model_path, seed=2)
     updater = RayWeightUpdater(trainer, tiny_collectors)
     first = tiny_collectors[0]
     first.weight_updater = updater
