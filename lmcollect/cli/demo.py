@@ -21,6 +21,7 @@ import math
 import os
 import random
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -41,11 +42,11 @@ from lmcollect.cli.builders import (
 from lmcollect.cli.cluster import ray_session
 from lmcollect.cli.collection import Collection, background_collection
 from lmcollect.cli.configs import DemoConfig, UsageError
-from lmcollect.cli.progress import TrainingProgress
+from lmcollect.cli.progress import training_progress
 from lmcollect.cli.report import (
-    METRICS_FILE,
     PLOT_FILE,
-    MetricsLog,
+    ROLLOUT_REPORT_FILE,
+    decoded_turn_records,
     make_run_dir,
     plot_training,
     summary_table,
@@ -54,6 +55,8 @@ from lmcollect.cli.report import (
 from lmcollect.cli.weight_push import make_weight_pusher
 from lmcollect.collectors.ray_group import RayCollectorGroup
 from lmcollect.envs import ShippedTask
+from lmcollect.loggers import JsonlLogger, MissingLoggerPackage, MultiLogger, check_available, make_logger
+from lmcollect.loggers.jsonl import METRICS_FILE
 from lmcollect.models import load_model_and_tokenizer
 from lmcollect.policies import SamplingConfig, TransformersPolicy
 from lmcollect.training.batch import LEARNER_KEYS, GroupAdvantage, TrainBatch, train_batch_from_turns
@@ -66,21 +69,28 @@ logger = logging.getLogger(__name__)
 NUM_TRAIN_PROMPTS = 4096
 WAIT_TIMEOUT_S = 120.0
 HEALTH_CHECK_S = 2.0
+REPORT_STEPS = 4
+"""The rollout report (rollouts.html) shows the turns of the last this many training steps."""
 
 
 def run_demo(config: DemoConfig) -> int:
     task = _single_turn_task(config.task)
     check_backend(config.backend)
+    _check_logger(config.logger)
     model_path = resolve_model_path(config.model)
     console = Console()
     run_dir = make_run_dir(config.output_dir, "demo")
     console.print(f"[bold]lmcollect demo[/]: GRPO on '{task.name}' ({task.description}); run folder {run_dir}")
+    if config.logger in LOGGER_DIRS:
+        console.print(f"{config.logger} logs in {run_dir / LOGGER_DIRS[config.logger]}")
     torch.manual_seed(config.seed)
     model, tokenizer = load_model_and_tokenizer(model_path)
     with ray_session(config.address), _torch_threads(_trainer_threads(config)):
         demo = DemoRun(config, task, model, tokenizer, model_path=model_path, run_dir=run_dir, console=console)
         summary = demo.run()
     console.print(summary_table(_table_rows(summary), title=f"lmcollect demo: {run_dir}"))
+    if summary["files"]["report"] is not None:
+        console.print(f"rollouts of the last training steps: {run_dir / summary['files']['report']} (open it in a browser)")
     return 130 if summary["interrupted"] else 0
 
 
@@ -98,6 +108,17 @@ def _torch_threads(num_threads: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(saved)
+
+
+LOGGER_DIRS = {"tensorboard": "tensorboard", "wandb": "wandb"}
+"""Where each extra logger writes inside the run folder (metrics.jsonl is always written)."""
+
+
+def _check_logger(kind: str) -> None:
+    try:
+        check_available(kind)
+    except MissingLoggerPackage as exc:
+        raise UsageError(f"--logger {kind}: {exc}") from exc
 
 
 def _single_turn_task(name: str) -> ShippedTask:
@@ -125,7 +146,9 @@ class DemoRun:
     ) -> None:
         self.config, self.task, self.model, self.tokenizer = config, task, model, tokenizer
         self.model_path, self.run_dir, self.console = model_path, run_dir, console
-        self.log = MetricsLog(run_dir / METRICS_FILE)
+        self.metrics = JsonlLogger(run_dir)  # metrics.jsonl: always written, kept after Ctrl-C
+        extra = [] if config.logger == "jsonl" else [make_logger(config.logger, run_dir, asdict(config))]
+        self.logger = MultiLogger([self.metrics, *extra])
         self.version = 0  # the trainer's weights; every collector has them after a push
         self.rewards: dict[str, float] = {}
         self.timings_s: dict[str, float] = {}
@@ -134,6 +157,8 @@ class DemoRun:
         self.buffer: RayReplayBuffer | None = None
         self.group: RayCollectorGroup | None = None
         self.collection: Collection | None = None
+        self.recent_turns: deque[Any] = deque(maxlen=REPORT_STEPS)  # for rollouts.html
+        self.files: dict[str, str | None] = {"metrics": METRICS_FILE, "plot": None, "report": None}
 
     def run(self) -> dict[str, Any]:
         """All phases; Ctrl-C stops them, and the collectors are shut down in any case."""
@@ -149,10 +174,37 @@ class DemoRun:
         finally:
             collectors = self._shut_down()
             self.timings_s["total"] = time.perf_counter() - started
-            summary = self._summary(collectors)
-            write_summary(self.run_dir, summary)
-            plot_training(self.log.records, self.run_dir / PLOT_FILE)
+            try:
+                self._write_plot()
+                self._write_rollout_report()
+                summary = self._summary(collectors)
+                write_summary(self.run_dir, summary)
+            finally:
+                self.logger.close()
         return summary
+
+    def _write_plot(self) -> None:
+        """training.png, also handed to the logger."""
+        records = self.metrics.records
+        plot = plot_training(records, self.run_dir / PLOT_FILE)
+        if plot is not None:
+            self.files["plot"] = PLOT_FILE
+            self.logger.log_image("training", plot, step=records[-1]["step"])
+
+    def _write_rollout_report(self) -> None:
+        """rollouts.html: the turns of the last training steps, tokens coloured by log-prob."""
+        if not self.recent_turns:
+            return
+        try:
+            from lmcollect.viewer import write_rollout_report
+
+            records = decoded_turn_records(self.recent_turns, self.tokenizer)
+            title = f"lmcollect demo {self.run_dir.name}: turns of the last {len(self.recent_turns)} training steps"
+            write_rollout_report(records, self.run_dir / ROLLOUT_REPORT_FILE, title=title, tokenizer=self.tokenizer)
+        except Exception:  # designed: the report is an extra; metrics, plot and summary must still be written
+            logger.exception("could not write %s; the run's other files are complete", ROLLOUT_REPORT_FILE)
+            return
+        self.files["report"] = ROLLOUT_REPORT_FILE
 
     def _run_phases(self) -> None:
         self.rewards["initial"] = self._evaluate()
@@ -200,13 +252,14 @@ class DemoRun:
                     **metrics,
                     **clock.laps,
                 }
-                self.log.append(record)
+                self.logger.log({k: v for k, v in record.items() if k != "step"}, step=step)
                 progress.update(record)
 
     def _sample_batch(self) -> TrainBatch:
         """``turns_per_step`` turns generated at most ``max_staleness`` versions ago, packed for the learner."""
         min_version = max(0, self.version - self.config.max_staleness)
         turns = self.buffer.sample(self.config.turns_per_step, min_policy_version=min_version)
+        self.recent_turns.append(turns)
         return train_batch_from_turns(turns, pad_token_id=self.tokenizer.pad_token_id)
 
     def _wait_for_turns(self, target: int) -> None:
@@ -284,7 +337,7 @@ class DemoRun:
         if not self.config.progress:
             yield _NoProgress()
             return
-        with TrainingProgress(self.config.max_steps, console=self.console) as progress:
+        with training_progress(self.config.max_steps, console=self.console) as progress:
             yield progress
 
     def _shut_down(self) -> list[dict[str, Any]]:
@@ -301,7 +354,7 @@ class DemoRun:
         return collectors
 
     def _summary(self, collectors: list[dict[str, Any]]) -> dict[str, Any]:
-        records = self.log.records
+        records = self.metrics.records
         return {
             "command": "demo",
             "task": self.task.name,
@@ -320,7 +373,7 @@ class DemoRun:
             "staleness": {"mean": _mean(records, "staleness/mean"), "max": _max(records, "staleness/max")},
             "timings_s": self.timings_s,
             "collectors": collectors,
-            "files": {"metrics": METRICS_FILE, "plot": PLOT_FILE if records else None},
+            "files": {**self.files, "logger": LOGGER_DIRS.get(self.config.logger)},
             "config": asdict(self.config),
         }
 

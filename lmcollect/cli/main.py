@@ -10,7 +10,14 @@ import typing
 from typing import Any, Callable, Sequence
 
 from lmcollect.cli.check_logprobs import CheckLogprobsConfig, run_check_logprobs
-from lmcollect.cli.configs import BenchConfig, CollectConfig, DemoConfig, UsageError
+from lmcollect.cli.configs import (
+    BenchConfig,
+    CollectConfig,
+    DemoConfig,
+    UsageError,
+    config_to_toml,
+    read_config_file,
+)
 from lmcollect.cli.view import ViewConfig, run_view
 
 # Heavy imports (torch, ray, transformers) happen inside the commands so `--help` stays instant.
@@ -83,26 +90,47 @@ def _field_docs(config_cls: type) -> dict[str, str]:
     return docs
 
 
-def build_parser() -> argparse.ArgumentParser:
+def add_config_file_arguments(parser: argparse.ArgumentParser) -> None:
+    """--config FILE (TOML, the fields as keys; flags override it) and --print-config."""
+    parser.add_argument("--config", metavar="FILE", help="read settings from a TOML file (keys: the fields of the flags "
+                        "below, e.g. max_steps = 10); flags given as well override it")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved settings as TOML and exit")
+
+
+def build_parser(file_values: dict[str, dict[str, Any]] | None = None) -> argparse.ArgumentParser:
+    """The parser; ``file_values[command]`` (read from --config) replace that command's defaults."""
     parser = argparse.ArgumentParser(prog="lmcollect", description="Collect LLM dialog turns for RL.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name, (config_cls, _) in COMMANDS.items():
         sub = subparsers.add_parser(name, help=(config_cls.__doc__ or "").strip().splitlines()[0])
         add_dataclass_arguments(sub, config_cls)
+        add_config_file_arguments(sub)
+        sub.set_defaults(**(file_values or {}).get(name, {}))
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     config_cls, run = COMMANDS[args.command]
+    if args.config is not None:  # the file's values become the defaults; flags given still win
+        try:
+            file_values = read_config_file(args.config, config_cls, command=args.command)
+        except UsageError as exc:
+            parser.exit(2, f"lmcollect {args.command}: error: {exc}\n")
+        parser = build_parser({args.command: file_values})
+        args = parser.parse_args(argv)
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(config_cls)}
     try:
         config = config_cls(**values)
     except (TypeError, ValueError) as exc:  # __post_init__ checks: a bad flag value
         parser.exit(2, f"lmcollect {args.command}: error: {exc}\n")
+    if args.print_config:
+        print(config_to_toml(config, command=args.command, docs=_field_docs(config_cls)), end="")
+        return 0
     try:
         return run(config)
     except UsageError as exc:  # a missing model folder, a malformed prompt file, an unknown task...

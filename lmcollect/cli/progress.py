@@ -1,8 +1,10 @@
-"""Live progress displays of the CLI (rich): training steps with their metrics, collected turns."""
+"""Progress displays of the CLI: live (rich) on a terminal, a plain line every few seconds otherwise."""
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from types import TracebackType
+from typing import Any, Protocol
 
 from rich import box
 from rich.console import Console, Group, RenderableType
@@ -29,6 +31,62 @@ def training_status(record: Mapping[str, float]) -> Table:
         table.add_column(header, justify="right")
     table.add_row(*(fmt.format(record[key]) if key in record else "-" for _, key, fmt in STATUS_COLUMNS))
     return table
+
+
+PLAIN_INTERVAL_S = 5.0
+"""Seconds between two plain progress lines (stdout not a terminal: ``make demo > log``)."""
+
+
+class StepProgress(Protocol):
+    """What the demo's training loop reports to, step by step (a context manager)."""
+
+    def update(self, record: Mapping[str, float]) -> None: ...
+
+    def __enter__(self) -> StepProgress: ...
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None: ...
+
+
+def training_progress(total_steps: int, *, console: Console) -> StepProgress:
+    """The live display on a terminal (or notebook); plain lines when stdout goes to a file or pipe,
+    where a live display would print nothing until the end."""
+    if console.is_terminal or console.is_jupyter:
+        return TrainingProgress(total_steps, console=console)
+    return PlainTrainingProgress(total_steps, console=console)
+
+
+def status_line(record: Mapping[str, float], total_steps: int, elapsed_s: float) -> str:
+    """``step 12/400  35 s  turns 640  mean reward 0.500 ...`` (the live table's columns, on one line)."""
+    parts = [f"step {int(record['step'])}/{total_steps}", f"{elapsed_s:.0f} s"]
+    parts += [f"{header} {fmt.format(record[key])}" for header, key, fmt in STATUS_COLUMNS if key in record]
+    return "  ".join(parts)
+
+
+class PlainTrainingProgress:
+    """One plain line per ``interval_s`` seconds (and the last step's line at the end): for logs."""
+
+    def __init__(self, total_steps: int, *, console: Console, interval_s: float = PLAIN_INTERVAL_S) -> None:
+        self.total_steps, self.console, self.interval_s = total_steps, console, interval_s
+        self._start = self._last_print = time.monotonic()
+        self._pending: Mapping[str, float] | None = None
+
+    def update(self, record: Mapping[str, float]) -> None:
+        self._pending = record
+        if time.monotonic() - self._last_print >= self.interval_s:
+            self._print()
+
+    def _print(self) -> None:
+        now = time.monotonic()
+        self.console.print(status_line(self._pending, self.total_steps, now - self._start), highlight=False)
+        self._last_print, self._pending = now, None
+
+    def __enter__(self) -> PlainTrainingProgress:
+        self._start = self._last_print = time.monotonic()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if self._pending is not None:
+            self._print()
 
 
 class TrainingProgress:
@@ -60,8 +118,10 @@ class TrainingProgress:
             self._live.console.line()
 
 
-def turns_progress(console: Console) -> Progress:
-    """A bar over collected turns (``lmcollect collect``)."""
+def turns_progress(console: Console) -> Progress | PlainTurnsProgress:
+    """A bar over collected turns (``lmcollect collect``); plain lines when stdout is not a terminal."""
+    if not (console.is_terminal or console.is_jupyter):
+        return PlainTurnsProgress(console)
     return Progress(
         TextColumn("[bold]collect"),
         BarColumn(),
@@ -70,3 +130,43 @@ def turns_progress(console: Console) -> Progress:
         TextColumn("{task.fields[status]}"),
         console=console,
     )
+
+
+class PlainTurnsProgress:
+    """The part of rich's ``Progress`` that ``lmcollect collect`` uses, as a plain line every few seconds."""
+
+    def __init__(self, console: Console, *, interval_s: float = PLAIN_INTERVAL_S) -> None:
+        self.console, self.interval_s = console, interval_s
+        self._tasks: dict[int, dict[str, Any]] = {}
+        self._start = self._last_print = time.monotonic()
+        self._dirty = False
+
+    def add_task(self, description: str, *, total: float | None = None, **fields: Any) -> int:
+        task_id = len(self._tasks)
+        self._tasks[task_id] = {"description": description, "total": total, "completed": 0, "visible": True, **fields}
+        return task_id
+
+    def update(self, task_id: int, **changes: Any) -> None:
+        self._tasks[task_id].update(changes)
+        self._dirty = True
+        if time.monotonic() - self._last_print >= self.interval_s:
+            self._print()
+
+    def _print(self) -> None:
+        now = time.monotonic()
+        for task in self._tasks.values():
+            if task["visible"]:
+                total = "" if task["total"] is None else f"/{task['total']:.0f}"
+                status = f"  {task['status']}" if task.get("status") else ""
+                self.console.print(
+                    f"{task['description']} {task['completed']:.0f}{total}  {now - self._start:.0f} s{status}", highlight=False
+                )
+        self._last_print, self._dirty = now, False
+
+    def __enter__(self) -> PlainTurnsProgress:
+        self._start = self._last_print = time.monotonic()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if self._dirty:
+            self._print()

@@ -1,17 +1,22 @@
-"""What a run leaves behind: its folder, metrics.jsonl (one line per step), summary.json and a PNG plot."""
+"""What a run leaves behind: its folder, summary.json and a PNG plot (metrics.jsonl: lmcollect.loggers)."""
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from rich.table import Table
+from tensordict import TensorDictBase
+
+from lmcollect.data import keys
+from lmcollect.data.turns import flatten_turns
+from lmcollect.envs import PROMPT_ID
 
 SUMMARY_FILE = "summary.json"
-METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "training.png"
+ROLLOUT_REPORT_FILE = "rollouts.html"
 
 
 def make_run_dir(output_dir: str | Path, prefix: str) -> Path:
@@ -25,20 +30,6 @@ def make_run_dir(output_dir: str | Path, prefix: str) -> Path:
         except FileExistsError:
             n += 1
             path = base.with_name(f"{base.name}-{n}")
-
-
-class MetricsLog:
-    """Appends one JSON line per training step to ``metrics.jsonl`` as it goes (kept after Ctrl-C)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.records: list[dict[str, Any]] = []
-        path.touch()
-
-    def append(self, record: Mapping[str, Any]) -> None:
-        self.records.append(dict(record))
-        with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
 
 
 def write_summary(run_dir: Path, summary: Mapping[str, Any]) -> Path:
@@ -96,3 +87,35 @@ def summary_table(rows: Sequence[tuple[str, str]], *, title: str) -> Table:
     for name, value in rows:
         table.add_row(name, value)
     return table
+
+
+def decoded_turn_records(batches: Iterable[TensorDictBase], tokenizer: Any) -> list[dict[str, Any]]:
+    """Single-turn records with :data:`lmcollect.cli.rollouts.COLUMNS` from turns that kept only the
+    learner's keys (tokens, log-probs, reward, ids: ``GroupAdvantage(keep_keys=LEARNER_KEYS)``).
+
+    The texts are decoded from the tokens (the prompt with its special tokens, as the model saw it;
+    the response as the policy decodes it), so they equal what ``batch_records`` reads from full
+    turns. A turn sampled twice (replay buffers sample with replacement) is kept once.
+    """
+    records: dict[int, dict[str, Any]] = {}
+    for batch in batches:
+        for turn in flatten_turns(batch):
+            traj_id = int(turn.get(keys.TRAJ_IDS))
+            if traj_id in records:
+                continue
+            prompt, response = turn.get(keys.TOKENS_PROMPT).tolist(), turn.get(keys.TOKENS_RESPONSE).tolist()
+            records[traj_id] = {
+                "prompt": tokenizer.decode(prompt),
+                "response": tokenizer.decode(response, skip_special_tokens=True),
+                "tokens_prompt": prompt,
+                "tokens_response": response,
+                "log_probs": turn.get(keys.LOG_PROBS_RESPONSE).tolist(),
+                "reward": float(turn.get(keys.NEXT_REWARD).sum()),
+                "done": True,  # single-turn tasks: every turn ends its dialog
+                "policy_version": int(turn.get(keys.POLICY_VERSION)),
+                "traj_id": traj_id,
+                "step": 0,
+                "prompt_id": int(turn.get(PROMPT_ID)),
+                "group_id": int(turn.get(keys.GROUP_ID, -1)),
+            }
+    return list(records.values())

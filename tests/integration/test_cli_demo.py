@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.integration
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SMALL_RUN = [
     "--warmup-steps", "2", "--num-eval-prompts", "8", "--prompts-per-batch", "2", "--group-size", "4",
-    "--turns-per-step", "16", "--cpus-per-collector", "0.25", "--no-progress",
+    "--turns-per-step", "16", "--cpus-per-collector", "0.25",
 ]
 
 
@@ -27,7 +28,8 @@ def _run_dir(output_dir: Path) -> Path:
 
 
 def test_demo_trains_pushes_every_step_and_shuts_every_collector_down(ray_cluster, tiny_model_path: Path, tmp_path: Path, capsys) -> None:
-    argv = ["demo", "--model", str(tiny_model_path), "--max-steps", "4", "--output-dir", str(tmp_path), *SMALL_RUN]
+    """Also: TensorBoard gets the metrics and the plot, and progress goes to a non-terminal as plain lines."""
+    argv = ["demo", "--model", str(tiny_model_path), "--max-steps", "4", "--output-dir", str(tmp_path), "--logger", "tensorboard", *SMALL_RUN]
     assert main(argv) == 0
     run_dir = _run_dir(tmp_path)
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -42,13 +44,33 @@ def test_demo_trains_pushes_every_step_and_shuts_every_collector_down(ray_cluste
     assert (run_dir / "training.png").read_bytes()[:8] == PNG_MAGIC
     out = capsys.readouterr().out
     assert "supervised warm-up" in out and "after RL" in out and "collectors shut down" in out
+    assert "step 4/4  " in out and "mean reward" in out  # stdout is not a terminal: plain progress lines
+    assert summary["files"]["logger"] == "tensorboard"
+    _check_tensorboard(run_dir / "tensorboard", records)
+    # the HTML report of the last training steps' turns
+    assert summary["files"]["report"] == "rollouts.html"
+    page = (run_dir / "rollouts.html").read_text(encoding="utf-8")
+    assert 'id="rollout-data"' in page and "last 4 training steps" in page
+    assert "rollouts of the last training steps" in out and "(open it in a browser)" in out
+
+
+def _check_tensorboard(log_dir: Path, records: list[dict]) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"images": 0, "scalars": 0})
+    events.Reload()
+    for key in ("reward/mean", "collect/turns_per_s", "timing/weight_sync/push_s", "staleness/mean"):
+        assert [(e.step, e.value) for e in events.Scalars(key)] == [(r["step"], pytest.approx(r[key])) for r in records]
+    assert [image.step for image in events.Images("training")] == [len(records)]
 
 
 def test_ctrl_c_shuts_the_collectors_down_and_keeps_the_run_folder(ray_cluster, tiny_model_path: Path, tmp_path: Path) -> None:
     address = ray_cluster.get_runtime_context().gcs_address  # attach: no second cluster to start
     argv = [*_lmcollect(), "demo", "--address", address, "--model", str(tiny_model_path), "--max-steps", "10000",
-            "--max-train-s", "600", "--output-dir", str(tmp_path), *SMALL_RUN]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            "--max-train-s", "600", "--output-dir", str(tmp_path), "--no-progress", "--logger", "wandb", *SMALL_RUN]
+    env = {**os.environ, "WANDB_SILENT": "true"}
+    env.pop("WANDB_MODE", None)  # offline by default
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         metrics = _wait_for_steps(tmp_path, proc, num_steps=2, timeout_s=90)
         proc.send_signal(signal.SIGINT)
@@ -62,6 +84,10 @@ def test_ctrl_c_shuts_the_collectors_down_and_keeps_the_run_folder(ray_cluster, 
     assert len(summary["collectors"]) == 2 and all(c["shut_down"] for c in summary["collectors"])
     assert len(metrics.read_text().splitlines()) == summary["steps"]  # every finished step was written
     assert "interrupted" in output
+    # the W&B run was closed: offline, in the run folder, with the finished steps in it
+    assert summary["files"]["logger"] == "wandb"
+    (wandb_run,) = (metrics.parent / "wandb").glob("offline-run-*")
+    assert list(wandb_run.glob("*.wandb")) and list(wandb_run.glob("files/media/images/training_*.png"))
 
 
 def _lmcollect() -> list[str]:

@@ -13,6 +13,7 @@ import pytest
 
 from lmcollect.cli.configs import BenchConfig, CollectConfig, DemoConfig
 from lmcollect.cli.main import COMMANDS, _field_docs, build_parser, main
+from lmcollect.data import keys
 
 LMCOLLECT = [sys.executable, "-m", "lmcollect.cli.main"]
 
@@ -143,13 +144,14 @@ def test_collected_turns_round_trip_through_parquet_and_jsonl(tmp_path: Path) ->
 
 # ---------------------------------------------------------------------------------------- report
 def test_run_folder_metrics_summary_and_plot(tmp_path: Path) -> None:
-    from lmcollect.cli.report import MetricsLog, make_run_dir, plot_training, write_summary
+    from lmcollect.cli.report import make_run_dir, plot_training, write_summary
+    from lmcollect.loggers import JsonlLogger
 
     first, second = make_run_dir(tmp_path, "demo"), make_run_dir(tmp_path, "demo")
     assert first != second and first.is_dir() and second.is_dir()
-    log = MetricsLog(first / "metrics.jsonl")
+    log = JsonlLogger(first)
     for step in range(1, 4):
-        log.append({"step": step, "reward/mean": step / 4, "collect/turns_per_s": 10.0, "timing/weight_sync/push_s": 0.01})
+        log.log({"reward/mean": step / 4, "collect/turns_per_s": 10.0, "timing/weight_sync/push_s": 0.01}, step=step)
     assert [json.loads(line)["step"] for line in (first / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
     png = plot_training(log.records, first / "training.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -269,3 +271,90 @@ def test_vllm_engine_and_actor_settings() -> None:
     cpu, gpu = vllm_backend.remote_config(0.0), vllm_backend.remote_config(0.5)
     assert "max_concurrency" not in cpu and "num_gpus" not in cpu and gpu["num_gpus"] == 0.5
     assert cpu["runtime_env"]["env_vars"] == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+# ---------------------------------------------------------------------------------------- progress without a terminal
+def _record(step: int) -> dict[str, float]:
+    return {"step": step, "collect/turns": 64 * step, "reward/mean": 0.5, "policy_version": step + 1}
+
+
+def test_progress_is_live_on_a_terminal_and_plain_lines_otherwise() -> None:
+    import io
+
+    from rich.console import Console
+
+    from lmcollect.cli.progress import PlainTrainingProgress, PlainTurnsProgress, TrainingProgress, training_progress, turns_progress
+
+    piped = Console(file=io.StringIO())  # `make demo > log`: stdout is a file
+    assert isinstance(training_progress(10, console=piped), PlainTrainingProgress)
+    assert isinstance(turns_progress(piped), PlainTurnsProgress)
+    terminal = Console(file=io.StringIO(), force_terminal=True)
+    assert isinstance(training_progress(10, console=terminal), TrainingProgress)
+    assert not isinstance(turns_progress(terminal), PlainTurnsProgress)
+
+
+def test_plain_training_progress_prints_a_line_every_interval_and_the_last_step() -> None:
+    import io
+
+    from rich.console import Console
+
+    from lmcollect.cli.progress import PlainTrainingProgress
+
+    def lines(interval_s: float) -> list[str]:
+        out = io.StringIO()
+        with PlainTrainingProgress(400, console=Console(file=out, width=200), interval_s=interval_s) as progress:
+            for step in range(1, 6):
+                progress.update(_record(step))
+        assert "\x1b[" not in out.getvalue()  # no terminal escape codes in a log file
+        return out.getvalue().splitlines()
+
+    assert [line.split("  ")[0] for line in lines(0.0)] == [f"step {i}/400" for i in range(1, 6)]
+    (last,) = lines(3600.0)  # within one interval: only the last step, printed on the way out
+    assert last.startswith("step 5/400  0 s  ") and "turns 320  mean reward 0.500  version 6" in last
+
+
+def test_plain_turns_progress_reports_collect_and_honours_visible() -> None:
+    import io
+
+    from rich.console import Console
+
+    from lmcollect.cli.progress import PlainTurnsProgress
+
+    out = io.StringIO()
+    with PlainTurnsProgress(Console(file=out, width=200), interval_s=0.0) as progress:
+        bar = progress.add_task("collect", total=64, status="")
+        progress.update(bar, completed=32, status="mean reward 0.250")
+        progress.update(bar, completed=64, status="mean reward 0.500")
+    assert out.getvalue().splitlines()[-1].startswith("collect 64/64  ")
+    assert out.getvalue().splitlines()[-1].endswith("mean reward 0.500")
+    quiet = io.StringIO()
+    with PlainTurnsProgress(Console(file=quiet), interval_s=0.0) as progress:  # --no-progress
+        bar = progress.add_task("collect", total=64, status="")
+        progress.update(bar, visible=False)
+        progress.update(bar, completed=64)
+    assert quiet.getvalue() == ""
+
+
+# ---------------------------------------------------------------------------------------- the demo's rollout report
+def test_decoded_records_of_lean_turns_equal_the_collected_records(tiny_model_and_tokenizer) -> None:
+    """The demo's buffer keeps only the learner's keys; the report's records decoded from their
+    tokens are the records `lmcollect collect` writes for the full turns."""
+    from lmcollect.cli.builders import EnvFactory
+    from lmcollect.cli.report import decoded_turn_records
+    from lmcollect.cli.rollouts import COLUMNS, batch_records
+    from lmcollect.collectors import LLMCollector
+    from lmcollect.envs import get_shipped_task
+    from lmcollect.policies import TransformersPolicy
+    from lmcollect.training.batch import LEARNER_KEYS, GroupAdvantage
+
+    model, tokenizer = tiny_model_and_tokenizer
+    env = EnvFactory(task_name="comparison", rows=get_shipped_task("comparison").make_rows(16, seed=0), num_envs=4, repeats=2, seed=0)
+    policy = TransformersPolicy(model, tokenizer, max_new_tokens=6, seed=0)
+    collector = LLMCollector(env, policy=policy, dialog_turns_per_batch=4, total_dialog_turns=4, track_policy_version=True)
+    (batch,) = list(collector)
+    expected = sorted(batch_records(batch), key=lambda r: r["traj_id"])
+    lean = GroupAdvantage(group_size=2, keep_keys=LEARNER_KEYS)(batch)
+    assert keys.TEXT_PROMPT not in lean.keys(include_nested=True)
+    records = decoded_turn_records([lean, lean], tokenizer)  # a turn sampled twice is reported once
+    assert sorted(records, key=lambda r: r["traj_id"]) == expected
+    assert list(records[0]) == list(COLUMNS)
