@@ -282,6 +282,19 @@ class VLLMPolicy:
         """
         self._request_seeds = random.Random(seed)
 
+    def rng_state(self) -> list | None:
+        """The per-request seed generator's state (saved by a collector's ``state_dict``)."""
+        return None if self._request_seeds is None else list(self._request_seeds.getstate())
+
+    def set_rng_state(self, state: list | None) -> None:
+        """Restore :meth:`rng_state` (None: unseeded, as before)."""
+        if state is None:
+            self._request_seeds = None
+            return
+        version, internal, gauss = state
+        self._request_seeds = random.Random()
+        self._request_seeds.setstate((version, tuple(internal), gauss))
+
     def _seeds_for(self, num_requests: int) -> list[int] | None:
         if self._request_seeds is None or self.sampling.greedy:
             return None
