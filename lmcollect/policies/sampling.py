@@ -1,7 +1,11 @@
-"""Sampling parameters shared by every inference backend."""
+"""Sampling parameters shared by every inference backend, and the generate()-style keywords policies accept."""
 from __future__ import annotations
 
+import dataclasses
+import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(kw_only=True)
@@ -19,7 +23,18 @@ class SamplingConfig:
     seed: int | None = None
     """Seed of the sampling RNG (None: leave the RNG as it is)."""
     ignore_eos: bool = False
-    """Always generate ``max_new_tokens`` tokens (benchmarks use it for equal work)."""
+    """Never end a response with an end-of-sequence token: always generate ``max_new_tokens`` tokens
+    (unless a stop string ends it). Benchmarks use it for equal work."""
+    min_new_tokens: int = 0
+    """End-of-sequence tokens (and stop strings) cannot end a response before it has this many
+    tokens (0: off), as ``min_new_tokens`` in transformers' ``generate``."""
+    repetition_penalty: float = 1.0
+    """Penalty on tokens already in the prompt or response, as in transformers (> 1 discourages
+    repeats; 1.0: off). It changes the sampled distribution, not ``("log_probs", "response")``."""
+    stop_strings: tuple[str, ...] = ()
+    """End a response as soon as its text contains one of these strings. The token that completes the
+    string is the response's last token (kept, like an end-of-sequence token); the next turn's prompt
+    then continues from the tokens as generated, as after a response cut by ``max_new_tokens``."""
     sampled_log_probs: bool = False
     """Also store ``("log_probs", "sampled")``: log-probs under the distribution actually sampled
     (after temperature / top-k / top-p; 0 for greedy), next to the raw ones in
@@ -29,15 +44,83 @@ class SamplingConfig:
     one kind of log-prob per engine)."""
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}.")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}.")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}.")
+        _check_int("max_new_tokens", self.max_new_tokens, minimum=1, hint="the token budget of one response")
+        _check_number("temperature", self.temperature, "must be >= 0 (0 = greedy)", lambda v: v >= 0)
+        _check_number("top_p", self.top_p, "must be in (0, 1] (1 = off)", lambda v: 0 < v <= 1)
+        _check_int("top_k", self.top_k, minimum=0, hint="0 = off")
+        _check_int("min_new_tokens", self.min_new_tokens, minimum=0, hint="0 = off")
+        _check_number("repetition_penalty", self.repetition_penalty, "must be > 0 (1 = off)", lambda v: v > 0)
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens ({self.min_new_tokens}) exceeds max_new_tokens ({self.max_new_tokens}); "
+                "lower min_new_tokens or raise max_new_tokens."
+            )
+        if isinstance(self.stop_strings, str):  # one string, not its characters
+            self.stop_strings = (self.stop_strings,)
+        self.stop_strings = tuple(self.stop_strings)
+        if not all(isinstance(s, str) and s for s in self.stop_strings):
+            raise ValueError(f"stop_strings must be non-empty strings, got {self.stop_strings!r}.")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _check_int(name: str, value: Any, *, minimum: int, hint: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum} ({hint}), got {value!r}.")
+
+
+def _check_number(name: str, value: Any, rule: str, ok: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not ok(value):
+        raise ValueError(f"{name} {rule}, got {value!r}.")
+
+
+# generate() keywords with another meaning here, and what to use instead
+_UNSUPPORTED = {
+    "num_beams": "beam search is not supported (a turn records the log-probs of sampled tokens)",
+    "num_return_sequences": "answer a prompt k times with ChatEnv(repeats=k) (GRPO groups)",
+    "max_length": "use max_new_tokens (the response budget; prompts have any length)",
+    "min_length": "use min_new_tokens",
+    "eos_token_id": "set ignore_eos=True to never stop at eos, or stop_strings to stop elsewhere",
+}
+# None means "off" or "the default" in transformers' generate
+_NONE_MEANS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_new_tokens": 0, "repetition_penalty": 1.0, "stop_strings": ()}
+
+
+def supported_generation_options() -> list[str]:
+    """The keywords :func:`sampling_from_kwargs` accepts: SamplingConfig's fields and ``do_sample``."""
+    return [f.name for f in dataclasses.fields(SamplingConfig)] + ["do_sample"]
+
+
+def sampling_from_kwargs(sampling: SamplingConfig | None, options: Mapping[str, Any], *, owner: str) -> SamplingConfig:
+    """``sampling`` (or the defaults) with ``options`` applied, taking them as ``generate()`` takes them.
+
+    ``do_sample=False`` means greedy (temperature 0); ``do_sample=True`` needs a temperature > 0.
+    None for temperature / top_p / top_k / min_new_tokens / repetition_penalty / stop_strings means
+    off (their neutral value), as in transformers. An unknown keyword is a TypeError naming the
+    supported ones (``owner`` names the class in the message).
+    """
+    options = dict(options)
+    unknown = sorted(set(options) - set(supported_generation_options()))
+    if unknown:
+        hints = "".join(f" {name}: {_UNSUPPORTED[name]}." for name in unknown if name in _UNSUPPORTED)
+        raise TypeError(
+            f"{owner} got unsupported generation option(s) {unknown}.{hints} "
+            f"Supported: {', '.join(supported_generation_options())}."
+        )
+    for name, neutral in _NONE_MEANS.items():
+        if name in options and options[name] is None:
+            options[name] = neutral
+    do_sample = options.pop("do_sample", None)
+    values = {**(vars(sampling) if sampling is not None else {}), **options}
+    if do_sample is False:
+        if values.get("temperature", 1.0) not in (0, 1.0) and "temperature" in options:
+            raise ValueError(
+                f"do_sample=False means greedy decoding, but temperature={options['temperature']} was passed; "
+                "drop one of them."
+            )
+        values["temperature"] = 0.0
+    elif do_sample is True and values.get("temperature", 1.0) == 0:
+        raise ValueError("do_sample=True needs temperature > 0 (temperature 0 means greedy); pass e.g. temperature=1.0.")
+    return SamplingConfig(**values)

@@ -6,9 +6,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDictBase
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from lmcollect.policies.outputs import Generation, answer_prompts, generate_triples
-from lmcollect.policies.sampling import SamplingConfig
+from lmcollect.policies.sampling import SamplingConfig, sampling_from_kwargs
 from lmcollect.policies.step_log_probs import StepLogProbs, no_generate_warpers
 
 if TYPE_CHECKING:  # transformers is imported by the caller who built the model
@@ -29,6 +30,13 @@ class TransformersPolicy:
     ``SamplingConfig(sampled_log_probs=True)`` the log-probs of the distribution actually sampled
     are stored too, under ``("log_probs", "sampled")``.
 
+    Generation options (keywords or :class:`SamplingConfig` fields): ``max_new_tokens``,
+    ``temperature`` (0 = greedy), ``top_p``, ``top_k``, ``min_new_tokens``, ``ignore_eos``,
+    ``repetition_penalty``, ``stop_strings``, ``seed``, ``sampled_log_probs``, and ``do_sample``
+    (False = greedy). None for temperature / top_p / top_k / min_new_tokens / repetition_penalty /
+    stop_strings means off, as in ``generate``; other ``generate`` keywords are refused with a
+    TypeError listing these. The raw log-probs stay those of the model whatever the options.
+
     Args:
         model: a causal LM; exposed as ``.model`` for weight updates.
         tokenizer: its tokenizer, with a chat template and pad/eos tokens.
@@ -45,10 +53,7 @@ class TransformersPolicy:
     ) -> None:
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token before building the policy.")
-        if sampling_kwargs:
-            base = vars(sampling) if sampling is not None else {}
-            sampling = SamplingConfig(**{**base, **sampling_kwargs})
-        self.sampling = sampling or SamplingConfig()
+        self.sampling = sampling_from_kwargs(sampling, sampling_kwargs, owner="TransformersPolicy")
         self.model = model.eval()
         self.tokenizer = tokenizer
         self._eos_ids = self._eos_token_ids()
@@ -73,13 +78,19 @@ class TransformersPolicy:
         torch.manual_seed(seed)
 
     def _generate_kwargs(self) -> dict[str, Any]:
-        # eos stays a stopping token under ignore_eos: StepLogProbs masks it, so it is never drawn
+        # eos stays a stopping token under ignore_eos: StepLogProbs masks it, so it is never drawn.
+        # min_new_tokens and repetition_penalty are generate's own processors, which run before
+        # StepLogProbs' (so sampled log-probs see them); explicit values override a model's
+        # generation_config (None drops its processor).
+        sampling = self.sampling
         return {
-            "max_new_tokens": self.sampling.max_new_tokens,
-            "do_sample": not self.sampling.greedy,
+            "max_new_tokens": sampling.max_new_tokens,
+            "min_new_tokens": sampling.min_new_tokens or None,
+            "repetition_penalty": sampling.repetition_penalty if sampling.repetition_penalty != 1.0 else None,
+            "do_sample": not sampling.greedy,
             "pad_token_id": self.tokenizer.pad_token_id,
             "eos_token_id": self._eos_ids,
-            **no_generate_warpers(self.sampling),
+            **no_generate_warpers(sampling),
         }
 
     def generate(
@@ -94,18 +105,19 @@ class TransformersPolicy:
         """One response per prompt (token ids), in order; prompts are left-padded here."""
         input_ids, attention = self._left_pad(prompt_ids)
         steps = StepLogProbs(self.sampling, self._eos_ids)
+        stop = StopStrings(self.tokenizer, self.sampling, prompt_width=input_ids.shape[1])
         with steps.attached(self.model):
             sequences = self.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention,
                 logits_processor=steps.processor,
-                stopping_criteria=steps.criterion,
+                stopping_criteria=StoppingCriteriaList([*steps.criterion, stop]),
                 **self._generate_kwargs(),
             )
         generated = sequences[:, input_ids.shape[1] :]
         log_probs, sampled = steps.log_probs(generated.shape[1])
         generations = []
-        for i, n in enumerate(self._response_lengths(generated)):
+        for i, n in enumerate(self._response_lengths(generated, stop.lengths)):
             generations.append(
                 Generation(
                     tokens=generated[i, :n].cpu(),
@@ -127,16 +139,62 @@ class TransformersPolicy:
         device = self.model.device
         return input_ids.to(device), attention.to(device)
 
-    def _response_lengths(self, generated: torch.Tensor) -> list[int]:
-        # A row ends at its first eos (kept); later positions are padding. Tokens equal to the
-        # pad id before the eos are real output, so we never strip by pad id.
+    def _response_lengths(self, generated: torch.Tensor, stop_lengths: Sequence[int] = ()) -> list[int]:
+        # A row ends at its first eos (kept) or at the token completing a stop string (kept), if
+        # sooner; later positions are padding. Tokens equal to the pad id before the end are real
+        # output, so we never strip by pad id.
         is_eos = torch.isin(generated, torch.tensor(self._eos_ids, device=generated.device))
         has_eos = is_eos.any(dim=1)
         first_eos = is_eos.int().argmax(dim=1)
-        lengths = torch.where(has_eos, first_eos + 1, generated.shape[1])
-        return lengths.tolist()
+        lengths = torch.where(has_eos, first_eos + 1, generated.shape[1]).tolist()
+        return [min(n, stop) for n, stop in zip(lengths, stop_lengths or lengths)]
 
     def __call__(self, td: TensorDictBase) -> TensorDictBase:
         return answer_prompts(
             td, self.tokenizer, self.generate_responses, sampling=self.sampling, stop_token_ids=self._eos_ids
         )
+
+
+class StopStrings(StoppingCriteria):
+    """Ends a row once the text it generated contains one of ``sampling.stop_strings``.
+
+    Each step decodes the rows' generated tokens (the prompt's text never counts) and looks for a
+    stop string in the text added since the previous step, plus the characters before it that a
+    stop string may start in; ``min_new_tokens`` holds the check off, as it holds eos off.
+    :attr:`lengths` gives each row's response length: up to the token completing the string
+    (generate pads the row after it), or ``max_new_tokens`` for rows that never matched.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, sampling: SamplingConfig, *, prompt_width: int) -> None:
+        self.tokenizer, self.stop_strings = tokenizer, sampling.stop_strings
+        self.min_new_tokens, self.max_new_tokens = sampling.min_new_tokens, sampling.max_new_tokens
+        self.prompt_width = prompt_width
+        # one character more than a stop string: a byte-level token can complete the previous character
+        self._window = max((len(s) for s in self.stop_strings), default=0)
+        self._stopped: list[bool] = []
+        self._checked_chars: list[int] = []
+        self._lengths: list[int] = []
+
+    @property
+    def lengths(self) -> list[int]:
+        """Response length of each row (``max_new_tokens`` where no stop string matched)."""
+        return self._lengths
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
+        num_rows, num_new = input_ids.shape[0], input_ids.shape[1] - self.prompt_width
+        if not self._stopped:  # first step: the batch size is known now
+            self._stopped, self._checked_chars = [False] * num_rows, [0] * num_rows
+            self._lengths = [self.max_new_tokens] * num_rows
+        if self.stop_strings:
+            texts = self.tokenizer.batch_decode(input_ids[:, self.prompt_width :].tolist(), skip_special_tokens=True)
+            for row, text in enumerate(texts):
+                if not self._stopped[row]:
+                    self._check_row(row, text, num_new)
+        return torch.tensor(self._stopped, dtype=torch.bool, device=input_ids.device)
+
+    def _check_row(self, row: int, text: str, num_new: int) -> None:
+        start = max(0, self._checked_chars[row] - self._window)
+        self._checked_chars[row] = len(text)
+        if num_new >= self.min_new_tokens and any(s in text[start:] for s in self.stop_strings):
+            self._stopped[row] = True
+            self._lengths[row] = num_new
