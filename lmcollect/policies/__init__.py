@@ -3,5 +3,14 @@ from lmcollect.policies.protocol import PolicyProtocol
 from lmcollect.policies.sampling import SamplingConfig
 from lmcollect.policies.scripted import ScriptedPolicy
 from lmcollect.policies.transformers_policy import TransformersPolicy
+from lmcollect.policies.vllm_server import VLLMServer, VLLMServerError, VLLMServerPolicy
 
-__all__ = ["PolicyProtocol", "SamplingConfig", "ScriptedPolicy", "TransformersPolicy"]
+__all__ = [
+    "PolicyProtocol",
+    "SamplingConfig",
+    "ScriptedPolicy",
+    "TransformersPolicy",
+    "VLLMServer",
+    "VLLMServerError",
+    "VLLMServerPolicy",
+]

@@ -42,7 +42,9 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
     ``1..tp`` per replica; gloo when the weights are on the CPU, NCCL when on CUDA). The engine
     needs ``worker_extension_cls=VLLM_EXTENSION`` (``lmcollect.weight_sync.vllm_worker_ext``).
     The engine may be in this process (a local ``LLMCollector``), in a ``RayLLMCollector``'s
-    actor, or in engine actors (``VLLMReplicas``); the updater reaches it through the collector.
+    actor, in engine actors (``VLLMReplicas``), or a vLLM server (``VLLMServerPolicy``, through its
+    development endpoints, which also pause the server's generation for the call); the updater
+    reaches it through the collector.
 
     One push, in order:
 
@@ -188,7 +190,12 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
             sender.connect()
         except Exception as exc:  # a worker that never joins: the group times out
             sender.close()
-            raise WeightPushError(f"vLLM worker 0 did not join the weight group: {self._cause(joined, exc)}") from exc
+            raise WeightPushError(
+                f"vLLM worker 0 did not join the weight group at {config.master_address}:{info['master_port']}: "
+                f"{self._cause(joined, exc)}. The workers must reach that address: for an engine on another "
+                "machine (e.g. a vLLM server) pass vLLMUpdater(master_address=<this machine's address as the "
+                "engine sees it>), e.g. lmcollect.policies.vllm_server.master_address_for(server_url)."
+            ) from exc
         self._wait(joined, deadline, "init_weight_group")
         self._sender = sender
         if metadata is not None:

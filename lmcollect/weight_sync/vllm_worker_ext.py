@@ -1,8 +1,10 @@
 """The vLLM worker side of the process-group weight sync: join a ProcessGroupSender's group, reload pushes.
 
 Give the engine ``worker_extension_cls=VLLM_EXTENSION`` (a ``vllm.LLM`` argument, e.g. through
-``VLLMEngine(engine_kwargs=...)``); vLLM then mixes :class:`VLLMWeightReceiverExtension` into
-every worker, and its methods become ``collective_rpc`` targets. The trainer side is the plain
+``VLLMEngine(engine_kwargs=...)``; for a server ``vllm serve --worker-extension-cls``, whose
+``/collective_rpc`` development endpoint passes JSON arguments and results); vLLM then mixes
+:class:`VLLMWeightReceiverExtension` into every worker, and its methods become ``collective_rpc``
+targets. The trainer side is the plain
 :class:`~lmcollect.weight_sync.schemes.process_group.ProcessGroupSender` (rank 0); each worker
 is a :class:`~lmcollect.weight_sync.schemes.process_group.ProcessGroupReceiver` (rank >= 1).
 

@@ -1,0 +1,232 @@
+"""VLLMServerPolicy and vLLMUpdater against a real ``vllm serve`` of the tiny model (CPU, loopback).
+
+Run with a Python that has vLLM: ``python -m pytest tests/integration/test_vllm_server.py``. One
+server for the module (started on a free loopback port, about a minute here: three processes
+import vLLM; stopped at the end, its whole process group). The tests run in file order: the push
+test changes the server's weights and the last test stops the server.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from tensordict import TensorDictBase
+
+from lmcollect.collectors.llm_collector import LLMCollector
+from lmcollect.data import keys
+from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
+from lmcollect.models import ModelSpec, get_model_path, load_model_and_tokenizer
+from lmcollect.policies import SamplingConfig
+from tests.integration.conftest import MAX_NEW_TOKENS, QUESTIONS, REPO_ROOT, chat_batch
+from tests.token_checks import check_token_exact, collect_dialogs, guessing_env
+
+pytest.importorskip("vllm")
+from lmcollect.policies.vllm_policy import VLLMPolicy  # noqa: E402
+from lmcollect.policies.vllm_server import (  # noqa: E402
+    VLLMServer,
+    VLLMServerEngine,
+    VLLMServerError,
+    VLLMServerPolicy,
+    free_port,
+    master_address_for,
+    serve_command,
+)
+from lmcollect.weight_sync.vllm_updater import vLLMUpdater  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+# conftest's CPU_ENGINE_KWARGS as flags: a KV cache that fits, no torch.compile
+SERVE_ARGS = ["--kv-cache-memory-bytes", str(1 << 30), "--enforce-eager"]
+START_TIMEOUT_S = 240.0
+ROWS = [{"prompt": q} for q in QUESTIONS]
+NUM_DIALOG_TURNS = 16
+IM_START = 1
+# A fresh engine in its own process (one in-process engine per process): greedy answers to QUESTIONS.
+FRESH_ENGINE_SCRIPT = """
+import json, sys
+from lmcollect.data import keys
+from lmcollect.policies.vllm_policy import VLLMPolicy
+from tests.integration.conftest import CPU_ENGINE_KWARGS, MAX_NEW_TOKENS, QUESTIONS, chat_batch
+
+policy = VLLMPolicy(sys.argv[1], engine_kwargs=CPU_ENGINE_KWARGS, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
+out = policy(chat_batch(QUESTIONS))
+answers = [[out[i][keys.TOKENS_FULL].tolist(), out[i][keys.LOG_PROBS_RESPONSE].tolist()] for i in range(len(QUESTIONS))]
+print(json.dumps(answers))
+"""
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path) -> Iterator[VLLMServer]:
+    with VLLMServer(model_dir, serve_args=SERVE_ARGS, start_timeout_s=START_TIMEOUT_S) as served:
+        yield served
+    assert not served.running
+
+
+@pytest.fixture(scope="module")
+def new_model_dir(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, tiny_model_path: Path) -> Path:
+    """The session model's folder (and eos config) with other weights: those of the tiny model of seed 1."""
+    folder = tmp_path_factory.mktemp("tiny-seed1-eos")
+    shutil.copytree(model_dir, folder, dirs_exist_ok=True)
+    seed1 = get_model_path(ModelSpec(size="tiny", seed=1), cache_dir=tiny_model_path.parent)
+    shutil.copyfile(seed1 / "model.safetensors", folder / "model.safetensors")
+    return folder
+
+
+def fresh_engine_answers(model_path: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(tokens.full, log-probs) of a fresh engine's greedy answers to QUESTIONS, engine built from ``model_path``."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", FRESH_ENGINE_SCRIPT, str(model_path)],
+        capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    answers = json.loads(done.stdout.strip().splitlines()[-1])
+    return [(torch.tensor(tokens), torch.tensor(log_probs, dtype=torch.float32)) for tokens, log_probs in answers]
+
+
+def assert_same_answers(got: TensorDictBase, want: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for i, (tokens, log_probs) in enumerate(want):
+        assert torch.equal(got[i][keys.TOKENS_FULL], tokens), f"element {i}"
+        torch.testing.assert_close(got[i][keys.LOG_PROBS_RESPONSE], log_probs, atol=1e-5, rtol=0)
+
+
+def answers_of(td: TensorDictBase) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(td[i][keys.TOKENS_FULL], td[i][keys.LOG_PROBS_RESPONSE]) for i in range(td.batch_size[0])]
+
+
+def make_env() -> ChatEnv:
+    return ChatEnv(arithmetic_dataset(32, seed=0), reward_fn=MathAnswerReward(), batch_size=4, seed=0)
+
+
+# ------------------------------------------------------------------------------------ generation
+def test_answers_exactly_like_the_in_process_engine(server: VLLMServer, greedy_policy: VLLMPolicy) -> None:
+    policy = VLLMServerPolicy(server.url, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
+    assert policy.engine.model == str(policy.model_path) and policy.base_url == server.url
+    td = chat_batch(QUESTIONS)
+    got, want = policy(td), greedy_policy(td)
+    assert set(got.keys(True, True)) == set(want.keys(True, True))
+    assert_same_answers(got, answers_of(want))
+    for i in range(len(QUESTIONS)):
+        assert got[i]["text", "response"] == want[i]["text", "response"]
+        assert got[i][keys.LOG_PROBS_RESPONSE].dtype == torch.float32
+    # conftest's model_dir stops at an extra eos: that answer ends with it, before the budget
+    assert got[0][keys.TOKENS_RESPONSE].numel() < MAX_NEW_TOKENS
+    # the same answers with one request at a time
+    one_at_a_time = VLLMServerPolicy(
+        server.url, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS, max_concurrent_requests=1
+    )
+    assert_same_answers(one_at_a_time(td), answers_of(want))
+
+
+def test_seeded_sampling_matches_the_in_process_engine(
+    server: VLLMServer, greedy_policy: VLLMPolicy, model_dir: Path
+) -> None:
+    td = chat_batch(QUESTIONS * 2)  # repeated prompts: each request has its own seed
+    sampling = {"temperature": 1.0, "top_k": 50, "max_new_tokens": 8, "seed": 7}
+    served = VLLMServerPolicy(server.url, **sampling)
+    local = VLLMPolicy(model_dir, engine=greedy_policy.engine, **sampling)
+    got, want = served(td), local(td)
+    assert_same_answers(got, answers_of(want))
+    assert not torch.equal(got[0][keys.TOKENS_RESPONSE], got[len(QUESTIONS)][keys.TOKENS_RESPONSE])
+    served.set_seed(7)
+    assert_same_answers(served(td), answers_of(got))
+
+
+def test_multi_turn_dialogs_are_token_exact_and_equal_the_in_process_ones(
+    server: VLLMServer, greedy_policy: VLLMPolicy
+) -> None:
+    policy = VLLMServerPolicy(server.url, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
+    got = collect_dialogs(guessing_env(4, system_prompt="Be brief.", rows=ROWS), policy, NUM_DIALOG_TURNS)
+    want = collect_dialogs(guessing_env(4, system_prompt="Be brief.", rows=ROWS), greedy_policy, NUM_DIALOG_TURNS)
+    counts = check_token_exact(got, policy.stop_token_ids, IM_START)
+    assert counts.num_stopped > 0 and counts.num_truncated > 0, counts
+    got_turns, want_turns = [t for turns in got for t in turns], [t for turns in want for t in turns]
+    assert len(got_turns) == len(want_turns) == NUM_DIALOG_TURNS
+    for got_turn, want_turn in zip(got_turns, want_turns):
+        assert torch.equal(got_turn[keys.TOKENS_FULL], want_turn[keys.TOKENS_FULL])
+        got_log_probs, want_log_probs = got_turn[keys.LOG_PROBS_RESPONSE], want_turn[keys.LOG_PROBS_RESPONSE]
+        torch.testing.assert_close(got_log_probs, want_log_probs, atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------------------------ errors
+def test_errors_name_the_server(server: VLLMServer) -> None:
+    nobody = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(VLLMServerError, match=f"cannot reach the vLLM server at {nobody}/v1/models"):
+        VLLMServerPolicy(nobody)
+    with pytest.raises(ValueError, match="does not serve model='other'"):
+        VLLMServerPolicy(server.url, model="other")
+    with pytest.raises(ValueError, match="no /v1 path"):
+        VLLMServerPolicy(server.url + "/v1")
+    engine = VLLMServerEngine(server.url)
+    too_long = [1] * 5000  # over the model's 4096 positions
+    with pytest.raises(VLLMServerError, match=f"{server.url}/v1/completions failed with HTTP 400"):
+        engine.generate_tokens([[1, 2, 3], too_long], SamplingConfig(max_new_tokens=4))
+    with pytest.raises(VLLMServerError, match="no_such_method"):
+        engine.collective_rpc("no_such_method")
+    assert engine.call("GET", "/is_paused") == {"is_paused": False}  # a failed call still resumed the server
+    assert master_address_for(server.url) == "127.0.0.1"
+    command = serve_command("/m", host="127.0.0.1", port=1, serve_args=["--dtype", "bfloat16"])
+    assert command[-2:] == ["--dtype", "bfloat16"] and "--logprobs-mode" in command  # the caller's flags come last
+
+
+# ------------------------------------------------------------------------------------ weight sync
+def test_push_into_the_server_matches_a_fresh_engine_with_the_pushed_weights(
+    server: VLLMServer, new_model_dir: Path
+) -> None:
+    want_new = fresh_engine_answers(new_model_dir)
+    policy = VLLMServerPolicy(server.url, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
+    updater = vLLMUpdater(verify=True, timeout_s=60)
+    collector = LLMCollector(
+        make_env(), policy=policy, dialog_turns_per_batch=4, weight_updater=updater, track_policy_version=True
+    )
+    td = chat_batch(QUESTIONS)
+    old = answers_of(policy(td))
+    assert collector.next()[keys.POLICY_VERSION].reshape(-1).tolist() == [0] * 4
+
+    # another job sharing the server keeps asking during the push: the pause waits for its
+    # running requests, queues the new ones, and resumes
+    other_job = VLLMServerPolicy(server.url, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS, check_server=False)
+    stop = threading.Event()
+    other_answers: list[TensorDictBase] = []
+
+    def ask_until_stopped() -> None:
+        while not stop.is_set():
+            other_answers.append(other_job(td))
+
+    with ThreadPoolExecutor(1) as pool:
+        asking = pool.submit(ask_until_stopped)
+        collector.update_policy_weights_(load_model_and_tokenizer(new_model_dir)[0])
+        stop.set()
+        asking.result(timeout=120)  # no request of the other job failed
+    assert other_answers
+    assert collector.policy_version == 1
+    (info,) = updater.last_push_info  # one worker (tp 1); its checksums came back as JSON and matched
+    assert info["rank"] == 1 and len(info["checksums"]) >= 1
+    assert policy.engine.call("GET", "/is_paused") == {"is_paused": False}
+    assert_same_answers(policy(td), want_new)
+    assert_same_answers(other_job(td), want_new)
+    assert not all(torch.equal(a, b) for (a, _), (b, _) in zip(old, want_new))  # the push changed the answers
+    assert collector.next()[keys.POLICY_VERSION].reshape(-1).tolist() == [1] * 4
+
+    with pytest.raises(ValueError, match="older|lower|version"):  # versions only go up
+        updater.push_weights(load_model_and_tokenizer(new_model_dir)[0], version=1)
+    collector.shutdown()
+    updater.close()
+
+
+def test_stopped_server_leaves_no_process_and_fails_clearly(server: VLLMServer) -> None:
+    policy = VLLMServerPolicy(server.url, temperature=0.0, max_new_tokens=4)
+    server.stop()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(server.process.pid, 0)  # the API server, engine core and worker are all gone
+    with pytest.raises(VLLMServerError, match=f"cannot reach the vLLM server at {server.url}/v1/completions"):
+        policy(chat_batch(QUESTIONS[:1]))
