@@ -39,6 +39,20 @@ class RewardError(RuntimeError):
         self.history = history
 
 
+_warned_zero_rewards = False
+
+
+def _warn_zero_rewards() -> None:
+    """Once per process: a ChatEnv built without task or reward_fn scores every turn 0.0."""
+    global _warned_zero_rewards
+    if not _warned_zero_rewards:
+        _warned_zero_rewards = True
+        logger.warning(
+            "ChatEnv got no reward_fn and no task: every reward will be 0.0. Pass reward_fn=... (e.g. "
+            "MathAnswerReward()) or task=...; pass task=SingleTurnTask() to collect unscored turns without this warning."
+        )
+
+
 def _as_dataset(dataset: PromptDataset | Sequence[Mapping[str, Any]]) -> PromptDataset:
     if isinstance(dataset, PromptDataset):
         return dataset.fork()
@@ -74,8 +88,15 @@ class ChatEnv:
 
     ``step`` writes ``"next"`` into the td it is given and returns that td (as torchrl does).
 
-    The env iterates its own cursor over the dataset rows (a fork of a given PromptDataset); seed it
-    with ``config.seed`` or :meth:`set_seed`.
+    Prompt order: the env iterates its own cursor over the dataset rows (a fork of a given
+    PromptDataset). A plain list of rows becomes ``PromptDataset(rows)``, which **shuffles**: each
+    pass over the rows is a fresh permutation drawn from the env's seed (``config.seed`` or
+    :meth:`set_seed`), and with ``seed=None`` (the default) a random one, so the order differs from
+    run to run. To keep the list's order, pass ``PromptDataset(rows, shuffle=False)``.
+
+    Rewards: without ``task`` or ``reward_fn`` every reward is 0.0 (logged once as a warning); pass
+    ``reward_fn`` (e.g. :class:`~lmcollect.envs.MathAnswerReward`) or ``task``, or
+    ``task=SingleTurnTask()`` to collect unscored turns on purpose.
     """
 
     def __init__(
@@ -93,6 +114,8 @@ class ChatEnv:
             raise TypeError(f"task must implement start(sample, rng) and respond(state, history), got {task!r}.")
         self.config = _make_config(config, config_kwargs)
         self.task: Task = task if task is not None else SingleTurnTask(reward_fn)
+        if task is None and reward_fn is None:
+            _warn_zero_rewards()
         self._warn_turn_limit()
         b = self.config.batch_size
         self.batch_size = torch.Size([b])

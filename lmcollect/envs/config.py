@@ -24,7 +24,8 @@ class ChatEnvConfig:
     max_turns: int = 1
     """Assistant turns per dialog; reaching it while the task goes on ends it as truncated."""
     seed: int | None = None
-    """Seed of the prompt order and task randomness; None draws one from the OS."""
+    """Seed of the prompt order and task randomness; None draws one from the OS, so a shuffled
+    dataset (a plain list of rows is one) is visited in a different order on every run."""
 
     def __post_init__(self) -> None:
         _check_int("batch_size", self.batch_size, 1)
