@@ -65,8 +65,9 @@ print(json.dumps(answers))
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: Path) -> Iterator[VLLMServer]:
-    with VLLMServer(model_dir, serve_args=SERVE_ARGS, start_timeout_s=START_TIMEOUT_S) as served:
+def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    log_path = tmp_path_factory.mktemp("vllm-serve") / "server.log"
+    with VLLMServer(model_dir, serve_args=SERVE_ARGS, start_timeout_s=START_TIMEOUT_S, log_path=log_path) as served:
         yield served
     assert not served.running
 
