@@ -62,6 +62,16 @@ def sampling_params_kwargs(sampling: SamplingConfig, *, seed: int | None = None)
         "logprobs": 0,  # 0: only the sampled token's log-prob
         "detokenize": False,  # the policy decodes with its own tokenizer, as TransformersPolicy does
     }
+    if sampling.stop_strings:
+        raise ValueError(
+            f"stop_strings={sampling.stop_strings!r} is not supported by the vLLM policies (the engine "
+            "does not detokenize: token ids are the truth); stop on token ids through the model's "
+            "generation_config eos ids, or use TransformersPolicy."
+        )
+    if sampling.min_new_tokens:
+        kwargs["min_tokens"] = sampling.min_new_tokens
+    if sampling.repetition_penalty != 1.0:  # applied by the sampler; raw log-probs are unaffected
+        kwargs["repetition_penalty"] = sampling.repetition_penalty
     if sampling.greedy:
         kwargs["temperature"] = 0.0
     else:  # top_k=0 means "off" in vLLM too

@@ -1,0 +1,19 @@
+"""How SamplingConfig maps onto vLLM's SamplingParams (pure: no engine needed)."""
+from __future__ import annotations
+
+import pytest
+
+from lmcollect.policies.sampling import SamplingConfig
+from lmcollect.policies.vllm_policy import sampling_params_kwargs
+
+
+def test_generation_options_reach_vllm() -> None:
+    kwargs = sampling_params_kwargs(SamplingConfig(min_new_tokens=4, repetition_penalty=1.3, temperature=0.5), seed=2)
+    assert kwargs["min_tokens"] == 4 and kwargs["repetition_penalty"] == 1.3 and kwargs["seed"] == 2
+    plain = sampling_params_kwargs(SamplingConfig())
+    assert "min_tokens" not in plain and "repetition_penalty" not in plain
+
+
+def test_stop_strings_are_refused_with_the_alternative() -> None:
+    with pytest.raises(ValueError, match="stop_strings=.*TransformersPolicy"):
+        sampling_params_kwargs(SamplingConfig(stop_strings=("###",)))
