@@ -6,7 +6,7 @@ from typing import Any
 
 from lmcollect.weight_sync.base import WeightUpdaterBase
 from lmcollect.weight_sync.version import PushVersion
-from lmcollect.weight_sync.weights import WeightDict, to_weight_dict
+from lmcollect.weight_sync.weights import WeightDict, non_finite_problems, raise_if_problems, to_weight_dict
 
 
 class LocalWeightUpdater(WeightUpdaterBase):
@@ -20,6 +20,8 @@ class LocalWeightUpdater(WeightUpdaterBase):
         policy_weights: what ``push_weights()`` pushes when given nothing: an ``nn.Module``, a
             TensorDict (module) or a dict, read at push time (so it follows training).
         convert_dtype: cast floating tensors to the model's dtype instead of rejecting them.
+        allow_non_finite: push weights holding NaN or infinite values; False (the default):
+            such a push is refused before anything changes.
 
     Example::
 
@@ -30,10 +32,11 @@ class LocalWeightUpdater(WeightUpdaterBase):
             collector.update_policy_weights_()  # pushes trainer_model's current weights
     """
 
-    def __init__(self, policy_weights: Any = None, *, convert_dtype: bool = False) -> None:
+    def __init__(self, policy_weights: Any = None, *, convert_dtype: bool = False, allow_non_finite: bool = False) -> None:
         super().__init__()
         self._policy_weights = policy_weights
         self.convert_dtype = convert_dtype
+        self.allow_non_finite = allow_non_finite
 
     @classmethod
     def from_policy(cls, policy: Any) -> LocalWeightUpdater:
@@ -45,6 +48,11 @@ class LocalWeightUpdater(WeightUpdaterBase):
 
     def _get_server_weights(self) -> WeightDict | None:
         return None if self._policy_weights is None else to_weight_dict(self._policy_weights)
+
+    def _validate(self, weights: WeightDict, worker_ids: list[Hashable]) -> None:
+        """Refuse NaN/Inf here; names, shapes and dtypes are checked by the collector as it loads."""
+        if not self.allow_non_finite:
+            raise_if_problems(non_finite_problems(weights))
 
     def _sync_weights_with_worker(self, *, worker_id: Hashable, server_weights: WeightDict, version: PushVersion) -> None:
         collector = self.collector

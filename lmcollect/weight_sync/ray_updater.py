@@ -17,6 +17,7 @@ from lmcollect.weight_sync.version import PushVersion
 from lmcollect.weight_sync.weights import (
     WeightDict,
     align_names,
+    non_finite_problems,
     raise_if_problems,
     tensor_metadata,
     to_weight_dict,
@@ -40,6 +41,9 @@ class RayPushConfig:
     the driver). "flat": copy into one buffer per dtype first (one more copy, fewer buffers)."""
     bucket_size_bytes: int | None = None
     """With ``packing="flat"``: largest buffer (None: one buffer per dtype)."""
+    allow_non_finite: bool = False
+    """Push weights holding NaN or infinite values; False: such a push is refused on the driver
+    before any worker changes anything (one min/max pass per floating tensor)."""
 
     def __post_init__(self) -> None:
         if self.timeout_s is not None and self.timeout_s <= 0:
@@ -54,8 +58,8 @@ class RayRemoteWeightUpdater(WeightUpdaterBase):
     """Pushes weights to collectors running as Ray actors (``RayLLMCollector`` s or actor handles).
 
     One push, in order: (1) check the weights on the driver against the metadata every worker
-    reported once (names, shapes, dtypes): a bad push raises one ValueError and no worker
-    changes anything; (2) ``ray.put`` the weights once (a layout plus byte buffers), shared by
+    reported once (names, shapes, dtypes; no NaN/Inf unless ``allow_non_finite``): a bad push
+    raises one ValueError and no worker changes anything; (2) ``ray.put`` the weights once (a layout plus byte buffers), shared by
     every worker; (3) each targeted worker maps the object zero-copy, checks it again, pauses its
     policy (write lock), copies into its parameters in place, resets its prefix cache, takes the
     push's version (the updater's counter, or ``push_weights(version=N)``) and resumes; (4) ``push_weights`` returns when all have applied (or, with
@@ -132,6 +136,8 @@ class RayRemoteWeightUpdater(WeightUpdaterBase):
 
     def _validate(self, weights: WeightDict, worker_ids: list[Hashable]) -> None:
         """Check against what every targeted worker reported, so a bad push reaches none of them."""
+        if not self.config.allow_non_finite:
+            raise_if_problems(non_finite_problems(weights))
         metadata = self._fetch_metadata()
         sent = tensor_metadata(weights)
         groups: dict[tuple[str, ...], list[Hashable]] = {}  # the same problems -> the workers that have them

@@ -14,7 +14,13 @@ from lmcollect.weight_sync.base import WeightPushError, WeightUpdaterBase
 from lmcollect.weight_sync.version import PushVersion
 from lmcollect.weight_sync.schemes.process_group import ProcessGroupConfig, ProcessGroupSender
 from lmcollect.weight_sync.vllm_worker_ext import RayNode, current_ray_node
-from lmcollect.weight_sync.weights import WeightDict, raise_if_problems, tensor_metadata, weight_problems
+from lmcollect.weight_sync.weights import (
+    WeightDict,
+    non_finite_problems,
+    raise_if_problems,
+    tensor_metadata,
+    weight_problems,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +54,8 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
 
     One push, in order:
 
-    1. check the weights against what every worker accepts (one ValueError, nothing sent);
+    1. check the weights against what every worker accepts, and for NaN/Inf (one ValueError,
+       nothing sent);
     2. pause: the workers start receiving (``collective_rpc("receive_weights")``, which holds the
        collector's policy lock, so no turn runs) without the trainer waiting for them;
     3. send: the layout (metadata) through the store, then a few flat per-dtype buckets by broadcast
@@ -74,6 +81,8 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
         convert_dtype: cast floating weights to the engine's dtype (e.g. an fp32 trainer into a
             bf16 engine); the cast happens here, bucket by bucket, as the weights are packed, so
             only the engine's bytes travel. False: a push in another dtype is refused.
+        allow_non_finite: push weights holding NaN or infinite values; False: such a push is
+            refused before anything is sent (one min/max pass per floating tensor).
 
     Example::
 
@@ -97,6 +106,7 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
         bucket_size_bytes: int = 512 * 2**20,
         backend: str = "auto",
         convert_dtype: bool = False,
+        allow_non_finite: bool = False,
     ) -> None:
         super().__init__()
         tp_size = 1 if vllm_tp_size is None else vllm_tp_size
@@ -115,6 +125,7 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
         self.bucket_size_bytes = bucket_size_bytes
         self.backend = backend
         self.convert_dtype = convert_dtype
+        self.allow_non_finite = allow_non_finite
         self._policy: Any = None  # set by from_policy: an engine reached without a collector
         self._sender: ProcessGroupSender | None = None
         self._num_replicas = 1
@@ -235,6 +246,8 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
 
     # ------------------------------------------------------------------ one push
     def _validate(self, weights: WeightDict, worker_ids: list[Hashable]) -> None:
+        if not self.allow_non_finite:  # before the group forms: nothing reaches the engine
+            raise_if_problems(non_finite_problems(weights))
         if self._sender is None:
             first = next(iter(weights.values()), None)
             self.init(device=None if first is None else first.device)
