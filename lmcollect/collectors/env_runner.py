@@ -136,12 +136,13 @@ class EnvRunner:
             version, version_index = self.version_fn()
             out = self.policy(lazy_stack(self._obs))
         check_policy_output(out, self.policy, self.num_envs)
+        for i in range(self.num_envs):  # before the env steps: a rejected output must not advance its dialogs
+            check_turn(out[i], self.slot_offset + i, self.policy)
         nxt = env_next(self.env.step(out), self.env, self.slot_offset, self.num_envs)
         turns, done_rows, next_obs = [], [], list(self._obs)
         for i in range(self.num_envs):
             slot = self.slot_offset + i
             turn = out[i]
-            check_turn(turn, slot, self.policy)
             nxt_i = nxt[i]
             turn.set("next", nxt_i)
             done = bool(nxt_i.get(keys.DONE).any())

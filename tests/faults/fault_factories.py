@@ -1,0 +1,84 @@
+"""Envs and policies that break on cue, for the fault-injection suite (importable: they travel into Ray actors)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tensordict import TensorDictBase
+
+from lmcollect.data import History, keys
+from lmcollect.envs import ChatEnv, GuessingGameTask, binary_search_player, guessing_game_dataset
+from lmcollect.policies import ScriptedPolicy
+
+ENV_FAULTS = ("raise", "task_raises", "no_done", "no_reward")
+POLICY_FAULTS = ("raise", "short_log_probs")
+NEVER = 10**9
+
+
+class InjectedFault(RuntimeError):
+    """The error a broken env or policy raises on cue."""
+
+
+@dataclass(kw_only=True)
+class FlakyGuessingTask(GuessingGameTask):
+    """The guessing game, whose scoring raises once when ``fail_next`` is set."""
+
+    fail_next: bool = False
+
+    def respond(self, state: Any, history: History) -> Any:
+        if self.fail_next:
+            self.fail_next = False
+            raise InjectedFault("the task's scorer failed (injected)")
+        return super().respond(state, history)
+
+
+class GuessingEnv(ChatEnv):
+    """Two multi-turn guessing games at a time (up to five turns each: trajectory ids and step
+    counts to account for), whose ``fail_at_step``-th step (1-based) breaks as ``fault`` says:
+    "raise" (the step raises), "task_raises" (the task scoring the first element raises, which
+    ChatEnv reports naming the element), "no_done" / "no_reward" (the step returns without that key)."""
+
+    def __init__(self, fault: str = "raise", fail_at_step: int = NEVER, batch_size: int = 2) -> None:
+        if fault not in ENV_FAULTS:
+            raise ValueError(f"fault must be one of {ENV_FAULTS}, got {fault!r}.")
+        task = FlakyGuessingTask(low=1, high=20, max_turns=5)
+        dataset = guessing_game_dataset(64, seed=0, low=1, high=20, max_turns=5)
+        super().__init__(dataset, task=task, batch_size=batch_size, max_turns=5, seed=0)
+        self.fault, self.fail_at_step, self.num_steps = fault, fail_at_step, 0
+
+    def step(self, td: TensorDictBase) -> TensorDictBase:
+        self.num_steps += 1
+        if self.num_steps != self.fail_at_step:
+            return super().step(td)
+        if self.fault == "raise":
+            raise InjectedFault(f"env step {self.num_steps} failed (injected)")
+        if self.fault == "task_raises":
+            self.task.fail_next = True
+            return super().step(td)
+        out = super().step(td)
+        out.get("next").exclude(keys.DONE if self.fault == "no_done" else keys.REWARD, inplace=True)
+        return out
+
+
+class GuessingPolicy(ScriptedPolicy):
+    """The binary-search player, which breaks on its ``fail_at_call``-th call (1-based): "raise",
+    or "short_log_probs" (element ``bad_element`` gets one log-prob fewer than it has tokens).
+    ``delay_s`` per call makes a batch take long enough to kill an actor in the middle of it."""
+
+    def __init__(self, fault: str = "raise", fail_at_call: int = NEVER, bad_element: int = 1, delay_s: float = 0.0) -> None:
+        if fault not in POLICY_FAULTS:
+            raise ValueError(f"fault must be one of {POLICY_FAULTS}, got {fault!r}.")
+        super().__init__(binary_search_player)
+        self.fault, self.fail_at_call, self.bad_element, self.delay_s = fault, fail_at_call, bad_element, delay_s
+
+    def __call__(self, td: TensorDictBase) -> TensorDictBase:
+        time.sleep(self.delay_s)
+        if self.num_calls + 1 == self.fail_at_call and self.fault == "raise":
+            self.num_calls += 1
+            raise InjectedFault(f"policy call {self.num_calls} failed (injected)")
+        out = super().__call__(td)
+        if self.num_calls == self.fail_at_call:  # "short_log_probs"
+            turn = out[self.bad_element]
+            turn.set(keys.LOG_PROBS_RESPONSE, turn.get(keys.LOG_PROBS_RESPONSE)[:-1])
+        return out
