@@ -77,7 +77,7 @@ class PlainTrainingProgress:
 
     def _print(self) -> None:
         now = time.monotonic()
-        self.console.print(status_line(self._pending, self.total_steps, now - self._start), highlight=False)
+        self.console.print(status_line(self._pending, self.total_steps, now - self._start), highlight=False, soft_wrap=True)
         self._last_print, self._pending = now, None
 
     def __enter__(self) -> PlainTrainingProgress:
@@ -158,9 +158,8 @@ class PlainTurnsProgress:
             if task["visible"]:
                 total = "" if task["total"] is None else f"/{task['total']:.0f}"
                 status = f"  {task['status']}" if task.get("status") else ""
-                self.console.print(
-                    f"{task['description']} {task['completed']:.0f}{total}  {now - self._start:.0f} s{status}", highlight=False
-                )
+                line = f"{task['description']} {task['completed']:.0f}{total}  {now - self._start:.0f} s{status}"
+                self.console.print(line, highlight=False, soft_wrap=True)
         self._last_print, self._dirty = now, False
 
     def __enter__(self) -> PlainTurnsProgress:

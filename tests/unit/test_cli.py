@@ -358,3 +358,18 @@ def test_decoded_records_of_lean_turns_equal_the_collected_records(tiny_model_an
     records = decoded_turn_records([lean, lean], tokenizer)  # a turn sampled twice is reported once
     assert sorted(records, key=lambda r: r["traj_id"]) == expected
     assert list(records[0]) == list(COLUMNS)
+
+
+def test_plain_progress_lines_are_not_wrapped() -> None:
+    """A log line stays one line however narrow the (non-terminal) console is."""
+    import io
+
+    from rich.console import Console
+
+    from lmcollect.cli.progress import PlainTrainingProgress
+
+    out = io.StringIO()
+    record = {**_record(3), "collect/turns_per_s": 99.0, "timing/weight_sync/push_s": 0.02, "staleness/mean": 1.25}
+    with PlainTrainingProgress(400, console=Console(file=out, width=40), interval_s=3600.0) as progress:
+        progress.update(record)
+    assert len(out.getvalue().splitlines()) == 1 and "staleness 1.25" in out.getvalue()
