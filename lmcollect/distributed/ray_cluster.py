@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from typing import Any
 
 import ray
@@ -25,8 +26,28 @@ def init_ray(ray_init_config: dict[str, Any] | None = None) -> None:
         config.setdefault("num_cpus", os.cpu_count())
     config.setdefault("include_dashboard", False)
     config.setdefault("log_to_driver", True)
+    address = config.get("address") or os.environ.get("RAY_ADDRESS")
+    if attaching and address not in (None, "auto", "local"):
+        check_reachable(address)  # ray.init retries an unreachable address for minutes
     logger.info("ray.init(%s)", config)
     ray.init(**config)
+
+
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Raise ConnectionError naming ``address`` (``host:port``) if nothing listens there."""
+    target = address.split("://", 1)[-1]
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        return  # not host:port (e.g. a ray:// client URL with a path): let Ray judge it
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return
+    except OSError as exc:
+        raise ConnectionError(
+            f"no Ray cluster answers at address {address!r} ({exc}); start one (`ray start --head`), fix the "
+            "address (--address / ray_init_config={'address': ...} / RAY_ADDRESS), or leave it unset to start "
+            "a local cluster."
+        ) from exc
 
 
 def actor_options(

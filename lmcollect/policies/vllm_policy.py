@@ -14,7 +14,7 @@ from tensordict import TensorDictBase
 from transformers import AutoTokenizer
 
 from lmcollect.policies.outputs import Generation, answer_prompts, generate_triples
-from lmcollect.policies.sampling import SamplingConfig
+from lmcollect.policies.sampling import SamplingConfig, sampling_from_kwargs
 
 if TYPE_CHECKING:  # vllm is an optional extra and slow to import; VLLMEngine imports it when built
     from vllm import LLM, SamplingParams
@@ -220,13 +220,6 @@ def collective_rpc_each(
     return engine.collective_rpc(method, args_per_replica[0], kwargs)
 
 
-def _merge_sampling(sampling: SamplingConfig | None, overrides: dict[str, Any]) -> SamplingConfig:
-    if not overrides:
-        return sampling or SamplingConfig()
-    base = vars(sampling) if sampling is not None else {}
-    return SamplingConfig(**{**base, **overrides})
-
-
 class VLLMPolicy:
     """Answers a batch of chat prompts with vLLM; same output layout as ``TransformersPolicy``.
 
@@ -264,7 +257,7 @@ class VLLMPolicy:
     ) -> None:
         if engine is not None and engine_kwargs is not None:
             raise ValueError("pass either engine or engine_kwargs, not both: engine_kwargs only build a new engine.")
-        self.sampling = _merge_sampling(sampling, sampling_kwargs)
+        self.sampling = sampling_from_kwargs(sampling, sampling_kwargs, owner=type(self).__name__)
         if self.sampling.sampled_log_probs:
             raise ValueError(
                 "VLLMPolicy cannot store sampled log-probs (sampled_log_probs=True): vLLM sets logprobs_mode per "

@@ -17,3 +17,15 @@ def test_generation_options_reach_vllm() -> None:
 def test_stop_strings_are_refused_with_the_alternative() -> None:
     with pytest.raises(ValueError, match="stop_strings=.*TransformersPolicy"):
         sampling_params_kwargs(SamplingConfig(stop_strings=("###",)))
+
+
+def test_vllm_policy_takes_generate_style_options(tiny_model_path) -> None:
+    from lmcollect.policies.vllm_policy import VLLMPolicy
+
+    class _NoEngine:
+        """Stands in for an engine that is never called (only the options are checked)."""
+
+    policy = VLLMPolicy(tiny_model_path, engine=_NoEngine(), do_sample=False, top_k=None)
+    assert policy.sampling.greedy and policy.sampling.top_k == 0
+    with pytest.raises(TypeError, match="num_beams"):
+        VLLMPolicy(tiny_model_path, engine=_NoEngine(), num_beams=2)
