@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 Metadata = dict[str, tuple[torch.dtype, torch.Size]]
 Wait = Callable[[float | None], list[Any]]
 LOOPBACK = "127.0.0.1"
+CAUSE_WAIT_S = 5.0  # how long a failed push waits for the worker side's own error
 
 
 def default_master_address(trainer_node: RayNode | None, engine_node_ids: Sequence[str]) -> str:
@@ -340,10 +341,13 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
             ) from exc
 
     def _cause(self, wait: Wait, exc: BaseException) -> str:
-        """The worker side's error if it already failed (it names the dead replica), else ``exc``."""
+        """The worker side's error if it fails within a few seconds (it names the dead replica;
+        Ray may take a moment to report a dead actor), else ``exc``."""
         try:
-            wait(1.0)
-        except Exception as worker_exc:  # the informative one
+            wait(CAUSE_WAIT_S)
+        except Exception as worker_exc:  # the informative one, unless the wait merely ran out
+            if isinstance(worker_exc, TimeoutError) or isinstance(worker_exc.__cause__, TimeoutError):
+                return str(exc)
             return f"{worker_exc} (trainer side: {exc})"
         return str(exc)
 

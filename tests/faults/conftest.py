@@ -56,7 +56,7 @@ class FaultRow:
     injected: str
     outcome: str
     time_to_error_s: float | None
-    turns_lost: int | None
+    turns_lost: int | str | None
 
 
 class FaultTable:
@@ -65,7 +65,9 @@ class FaultTable:
     def __init__(self) -> None:
         self.rows: list[FaultRow] = []
 
-    def add(self, fault: str, injected: str, outcome: str, time_to_error_s: float | None, turns_lost: int | None) -> None:
+    def add(
+        self, fault: str, injected: str, outcome: str, time_to_error_s: float | None, turns_lost: int | str | None
+    ) -> None:
         self.rows.append(FaultRow(fault, injected, outcome, time_to_error_s, turns_lost))
 
     def lines(self) -> list[str]:

@@ -1,6 +1,8 @@
-"""Envs and policies that break on cue, for the fault-injection suite (importable: they travel into Ray actors)."""
+"""Envs, policies and weight senders that break on cue, for the fault-injection suite (importable: they travel into Ray actors)."""
 from __future__ import annotations
 
+import os
+import signal
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -10,6 +12,7 @@ from tensordict import TensorDictBase
 from lmcollect.data import History, keys
 from lmcollect.envs import ChatEnv, GuessingGameTask, binary_search_player, guessing_game_dataset
 from lmcollect.policies import ScriptedPolicy
+from lmcollect.weight_sync.vllm_worker_ext import VLLMWeightReceiverExtension
 
 ENV_FAULTS = ("raise", "task_raises", "no_done", "no_reward")
 POLICY_FAULTS = ("raise", "short_log_probs")
@@ -82,3 +85,61 @@ class GuessingPolicy(ScriptedPolicy):
             turn = out[self.bad_element]
             turn.set(keys.LOG_PROBS_RESPONSE, turn.get(keys.LOG_PROBS_RESPONSE)[:-1])
         return out
+
+
+# ---------------------------------------------------------------------- weight-sync faults
+class _DieAfterBroadcasts:
+    """Wraps a process group: the process SIGKILLs itself when about to send broadcast number ``n + 1``."""
+
+    def __init__(self, group: Any, num_broadcasts: int) -> None:
+        self._group, self._left = group, num_broadcasts
+
+    def broadcast(self, tensor: Any, root: int) -> Any:
+        if self._left == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        self._left -= 1
+        return self._group.broadcast(tensor, root)
+
+
+class DyingSender:
+    """A ProcessGroupSender in a process of its own (a Ray actor), which can die in the middle of a push."""
+
+    def __init__(self, num_receivers: int, *, timeout_s: float, bucket_size_bytes: int) -> None:
+        from lmcollect.weight_sync.schemes.process_group import ProcessGroupConfig, ProcessGroupSender
+
+        config = ProcessGroupConfig(num_receivers=num_receivers, timeout_s=timeout_s, bucket_size_bytes=bucket_size_bytes)
+        self.sender = ProcessGroupSender(config)
+
+    def connection_info(self) -> dict[str, Any]:
+        return self.sender.connection_info()
+
+    def connect(self) -> None:
+        self.sender.connect()
+
+    def send(self, weights: Any) -> int:
+        """Push ``weights``; returns the number of buffers broadcast."""
+        self.sender.send(weights)
+        return len(self.sender._out or [])
+
+    def send_and_die(self, weights: Any, num_broadcasts: int) -> None:
+        """Push ``weights`` but die after ``num_broadcasts`` of its buffers went out."""
+        self.sender._group = _DieAfterBroadcasts(self.sender._group, num_broadcasts)
+        self.sender.send(weights)
+
+
+DIE_MID_PUSH_ENV = "LMCOLLECT_FAULT_DIE_MID_PUSH"
+"""Names a file: while it exists, a vLLM worker with :class:`DyingReceiverExtension` dies in its next push."""
+
+
+class DyingReceiverExtension(VLLMWeightReceiverExtension):
+    """The lmcollect weight receiver of a vLLM worker, whose process SIGKILLs itself after taking the
+    first buffer of a push when the file named by ``$LMCOLLECT_FAULT_DIE_MID_PUSH`` exists. The file
+    is removed first, so the worker that comes back after a restart lives."""
+
+    def receive_weights(self, timeout_s: float | None = None, verify: bool = False) -> dict[str, Any]:
+        marker = os.environ.get(DIE_MID_PUSH_ENV)
+        if marker and os.path.exists(marker) and self._lmcollect_receiver is not None:
+            os.remove(marker)
+            receiver = self._lmcollect_receiver
+            receiver._group = _DieAfterBroadcasts(receiver._group, 1)
+        return super().receive_weights(timeout_s, verify)
