@@ -38,7 +38,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import psutil
 import ray
 import torch
 from tensordict import TensorDictBase
@@ -196,7 +195,7 @@ class Sampler:
     """RSS of every watched process and the object store's use, every ``every_s`` seconds."""
 
     def __init__(self, pids: dict[str, int], every_s: float) -> None:
-        self.processes = {name: psutil.Process(pid) for name, pid in pids.items()}
+        self.pids = pids
         self.every_s = every_s
         self.rows: list[dict[str, Any]] = []
         self._start = time.monotonic()
@@ -209,11 +208,21 @@ class Sampler:
             return
         self._next = now + self.every_s
         row: dict[str, Any] = {"t_s": round(now - self._start, 1)}
-        for name, process in self.processes.items():
-            with contextlib.suppress(psutil.Error):  # a daemon that exited is reported as missing
-                row[f"rss_mb/{name}"] = round(process.memory_info().rss / 2**20, 1)
+        for name, pid in self.pids.items():
+            rss_mb = _rss_mb(pid)
+            if rss_mb is not None:  # a process that exited is reported as missing
+                row[f"rss_mb/{name}"] = round(rss_mb, 1)
         row.update(_object_store_use(self._ray_state))
         self.rows.append(row)
+
+
+def _rss_mb(pid: int) -> float | None:
+    """Resident set size of ``pid`` in MiB, as ``ps`` reports it (Linux ``/proc``; None once it exited)."""
+    try:
+        pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def _ray_state() -> Any:

@@ -1,4 +1,4 @@
-"""Envs, policies and weight senders that break on cue, for the fault-injection suite (importable: they travel into Ray actors)."""
+"""Envs, policies and weight senders that break on cue (importable: they travel into Ray actors)."""
 from __future__ import annotations
 
 import os

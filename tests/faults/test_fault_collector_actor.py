@@ -22,6 +22,8 @@ from lmcollect.collectors.trajectories import ID_BLOCK_BITS, RESTART_BITS
 from lmcollect.data import keys
 from tests.faults.fault_factories import GuessingEnv, GuessingPolicy
 
+pytestmark = pytest.mark.integration
+
 BATCH = 8  # 4 policy calls of 2 envs
 CALL_TIMEOUT_S = 30.0
 POLICY_DELAY_S = 0.1  # a batch takes >= 0.4 s: time to kill an actor in the middle of one

@@ -87,6 +87,7 @@ def test_local_collector_names_the_fault_and_keeps_earlier_turns(name: str, faul
                     time_to_error, accounting["lost"])
 
 
+@pytest.mark.integration
 @pytest.mark.fault_timeout(90)
 def test_ray_collector_in_the_background_surfaces_the_fault_and_writes_every_earlier_turn(ray_cluster, fault_table) -> None:
     """start() in the actor: the fault stops the collection thread; is_running() raises it, the

@@ -61,6 +61,7 @@ def test_local_push_of_nan_is_refused_before_anything_changes(fault_table) -> No
                     time_to_error, None)
 
 
+@pytest.mark.integration
 @pytest.mark.fault_timeout(60)
 def test_ray_push_of_inf_is_refused_on_the_driver(ray_cluster, fault_table) -> None:
     with RayLLMCollector(make_arithmetic_env, policy_factory=SmallModelPolicy, dialog_turns_per_batch=4,

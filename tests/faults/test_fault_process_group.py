@@ -20,6 +20,8 @@ from lmcollect.weight_sync.schemes.process_group import ProcessGroupConfig, Proc
 from tests.factories import SmallModelPolicy, SmallNet, make_arithmetic_env
 from tests.faults.fault_factories import DyingSender
 
+pytestmark = pytest.mark.integration
+
 TIMEOUT_S = 10.0
 BUCKET_SIZE_BYTES = 512  # SmallNet's tensors go in several buffers: a sender can die between two
 

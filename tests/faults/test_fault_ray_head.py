@@ -24,6 +24,8 @@ from lmcollect.buffers import RayReplayBuffer
 from lmcollect.checkpoint import load_checkpoint
 from tests.faults.head_loss_driver import BATCH, build
 
+pytestmark = pytest.mark.integration
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RECONNECT_TIMEOUT_S = 5
 LONGEST_CALL_S = 12.0  # a call may wait out call_timeout_s (10 s), never longer

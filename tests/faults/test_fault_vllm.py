@@ -31,6 +31,8 @@ from lmcollect.policies.vllm_policy import VLLMPolicy  # noqa: E402
 from lmcollect.policies.vllm_ray import VLLMReplicas  # noqa: E402
 from lmcollect.weight_sync.vllm_updater import vLLMUpdater  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 MAX_NEW_TOKENS = 8
 TIMEOUT_S = 20.0
 BUCKET_SIZE_BYTES = 1 << 20  # the tiny model's 9 MB go in several buffers: a worker can die between two
