@@ -123,7 +123,7 @@ def run_row(mode: str, args: argparse.Namespace, model_path: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=64)
@@ -134,17 +134,47 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="also write the JSON result here")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--model-path", help=argparse.SUPPRESS)
+    return parser
+
+
+def run(quick: bool = False) -> dict:
+    """The memory row for ``lmcollect bench`` (the same measurement with or without ``quick``)."""
+    result = measure_rows(_parser().parse_args([]))
+    ratio = result["policy_vs_plain"]
+    row = {
+        "row": f"TransformersPolicy log-probs, B={result['batch_size']}, {result['new_tokens']} tokens, vocab {result['vocab_size']}",
+        "metric": "peak extra memory vs plain generate",
+        "value": ratio,
+        "target": f"<= {TARGET_RATIO}",
+        "met": ratio <= TARGET_RATIO,
+        "extra_mib": result["extra_mib"],
+    }
+    return {"rows": [row]}
+
+
+def main() -> int:
+    parser = _parser()
     args = parser.parse_args()
     if args.child:
         print(json.dumps(measure(args.child, args.model_path, args.batch_size, args.prompt_len, args.new_tokens)))
         return 0
+    modes = [m for m in args.modes.split(",") if m]
+    if "plain" not in modes or "policy" not in modes:
+        parser.error("--modes must include plain and policy (the ratio compares them).")
+    result = measure_rows(args)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result))
+    return 0
 
+
+def measure_rows(args: argparse.Namespace) -> dict:
+    """Every row of ``args.modes`` in a fresh process, the table printed, the result as a dict."""
     from lmcollect.models import ModelSpec, get_model_path
 
     model_path = str(get_model_path(ModelSpec(size="tiny", vocab_size=args.vocab_size)))
     modes = [m for m in args.modes.split(",") if m]
-    if "plain" not in modes or "policy" not in modes:
-        parser.error("--modes must include plain and policy (the ratio compares them).")
     rows = {}
     for mode in modes:
         runs = [run_row(mode, args, model_path) for _ in range(args.repeats)]
@@ -165,11 +195,7 @@ def main() -> int:
         "policy_vs_plain": round(ratio, 3),
         "target": TARGET_RATIO,
     }
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
-    return 0
+    return result
 
 
 if __name__ == "__main__":
