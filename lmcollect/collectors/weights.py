@@ -11,7 +11,8 @@ from lmcollect.collectors.attr_path import resolve_attr_path
 from lmcollect.weight_sync.version import PushVersion
 from lmcollect.collectors.trajectories import id_base
 from lmcollect.weight_sync.base import resolve_updater
-from lmcollect.weight_sync.weights import expected_metadata, load_weights_, to_weight_dict
+from lmcollect.weight_sync.delta import WeightDelta, check_delta_base, prepare_delta
+from lmcollect.weight_sync.weights import expected_metadata, load_weights_, to_weight_dict, unique_targets
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class WeightReceiverMixin:
         self._receiver_schemes: dict[str, Any] = {}
         self._weight_updater = None
         self._worker_idx: int | None = None
+        self._held_push: PushVersion | None = None  # the push whose weights the model holds (delta base)
         if weight_updater is not None:
             self.weight_updater = weight_updater
 
@@ -154,21 +156,45 @@ class WeightReceiverMixin:
         than the collector's) raises one ValueError before anything changes. ``version``: the
         push's version (None: one more than now). This is what weight updaters call; it bypasses
         receiver schemes.
+
+        ``weights`` may be a :class:`~lmcollect.weight_sync.delta.WeightDelta` (a delta push, with
+        its ``version``): applied only onto the push it was made from, and its checksums verified
+        after writing; otherwise it raises ``DeltaRejectedError`` with the old weights and version
+        kept, and the updater sends a full push.
         """
         children = getattr(self, "_sub_collectors", None)
         if children:  # a collector holding collectors passes weights down; each leaf takes the version
-            weights = to_weight_dict(weights)
+            weights = weights if isinstance(weights, WeightDelta) else to_weight_dict(weights)
             for child in children:
                 child.apply_weights(weights, model_id=model_id, convert_dtype=convert_dtype, version=version)
             return
         target = self.get_model(model_id)
+        if isinstance(weights, WeightDelta):
+            self._apply_delta(target, weights, version)
+            return
         weights = to_weight_dict(weights, like=target)
         self._check_version(version)
         # Weights, cache and version change together while no policy call runs (waits at most
         # one turn), so every turn's policy_version names the weights that produced it.
         with self._policy_lock.write():
+            self._held_push = None  # until the load succeeded
             load_weights_(target, weights, convert_dtype=convert_dtype)
             self._finish_update(version)
+            self._held_push = version
+
+    def _apply_delta(self, target: Any, delta: WeightDelta, version: PushVersion | None) -> None:
+        """Check the delta (base version, names, dtypes, positions), then, under the policy write
+        lock, write it, verify its checksums (undone on a mismatch), reset the cache, take ``version``."""
+        if version is None:
+            raise TypeError("a delta push needs the version it brings (version=PushVersion(...)).")
+        self._check_version(version)
+        targets, aliases = unique_targets(target)
+        prepared = prepare_delta(delta, targets, held_version=self._held_push, aliases=aliases)
+        with self._policy_lock.write():
+            check_delta_base(delta, self._held_push)  # again: no other push got in since the check
+            prepared.apply_()
+            self._finish_update(version)
+            self._held_push = version
 
     def _check_version(self, version: PushVersion | None) -> None:
         if version is not None and not isinstance(version, PushVersion):

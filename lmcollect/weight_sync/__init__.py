@@ -11,6 +11,7 @@ from typing import Any
 
 from lmcollect.weight_sync.base import WeightPushError, WeightUpdaterBase
 from lmcollect.weight_sync.buckets import BucketLayout, TensorSlot, WeightBuckets, pack_buckets, view_buckets
+from lmcollect.weight_sync.delta import DeltaConfig, DeltaRejectedError, PushStats, WeightDelta
 from lmcollect.weight_sync.local import LocalWeightUpdater
 from lmcollect.weight_sync.schemes.base import WeightReceiver, WeightSender
 from lmcollect.weight_sync.schemes.shared_memory import SharedMemoryReceiver, SharedMemorySender
@@ -33,11 +34,15 @@ _LAZY = {
 __all__ = sorted(
     [
         "BucketLayout",
+        "DeltaConfig",
+        "DeltaRejectedError",
         "LocalWeightUpdater",
+        "PushStats",
         "SharedMemoryReceiver",
         "SharedMemorySender",
         "TensorSlot",
         "WeightBuckets",
+        "WeightDelta",
         "WeightPushError",
         "WeightReceiver",
         "WeightSender",

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import ray
@@ -13,6 +13,16 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from lmcollect.weight_sync.base import WeightPushError, WeightUpdaterBase, WorkerIds
 from lmcollect.weight_sync.buckets import WeightBuckets, pack_buckets, view_buckets
+from lmcollect.weight_sync.delta import (
+    DeltaBase,
+    DeltaConfig,
+    DeltaRejectedError,
+    EncodedDelta,
+    PushStats,
+    WeightDelta,
+    distinct_tensors,
+    resolve_delta,
+)
 from lmcollect.weight_sync.version import PushVersion
 from lmcollect.weight_sync.weights import (
     WeightDict,
@@ -44,8 +54,15 @@ class RayPushConfig:
     allow_non_finite: bool = False
     """Push weights holding NaN or infinite values; False: such a push is refused on the driver
     before any worker changes anything (one min/max pass per floating tensor)."""
+    delta: bool | DeltaConfig = False
+    """Delta pushes (True, or a :class:`DeltaConfig`): the driver keeps a copy of the last pushed
+    weights (in the workers' dtypes) and sends a worker that holds them only the changed elements
+    and per-tensor checksums; a worker that holds another version (it skipped pushes, was left
+    out by ``worker_ids``, restarted) or whose checksum fails gets a full push instead, in the same
+    push. With delta the NaN/Inf check runs on the changed values only. False: full pushes."""
 
     def __post_init__(self) -> None:
+        resolve_delta(self.delta)  # a TypeError for anything but a bool or a DeltaConfig
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive or None, got {self.timeout_s}.")
         if self.packing not in ("views", "flat"):
@@ -65,6 +82,12 @@ class RayRemoteWeightUpdater(WeightUpdaterBase):
     push's version (the updater's counter, or ``push_weights(version=N)``) and resumes; (4) ``push_weights`` returns when all have applied (or, with
     ``wait=False``, at once with a :class:`PushHandle`). At most one push is in flight: a new
     push first waits for the previous one, so workers apply pushes in order.
+
+    With ``RayPushConfig(delta=True)``, step (2) puts only the elements that changed since the
+    last push (compared bit for bit with the driver's copy of it) for the workers that hold that
+    push; each checks the delta's base version, writes it and verifies per-tensor checksums,
+    or refuses with its weights untouched. Workers that did not hold the base, or refused, get
+    the full weights within the same push (``last_push_stats`` says who got what).
 
     Args:
         policy_weights: what ``push_weights()`` pushes when given nothing (a module, TensorDict
@@ -106,6 +129,11 @@ class RayRemoteWeightUpdater(WeightUpdaterBase):
         self._worker_metadata: list[tuple[dict, dict]] | None = None
         self._in_flight: PushHandle | None = None
         self._pack_out: list | None = None
+        delta = resolve_delta(self.config.delta)
+        self._delta_base = DeltaBase(delta) if delta is not None else None
+        self._held: list[PushVersion | None] = [None] * len(self._actors)  # what each worker got from us
+        self.last_push_stats: PushStats | None = None
+        """What the last push moved: full or delta, bytes, changed elements, repaired workers."""
 
     def register_collector(self, collector: Any) -> None:
         """Register the collector; with no ``remote_collectors`` it becomes worker 0."""
@@ -114,6 +142,7 @@ class RayRemoteWeightUpdater(WeightUpdaterBase):
             self._collectors = [collector]
             self._actors = [_actor_of(collector, 0)]
             self._missed = [0]
+            self._held = [None]
 
     def init(self, *args: Any, **kwargs: Any) -> None:
         """Fetch every worker's weight metadata now, so the first push does not wait for it."""
@@ -127,6 +156,12 @@ class RayRemoteWeightUpdater(WeightUpdaterBase):
     def _get_server_weights(self) -> WeightDict | None:
         return None if self._policy_weights is None else to_weight_dict(self._policy_weights)
 
+    def reset_delta_base(self) -> None:
+        """Forget the last pushed weights (with ``delta``): the next push is a full push to every worker."""
+        if self._delta_base is not None:
+            self._settle_in_flight()
+            self._delta_base.reset()
+
     def _skip_update(self, worker_id: Hashable) -> bool:
         if self._missed[worker_id] < self.max_interval:
             self._missed[worker_id] += 1
@@ -136,7 +171,7 @@ class RayRemoteWeightUpdater(WeightUpdaterBase):
 
     def _validate(self, weights: WeightDict, worker_ids: list[Hashable]) -> None:
         """Check against what every targeted worker reported, so a bad push reaches none of them."""
-        if not self.config.allow_non_finite:
+        if not self.config.allow_non_finite and self._delta_base is None:  # with delta: on what is sent
             raise_if_problems(non_finite_problems(weights))
         metadata = self._fetch_metadata()
         sent = tensor_metadata(weights)
@@ -202,16 +237,33 @@ class RayRemoteWeightUpdater(WeightUpdaterBase):
         ids = self._resolve_worker_ids(worker_ids)
         pushed = self.next_version(version)
         self._validate(weights, ids)
+        missed = list(self._missed)
         targets = [i for i in ids if not self._skip_update(i)]
+        try:
+            plan = self._plan_delta(weights, targets) if self._delta_base is not None and targets else None
+        except Exception:
+            self._missed = missed  # refused before anything changed: the skip counts too
+            raise
         self._commit_version(pushed)
         refs: dict[int, Any] = {}
-        if targets:
-            payload_ref = ray.put(self._payload(weights))  # one copy, shared by every worker
+        repair = None
+        if plan is not None:
+            refs, repair = self._send_delta_plan(plan, pushed)
+        elif targets:
+            payload = self._payload(weights)
+            payload_ref = ray.put(payload)  # one copy, shared by every worker
             refs = {
                 i: self._sync_weights_with_worker(worker_id=i, server_weights=payload_ref, version=pushed)
                 for i in targets
             }
-        handle = PushHandle(refs, timeout_s=self.config.timeout_s, on_done=self._run_post_hooks if targets else None)
+            self.last_push_stats = PushStats("full", payload.nbytes, payload.nbytes, num_full=len(targets))
+        handle = PushHandle(
+            refs,
+            timeout_s=self.config.timeout_s,
+            on_done=self._run_post_hooks if targets else None,
+            repair=repair,
+            on_settled=lambda ok, repaired: self._record_held(targets, pushed if ok else None, repaired),
+        )
         if wait:
             handle.wait()
             return None
@@ -223,8 +275,89 @@ class RayRemoteWeightUpdater(WeightUpdaterBase):
         if handle is not None:
             handle.settle()
 
+    # ------------------------------------------------------------------ delta pushes
+    def _plan_delta(self, weights: WeightDict, targets: list[int]) -> _DeltaPlan:
+        """Encode the delta for the workers holding the base (nothing changes yet); check what is
+        sent for NaN/Inf: the changed values, or the whole weights for a full push."""
+        base = self._delta_base
+        assert base is not None
+        dtypes = self._receiver_dtypes(weights)
+        eligible = [i for i in targets if base.version is not None and self._held[i] == base.version]
+        encoded = base.encode(weights, dtypes) if eligible else None
+        if not self.config.allow_non_finite:
+            raise_if_problems(non_finite_problems(encoded.values if encoded is not None else weights))
+        delta_targets = eligible if encoded is not None else []
+        return _DeltaPlan(weights, dtypes, encoded, delta_targets, [i for i in targets if i not in delta_targets])
+
+    def _send_delta_plan(self, plan: _DeltaPlan, pushed: PushVersion) -> tuple[dict[int, Any], Callable[[list[int]], dict[int, Any]]]:
+        """Commit the plan into the base, then send the delta and/or the full weights (the base)."""
+        base = self._delta_base
+        assert base is not None
+        if plan.encoded is not None:
+            base.commit(plan.encoded, pushed)
+        else:
+            base.snapshot(plan.weights, pushed, plan.dtypes)
+        tensors = base.tensors  # the pushed weights until the next push (which settles this one first)
+        full_ref: list[Any] = []
+
+        def send_full(worker_ids: list[int]) -> dict[int, Any]:
+            if not full_ref:
+                full_ref.append(ray.put(view_buckets(tensors).to_numpy()))
+            return {i: self._sync_weights_with_worker(worker_id=i, server_weights=full_ref[0], version=pushed) for i in worker_ids}
+
+        refs: dict[int, Any] = {}
+        if plan.delta_targets:
+            delta = plan.encoded.delta
+            delta_ref = ray.put(WeightDelta(delta.base_version, delta.entries, delta.arrays.to_numpy()))
+            convert_dtype = self.config.convert_dtype
+            for i in plan.delta_targets:  # not remembered for restarts: a restarted worker gets a full push
+                refs[i] = self._actors[i].apply_weights.remote(delta_ref, convert_dtype=convert_dtype, version=pushed)
+        refs.update(send_full(plan.full_targets) if plan.full_targets else {})
+        full_nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        if plan.encoded is not None and plan.delta_targets:
+            self.last_push_stats = plan.encoded.stats(num_full=len(plan.full_targets))
+        else:
+            self.last_push_stats = PushStats("full", full_nbytes, full_nbytes, num_full=len(plan.full_targets))
+        return refs, send_full
+
+    def _record_held(self, targets: list[int], version: PushVersion | None, repaired: list[int]) -> None:
+        """After a push settled: what each targeted worker holds (None: unknown, it failed)."""
+        for i in targets:
+            self._held[i] = version
+        stats = self.last_push_stats
+        if repaired and stats is not None:
+            self.last_push_stats = replace(stats, num_full=stats.num_full + len(repaired), num_repaired=len(repaired))
+
+    def _receiver_dtypes(self, weights: WeightDict) -> dict[str, Any]:
+        """name -> the dtype every worker holds it in, where that differs from the pushed one
+        (``convert_dtype``): the base is kept, and compared, in the workers' dtypes."""
+        dtypes: dict[str, Any] = {}
+        for name, tensor in distinct_tensors(weights).items():
+            held = {expected[aliases.get(name, name)][0] for expected, aliases in self._fetch_metadata()}
+            if len(held) > 1:
+                raise ValueError(
+                    f"workers hold {name!r} in different dtypes {sorted(map(str, held))}; a delta base needs one: "
+                    "give every collector the same dtype, or push with RayPushConfig(delta=False)."
+                )
+            dtype = held.pop()
+            if dtype != tensor.dtype:
+                dtypes[name] = dtype
+        return dtypes
+
 
 RayWeightUpdater = RayRemoteWeightUpdater
+
+
+@dataclass
+class _DeltaPlan:
+    """One delta-mode push, decided before anything changes."""
+
+    weights: WeightDict
+    dtypes: dict[str, Any]
+    encoded: EncodedDelta | None
+    """The delta from the base (None: a full push for every target)."""
+    delta_targets: list[int] = field(default_factory=list)
+    full_targets: list[int] = field(default_factory=list)
 
 
 class PushHandle:
@@ -232,16 +365,27 @@ class PushHandle:
     targeted worker has applied the weights, and raises if one failed."""
 
     def __init__(
-        self, refs: dict[int, Any], *, timeout_s: float | None, on_done: Callable[[], None] | None = None
+        self,
+        refs: dict[int, Any],
+        *,
+        timeout_s: float | None,
+        on_done: Callable[[], None] | None = None,
+        repair: Callable[[list[int]], dict[int, Any]] | None = None,
+        on_settled: Callable[[bool, list[int]], None] | None = None,
     ) -> None:
         self._refs = refs
         self._timeout_s = timeout_s
         self._on_done = on_done
+        self._repair = repair  # a full push to the workers that refused a delta
+        self._on_settled = on_settled  # (applied everywhere?, workers repaired)
         self._error: BaseException | None = None
         self._finished = not refs
         self._reported = False
-        if self._finished and on_done is not None:
-            on_done()
+        if self._finished:
+            if on_settled is not None:
+                on_settled(True, [])
+            if on_done is not None:
+                on_done()
 
     @property
     def worker_ids(self) -> list[int]:
@@ -277,18 +421,31 @@ class PushHandle:
             raise self._error
         if self._finished:
             return
+        repaired: list[int] = []
         try:
-            gather_refs(self._refs, what="apply the weights", timeout_s=timeout_s)
+            tolerate = DeltaRejectedError if self._repair is not None else None
+            results = gather_refs(self._refs, what="apply the weights", timeout_s=timeout_s, tolerate=tolerate)
+            repaired = sorted(i for i, result in results.items() if isinstance(result, DeltaRejectedError))
+            if repaired:
+                logger.info("worker(s) %s refused the delta push (%s); sending them a full push", repaired, results[repaired[0]])
+                gather_refs(self._repair(repaired), what="apply a full push after refusing a delta", timeout_s=timeout_s)
         except Exception as exc:
             self._error = exc
+            if self._on_settled is not None:
+                self._on_settled(False, repaired)
             raise
         self._finished = True
+        if self._on_settled is not None:
+            self._on_settled(True, repaired)
         if self._on_done is not None:
             self._on_done()
 
 
-def gather_refs(refs: dict[int, Any], *, what: str, timeout_s: float | None) -> dict[int, Any]:
-    """worker -> result of each ref; fails fast, naming the worker, if one died, raised or timed out."""
+def gather_refs(
+    refs: dict[int, Any], *, what: str, timeout_s: float | None, tolerate: type[Exception] | None = None
+) -> dict[int, Any]:
+    """worker -> result of each ref; fails fast, naming the worker, if one died, raised or timed out.
+    A worker raising ``tolerate`` gets that exception as its result instead."""
     worker_of = {ref: worker for worker, ref in refs.items()}
     results: dict[int, Any] = {}
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -303,17 +460,19 @@ def gather_refs(refs: dict[int, Any], *, what: str, timeout_s: float | None) -> 
                 "or overloaded. Raise RayPushConfig(timeout_s=...) if they are only slow."
             )
         for ref in ready:
-            results[worker_of[ref]] = _get(ref, worker_of[ref], what)
+            results[worker_of[ref]] = _get(ref, worker_of[ref], what, tolerate)
     return results
 
 
-def _get(ref: Any, worker: int, what: str) -> Any:
+def _get(ref: Any, worker: int, what: str, tolerate: type[Exception] | None = None) -> Any:
     try:
         return ray.get(ref)
     except RayActorError as exc:
         raise WeightPushError(f"worker {worker} died before it could {what}: {_first_line(exc)}") from exc
     except RayTaskError as exc:
         cause = exc.cause if isinstance(exc.cause, Exception) else exc
+        if tolerate is not None and isinstance(cause, tolerate):
+            return cause
         if isinstance(cause, (ValueError, TypeError)):
             kind = ValueError if isinstance(cause, ValueError) else TypeError
             raise kind(f"worker {worker} rejected the push: {cause}") from exc

@@ -11,8 +11,9 @@ from typing import Any
 import torch
 
 from lmcollect.weight_sync.base import WeightPushError, WeightUpdaterBase
+from lmcollect.weight_sync.delta import DeltaConfig, PushStats, resolve_delta
 from lmcollect.weight_sync.version import PushVersion
-from lmcollect.weight_sync.schemes.process_group import ProcessGroupConfig, ProcessGroupSender
+from lmcollect.weight_sync.schemes.process_group import PreparedPush, ProcessGroupConfig, ProcessGroupSender
 from lmcollect.weight_sync.vllm_worker_ext import RayNode, current_ray_node
 from lmcollect.weight_sync.weights import (
     WeightDict,
@@ -61,6 +62,9 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
        collector's policy lock, so no turn runs) without the trainer waiting for them;
     3. send: the layout (metadata) through the store, then a few flat per-dtype buckets by broadcast
        (with ``convert_dtype``, each tensor is cast to the engine's dtype as its bucket is packed);
+       with ``delta``, after the first push only the changed elements travel: each worker patches
+       its copy of the last push and verifies per-tensor checksums, and if any worker refuses (a
+       failed checksum, another base) the full weights follow in the same pause;
     4. load: each worker reloads the weights (vLLM fuses q/k/v etc.); the trainer waits for all,
        at most ``timeout_s`` from the start of the push, then compares checksums with ``verify``;
     5. still inside the same pause, reset the prefix cache and bump the collector's policy
@@ -74,7 +78,8 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
         model_metadata: name -> (dtype, shape) the trainer will push; checked against the engine
             at :meth:`init` (None: the engine's own checkpoint metadata, read by its workers).
         vllm_tp_size: tensor-parallel size of each engine replica (None: 1).
-        verify: workers return a CRC32 of every bucket; a mismatch raises ``WeightPushError``.
+        verify: workers return a CRC32 of every bucket of the weights they now hold (after a
+            delta: of the patched copy); a mismatch with the trainer's raises ``WeightPushError``.
         timeout_s: longest a push (or ``init``) may take; a worker that died makes the push raise
             ``WeightPushError`` within it instead of hanging.
         bucket_size_bytes: largest broadcast buffer.
@@ -83,7 +88,14 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
             bf16 engine); the cast happens here, bucket by bucket, as the weights are packed, so
             only the engine's bytes travel. False: a push in another dtype is refused.
         allow_non_finite: push weights holding NaN or infinite values; False: such a push is
-            refused before anything is sent (one min/max pass per floating tensor).
+            refused before anything is sent (one min/max pass per floating tensor; with delta,
+            over the changed values only).
+        delta: True or a :class:`~lmcollect.weight_sync.delta.DeltaConfig`: send only the elements
+            that changed since the last push (positions, values, per-tensor checksums; a full
+            push when the delta would exceed ``max_fraction`` of it). The trainer side keeps its
+            packed buffers of the last push (one copy of the weights in the engine's dtype), each
+            worker its receive buffers; the engine still reloads every tensor, so a delta saves the
+            transfer, not the reload. False: every push sends the full weights.
 
     Example::
 
@@ -108,6 +120,7 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
         backend: str = "auto",
         convert_dtype: bool = False,
         allow_non_finite: bool = False,
+        delta: bool | DeltaConfig = False,
     ) -> None:
         super().__init__()
         tp_size = 1 if vllm_tp_size is None else vllm_tp_size
@@ -127,15 +140,19 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
         self.backend = backend
         self.convert_dtype = convert_dtype
         self.allow_non_finite = allow_non_finite
+        self.delta = resolve_delta(delta)
         self._policy: Any = None  # set by from_policy: an engine reached without a collector
         self._sender: ProcessGroupSender | None = None
         self._num_replicas = 1
         self._pool: ThreadPoolExecutor | None = None
         self.last_push_info: list[dict[str, Any]] = []
+        self.last_push_stats: PushStats | None = None
+        """What the last push moved: full or delta, bytes, changed elements, workers repaired."""
+        self._prepared: PreparedPush | None = None  # checked (and delta-encoded) by _validate, sent by _sync
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.update(_sender=None, _pool=None)  # connections and threads never travel
+        state.update(_sender=None, _pool=None, _prepared=None)  # connections and threads never travel
         return state
 
     # ------------------------------------------------------------------ spec API
@@ -192,6 +209,7 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
             timeout_s=self.timeout_s,
             bucket_size_bytes=self.bucket_size_bytes,
             convert_dtype=self.convert_dtype,
+            delta=self.delta,
         )
         sender = ProcessGroupSender(config)
         info = sender.connection_info()
@@ -239,6 +257,11 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
         owner_node_id = process_info()["node_id"] if callable(process_info) else trainer_node_id
         return [owner_node_id if node_id is None else node_id for node_id in reported]
 
+    def reset_delta_base(self) -> None:
+        """Forget the last pushed weights (with ``delta``): the next push sends the full weights."""
+        if self._sender is not None:
+            self._sender.reset_delta_base()
+
     def close(self) -> None:
         """Leave the process group (the next push forms a new one)."""
         if self._sender is not None:
@@ -247,7 +270,8 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
 
     # ------------------------------------------------------------------ one push
     def _validate(self, weights: WeightDict, worker_ids: list[Hashable]) -> None:
-        if not self.allow_non_finite:  # before the group forms: nothing reaches the engine
+        self._prepared = None
+        if not self.allow_non_finite and self.delta is None:  # before the group forms: nothing reaches the engine
             raise_if_problems(non_finite_problems(weights))
         if self._sender is None:
             first = next(iter(weights.values()), None)
@@ -255,7 +279,10 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
         if self.model_metadata is not None:  # the trainer's contract, then what every worker accepts
             raise_if_problems(weight_problems(tensor_metadata(weights), self.model_metadata), where=" (model_metadata)")
         assert self._sender is not None
-        self._sender.check(weights)
+        prepared = self._sender.prepare(weights)  # checks; with delta also encodes (nothing sent yet)
+        if not self.allow_non_finite and self.delta is not None:  # what travels: the changed values, or all
+            raise_if_problems(non_finite_problems(prepared.sent_values()))
+        self._prepared = prepared
 
     def _sync_weights_with_worker(self, *, worker_id: Hashable, server_weights: WeightDict, version: PushVersion) -> None:
         sender = self._sender
@@ -269,14 +296,17 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
             finish_update=self.collector is not None,
             version=version,
         )
+        prepared, self._prepared = self._prepared, None
         try:
-            sender.send(server_weights)
+            sender.send(prepared if prepared is not None else server_weights, version=version)
         except Exception as exc:  # a worker died mid-broadcast: the group is broken, name it and start over
             self.close()
             raise WeightPushError(f"push to vLLM worker {worker_id} failed: {self._cause(received, exc)}") from exc
+        self.last_push_stats = sender.last_push_stats
+        sent = sender.last_checksums() if self.verify else None  # while the workers reload
         self.last_push_info = self._wait(received, deadline, "receive_weights")
-        if self.verify:
-            self._check_checksums(sender.last_checksums())
+        if sent is not None:
+            self._check_checksums(sent)
         if self.collector is None:
             self._reset_prefix_cache()  # a bare policy (from_policy): no collector did it
 

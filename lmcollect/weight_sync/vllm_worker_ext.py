@@ -37,8 +37,11 @@ Example (trainer process, ``engine`` a ``VLLMEngine`` or ``VLLMReplicas`` with o
         done.result()
         engine.reset_prefix_cache()
 
-A push always carries the whole model: vLLM's layerwise reload processes a fused layer only once
-all of its checkpoint tensors arrived.
+The engine always reloads the whole model: vLLM's layerwise reload processes a fused layer only
+once all of its checkpoint tensors arrived. A delta push (``ProcessGroupConfig(delta=...)``)
+carries only the changed elements: the worker's receiver patches its copy of the last push (its
+receive buffers, in checkpoint format), verifies the per-tensor checksums, and the reload reads
+the patched copy; a refused delta is followed by the full weights before the reload.
 """
 from __future__ import annotations
 
@@ -178,8 +181,9 @@ class VLLMWeightReceiverExtension:
     def receive_weights(self, timeout_s: float | None = None, verify: bool = False) -> dict[str, Any]:
         """Take one push and reload it into the model; returns what was loaded and how long it took.
 
-        With ``verify``, the result also holds ``"checksums"``: the CRC32 of every received buffer,
-        for the trainer to compare with what it sent.
+        With ``verify``, the result also holds ``"checksums"``: the CRC32 of every buffer of the
+        weights now held (after a delta: the patched copy), for the trainer to compare with its own.
+        ``"push"`` says whether a delta or full push arrived, and why a delta was refused.
         """
         if self._lmcollect_receiver is None:
             raise RuntimeError("receive_weights before init_weight_group; call collective_rpc('init_weight_group').")
@@ -198,6 +202,7 @@ class VLLMWeightReceiverExtension:
             "num_tensors": len(weights),
             "receive_s": received - start,
             "reload_s": time.perf_counter() - received,
+            "push": dict(self._lmcollect_receiver.last_receive_info),
         }
         if verify:
             info["checksums"] = self._lmcollect_receiver.last_checksums()

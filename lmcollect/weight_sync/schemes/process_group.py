@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import zlib
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from lmcollect.weight_sync.buckets import (
+    BucketLayout,
     WeightBuckets,
     layout_from_json,
     layout_to_json,
@@ -18,7 +20,18 @@ from lmcollect.weight_sync.buckets import (
     metadata_to_json,
     pack_buckets,
 )
+from lmcollect.weight_sync.delta import (
+    DeltaBase,
+    DeltaConfig,
+    DeltaRejectedError,
+    EncodedDelta,
+    PushStats,
+    WeightDelta,
+    distinct_tensors,
+    prepare_delta,
+)
 from lmcollect.weight_sync.schemes.base import WeightReceiver, WeightSender
+from lmcollect.weight_sync.version import PushVersion
 from lmcollect.weight_sync.weights import WeightDict, raise_if_problems, tensor_metadata, to_weight_dict, weight_problems
 
 logger = logging.getLogger(__name__)
@@ -45,6 +58,11 @@ class ProcessGroupConfig:
     convert_dtype: bool = False
     """Accept floating tensors of another dtype than the receivers hold (e.g. an fp32 trainer and a
     bf16 engine) and cast them on this side while packing each bucket; False: such a push is refused."""
+    delta: DeltaConfig | None = None
+    """Delta pushes: the sender keeps its packed buffers of the last push, and the next push
+    broadcasts only the changed elements; each receiver patches its copy of the last push (its
+    receive buffers), verifies the checksums and acknowledges; if any receiver refuses, a full
+    push follows at once. None: every push is a full push."""
 
     def __post_init__(self) -> None:
         if self.num_receivers < 1:
@@ -65,6 +83,9 @@ class ProcessGroupSender(WeightSender):
     (one ValueError, nothing sent), posts the layout in the store, then broadcasts a few flat
     per-dtype buffers; each receiver, inside ``collector.receive_weights()``, takes them and its
     collector loads them (checked, in place, under its policy lock, one version bump).
+    With ``config.delta``, a push after the first posts a delta header and broadcasts only the
+    changed elements; every receiver patches its buffers of the last push, verifies, posts an
+    acknowledgement, and the sender posts a verdict: "ok", or "full" followed by a full push.
 
     Example (a collector in a Ray actor)::
 
@@ -94,6 +115,9 @@ class ProcessGroupSender(WeightSender):
         self._receiver_metadata: list[tuple[dict, dict]] = []
         self._num_pushes = 0
         self._out: list[torch.Tensor] | None = None
+        self._delta_base = DeltaBase(self.config.delta) if self.config.delta is not None else None
+        self.last_push_stats: PushStats | None = None
+        """What the last push moved: full or delta, bytes, changed elements, receivers repaired."""
 
     def connection_info(self) -> dict[str, Any]:
         """What receivers need to join (plain data: picklable, JSON-able)."""
@@ -153,21 +177,84 @@ class ProcessGroupSender(WeightSender):
         ]
         logger.info("process group formed: %d receiver(s), backend %s", self.config.num_receivers, self.backend)
 
-    def send(self, weights: object) -> None:
+    def prepare(self, weights: object) -> PreparedPush:
+        """Check ``weights`` against every receiver and, with delta, encode the changes since the
+        last push. Nothing is sent and nothing changes: a caller may still refuse the push."""
         weights = to_weight_dict(weights)
         self.check(weights)
-        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         dtypes = self.receiver_dtypes(weights) if self.config.convert_dtype else None
+        encoded = self._delta_base.encode(weights, dtypes) if self._delta_base is not None else None
+        return PreparedPush(weights, dtypes, encoded)
+
+    def send(self, weights: object, *, version: PushVersion | None = None) -> None:
+        """Push ``weights`` (or a :meth:`prepare` d push) as ``version`` (None: the push count).
+
+        A delta that a receiver refuses is followed by a full push within this call."""
+        prepared = weights if isinstance(weights, PreparedPush) else self.prepare(weights)
+        version = version if version is not None else PushVersion(self._num_pushes + 1)
+        refused: list[int] = []
+        if prepared.encoded is not None:
+            refused = self._send_delta(prepared.encoded, version)
+            if not refused:
+                assert self._delta_base is not None
+                self._delta_base.commit(prepared.encoded, version)
+                self.last_push_stats = prepared.encoded.stats()
+                return
+            logger.warning("receiver(s) %s refused the delta push; sending the full weights", refused)
+        self._send_full(prepared, version)
+        nbytes = sum(b.numel() for b in self._out or [])
+        self.last_push_stats = PushStats("full", nbytes, nbytes, num_full=self.config.num_receivers, num_repaired=len(refused))
+
+    def reset_delta_base(self) -> None:
+        """Forget the last push (with ``config.delta``): the next push is a full push."""
+        if self._delta_base is not None:
+            self._delta_base.reset()
+
+    def _send_full(self, prepared: PreparedPush, version: PushVersion) -> None:
+        device = self._device()
         buckets = pack_buckets(
-            weights, bucket_size_bytes=self.config.bucket_size_bytes, out=self._out, device=device, dtypes=dtypes
+            prepared.weights, bucket_size_bytes=self.config.bucket_size_bytes, out=self._out, device=device, dtypes=prepared.dtypes
         )
         self._out = buckets.buffers
-        self._store.set(f"push/{self._num_pushes}", layout_to_json(buckets.layout))
-        if self._num_pushes > 0:
-            self._store.delete_key(f"push/{self._num_pushes - 1}")
+        if self._delta_base is not None:
+            self._delta_base.reset()  # the buffers change now; they are the base again once sent
+        self._post_header({"kind": "full", "version": _version_json(version), "layout": layout_to_json(buckets.layout)})
         for buffer in buckets.buffers:
             self._group.broadcast(buffer, _SENDER_RANK).wait()
         self._num_pushes += 1
+        if self._delta_base is not None:
+            self._delta_base.adopt(distinct_tensors(buckets.tensors()), prepared.weights, version, prepared.dtypes)
+
+    def _send_delta(self, encoded: EncodedDelta, version: PushVersion) -> list[int]:
+        """Broadcast a delta; returns the ranks that refused it (then a full push must follow)."""
+        delta = encoded.delta
+        buckets = pack_buckets(delta.arrays.tensors(), bucket_size_bytes=self.config.bucket_size_bytes, device=self._device())
+        n = self._num_pushes
+        self._post_header({"kind": "delta", "version": _version_json(version), "layout": layout_to_json(buckets.layout), **delta.header()})
+        for buffer in buckets.buffers:
+            self._group.broadcast(buffer, _SENDER_RANK).wait()
+        self._num_pushes += 1
+        ranks = range(1, self.config.num_receivers + 1)
+        keys = [f"ack/{n}/{rank}" for rank in ranks]
+        self._store.wait(keys, self._timeout)
+        answers = {rank: self._store.get(key).decode() for rank, key in zip(ranks, keys)}
+        for key in keys:
+            self._store.delete_key(key)
+        refused = [rank for rank, answer in answers.items() if answer != "ok"]
+        for rank in refused:
+            logger.info("receiver %d refused delta push %d: %s", rank, n, answers[rank])
+        self._store.set(f"verdict/{n}", "full" if refused else "ok")
+        return refused
+
+    def _post_header(self, header: dict) -> None:
+        n = self._num_pushes
+        self._store.set(f"push/{n}", json.dumps(header))
+        if n > 0:
+            self._store.delete_key(f"push/{n - 1}")
+            self._store.delete_key(f"verdict/{n - 1}")
+
+    def _device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
 
     def close(self) -> None:
         _shutdown(self._group)
@@ -191,6 +278,11 @@ class ProcessGroupReceiver(WeightReceiver):
         self._group: Any = None
         self._num_pushes = 0
         self._buffers: list[torch.Tensor] | None = None
+        self._layout: BucketLayout | None = None  # of the full push the buffers hold
+        self._held: PushVersion | None = None  # the push the buffers hold (a delta's base)
+        self.last_receive_info: dict[str, Any] = {}
+        """The last push received: "kind" (full / delta), "nbytes" received, "refused" (why a
+        delta was refused, or None)."""
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -220,23 +312,79 @@ class ProcessGroupReceiver(WeightReceiver):
         self._group = _make_group(self._info["backend"], self._store, self._rank, self._info["world_size"], timeout)
 
     def receive(self, timeout_s: float | None = None) -> WeightDict | None:
-        """Wait for the next push's layout, take its broadcasts, return views of the received buffers."""
+        """Wait for the next push, take its broadcasts, return views of the weights it brings.
+
+        A delta push patches the buffers of the last push; if this receiver (or another) refuses
+        it, the full push that follows is taken in the same call."""
         if self._group is None:
             raise RuntimeError("call connect() before receiving weights.")
-        key = f"push/{self._num_pushes}"
         wait_s = timeout_s if timeout_s is not None else self._info["timeout_s"]
+        header = self._wait_header(wait_s)
+        if header is None:
+            return None
+        refused_delta = None
+        if header["kind"] == "delta":
+            if self._receive_delta(header):
+                return self._weights()
+            refused_delta = self.last_receive_info
+            header = self._wait_header(self._info["timeout_s"])  # the sender sends the full push next
+            if header is None or header["kind"] != "full":
+                raise RuntimeError("the sender announced a full push after a refused delta, and none came.")
+        self._receive_full(header)
+        if refused_delta is not None:
+            self.last_receive_info["after_refused_delta"] = refused_delta
+        return self._weights()
+
+    def _wait_header(self, wait_s: float) -> dict | None:
+        key = f"push/{self._num_pushes}"
         try:
             self._store.wait([key], datetime.timedelta(seconds=wait_s))
         except dist.DistStoreError:
             return None
-        layout = layout_from_json(self._store.get(key))
-        device = torch.device("cuda", torch.cuda.current_device()) if self._info["backend"] == "nccl" else torch.device("cpu")
+        return json.loads(self._store.get(key))
+
+    def _receive_full(self, header: dict) -> None:
+        layout = layout_from_json(header["layout"])
+        self._held = None  # the buffers are being overwritten
         if self._buffers is None or [b.numel() for b in self._buffers] != list(layout.buffer_nbytes):
-            self._buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in layout.buffer_nbytes]
+            self._buffers = [torch.empty(n, dtype=torch.uint8, device=self._device()) for n in layout.buffer_nbytes]
         for buffer in self._buffers:  # always take every broadcast, so the group stays in step
             self._group.broadcast(buffer, _SENDER_RANK).wait()
         self._num_pushes += 1
-        return WeightBuckets(layout, self._buffers).tensors()
+        self._layout, self._held = layout, _version_from_json(header["version"])
+        self.last_receive_info = {"kind": "full", "nbytes": layout.total_nbytes, "refused": None}
+
+    def _receive_delta(self, header: dict) -> bool:
+        """Take a delta's broadcasts, patch the buffers (or refuse), acknowledge, and return
+        whether the sender's verdict is "ok" (False: a full push follows)."""
+        layout = layout_from_json(header["layout"])
+        buffers = [torch.empty(n, dtype=torch.uint8, device=self._device()) for n in layout.buffer_nbytes]
+        for buffer in buffers:
+            self._group.broadcast(buffer, _SENDER_RANK).wait()
+        n = self._num_pushes
+        self._num_pushes += 1
+        refused = None
+        try:
+            if self._buffers is None or self._layout is None:
+                raise DeltaRejectedError("this receiver holds no full push yet.")
+            delta = WeightDelta.from_header(header, WeightBuckets(layout, buffers))
+            prepare_delta(delta, self._weights(), held_version=self._held).apply_()
+        except DeltaRejectedError as exc:
+            refused = str(exc)
+            logger.warning("refusing delta push %d: %s", n, exc)
+        self._store.set(f"ack/{n}/{self._rank}", "ok" if refused is None else f"refused: {refused}")
+        self._store.wait([f"verdict/{n}"], datetime.timedelta(seconds=self._info["timeout_s"]))
+        accepted = self._store.get(f"verdict/{n}").decode() == "ok"
+        self._held = _version_from_json(header["version"]) if accepted else None
+        self.last_receive_info = {"kind": "delta", "nbytes": layout.total_nbytes, "refused": refused}
+        return accepted
+
+    def _weights(self) -> WeightDict:
+        assert self._layout is not None and self._buffers is not None
+        return WeightBuckets(self._layout, self._buffers).tensors()
+
+    def _device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self._info["backend"] == "nccl" else torch.device("cpu")
 
     @property
     def rank(self) -> int:
@@ -253,6 +401,28 @@ class ProcessGroupReceiver(WeightReceiver):
     def close(self) -> None:
         _shutdown(self._group)
         self._group = None
+
+
+@dataclass
+class PreparedPush:
+    """A checked push (:meth:`ProcessGroupSender.prepare`): the weights, the receivers' dtypes
+    where they differ (``convert_dtype``), and the encoded delta (None: a full push)."""
+
+    weights: WeightDict
+    dtypes: dict[str, torch.dtype] | None
+    encoded: EncodedDelta | None
+
+    def sent_values(self) -> WeightDict:
+        """What travels, for a NaN/Inf check: the delta's changed values, or the whole weights."""
+        return self.encoded.values if self.encoded is not None else self.weights
+
+
+def _version_json(version: PushVersion) -> list:
+    return [version.index, version.uuid]
+
+
+def _version_from_json(data: list) -> PushVersion:
+    return PushVersion(int(data[0]), str(data[1]))
 
 
 def buffer_checksums(buffers: list[torch.Tensor]) -> list[int]:

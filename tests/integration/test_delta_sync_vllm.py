@@ -1,0 +1,104 @@
+"""Delta pushes into a vLLM engine (the session's in-process CPU engine, tiny model) over gloo:
+five real AdamW steps of a bf16 trainer, then a corrupted delta repaired by a full push.
+
+Run with a Python that has vLLM: ``python -m pytest tests/integration/test_delta_sync_vllm.py``.
+The engine gets its original weights back at the end.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tensordict import TensorDictBase
+
+from lmcollect.collectors.llm_collector import LLMCollector
+from lmcollect.data import keys
+from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
+from lmcollect.models import load_model_and_tokenizer
+from lmcollect.policies import TransformersPolicy
+from lmcollect.weight_sync.buckets import WeightBuckets
+from lmcollect.weight_sync.delta import EncodedDelta, WeightDelta
+from tests.factories import perturbed_model
+from tests.integration.conftest import MAX_NEW_TOKENS, QUESTIONS, chat_batch
+
+pytest.importorskip("vllm")
+from lmcollect.weight_sync.vllm_updater import vLLMUpdater  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+ATOL = 1e-4
+LR = 1e-5  # bf16: about a fifth of the elements change per AdamW step
+
+
+class CorruptingUpdater(vLLMUpdater):
+    """Flips one bit of the next delta on its way to the workers (the trainer's base stays right)."""
+
+    corrupt_next = False
+
+    def _validate(self, weights: Any, worker_ids: list) -> None:
+        super()._validate(weights, worker_ids)
+        prepared = self._prepared
+        if self.corrupt_next and prepared is not None and prepared.encoded is not None:
+            self.corrupt_next = False
+            encoded, delta = prepared.encoded, prepared.encoded.delta
+            buffers = [b.clone() for b in delta.arrays.buffers]
+            buffers[-1][0] ^= 1
+            corrupt = WeightDelta(delta.base_version, delta.entries, WeightBuckets(delta.arrays.layout, buffers))
+            prepared.encoded = EncodedDelta(corrupt, encoded.positions, encoded.values, encoded.numel, encoded.full_nbytes)
+
+
+def adamw_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(seed))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def fp32_reference(trainer: torch.nn.Module, model_dir: Path) -> TransformersPolicy:
+    """A fresh fp32 model holding the bf16 trainer's weights (exact: bf16 values are fp32 values)."""
+    model, tokenizer = load_model_and_tokenizer(model_dir)
+    model.load_state_dict(trainer.state_dict())
+    return TransformersPolicy(model, tokenizer, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
+
+
+def assert_same_answers(got: TensorDictBase, want: TensorDictBase) -> None:
+    for i in range(want.batch_size[0]):
+        assert torch.equal(got[i][keys.TOKENS_FULL], want[i][keys.TOKENS_FULL]), f"element {i}"
+        torch.testing.assert_close(got[i][keys.LOG_PROBS_RESPONSE], want[i][keys.LOG_PROBS_RESPONSE], atol=ATOL, rtol=0)
+
+
+def test_delta_pushes_answer_like_a_fresh_model_and_a_corrupted_delta_is_repaired(greedy_policy: Any, model_dir: Path) -> None:
+    trainer = perturbed_model(model_dir, seed=4).to(torch.bfloat16)
+    updater = CorruptingUpdater(delta=True, convert_dtype=True, verify=True, timeout_s=60)
+    env = ChatEnv(arithmetic_dataset(16, seed=0), reward_fn=MathAnswerReward(), batch_size=4, seed=0)
+    collector = LLMCollector(env, policy=greedy_policy, dialog_turns_per_batch=4, weight_updater=updater, track_policy_version=True)
+    td = chat_batch(QUESTIONS)
+    try:
+        collector.update_policy_weights_(trainer)  # the engine holds the checkpoint: the full weights
+        assert updater.last_push_stats.kind == "full"
+        optimizer = torch.optim.AdamW(trainer.parameters(), lr=LR)
+        for step in range(5):
+            adamw_step(trainer, optimizer, seed=step)
+            collector.update_policy_weights_(trainer)  # verify=True: the patched copies' CRC32s agree
+            stats, (info,) = updater.last_push_stats, updater.last_push_info
+            assert (stats.kind, stats.num_full, info["push"]["kind"], info["push"]["refused"]) == ("delta", 0, "delta", None)
+            assert 0 < stats.num_changed < stats.numel and stats.nbytes < 0.5 * stats.full_nbytes
+        assert collector.policy_version == 6
+        assert_same_answers(greedy_policy(td), fp32_reference(trainer, model_dir)(td))
+
+        adamw_step(trainer, optimizer, seed=10)
+        updater.corrupt_next = True
+        collector.update_policy_weights_(trainer)
+        stats, (info,) = updater.last_push_stats, updater.last_push_info
+        assert (stats.kind, stats.num_repaired, info["push"]["kind"]) == ("full", 1, "full")
+        assert "checksum" in info["push"]["after_refused_delta"]["refused"]
+        assert collector.policy_version == 7  # one push, one version, though two transfers
+        assert_same_answers(greedy_policy(td), fp32_reference(trainer, model_dir)(td))
+        batch = collector.next().reshape(-1)
+        assert batch[keys.POLICY_VERSION].tolist() == [7] * batch.numel()
+    finally:
+        collector.shutdown()
+        updater.close()
+        vLLMUpdater.from_policy(greedy_policy).push_weights(load_model_and_tokenizer(model_dir)[0])
