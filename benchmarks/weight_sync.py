@@ -285,6 +285,55 @@ def delta_row(name: str, size: int, delta_s: list[float], full_s: list[float], s
     return out
 
 
+def bench_delta_encodings(lrs: list[float], reps: int) -> list[dict]:
+    """In one process, no transport: the sender's encode and a receiver's check + apply for each
+    encoding, after the same AdamW steps of the medium model in bf16 (alternating encodings)."""
+    import copy
+
+    from lmcollect.models import ModelSpec, get_model_path
+    from lmcollect.weight_sync.delta import DeltaBase, DeltaConfig, prepare_delta
+    from lmcollect.weight_sync.version import PushVersion
+    from lmcollect.weight_sync.weights import unique_targets
+
+    path = str(get_model_path(ModelSpec(size="medium")))
+    encodings = ("indices", "bitmask", "auto")
+    rows = []
+    for lr in lrs:
+        trainer = bf16_medium_model(path)
+        optimizer = torch.optim.AdamW(trainer.parameters(), lr=lr)
+        bases = {e: DeltaBase(DeltaConfig(encoding=e, max_fraction=1.0)) for e in encodings}
+        receivers = {e: copy.deepcopy(trainer) for e in encodings}
+        for base in bases.values():
+            base.snapshot(trainer.state_dict(), PushVersion(0))
+        found: dict[str, dict[str, list[float]]] = {e: {"encode_s": [], "apply_s": [], "bytes": []} for e in encodings}
+        for step in range(reps + 1):
+            adamw_step(trainer, optimizer, seed=step)
+            weights, pushed = trainer.state_dict(), PushVersion(step + 1)
+            for encoding in encodings:
+                base = bases[encoding]
+                start = time.perf_counter()
+                encoded = base.encode(weights)
+                encode_s = time.perf_counter() - start
+                targets, aliases = unique_targets(receivers[encoding])
+                start = time.perf_counter()
+                prepare_delta(encoded.delta, targets, held_version=base.version, aliases=aliases).apply_()
+                apply_s = time.perf_counter() - start
+                base.commit(encoded, pushed)
+                if step > 0:
+                    for key, value in (("encode_s", encode_s), ("apply_s", apply_s), ("bytes", encoded.stats().nbytes / encoded.full_nbytes)):
+                        found[encoding][key].append(value)
+        size = nbytes(trainer)
+        for encoding in encodings:
+            med = {k: statistics.median(v) for k, v in found[encoding].items()}
+            rows.append({
+                "row": f"delta encoding {encoding}, medium bf16, lr {lr:g} (in-process)",
+                "gb": round(size / 2**30, 3), "median_s": round(med["encode_s"] + med["apply_s"], 4),
+                "min_s": None, "max_s": None, "s_per_gb": None, "x_memcpy": None,
+                "encode_s": round(med["encode_s"], 4), "apply_s": round(med["apply_s"], 4), "bytes_over_full": round(med["bytes"], 4),
+            })
+    return rows
+
+
 def bench_delta_ray(lrs: list[float], reps: int, memcpy_gb_s: float) -> list[dict]:
     """RayRemoteWeightUpdater, medium bf16 into 2 collectors: plain full, delta-mode full, delta."""
     from lmcollect.models import ModelSpec, get_model_path
@@ -377,7 +426,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=1.0, help="size of the dummy fp32 state dict")
     parser.add_argument("--reps", type=int, default=5, help="timed pushes per row (after warm-up)")
-    parser.add_argument("--rows", default="memcpy,put,views,flat,medium", help="comma-separated rows (also: pg, vllm, delta, delta-vllm)")
+    parser.add_argument("--rows", default="memcpy,put,views,flat,medium", help="comma-separated rows (also: pg, vllm, delta, delta-vllm, delta-encodings)")
     parser.add_argument("--lrs", default="1e-6,1e-5", help="AdamW learning rates of the delta rows")
     parser.add_argument("--quick", action="store_true", help="0.25 GB, 2 reps, no medium model")
     args = parser.parse_args()
@@ -422,6 +471,8 @@ def main() -> None:
         else:
             results += bench_vllm_push(args.reps, memcpy_gb_s)
     lrs = [float(x) for x in args.lrs.split(",")]
+    if "delta-encodings" in rows_wanted:
+        results += bench_delta_encodings(lrs, args.reps)
     if "delta" in rows_wanted:
         results += bench_delta_ray(lrs, args.reps, memcpy_gb_s)
     if "delta-vllm" in rows_wanted:
@@ -444,6 +495,9 @@ def print_table(results: list[dict]) -> None:
     print(header)
     print("-" * len(header))
     for r in results:
+        if "encode_s" in r:
+            print(f"{r['row']}: encode {r['encode_s']:.4f} s, check + apply {r['apply_s']:.4f} s, {r['bytes_over_full']:.2%} of the bytes")
+            continue
         x = "" if r["x_memcpy"] is None else f"{r['x_memcpy']:.2f}"
         print(f"{r['row']:58} {r['gb']:6.3f} {r['median_s']:9.4f} {r['min_s']:7.4f} {r['max_s']:7.4f} {r['s_per_gb']:7.4f} {x:>9}")
     for r in results:

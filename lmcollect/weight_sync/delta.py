@@ -9,13 +9,15 @@ changed positions, the values they held before and the values they hold after; o
 it restores the old values and raises :class:`DeltaRejectedError` (weights and version
 unchanged), and the sender answers with a full push.
 
-Encodings, chosen per tensor by size (``DeltaConfig.encoding="auto"``):
+Encodings of the changed positions, per tensor (``DeltaConfig.encoding``):
 
-* ``"indices"``: the changed positions as uint16 offsets inside blocks of 65536 elements plus
-  one int32 count per block (2 bytes per change, instead of 4 for int32 positions);
-* ``"bitmask"``: one bit per element (smaller once more than 1 element in 16 changed; the
-  receiver unpacks it, one pass over the tensor);
-* ``"dense"``: the whole tensor, when nearly every element changed.
+* ``"indices"`` (the default): uint16 offsets inside blocks of 65536 elements plus one int32
+  count per block, 2 bytes per change instead of 4 for int32 positions; the receiver's work
+  grows with the changes only;
+* ``"bitmask"``: one bit per element; fewer bytes once more than 1 element in 16 changed, but
+  the receiver unpacks it (a pass over every element), which measured twice as slow at equal
+  changes (``benchmarks/weight_sync.py --rows delta-encodings``);
+* ``"dense"``: the whole tensor, whenever that is smaller (e.g. a bias every element of which moved).
 
 Pure torch and numpy: no Ray, no torch.distributed.
 """
@@ -50,9 +52,10 @@ class DeltaRejectedError(RuntimeError):
 class DeltaConfig:
     """How delta pushes are encoded (``RayPushConfig(delta=...)``, ``vLLMUpdater(delta=...)``)."""
 
-    encoding: Literal["auto", "indices", "bitmask"] = "auto"
-    """Positions of the changed elements: "auto" picks the smallest of indices, bitmask and
-    dense per tensor; "indices" / "bitmask" force one (dense still replaces either when smaller)."""
+    encoding: Literal["auto", "indices", "bitmask"] = "indices"
+    """Positions of the changed elements: "indices" (fastest to apply) or "bitmask" per tensor,
+    either replaced by "dense" when that is smaller; "auto": the smallest of the three (fewest
+    bytes, for slow links)."""
     max_fraction: float = 0.5
     """A delta larger than this fraction of a full push's bytes is sent as a full push instead."""
 

@@ -249,9 +249,12 @@ class ProcessGroupSender(WeightSender):
     def _post_header(self, header: dict) -> None:
         n = self._num_pushes
         self._store.set(f"push/{n}", json.dumps(header))
+        # Every receiver read push n-1's header (it took its broadcasts), but maybe not yet its
+        # verdict: that one goes only once push n-1's broadcasts (after that verdict) are done.
         if n > 0:
             self._store.delete_key(f"push/{n - 1}")
-            self._store.delete_key(f"verdict/{n - 1}")
+        if n > 1:
+            self._store.delete_key(f"verdict/{n - 2}")
 
     def _device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
