@@ -22,7 +22,7 @@ from tests.faults.fault_factories import DyingSender
 
 pytestmark = pytest.mark.integration
 
-TIMEOUT_S = 10.0
+TIMEOUT_S = 6.0
 BUCKET_SIZE_BYTES = 512  # SmallNet's tensors go in several buffers: a sender can die between two
 
 

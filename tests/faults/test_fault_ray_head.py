@@ -3,7 +3,7 @@
 Ray restarts a head only with GCS fault tolerance (an external Redis), which a one-machine
 cluster does not have. Without it, actor calls keep working for a while (they go straight to
 the actors), then Ray ends the driver process once it has failed to reach the GCS for
-``gcs_rpc_server_reconnect_timeout_s`` (60 s by default; 5 s here). Everything in the cluster,
+``gcs_rpc_server_reconnect_timeout_s`` (60 s by default; 3 s here). Everything in the cluster,
 the replay buffer included, goes with it: what survives is the last ``save_checkpoint``, from
 which a new driver on a new head resumes (``load_checkpoint``) without repeating an id; turns
 written after it are lost with the cluster.
@@ -27,7 +27,7 @@ from tests.faults.head_loss_driver import BATCH, build
 pytestmark = pytest.mark.integration
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-RECONNECT_TIMEOUT_S = 5
+RECONNECT_TIMEOUT_S = 3
 LONGEST_CALL_S = 12.0  # a call may wait out call_timeout_s (10 s), never longer
 
 
