@@ -122,6 +122,7 @@ _READABLE = {
     "dialog_turns_per_batch",
     "total_dialog_turns",
     "turns_run",
+    "num_buffered_turns",
     "policy_version",
     "worker_idx",
     "weight_updater",

@@ -1,7 +1,8 @@
 """Runs one batched env against a policy: one policy call and one env step per turn."""
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator
 
 import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
@@ -134,11 +135,14 @@ class EnvRunner:
             self.reset()
         with self.policy_lock.read():  # weights never change under a running policy call
             version, version_index = self.version_fn()
-            out = self.policy(lazy_stack(self._obs))
+            with self._named_errors(f"policy {type(self.policy).__name__}"):
+                out = self.policy(lazy_stack(self._obs))
         check_policy_output(out, self.policy, self.num_envs)
         for i in range(self.num_envs):  # before the env steps: a rejected output must not advance its dialogs
             check_turn(out[i], self.slot_offset + i, self.policy)
-        nxt = env_next(self.env.step(out), self.env, self.slot_offset, self.num_envs)
+        with self._named_errors(f"env {type(self.env).__name__}.step"):
+            stepped = self.env.step(out)
+        nxt = env_next(stepped, self.env, self.slot_offset, self.num_envs)
         turns, done_rows, next_obs = [], [], list(self._obs)
         for i in range(self.num_envs):
             slot = self.slot_offset + i
@@ -158,6 +162,16 @@ class EnvRunner:
         if done_rows:
             self._reset_rows(done_rows)
         return turns
+
+    @contextlib.contextmanager
+    def _named_errors(self, what: str) -> Iterator[None]:
+        """An error keeps its type and gains a note naming who raised it and for which env indices."""
+        try:
+            yield
+        except Exception as exc:
+            last = self.slot_offset + self.num_envs - 1
+            exc.add_note(f"raised by {what} at env indices {self.slot_offset}..{last} (lmcollect collector)")
+            raise
 
     def _group_id(self, turn: TensorDictBase) -> int:
         prompt_id = turn.get(keys.ENV_PROMPT_ID, None)

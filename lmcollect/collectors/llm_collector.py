@@ -194,14 +194,18 @@ class LLMCollector(WeightReceiverMixin):
         with self._lock:
             if self.reset_at_each_iter and self._batches > 0:
                 self.reset()
-            while not self._batcher.ready():
-                self._wait_if_paused()
+        while True:
+            # a pause waits outside the lock: a paused collector can be checkpointed, reseeded, reset
+            self._wait_if_paused()
+            with self._lock:  # one turn at a time (iterator vs start() thread vs control calls)
+                if self._batcher.ready():
+                    self._runners.stop_stepping()
+                    batch = self._batcher.pop()
+                    self._batches += 1
+                    break
                 for turn in self._runners.next_turns():
                     self._batcher.add(turn)
                     self._turns_run += 1
-            self._runners.stop_stepping()
-            batch = self._batcher.pop()
-            self._batches += 1
         if self.verbose:
             logger.info("batch %d: %d turns run of %s", self._batches, self._turns_run, self._total_dialog_turns)
         return self.postproc(batch) if self.postproc is not None else batch

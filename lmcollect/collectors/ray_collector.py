@@ -161,13 +161,23 @@ class RayLLMCollector:
         return self._actor
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        self._check_ray(method)
         return self._get(getattr(self._actor, method).remote(*args, **kwargs), method)
+
+    def _check_ray(self, method: str) -> None:
+        # a call would otherwise start (or attach to) some other Ray cluster and not find the actor
+        if not ray.is_initialized():
+            raise CollectorActorError(
+                f"{self._name}.{method}(): Ray is not running in this process any more (ray.shutdown() was "
+                "called, or the cluster went away); its actor is gone. Build a new collector."
+            )
 
     def _call_timeout(self, method: str, timeout_s: float | None, *args: Any, **kwargs: Any) -> Any:
         return self._get(getattr(self._actor, method).remote(*args, **kwargs), method, timeout_s)
 
     def _collect_ref(self, method: str) -> Any:
         """Start a collecting call on the actor's collection thread."""
+        self._check_ray(method)
         remote_method = getattr(self._actor, method)
         if self._collect_group is not None:
             remote_method = remote_method.options(concurrency_group=self._collect_group)
@@ -313,6 +323,8 @@ class RayLLMCollector:
             return
         self._shut_down = True
         self._prefetch = None
+        if not ray.is_initialized():
+            return  # Ray (and the actor with it) is already gone
         try:
             ray.get(self._actor.shutdown.remote(), timeout=timeout)
         except (RayActorError, GetTimeoutError) as exc:

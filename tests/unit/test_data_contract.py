@@ -365,3 +365,34 @@ def test_a_new_updater_continues_from_the_workers_version() -> None:
     collector.weight_updater = fresh
     fresh.push_weights()
     assert collector.policy_version == fresh.version == 7
+
+
+def test_a_paused_background_collector_can_be_checkpointed(tmp_path) -> None:
+    from lmcollect.checkpoint import save_checkpoint
+
+    collector = LLMCollector(
+        arithmetic_env(2), policy=ScriptedPolicy("1"), dialog_turns_per_batch=2, replay_buffer=ReplayBuffer(capacity=1000)
+    )
+    collector.start()
+    try:
+        outcome: list = []
+        with collector.pause(timeout_s=30):
+            worker = threading.Thread(target=lambda: outcome.append(save_checkpoint(tmp_path / "ckpt", [collector])))
+            worker.start()
+            worker.join(20)
+            assert not worker.is_alive(), "state_dict() blocked inside pause()"
+        assert (tmp_path / "ckpt" / "manifest.json").is_file()
+    finally:
+        collector.shutdown()
+
+
+class _RaisingPolicy(ScriptedPolicy):
+    def __call__(self, td):
+        raise KeyError("the tool server is down")
+
+
+def test_an_error_from_the_policy_keeps_its_type_and_names_the_env_indices() -> None:
+    collector = LLMCollector(arithmetic_env(2), policy=_RaisingPolicy(), dialog_turns_per_batch=2)
+    with pytest.raises(KeyError, match="the tool server is down") as info:
+        collector.next()
+    assert any("_RaisingPolicy at env indices 0..1" in note for note in info.value.__notes__)
