@@ -2,7 +2,7 @@
 
 Run: .venv/bin/python benchmarks/weight_sync.py [--quick] [--gb 1.0] [--reps 5] [--rows memcpy,put,views,flat,medium]
      .venv/bin/python benchmarks/weight_sync.py --gb 0.1 --rows memcpy,vllm  (vLLM row only)
-     .venv/bin/python benchmarks/weight_sync.py --gb 0.1 --reps 5 --rows memcpy,delta,delta-vllm  (delta pushes)
+     .venv/bin/python benchmarks/weight_sync.py --gb 0.1 --reps 5 --rows memcpy,delta-encodings,delta,delta-vllm  (delta pushes)
 
 A push is timed from ``push_weights()`` to every collector having applied the weights (checked,
 copied into its parameters in place, version bumped). Rows: ``memcpy`` (one in-process copy of
@@ -20,7 +20,9 @@ a vLLM engine actor): the medium model in bf16, a real AdamW step (``--lrs``, de
 1e-5) before every push, one run alternating a full push and a delta push (Ray: also a push of a
 plain updater without delta, the baseline), medians. They report the changed fraction, the delta's
 bytes over a full push's, and the time ratio; ``delta-vllm`` also times ``verify`` on and off.
-Prints a table; the last line is JSON (with the load average before and after).
+``delta-encodings`` times the sender's encode and a receiver's check + apply in one process for
+each ``DeltaConfig.encoding``. Prints a table; the last line is JSON (with the load average
+before and after).
 """
 from __future__ import annotations
 
