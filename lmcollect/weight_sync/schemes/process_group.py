@@ -187,7 +187,7 @@ class ProcessGroupSender(WeightSender):
         return PreparedPush(weights, dtypes, encoded)
 
     def send(self, weights: object, *, version: PushVersion | None = None) -> None:
-        """Push ``weights`` (or a :meth:`prepare` d push) as ``version`` (None: the push count).
+        """Push ``weights`` (the weights, or what :meth:`prepare` returned) as ``version`` (None: the push count).
 
         A delta that a receiver refuses is followed by a full push within this call."""
         prepared = weights if isinstance(weights, PreparedPush) else self.prepare(weights)
@@ -249,8 +249,9 @@ class ProcessGroupSender(WeightSender):
     def _post_header(self, header: dict) -> None:
         n = self._num_pushes
         self._store.set(f"push/{n}", json.dumps(header))
-        # Every receiver read push n-1's header (it took its broadcasts), but maybe not yet its
-        # verdict: that one goes only once push n-1's broadcasts (after that verdict) are done.
+        # Push n-1's header was read by every receiver (they took its broadcasts). A delta's
+        # verdict may still be unread when the next header goes up (a repair follows at once),
+        # but it was read before push n-1's broadcasts could complete: delete it one push later.
         if n > 0:
             self._store.delete_key(f"push/{n - 1}")
         if n > 1:
