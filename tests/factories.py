@@ -148,3 +148,28 @@ def perturbed_model(model_path, seed: int) -> torch.nn.Module:
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=generator) * 0.05)
     return model
+
+
+def run_in_thread(fn, timeout_s: float = 30.0):
+    """Start ``fn`` in a thread; the returned function joins it (at most ``timeout_s``) and re-raises its error."""
+    import threading
+
+    result: dict = {}
+
+    def target() -> None:
+        try:
+            result["value"] = fn()
+        except BaseException as exc:  # designed: handed to the joining test
+            result["error"] = exc
+
+    thread = threading.Thread(target=target)
+    thread.start()
+
+    def join():
+        thread.join(timeout_s)
+        assert not thread.is_alive(), "the receiver thread hung"
+        if "error" in result:
+            raise result["error"]
+        return result.get("value")
+
+    return join

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from tests.factories import run_in_thread as shared_run_in_thread
 import torch
 
 from lmcollect.collectors import LLMCollector
@@ -184,27 +186,7 @@ class CorruptingSender(ProcessGroupSender):
 
 
 def run_in_thread(fn: Callable[[], object]) -> Callable[[], object]:
-    result: dict[str, object] = {}
-
-    def target() -> None:
-        try:
-            result["value"] = fn()
-        except BaseException as exc:  # designed: handed to the joining test
-            result["error"] = exc
-
-    thread = threading.Thread(target=target)
-    thread.start()
-
-    def join() -> object:
-        thread.join(60)
-        assert not thread.is_alive(), "the receiver thread hung"
-        if "error" in result:
-            raise result["error"]
-        return result.get("value")
-
-    return join
-
-
+    return shared_run_in_thread(fn, timeout_s=60)
 def test_process_group_delta_pushes_and_a_refused_delta_repaired_in_the_same_push(bf16_model, tiny_model_path) -> None:
     config = ProcessGroupConfig(num_receivers=1, backend="gloo", timeout_s=30, bucket_size_bytes=1 << 20, delta=DeltaConfig())
     sender = CorruptingSender(config)

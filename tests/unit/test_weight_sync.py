@@ -17,6 +17,7 @@ from lmcollect.data.turns import flatten_turns
 from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
 from lmcollect.policies import ScriptedPolicy
 from lmcollect.weight_sync import LocalWeightUpdater, SharedMemorySender, WeightUpdaterBase, pack_buckets
+from tests.factories import run_in_thread
 from lmcollect.weight_sync.schemes.process_group import ProcessGroupConfig, ProcessGroupReceiver, ProcessGroupSender
 
 
@@ -277,29 +278,6 @@ def test_get_model_resolves_registered_ids() -> None:
     assert collector.get_model("critic") is collector.policy.model  # the scheme names no model of its own
     with pytest.raises(ValueError, match=r"unknown model_id 'value'.*\['policy', 'critic'\]"):
         collector.get_model("value")
-
-
-def run_in_thread(fn: Callable[[], object]) -> Callable[[], object]:
-    """Start ``fn`` in a thread; the returned function joins it and re-raises its error."""
-    result: dict[str, object] = {}
-
-    def target() -> None:
-        try:
-            result["value"] = fn()
-        except BaseException as exc:  # designed: handed to the joining test
-            result["error"] = exc
-
-    thread = threading.Thread(target=target)
-    thread.start()
-
-    def join() -> object:
-        thread.join(30)
-        assert not thread.is_alive(), "the receiver thread hung"
-        if "error" in result:
-            raise result["error"]
-        return result.get("value")
-
-    return join
 
 
 def test_process_group_scheme_over_gloo() -> None:
