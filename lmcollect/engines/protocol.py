@@ -1,0 +1,99 @@
+"""The one engine interface the collectors and the weight updaters talk to.
+
+An engine answers requests one at a time as they arrive (continuous batching): ``submit`` returns
+at once with a future; the engine joins the request into its running batch between decoding steps
+and resolves the future when the response ends. Pausing keeps in-flight requests (they continue
+after ``resume``), so weights can be loaded between two decoding steps; every generated token
+records the version of the weights that produced it.
+
+Implementations: :class:`lmcollect.engines.transformers_engine.TransformersEngine` (our own
+continuous batching over a ``transformers`` causal LM) and, later, vLLM's ``AsyncLLM`` in-process
+and as Ray engine actors.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from lmcollect.policies.sampling import SamplingConfig
+
+__all__ = ["EngineProtocol", "EngineRequest", "EngineResult"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineRequest:
+    """One generation request: a prompt's token ids and how to sample its response."""
+
+    prompt_ids: list[int]
+    """The prompt, already tokenized (token-exact multi-turn: the previous turn's ids + the env reply)."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Temperature, top-p/top-k, ``max_new_tokens``, stop strings; ``stop_token_ids`` below add to it."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Ids that end the response (included as its last token), in addition to the model's eos."""
+    seed: int | None = None
+    """Seeds this request's sampling (same seed, same weights, same prompt: same tokens)."""
+    request_id: str = ""
+    """Caller's id (for logs and errors); the engine does not require it to be unique."""
+    affinity: str | None = None
+    """Requests with the same affinity (e.g. one dialog's turns) go to the same replica, to reuse its prefix cache."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineResult:
+    """The response to one :class:`EngineRequest`."""
+
+    tokens: torch.Tensor
+    """int64 ``[n]``: generated ids, ending with the stop token if the response stopped on one."""
+    log_probs: torch.Tensor
+    """float32 ``[n]``: raw log-probs of each generated token (softmax at temperature 1)."""
+    token_versions: torch.Tensor
+    """int64 ``[n]``: the weight version that generated each token (differs within a response that spanned a push)."""
+    finish_reason: str
+    """``"stop"`` (a stop token or string) or ``"length"`` (``max_new_tokens`` reached)."""
+
+
+@runtime_checkable
+class EngineProtocol(Protocol):
+    """What the collectors and the updaters need from an inference engine."""
+
+    def submit(self, request: EngineRequest) -> Future[EngineResult]:
+        """Queue ``request``; the future resolves when its response ends (or with the engine's error)."""
+        ...
+
+    def pause(self) -> None:
+        """Stop decoding after the current step; in-flight requests keep their state. Returns once stopped."""
+        ...
+
+    def resume(self) -> None:
+        """Continue decoding every in-flight and queued request."""
+        ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
+        """Load weights (all names and shapes checked before any is written) and take ``version``.
+
+        Allowed while paused (in-flight tokens from then on carry the new version) or while running
+        (the engine waits for the current decoding step).
+        """
+        ...
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prompt prefixes (after a weight load, they were computed with old weights)."""
+        ...
+
+    @property
+    def version(self) -> int:
+        """The version of the weights loaded now (-1 before any push)."""
+        ...
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests submitted and not finished (the load a router balances)."""
+        ...
+
+    def close(self) -> None:
+        """Fail pending futures with a clear error and free the engine."""
+        ...
