@@ -115,7 +115,7 @@ class CollectConfig:
     prompts: str | None = None
     """Prompt file (.jsonl or .parquet, rows with a 'prompt'); default: prompts of --task."""
     task: str | None = None
-    """Shipped task (comparison, addition, arithmetic, guessing): its prompts, or with --prompts its
+    """Shipped task (comparison, addition, arithmetic, guessing, tool_calc): its prompts, or with --prompts its
     scoring of their rows; default: arithmetic, or no scoring (reward 0) with --prompts."""
     num_turns: int = 64
     """Dialog turns to collect (rounded up to whole collector batches)."""

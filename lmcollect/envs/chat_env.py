@@ -1,6 +1,7 @@
 """ChatEnv: a batched, multi-turn chat environment over a prompt dataset and a Task."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import random
@@ -17,7 +18,7 @@ from lmcollect.envs.config import ChatEnvConfig
 from lmcollect.envs.datasets import PromptDataset, row_to_history
 from lmcollect.envs.rewards import RewardFn
 from lmcollect.envs.sampling import Draw, GroupSampler, draw_state
-from lmcollect.envs.tasks.base import SingleTurnTask, Task, TaskReply
+from lmcollect.envs.tasks.base import SingleTurnTask, Task, TaskReply, respond_async
 
 logger = logging.getLogger(__name__)
 
@@ -175,11 +176,28 @@ class ChatEnv:
 
     def step(self, td: TensorDictBase) -> TensorDictBase:
         """Score the policy's ``("history", "full")`` and write ``"next"`` into ``td`` (returned)."""
+        fulls = self._step_inputs(td)
+        replies = [self._respond(i, full) for i, full in enumerate(fulls)]
+        return self._commit(td, fulls, replies)
+
+    async def astep(self, td: TensorDictBase) -> TensorDictBase:
+        """:meth:`step` for an event loop: every element's reply is awaited at once.
+
+        An :class:`~lmcollect.envs.tasks.base.AsyncTask` is awaited (``arespond``: a tool call
+        waits without blocking the loop); any other task's ``respond`` runs in a worker thread.
+        Same checks, same result and same state changes as :meth:`step`.
+        """
+        fulls = self._step_inputs(td)
+        replies = await asyncio.gather(*(self._arespond(i, full) for i, full in enumerate(fulls)))
+        return self._commit(td, fulls, list(replies))
+
+    def _step_inputs(self, td: TensorDictBase) -> list[History]:
         self._check_open()
         if not self._started:
             raise RuntimeError("ChatEnv.step called before reset(); call env.reset() first.")
-        fulls = read_histories(td, keys.HISTORY_FULL, self.config.batch_size)
-        replies = [self._respond(i, full) for i, full in enumerate(fulls)]
+        return read_histories(td, keys.HISTORY_FULL, self.config.batch_size)
+
+    def _commit(self, td: TensorDictBase, fulls: list[History], replies: list[TaskReply]) -> TensorDictBase:
         # Nothing is committed before every element has been scored: a failure leaves the env intact.
         max_turns = self.config.max_turns
         rewards: list[float] = []
@@ -193,6 +211,22 @@ class ChatEnv:
         return td
 
     def _respond(self, i: int, full: History) -> TaskReply:
+        self._check_reply_input(i, full)
+        try:
+            reply = self.task.respond(self._states[i], full)
+        except Exception as e:
+            raise RewardError(i, full, e) from e
+        return _checked_reply(i, reply)
+
+    async def _arespond(self, i: int, full: History) -> TaskReply:
+        self._check_reply_input(i, full)
+        try:
+            reply = await respond_async(self.task, self._states[i], full)
+        except Exception as e:
+            raise RewardError(i, full, e) from e
+        return _checked_reply(i, reply)
+
+    def _check_reply_input(self, i: int, full: History) -> None:
         if self._flags[i][0]:
             raise RuntimeError(
                 f"ChatEnv.step: element {i} is done; reset it first (env.reset(td) with td['_reset'][{i}] True)."
@@ -203,13 +237,6 @@ class ChatEnv:
                 f"ChatEnv.step: ('history', 'full') of element {i} must end with an assistant message, "
                 f"got {last!r}; pass prompt.append('assistant', response)."
             )
-        try:
-            reply = self.task.respond(self._states[i], full)
-        except Exception as e:
-            raise RewardError(i, full, e) from e
-        if not isinstance(reply, TaskReply):
-            raise TypeError(f"Task.respond must return a TaskReply, got {type(reply).__name__} for element {i}.")
-        return reply
 
     # ---- extras -------------------------------------------------------------------------------
     @property
@@ -281,3 +308,9 @@ class ChatEnv:
 
     def __repr__(self) -> str:
         return f"ChatEnv(batch_size={self.config.batch_size}, repeats={self.config.repeats}, task={self.task!r})"
+
+
+def _checked_reply(i: int, reply: object) -> TaskReply:
+    if not isinstance(reply, TaskReply):
+        raise TypeError(f"Task.respond must return a TaskReply, got {type(reply).__name__} for element {i}.")
+    return reply

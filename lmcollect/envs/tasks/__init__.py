@@ -1,11 +1,18 @@
-"""Dialog tasks for ChatEnv: the Task interface, single-turn scoring, arithmetic and guessing games."""
+"""Dialog tasks for ChatEnv: the Task interface, single-turn scoring, arithmetic, guessing games and a calculator tool."""
 from lmcollect.envs.tasks.arithmetic import arithmetic_dataset
-from lmcollect.envs.tasks.base import SingleTurnTask, Task, TaskReply
+from lmcollect.envs.tasks.base import AsyncTask, SingleTurnTask, Task, TaskReply, respond_async
 from lmcollect.envs.tasks.guessing import GuessingGameTask, GuessingState, binary_search_player, guessing_game_dataset
 from lmcollect.envs.tasks.comparison import comparison_dataset
+from lmcollect.envs.tasks.tool_calc import ToolCalcState, ToolCalcTask, tool_calc_dataset, tool_calc_player
 from lmcollect.envs.tasks.shipped import SHIPPED_TASKS, ShippedTask, get_shipped_task
 
 __all__ = [
+    "AsyncTask",
+    "ToolCalcState",
+    "ToolCalcTask",
+    "respond_async",
+    "tool_calc_dataset",
+    "tool_calc_player",
     "GuessingGameTask",
     "GuessingState",
     "SingleTurnTask",

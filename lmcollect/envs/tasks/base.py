@@ -1,6 +1,7 @@
-"""The Task interface ChatEnv drives turn by turn, and the default single-turn task."""
+"""The Task interface ChatEnv drives turn by turn (sync, or async for tools that wait), and the default single-turn task."""
 from __future__ import annotations
 
+import asyncio
 import math
 import numbers
 import random
@@ -47,6 +48,29 @@ class Task(Protocol):
     def start(self, sample: Mapping[str, Any], rng: random.Random) -> Any: ...
 
     def respond(self, state: Any, history: History) -> TaskReply: ...
+
+
+@runtime_checkable
+class AsyncTask(Task, Protocol):
+    """A :class:`Task` whose reply may wait (a tool call, a sandbox, a judge) without blocking others.
+
+    ``async arespond(state, history)`` returns the same :class:`TaskReply` as ``respond`` and
+    awaits where ``respond`` would block (e.g. ``await asyncio.sleep(latency)`` instead of
+    ``time.sleep``). The continuous collector awaits it on its event loop (through
+    :meth:`ChatEnv.astep <lmcollect.envs.ChatEnv.astep>`), so many dialogs wait at once; the
+    synchronous ``ChatEnv.step`` keeps calling ``respond``, which must stay a blocking
+    equivalent. A task without ``arespond`` is awaited by running ``respond`` in a worker thread
+    (see :func:`respond_async`).
+    """
+
+    async def arespond(self, state: Any, history: History) -> TaskReply: ...
+
+
+async def respond_async(task: Task, state: Any, history: History) -> TaskReply:
+    """``await task.arespond(...)`` for an :class:`AsyncTask`; otherwise ``task.respond`` in a thread."""
+    if isinstance(task, AsyncTask):
+        return await task.arespond(state, history)
+    return await asyncio.to_thread(task.respond, state, history)
 
 
 def _zero_reward(history: History, sample: Mapping[str, Any]) -> float:

@@ -11,6 +11,7 @@ from lmcollect.envs.tasks.arithmetic import arithmetic_dataset
 from lmcollect.envs.tasks.base import SingleTurnTask, Task
 from lmcollect.envs.tasks.comparison import comparison_dataset, either_number
 from lmcollect.envs.tasks.guessing import GuessingGameTask, guessing_game_dataset
+from lmcollect.envs.tasks.tool_calc import ToolCalcTask, tool_calc_dataset
 
 
 def _exact_match_task() -> Task:
@@ -73,6 +74,14 @@ SHIPPED_TASKS: dict[str, ShippedTask] = {
             description="guess a number in [1, 20] in 5 turns, told 'Higher.' / 'Lower.'",
             make_rows=guessing_game_dataset,
             make_task=GuessingGameTask,
+            max_turns=5,
+            has_reference_answers=False,
+        ),
+        ShippedTask(
+            name="tool_calc",
+            description="a chain of 2-4 operations done with a calculator tool (0-300 ms per call), 'ANSWER: n' at the end",
+            make_rows=tool_calc_dataset,
+            make_task=ToolCalcTask,
             max_turns=5,
             has_reference_answers=False,
         ),
