@@ -1,0 +1,266 @@
+"""A deterministic engine with no model (for tests): scripted tokens, log-probs that reveal the weights.
+
+:class:`ScriptedEngine` implements :class:`~lmcollect.engines.protocol.EngineProtocol` for real
+(continuous batching on a decoding thread, pause between steps, weights loaded between steps,
+per-token versions), but the "model" is one number: the weight ``tag``. Every generated token's
+log-prob is ``-tag`` of the weights held when that token was generated, so a test can check that
+each token's recorded version names the weights that produced it. :class:`ByteTokenizer` is a
+byte-level tokenizer with a chat template, enough for the collectors' token-exact prompts.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lmcollect.data.history import History
+from lmcollect.engines.protocol import EngineRequest, EngineResult
+
+__all__ = ["ByteTokenizer", "ScriptedEngine", "ScriptedWeights", "chat_script"]
+
+Script = Callable[[list[int]], list[int]]
+"""prompt token ids -> the response's token ids (before the end token)."""
+
+
+class ByteTokenizer:
+    """Token ids are UTF-8 bytes (0-255); 256 is the end token ``<|end|>``, 257 padding.
+
+    The chat template writes ``<|role|>\\ncontent<|end|>\\n`` per message and ``<|assistant|>\\n``
+    as the generation prompt (as text: the end token only appears as id 256 when generated).
+    """
+
+    eos_token_id = 256
+    pad_token_id = 257
+    eos_token = "<|end|>"
+    name_or_path = "byte-tokenizer"
+
+    def __call__(self, texts: str | list[str], add_special_tokens: bool = False) -> dict[str, Any]:
+        if isinstance(texts, str):
+            return {"input_ids": list(texts.encode("utf-8"))}
+        return {"input_ids": [list(t.encode("utf-8")) for t in texts]}
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Iterable[int] | torch.Tensor, skip_special_tokens: bool = False) -> str:
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        out, run = [], bytearray()
+        for i in ids:
+            if i < 256:
+                run.append(i)
+                continue
+            out.append(run.decode("utf-8", errors="replace"))
+            run = bytearray()
+            if not skip_special_tokens:
+                out.append(self.eos_token if i == self.eos_token_id else "<|pad|>")
+        out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], tokenize: bool = False, add_generation_prompt: bool = True, **_: Any
+    ) -> str:
+        text = "".join(f"<|{m['role']}|>\n{m['content']}{self.eos_token}\n" for m in messages)
+        return text + ("<|assistant|>\n" if add_generation_prompt else "")
+
+    def parse_chat(self, text: str) -> History:
+        """The History a rendered prompt holds (the trailing generation prompt dropped)."""
+        history = History()
+        for block in text.split(f"{self.eos_token}\n"):
+            if block.startswith("<|") and "|>\n" in block:
+                role, content = block[2:].split("|>\n", 1)
+                if content or role != "assistant":
+                    history = history.append(role, content)
+        return history
+
+
+def chat_script(player: Callable[[History], str], tokenizer: ByteTokenizer | None = None) -> Script:
+    """A :data:`Script` answering each prompt with ``player(history)`` (e.g. ``tool_calc_player``)."""
+    tokenizer = tokenizer or ByteTokenizer()
+
+    def script(prompt_ids: list[int]) -> list[int]:
+        return tokenizer.encode(player(tokenizer.parse_chat(tokenizer.decode(prompt_ids))))
+
+    return script
+
+
+class ScriptedWeights(torch.nn.Module):
+    """The scripted engine's weights: one float ``tag`` (a push sets it, e.g. to the push's version)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tag = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+
+
+@dataclass(eq=False)  # identity: a request is a dict key while it runs
+class _Running:
+    request: EngineRequest
+    future: Future
+    script: list[int] | None
+    """The scripted response ids; None: the tag's digits, read at each step."""
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+
+class ScriptedEngine:
+    """An :class:`~lmcollect.engines.protocol.EngineProtocol` engine that decodes a script.
+
+    A decoding thread runs steps while requests are in flight: each step appends one token to every
+    running request (continuous batching: submitted requests join at the next step), then sleeps
+    ``token_delay_s``. A request's tokens are ``script(prompt_ids)`` followed by the end token, cut
+    at ``max_new_tokens`` (finish ``"length"``) or at a ``stop_token_ids`` id (kept). Without a
+    script, every token is the digit ``tag % 10`` of the weights held at that step, ``num_tokens``
+    of them. Every token's log-prob is ``-tag`` and its version the engine's :attr:`version`, both
+    read under the step lock, so a push that lands mid-response shows up token by token.
+
+    Args:
+        script: prompt ids -> response ids (see :func:`chat_script`); None: the tag's digits.
+        num_tokens: response length without a script.
+        token_delay_s: sleep after each decoding step (lets pushes land mid-generation).
+        eos_token_id: the end token (ByteTokenizer's by default).
+    """
+
+    def __init__(
+        self,
+        *,
+        script: Script | None = None,
+        num_tokens: int = 4,
+        token_delay_s: float = 0.0,
+        eos_token_id: int = ByteTokenizer.eos_token_id,
+    ) -> None:
+        if token_delay_s < 0:
+            raise ValueError(f"token_delay_s must be >= 0, got {token_delay_s}.")
+        self.model = ScriptedWeights()
+        self.script = script
+        self.num_tokens = num_tokens
+        self.token_delay_s = token_delay_s
+        self.eos_token_id = eos_token_id
+        self.num_steps = 0
+        self.num_prefix_cache_resets = 0
+        self._version = -1
+        self._queued: list[_Running] = []
+        self._running: list[_Running] = []
+        self._step_lock = threading.Lock()  # held for one decoding step, and by load_weights
+        self._wake = threading.Condition()
+        self._paused = False
+        self._stepping = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._decode_loop, name="scripted-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ EngineProtocol
+    def submit(self, request: EngineRequest) -> Future[EngineResult]:
+        future: Future[EngineResult] = Future()
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("this ScriptedEngine is closed; build a new one.")
+            script = None if self.script is None else list(self.script(list(request.prompt_ids)))
+            self._queued.append(_Running(request, future, script))
+            self._wake.notify_all()
+        return future
+
+    def pause(self) -> None:
+        with self._wake:
+            self._paused = True
+            while self._stepping:
+                self._wake.wait()
+
+    def resume(self) -> None:
+        with self._wake:
+            self._paused = False
+            self._wake.notify_all()
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
+        weights = dict(named_tensors)
+        expected = dict(self.model.named_parameters())
+        if set(weights) != set(expected) or any(weights[k].shape != v.shape for k, v in expected.items()):
+            raise ValueError(
+                f"ScriptedEngine takes exactly {{'tag': shape (1,)}}, got "
+                f"{ {k: tuple(v.shape) for k, v in weights.items()} }."
+            )
+        with self._step_lock:  # between two decoding steps
+            self.model.tag.data.copy_(weights["tag"])
+            self._version = int(version)
+
+    def reset_prefix_cache(self) -> None:
+        self.num_prefix_cache_resets += 1
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._wake:
+            return len(self._queued) + len(self._running)
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            pending, self._queued, self._running = self._queued + self._running, [], []
+            self._wake.notify_all()
+        for item in pending:
+            item.future.set_exception(RuntimeError("the ScriptedEngine was closed before this request finished."))
+        self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------------ decoding
+    def _decode_loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._closed and (self._paused or not (self._queued or self._running)):
+                    self._wake.wait()
+                if self._closed:
+                    return
+                self._running.extend(self._queued)
+                self._queued.clear()
+                running = list(self._running)
+                self._stepping = True
+            finished = self._step(running)
+            with self._wake:
+                self._running = [r for r in self._running if r not in finished]
+                self._stepping = False
+                self._wake.notify_all()
+            for item, result in finished.items():
+                item.future.set_result(result)
+            if self.token_delay_s:
+                time.sleep(self.token_delay_s)
+
+    def _step(self, running: list[_Running]) -> dict[_Running, EngineResult]:
+        finished: dict[_Running, EngineResult] = {}
+        with self._step_lock:
+            self.num_steps += 1
+            tag, version = float(self.model.tag.item()), self._version
+            for item in running:
+                token = self._next_token(item, tag)
+                item.tokens.append(token)
+                item.log_probs.append(-tag)
+                item.versions.append(version)
+                reason = self._finish_reason(item, token)
+                if reason is not None:
+                    finished[item] = EngineResult(
+                        tokens=torch.tensor(item.tokens, dtype=torch.int64),
+                        log_probs=torch.tensor(item.log_probs, dtype=torch.float32),
+                        token_versions=torch.tensor(item.versions, dtype=torch.int64),
+                        finish_reason=reason,
+                    )
+        return finished
+
+    def _next_token(self, item: _Running, tag: float) -> int:
+        position = len(item.tokens)
+        if item.script is None:
+            return ord("0") + int(tag) % 10 if position < self.num_tokens else self.eos_token_id
+        return item.script[position] if position < len(item.script) else self.eos_token_id
+
+    def _finish_reason(self, item: _Running, token: int) -> str | None:
+        sampling = item.request.sampling
+        stops = token == self.eos_token_id or token in item.request.stop_token_ids
+        if stops and not sampling.ignore_eos:
+            return "stop"
+        if len(item.tokens) >= sampling.max_new_tokens:
+            return "length"
+        return None
