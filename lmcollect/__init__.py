@@ -12,6 +12,7 @@ _EXPORTS = {
     "Message": "lmcollect.data",
     "keys": "lmcollect.data",
     "LLMCollector": "lmcollect.collectors",
+    "ContinuousLLMCollector": "lmcollect.collectors",
     "PolicyVersion": "lmcollect.collectors",
     "RayLLMCollector": "lmcollect.collectors.ray_collector",
     "RayCollectorGroup": "lmcollect.collectors.ray_group",

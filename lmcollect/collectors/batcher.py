@@ -77,6 +77,13 @@ class Batcher:
             turns.extend(t.td for t in traj)
         return stack_turns(turns)
 
+    def pop_completed(self) -> list[TensorDictBase]:
+        """Every turn of the completed trajectories (``"trajectories"`` / ``"last_steps"``), however few."""
+        turns = [t.td for traj in self._completed for t in traj]
+        self._completed.clear()
+        self._num_completed_turns = 0
+        return turns
+
     def drop_pending(self, slot: int) -> int:
         """Forget the unfinished trajectory of ``slot`` (after a forced reset); returns turns dropped."""
         if self.mode == "steps":

@@ -54,6 +54,7 @@ ENV_INDEX = ("collector", "env_index")  # which env slot produced the turn (int6
 TRAJ_MIN_VERSION = ("collector", "min_policy_version")  # oldest version in the trajectory so far
 TRAJ_MAX_VERSION = ("collector", "max_policy_version")  # newest version in the trajectory so far
 GROUP_ID = ("collector", "group_id")  # GRPO group key: unique across envs and collectors (-1: no group)
+TOKEN_VERSIONS = ("collector", "token_versions")  # int64 [n_response]: version index of the weights that generated each token (continuous collection)
 STEP_COUNT = "step_count"  # index of the turn within its trajectory (int64 scalar, 0-based)
 
 # Written by the env's step under "next" (shape [1], as in torchrl).

@@ -156,6 +156,7 @@ class ScriptedEngine:
     # ------------------------------------------------------------------ EngineProtocol
     def submit(self, request: EngineRequest) -> Future[EngineResult]:
         future: Future[EngineResult] = Future()
+        future.set_running_or_notify_cancel()  # running from now on: a caller's cancel() cannot race our set_result
         with self._wake:
             if self._closed:
                 raise RuntimeError("this ScriptedEngine is closed; build a new one.")

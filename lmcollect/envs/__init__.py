@@ -4,7 +4,7 @@ from lmcollect.envs.chat_env import ChatEnv, RewardError
 from lmcollect.envs.config import ChatEnvConfig
 from lmcollect.envs.datasets import PromptDataset, row_to_history
 from lmcollect.envs.pool import AsyncEnvPool
-from lmcollect.envs.protocol import EnvProtocol
+from lmcollect.envs.protocol import AsyncEnvProtocol, EnvProtocol
 from lmcollect.envs.rewards import (
     ExactMatchReward,
     MathAnswerReward,
@@ -25,6 +25,7 @@ from lmcollect.envs.tasks import (
 from lmcollect.envs.tasks import SHIPPED_TASKS, ShippedTask, comparison_dataset, get_shipped_task
 
 __all__ = [
+    "AsyncEnvProtocol",
     "PROMPT_ID",
     "SAMPLE_INDEX",
     "AsyncEnvPool",

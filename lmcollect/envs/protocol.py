@@ -31,3 +31,15 @@ class EnvProtocol(Protocol):
     def reset(self, td: TensorDictBase | None = None) -> TensorDictBase: ...
 
     def step(self, td: TensorDictBase) -> TensorDictBase: ...
+
+
+@runtime_checkable
+class AsyncEnvProtocol(EnvProtocol, Protocol):
+    """An env whose step may also be awaited: ``async astep(td)``, same input, result and effect as ``step``.
+
+    The continuous collector awaits ``astep`` on its event loop, so an env waiting on a tool does
+    not hold a thread; envs without it are stepped in a thread pool. :class:`~lmcollect.envs.ChatEnv`
+    implements it (awaiting an :class:`~lmcollect.envs.tasks.base.AsyncTask`'s ``arespond``).
+    """
+
+    async def astep(self, td: TensorDictBase) -> TensorDictBase: ...

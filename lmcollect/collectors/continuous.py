@@ -1,0 +1,578 @@
+"""The continuous collector: every dialog advances on its own against an engine, with bounded policy lag."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Collection, Iterator
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+
+from lmcollect.collectors.config import resolve_batching
+from lmcollect.collectors.dialog_tasks import DialogTasks, EngineSide, Slot
+from lmcollect.collectors.llm_collector import _instantiate_env, _state_of
+from lmcollect.collectors.trajectories import TrajectoryTracker, id_base, random_namespace
+from lmcollect.collectors.turn_flow import TurnFlow
+from lmcollect.collectors.versioning import PolicyVersion, make_policy_version
+from lmcollect.collectors.weights import WeightReceiverMixin
+from lmcollect.engines.protocol import EngineProtocol
+from lmcollect.policies.sampling import SamplingConfig
+from lmcollect.weight_sync.delta import WeightDelta
+from lmcollect.weight_sync.version import PushVersion
+from lmcollect.weight_sync.weights import to_weight_dict
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DIALOGS_IN_FLIGHT = 8
+
+
+class ContinuousLLMCollector(WeightReceiverMixin):
+    """Collects dialog turns with every dialog as its own task: no barrier between dialogs.
+
+    Each env slot runs one dialog at a time on a background asyncio loop: build the turn's
+    token-exact prompt, submit it to ``engine`` (an :class:`~lmcollect.engines.EngineProtocol`:
+    continuous batching, so requests join and leave the running batch), await the result, step the
+    env (``await env.astep(...)`` for an :class:`~lmcollect.envs.AsyncEnvProtocol` such as
+    :class:`~lmcollect.envs.ChatEnv`, so a tool call waits without holding a thread; any other env
+    in a thread pool), then the next turn. A slow response or tool call delays only its own dialog.
+    Finished turns go into batches (or ``replay_buffer``) as they finish.
+
+    Turns have exactly :class:`~lmcollect.collectors.LLMCollector`'s layout (same keys and ids),
+    plus ``("collector", "token_versions")`` (int64, one per response token): the version index of
+    the weights that generated each token. A push lands between two decoding steps, so a turn that
+    spans it has tokens of two versions; ``policy_version`` is the version when the turn started
+    (never newer than any of its tokens).
+
+    Slots and envs: a slot holds an env of batch size 1. ``env`` is a list of such envs (one per
+    slot) or a callable building one, called ``max_dialogs_in_flight`` times (the envs are then
+    alike: call :meth:`set_seed` to give slot ``i`` its own seed, as ``LLMCollector`` seeds its
+    envs). GRPO groups across slots (``ChatEnv(repeats=k)``) need envs of batch size k and are not
+    supported yet; group ids are still unique per prompt draw and slot.
+
+    Staleness and memory: a turn starts only while the turns started and not yet consumed stay
+    below ``(max_policy_lag + 1) * dialog_turns_per_batch`` (or ``max_buffered_turns``), and a batch
+    leaves only when every turn left behind can still leave within ``max_policy_lag`` versions (see
+    :mod:`lmcollect.collectors.turn_flow`). So, when the trainer pushes at most once per batch, no
+    consumed turn is more than ``max_policy_lag`` versions behind the collector, nothing is
+    discarded, and a consumer that stops reading stops generation.
+
+    Args:
+        env: a list of batch-1 envs (one per slot) or a callable building one.
+        engine: the inference engine (see :class:`~lmcollect.engines.EngineProtocol`).
+        tokenizer: builds the prompts' token ids (the engine's tokenizer; chat template, decode).
+        sampling: sampling settings of every request (default ``SamplingConfig()``).
+        stop_token_ids: ids that end a response (default: the tokenizer's eos).
+        dialog_turns_per_batch: turns per batch (exactly).
+        total_dialog_turns: turns to run in the collector's life; -1 runs forever.
+        yield_only_last_steps: yield only the last turn of completed trajectories.
+        yield_completed_trajectories: yield only whole completed trajectories.
+        postproc: applied to every batch before it is yielded or written.
+        replay_buffer: write batches there; iteration then yields None.
+        flatten_data: batches are always flat ``(N,)`` here (False is refused).
+        weight_updater: a :class:`~lmcollect.weight_sync.WeightUpdaterBase` or a constructor.
+        track_policy_version: True (int versions) or a :class:`PolicyVersion`.
+        max_policy_lag: ``k``: no consumed turn is more than k versions behind (None: unbounded).
+        max_dialogs_in_flight: env slots (dialogs run at once); default: the list's length, or 8.
+        max_buffered_turns: without ``max_policy_lag``, turns started and not consumed beyond which
+            no turn starts (default ``dialog_turns_per_batch + max_dialogs_in_flight``).
+        verbose: log progress at INFO level.
+
+    Example::
+
+        collector = ContinuousLLMCollector(make_env, engine=engine, tokenizer=tokenizer,
+                                           dialog_turns_per_batch=64, max_dialogs_in_flight=32,
+                                           max_policy_lag=1, track_policy_version=True)
+        for batch in collector:
+            train_step(model, batch)
+            collector.update_policy_weights_(model)   # lands between two decoding steps
+    """
+
+    def __init__(
+        self,
+        env: Any,
+        *,
+        engine: EngineProtocol,
+        tokenizer: Any,
+        sampling: SamplingConfig | None = None,
+        stop_token_ids: Collection[int] | None = None,
+        dialog_turns_per_batch: int,
+        total_dialog_turns: int = -1,
+        yield_only_last_steps: bool | None = None,
+        yield_completed_trajectories: bool | None = None,
+        postproc: Callable[[TensorDictBase], TensorDictBase] | None = None,
+        replay_buffer: Any | None = None,
+        flatten_data: bool | None = None,
+        weight_updater: Any | None = None,
+        track_policy_version: bool | PolicyVersion = False,
+        max_policy_lag: int | None = None,
+        max_dialogs_in_flight: int | None = None,
+        max_buffered_turns: int | None = None,
+        verbose: bool = False,
+    ) -> None:
+        if flatten_data is False:
+            raise ValueError(
+                "ContinuousLLMCollector batches are flat (N,) turns in finish order: dialogs do not advance in "
+                "lockstep, so there is no (num_envs, T) shape. Leave flatten_data=None."
+            )
+        if not isinstance(engine, EngineProtocol):
+            raise TypeError(f"engine must implement lmcollect.engines.EngineProtocol, got {type(engine).__name__}.")
+        self._mode, self._flatten = resolve_batching(
+            dialog_turns_per_batch=dialog_turns_per_batch,
+            total_dialog_turns=total_dialog_turns,
+            yield_only_last_steps=yield_only_last_steps,
+            yield_completed_trajectories=yield_completed_trajectories,
+            flatten_data=True,
+        )
+        _check_optional_int("max_policy_lag", max_policy_lag, minimum=0, hint="e.g. max_policy_lag=1")
+        _check_optional_int("max_dialogs_in_flight", max_dialogs_in_flight, minimum=1, hint="e.g. 16")
+        _check_optional_int("max_buffered_turns", max_buffered_turns, minimum=1, hint="e.g. 2 * dialog_turns_per_batch")
+        self._dialog_turns_per_batch = dialog_turns_per_batch
+        self._total_dialog_turns = total_dialog_turns
+        self.engine = engine
+        self.policy = engine  # what the weight-receiving side resets and reports (get_policy_model)
+        self.envs = _build_slot_envs(env, max_dialogs_in_flight)
+        self.postproc = postproc
+        self.replay_buffer = replay_buffer
+        self.verbose = verbose
+        self.max_policy_lag = max_policy_lag
+        self._policy_version = make_policy_version(track_policy_version)
+        self._push_lock = threading.Lock()  # one push at a time
+        self._tracker = TrajectoryTracker(len(self.envs), first_id=id_base(random_namespace()))
+        self._flow = TurnFlow(
+            mode=self._mode,
+            num_slots=len(self.envs),
+            turns_per_batch=dialog_turns_per_batch,
+            capacity=_capacity(dialog_turns_per_batch, len(self.envs), max_policy_lag, max_buffered_turns),
+            max_policy_lag=max_policy_lag,
+            max_turns=None if total_dialog_turns == -1 else total_dialog_turns,
+        )
+        stop_ids = list(stop_token_ids) if stop_token_ids is not None else [tokenizer.eos_token_id]
+        self._tasks = DialogTasks(
+            [Slot(env) for env in self.envs],
+            engine_side=EngineSide(
+                engine=engine, tokenizer=tokenizer, sampling=sampling or SamplingConfig(), stop_token_ids=stop_ids
+            ),
+            flow=self._flow,
+            tracker=self._tracker,
+            version_fn=self._version,
+            tracked=self._policy_version is not None,
+        )
+        self._batches = 0
+        self._writer: threading.Thread | None = None
+        self._unwritten = 0  # batches start()'s writer took and has not written yet
+        self._written = threading.Condition()
+        self._writer_error: BaseException | None = None
+        self._shut_down = False
+        self.leftover_turns: TensorDictBase | None = None
+        """After :meth:`shutdown` without a replay buffer: the finished turns no batch took."""
+        self._init_weight_sync(weight_updater)
+
+    def _version(self) -> tuple[int | str, int]:
+        if self._policy_version is None:
+            return -1, 0
+        return self._policy_version.version, self._policy_version.index
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def dialog_turns_per_batch(self) -> int:
+        return self._dialog_turns_per_batch
+
+    @property
+    def total_dialog_turns(self) -> int:
+        return self._total_dialog_turns
+
+    @property
+    def max_dialogs_in_flight(self) -> int:
+        return len(self.envs)
+
+    @property
+    def turns_run(self) -> int:
+        """Turns finished so far (including turns not yet yielded)."""
+        return self._tasks.turns_run
+
+    @property
+    def num_buffered_turns(self) -> int:
+        """Finished turns not yet yielded (trajectory modes: with the turns of dialogs under way)."""
+        return self._flow.num_buffered_turns
+
+    @property
+    def num_in_flight(self) -> int:
+        """Turns started and not finished."""
+        return self._flow.num_in_flight
+
+    @property
+    def policy_version(self) -> int | str | None:
+        return None if self._policy_version is None else self._policy_version.version
+
+    def get_policy_version(self) -> int | str | None:
+        return self.policy_version
+
+    def version_index(self) -> int:
+        return 0 if self._policy_version is None else self._policy_version.index
+
+    def increment_version(self) -> None:
+        """Bump the policy version (the engine's weights stay; prefer a push, which does both)."""
+        if self._policy_version is not None:
+            self._policy_version.increment()
+
+    def is_initialized(self) -> bool:
+        return not self._shut_down
+
+    # ------------------------------------------------------------------ iteration
+    def next(self) -> TensorDictBase | None:
+        """The next batch (None when a replay buffer is used: the batch went there)."""
+        self._raise_if_unusable()
+        batch = self._collect_output(wait_while_paused=False)
+        if batch is None:
+            raise StopIteration(
+                f"the collector has run total_dialog_turns={self._total_dialog_turns} turns "
+                f"({self.turns_run} run); build a new collector or raise total_dialog_turns."
+            )
+        if self.replay_buffer is not None:
+            self.replay_buffer.extend(batch)
+            return None
+        return batch
+
+    def _collect_output(self, *, wait_while_paused: bool) -> TensorDictBase | None:
+        """The next batch after postproc (a postproc returning None holds a batch back: collect on)."""
+        while True:
+            batch = self._next_raw_batch(wait_while_paused=wait_while_paused)
+            if batch is None:
+                return None
+            batch = self._postprocess(batch)
+            if batch is not None:
+                return batch
+
+    def _next_raw_batch(self, *, wait_while_paused: bool, on_pop: Callable[[], None] | None = None) -> TensorDictBase | None:
+        self._tasks.ensure_running()
+        batch = self._tasks.call(self._tasks.next_batch(wait_while_paused=wait_while_paused, on_pop=on_pop))
+        if batch is not None:
+            self._batches += 1
+            if self.verbose:
+                logger.info("batch %d: %d turns run of %s", self._batches, self.turns_run, self._total_dialog_turns)
+        return batch
+
+    def _postprocess(self, batch: TensorDictBase) -> TensorDictBase | None:
+        return self.postproc(batch) if self.postproc is not None else batch
+
+    def iterator(self) -> Iterator[TensorDictBase | None]:
+        """Yields batches until total_dialog_turns have run."""
+        while True:
+            try:
+                yield self.next()
+            except StopIteration:
+                return
+
+    def __iter__(self) -> Iterator[TensorDictBase | None]:
+        return self.iterator()
+
+    def _raise_if_unusable(self) -> None:
+        if self._shut_down:
+            raise RuntimeError("this collector was shut down; build a new one to collect again.")
+        if self._writer is not None and self._writer.is_alive():
+            raise RuntimeError("the collector is writing into its replay buffer (start()); call shutdown() first.")
+
+    # ------------------------------------------------------------------ background writing
+    def start(self) -> None:
+        """Collect into the replay buffer until total_dialog_turns, writing each batch as it is ready."""
+        if self.replay_buffer is None:
+            raise ValueError("start() writes into a replay buffer: pass replay_buffer=... to the collector.")
+        self._raise_if_unusable()
+        self._writer = threading.Thread(target=self._write_batches, name="lmcollect-continuous-writer", daemon=True)
+        self._writer.start()
+
+    def _write_batches(self) -> None:
+        try:
+            while True:
+                batch = self._next_raw_batch(wait_while_paused=True, on_pop=self._taking_batch)
+                if batch is None:
+                    return
+                try:
+                    batch = self._postprocess(batch)
+                    if batch is not None:
+                        self.replay_buffer.extend(batch)
+                finally:
+                    self._batch_written()
+        except BaseException as exc:  # designed: surfaced by is_running()/pause()
+            logger.exception("continuous collection failed")
+            self._writer_error = exc
+
+    def _taking_batch(self) -> None:
+        with self._written:
+            self._unwritten += 1
+
+    def _batch_written(self) -> None:
+        with self._written:
+            self._unwritten = max(0, self._unwritten - 1)
+            self._written.notify_all()
+
+    def is_running(self) -> bool:
+        """True while start()'s writer runs; re-raises the error that stopped it, if any."""
+        self._raise_writer_error()
+        return self._writer is not None and self._writer.is_alive()
+
+    def _raise_writer_error(self) -> None:
+        if self._writer_error is not None:
+            error, self._writer_error = self._writer_error, None
+            raise RuntimeError(f"background collection failed: {error!r}") from error
+
+    @contextlib.contextmanager
+    def pause(self, timeout_s: float = 600.0) -> Iterator[None]:
+        """Context manager: no turn starts inside it; turns under way finish first and are kept."""
+        try:
+            self.pause_begin(timeout_s)
+            yield
+        finally:
+            self.pause_end()
+
+    def pause_begin(self, timeout_s: float = 600.0) -> None:
+        """Stop admitting turns, wait for the turns under way, and for a batch being written."""
+        self._tasks.call(self._tasks.pause(), timeout_s)
+        with self._written:  # a batch taken before the pause is in the buffer when we return
+            if not self._written.wait_for(lambda: self._unwritten == 0, timeout_s):
+                raise TimeoutError(f"the batch being written did not reach the replay buffer within timeout_s={timeout_s}.")
+        self._raise_writer_error()
+
+    def pause_end(self) -> None:
+        if not self._shut_down:
+            self._tasks.call(self._tasks.resume())
+
+    def shutdown(self, timeout: float | None = 60.0) -> None:
+        """Let the turns under way finish (up to ``timeout`` s), stop, and keep every finished turn.
+
+        With a replay buffer the finished turns no batch took are written to it (after ``postproc``;
+        in trajectory modes only whole trajectories); otherwise they are left in :attr:`leftover_turns`.
+        No dialog is left half-written: a turn either finished (env stepped, turn kept) or never ran.
+        Safe to call twice.
+        """
+        if self._shut_down:
+            return
+        self._tasks.call(self._tasks.stop(timeout))
+        if self._writer is not None:
+            self._writer.join(timeout)
+        self._keep_leftovers(self._tasks.call(_drain(self._flow)))
+        self._tasks.close()
+        for env in self.envs:
+            close = getattr(env, "close", None)
+            if callable(close):
+                close()
+        self._shut_down = True
+        if self._writer_error is not None:
+            logger.warning("background collection had failed: %r", self._writer_error)
+
+    def _keep_leftovers(self, turns: TensorDictBase | None) -> None:
+        if turns is None:
+            return
+        if self.replay_buffer is None:
+            self.leftover_turns = turns
+            return
+        batch = self._postprocess(turns)
+        if batch is not None:
+            self.replay_buffer.extend(batch)
+
+    def __enter__(self) -> ContinuousLLMCollector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ weights
+    def apply_weights(
+        self,
+        weights: Any,
+        *,
+        model_id: str = "policy",
+        convert_dtype: bool = False,
+        version: PushVersion | None = None,
+        zero_copy: bool = False,
+    ) -> None:
+        """Load a push into the engine while it is paused between two decoding steps.
+
+        In order: check the version; ``engine.pause()`` (in-flight requests keep their state);
+        ``engine.load_weights(..., version=)`` (the engine checks every name and shape first);
+        ``engine.reset_prefix_cache()`` and take the push's version; ``engine.resume()``. Tokens
+        decoded from then on carry the new version in ``("collector", "token_versions")``.
+        ``zero_copy`` is accepted and ignored: the engine copies the weights into its own.
+        """
+        if model_id != "policy":
+            raise ValueError(f"model_id={model_id!r}: a ContinuousLLMCollector receives weights for 'policy' only.")
+        if isinstance(weights, WeightDelta):
+            raise TypeError(
+                "delta pushes are not supported by ContinuousLLMCollector yet; push full weights "
+                "(RayPushConfig(delta=False))."
+            )
+        if convert_dtype:
+            raise TypeError("convert_dtype is not supported here: push the engine's dtype.")
+        weights = to_weight_dict(weights)
+        self._check_version(version)
+        with self._push_lock:
+            index = version.index if version is not None else self._next_index()
+            self.engine.pause()
+            try:
+                self.engine.load_weights(weights.items(), version=index)
+                self._finish_update(version)  # resets the engine's prefix cache, takes the version
+            finally:
+                self.engine.resume()
+
+    def _next_index(self) -> int:
+        if self._policy_version is not None:
+            return self._policy_version.index + 1
+        return max(self.engine.version, 0) + 1
+
+    # ------------------------------------------------------------------ seeds, state
+    def set_seed(self, seed: int, static_seed: bool = False) -> int:
+        """Seed slot envs ``seed, seed+1, ...`` (as LLMCollector seeds its envs); new dialogs in every slot.
+
+        Waits for the turns under way; dialogs under way are dropped (in trajectory modes with their turns).
+        """
+        with self._paused_here():
+            out_seed = seed
+            for env in self.envs:
+                set_env_seed = getattr(env, "set_seed", None)
+                if callable(set_env_seed):
+                    out_seed = set_env_seed(out_seed, static_seed=static_seed)
+            self._tasks.call(_restart_dialogs(self._tasks))
+            return out_seed
+
+    @contextlib.contextmanager
+    def _paused_here(self) -> Iterator[None]:
+        """Paused for the block (nested in a caller's pause: stays paused after it)."""
+        if self._tasks.paused:
+            yield
+            return
+        with self.pause():
+            yield
+
+    def state_dict(self) -> OrderedDict:
+        """The collector's state, taken with no turn in flight (call it inside ``with collector.pause():``).
+
+        Counters, policy version and engine weights (when the engine exposes a ``model``), every
+        slot's env state and dialog under way, the finished turns not yet yielded and the id
+        counters. A collector built the same way continues from it with the same dialogs and
+        loses no finished turn; which dialog finishes its turn first depends on timing, so later
+        batches are not bitwise those of an uninterrupted run.
+        """
+        if self._flow.num_in_flight or (self._tasks.started and not self._tasks.paused):
+            raise RuntimeError(
+                "state_dict() needs every dialog between two turns: call it inside `with collector.pause():`."
+            )
+        return self._tasks.call(self._snapshot())
+
+    async def _snapshot(self) -> OrderedDict:
+        state: OrderedDict = OrderedDict()
+        state["layout"] = self.layout()
+        state["env_state_dict"] = [_state_of(env) for env in self.envs]
+        model = self.get_policy_model()
+        state["policy_state_dict"] = _state_of(model) if isinstance(model, torch.nn.Module) else None
+        state["turns_run"] = self._tasks.turns_run
+        state["batches"] = self._batches
+        state["policy_version"] = None if self._policy_version is None else self._policy_version.state_dict()
+        state["trajectories"] = self._tracker.state_dict()
+        state["observations"] = [{"obs": s.obs, "was_reset": s.was_reset} for s in self._tasks.slots]
+        state["pending_turns"] = self._flow.state_dict()
+        return state
+
+    def layout(self) -> dict[str, Any]:
+        return {
+            "mode": self._mode,
+            "dialog_turns_per_batch": self._dialog_turns_per_batch,
+            "max_dialogs_in_flight": len(self.envs),
+            "max_policy_lag": self.max_policy_lag,
+        }
+
+    def load_state_dict(self, state_dict: OrderedDict, **kwargs: Any) -> None:
+        """Restore :meth:`state_dict` (before collecting, or inside ``with collector.pause():``)."""
+        mine = self.layout()
+        wrong = [f"{k}={state_dict['layout'].get(k)!r} (this collector: {v!r})" for k, v in mine.items()
+                 if state_dict["layout"].get(k) != v]
+        if wrong:
+            raise ValueError("this state comes from a collector with another configuration: " + "; ".join(wrong) + ".")
+        version = state_dict.get("policy_version")
+        pushed = None if version is None else PushVersion(int(version["index"]), str(version["uuid"]))
+        if state_dict.get("policy_state_dict") is not None:
+            self.apply_weights(state_dict["policy_state_dict"], version=pushed)
+        elif pushed is not None and self._policy_version is not None:
+            self._check_version(pushed)
+            self._policy_version.set(pushed)
+        with self._paused_here():
+            self._tasks.call(self._restore(state_dict))
+
+    async def _restore(self, state: OrderedDict) -> None:
+        for env, env_state in zip(self.envs, state["env_state_dict"]):
+            if env_state is not None:
+                env.load_state_dict(env_state)
+        self._tasks.turns_run = int(state["turns_run"])
+        self._batches = int(state["batches"])
+        self._tracker.load_state_dict(state["trajectories"])
+        for slot, saved in zip(self._tasks.slots, state["observations"]):
+            slot.obs, slot.was_reset = saved["obs"], bool(saved["was_reset"])
+        self._flow.load_state_dict(state["pending_turns"])
+        self._flow.num_dialogs_running = sum(slot.obs is not None for slot in self._tasks.slots)
+
+    # ------------------------------------------------------------------ attribute access
+    def getattr_env(self, attr: str) -> Any:
+        return [getattr(env, attr) for env in self.envs]
+
+    def getattr_policy(self, attr: str) -> Any:
+        return getattr(self.engine, attr)
+
+    def getattr_rb(self, attr: str) -> Any:
+        if self.replay_buffer is None:
+            raise AttributeError("this collector has no replay_buffer; pass replay_buffer=... to use getattr_rb.")
+        return getattr(self.replay_buffer, attr)
+
+
+async def _drain(flow: TurnFlow) -> TensorDictBase | None:
+    return flow.drain()
+
+
+async def _restart_dialogs(tasks: DialogTasks) -> None:
+    index = tasks.version_fn()[1]
+    for i, slot in enumerate(tasks.slots):
+        if slot.obs is not None:
+            tasks.flow.num_dialogs_running -= 1
+            tasks.flow.drop_dialog(i)
+        slot.obs, slot.was_reset = None, False
+        tasks.tracker.end(i, index)
+
+
+def _capacity(turns_per_batch: int, num_slots: int, max_policy_lag: int | None, max_buffered_turns: int | None) -> int:
+    if max_policy_lag is not None:
+        lag_bound = (max_policy_lag + 1) * turns_per_batch
+        return lag_bound if max_buffered_turns is None else min(lag_bound, max_buffered_turns)
+    return max_buffered_turns if max_buffered_turns is not None else turns_per_batch + num_slots
+
+
+def _check_optional_int(name: str, value: Any, *, minimum: int, hint: str) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+        raise ValueError(f"{name} must be an int >= {minimum} or None, got {value!r} ({hint}).")
+
+
+def _build_slot_envs(env: Any, max_dialogs_in_flight: int | None) -> list[Any]:
+    if isinstance(env, (list, tuple)):
+        if max_dialogs_in_flight is not None and max_dialogs_in_flight != len(env):
+            raise ValueError(
+                f"max_dialogs_in_flight={max_dialogs_in_flight} but env lists {len(env)} envs (one per slot); "
+                "drop max_dialogs_in_flight or pass that many envs."
+            )
+        envs = [_instantiate_env(e) for e in env]
+    elif callable(env) and not hasattr(env, "batch_size"):
+        envs = [_instantiate_env(env) for _ in range(max_dialogs_in_flight or DEFAULT_DIALOGS_IN_FLIGHT)]
+    else:
+        raise TypeError(
+            "env must be a list of batch-1 envs (one per slot) or a callable building one, got "
+            f"{type(env).__name__}; each dialog runs on its own, so every slot needs its own env."
+        )
+    for i, built in enumerate(envs):
+        size = int(torch.Size(built.batch_size).numel())
+        if size != 1:
+            raise ValueError(
+                f"slot {i}'s env has batch_size {tuple(built.batch_size)}; each slot runs one dialog, so "
+                "build envs with batch_size=1 (e.g. ChatEnv(..., batch_size=1)) and set max_dialogs_in_flight."
+            )
+    if not envs:
+        raise ValueError("env is an empty list; pass one env per slot.")
+    return envs

@@ -1,0 +1,297 @@
+"""Every dialog as its own asyncio task on a background loop: admit, generate, step the env, record.
+
+:class:`DialogTasks` owns one task per env slot. A slot's task loops: wait for admission
+(:class:`~lmcollect.collectors.turn_flow.TurnFlow`), start a dialog if it has none, build the turn's
+token-exact prompt, submit it to the engine and await the result, step the env (awaited with
+``astep``, else in a thread pool), stamp the turn's ids and hand it to the flow. No slot waits for
+another. All bookkeeping happens on the loop's thread; other threads reach it through :meth:`call`.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable, Collection, Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+from tensordict import TensorDict, TensorDictBase, lazy_stack
+
+from lmcollect.collectors.batcher import CollectedTurn
+from lmcollect.collectors.engine_turns import prompt_of, request_of, turn_from_result
+from lmcollect.collectors.env_runner import _next_observation, _stamp, check_turn, env_next
+from lmcollect.collectors.trajectories import TrajectoryTracker
+from lmcollect.collectors.turn_flow import TurnFlow
+from lmcollect.data import keys
+from lmcollect.engines.protocol import EngineProtocol
+from lmcollect.envs.protocol import AsyncEnvProtocol
+from lmcollect.policies.sampling import SamplingConfig
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+VersionFn = Callable[[], tuple[int | str, int]]
+_RECHECK_S = 0.1  # a waiting consumer re-reads the version this often (a push does not notify the loop)
+
+
+class LoopThread:
+    """An asyncio event loop running on a daemon thread."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        """Run ``coro`` on the loop and wait for its result (its error is raised here)."""
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise
+
+    def close(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=30)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+@dataclass
+class Slot:
+    """One env slot: a batch-1 env and the observation of its dialog under way (None: none)."""
+
+    env: Any
+    obs: TensorDictBase | None = None
+    was_reset: bool = False
+
+
+@dataclass(kw_only=True)
+class EngineSide:
+    """How turns are generated: the engine, the tokenizer that builds prompts, sampling and stop ids."""
+
+    engine: EngineProtocol
+    tokenizer: Any
+    sampling: SamplingConfig
+    stop_token_ids: Collection[int]
+
+
+class DialogTasks:
+    """One asyncio task per env slot, admission and release through a :class:`TurnFlow`."""
+
+    def __init__(
+        self,
+        slots: list[Slot],
+        *,
+        engine_side: EngineSide,
+        flow: TurnFlow,
+        tracker: TrajectoryTracker,
+        version_fn: VersionFn,
+        tracked: bool,
+    ) -> None:
+        self.slots = slots
+        self.engine_side = engine_side
+        self.flow = flow
+        self.tracker = tracker
+        self.version_fn = version_fn
+        self.tracked = tracked
+        self.turns_run = 0
+        self._runner = LoopThread("lmcollect-dialogs")
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(slots), thread_name_prefix="lmcollect-env")
+        self._cond = self.call(_make_condition())
+        self._tasks: list[asyncio.Task] = []
+        self._paused = False
+        self._stopping = False
+        self._errors: list[BaseException] = []
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        return self._runner.call(coro, timeout_s)
+
+    # ------------------------------------------------------------------ control (any thread)
+    def ensure_running(self) -> None:
+        """Start the slots' tasks (once)."""
+        if not self._tasks:
+            self.call(self._start_tasks())
+
+    async def _start_tasks(self) -> None:
+        if not self._tasks:
+            self._tasks = [asyncio.create_task(self._run_slot(i), name=f"dialog-slot-{i}") for i in range(len(self.slots))]
+
+    async def next_batch(
+        self, *, wait_while_paused: bool, on_pop: Callable[[], None] | None = None
+    ) -> TensorDictBase | None:
+        """The next batch once one may leave; None when the turn budget is spent (or on shutdown).
+
+        ``on_pop`` runs on the loop as the batch leaves (before any pause can complete).
+        """
+        async with self._cond:
+            while True:
+                self._raise_error()
+                if self._paused and not wait_while_paused:
+                    raise RuntimeError(
+                        "next() was called inside collector.pause(): no turn starts while paused, so no batch "
+                        "would come; iterate after the pause ends."
+                    )
+                if not self._paused:
+                    index = self.version_fn()[1]
+                    if self.flow.ready(index):
+                        batch = self.flow.pop(index)
+                        if on_pop is not None:
+                            on_pop()
+                        self._cond.notify_all()
+                        return batch
+                    if self.flow.exhausted():
+                        return None
+                if self._stopping:
+                    return None
+                await _wait(self._cond, _RECHECK_S)
+
+    async def pause(self) -> None:
+        """Admit no turn; return once every turn under way has finished (and is kept)."""
+        async with self._cond:
+            self._paused = True
+            self._cond.notify_all()
+            await self._cond.wait_for(lambda: self.flow.num_in_flight == 0)
+
+    async def resume(self) -> None:
+        async with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+
+    async def stop(self, timeout_s: float | None) -> None:
+        """Let the turns under way finish (up to ``timeout_s``), then end every slot's task."""
+        await self._drain(timeout_s)
+        async with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _drain(self, timeout_s: float | None) -> None:
+        try:
+            await asyncio.wait_for(self.pause(), timeout_s)
+        except TimeoutError:
+            logger.warning(
+                "shutdown: %d turns were still generating after %s s; they are dropped (their dialogs are not advanced).",
+                self.flow.num_in_flight, timeout_s,
+            )
+
+    def close(self) -> None:
+        self._runner.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def started(self) -> bool:
+        """Whether the slots' tasks were started (collection began)."""
+        return bool(self._tasks)
+
+    def _raise_error(self) -> None:
+        if self._errors:
+            error = self._errors.pop(0)
+            self._cond.notify_all()  # admission resumes once every error has been raised
+            raise error
+
+    # ------------------------------------------------------------------ one slot
+    async def _run_slot(self, i: int) -> None:
+        slot = self.slots[i]
+        while True:
+            new_dialog = slot.obs is None
+            async with self._cond:
+                await self._cond.wait_for(lambda: self._stopping or self._may_start(new_dialog))
+                if self._stopping:
+                    return
+                version, index = self.version_fn()
+                self.flow.start_turn(index, new_dialog=new_dialog)
+            try:
+                turn = await self._run_turn(i, slot, version, index)
+            except Exception as exc:  # designed: surfaced by the consumer's next(); this dialog is dropped
+                exc.add_note(f"raised in dialog slot {i} (env index {i}) of a ContinuousLLMCollector")
+                async with self._cond:
+                    self._drop_dialog(i, slot, index)
+                    self._errors.append(exc)
+                    self._cond.notify_all()
+                continue
+            async with self._cond:
+                self.flow.finish_turn(index, turn)
+                self.turns_run += 1
+                self._cond.notify_all()
+
+    def _may_start(self, new_dialog: bool) -> bool:
+        return not self._paused and not self._errors and self.flow.may_start(new_dialog=new_dialog)
+
+    def _drop_dialog(self, i: int, slot: Slot, index: int) -> None:
+        self.flow.abandon_turn(index, end_dialog=True)
+        dropped = self.flow.drop_dialog(i)
+        if dropped:
+            logger.info("slot %d: dropped %d turns of a trajectory that failed", i, dropped)
+        slot.obs = None
+        self.tracker.end(i, index)
+
+    async def _run_turn(self, i: int, slot: Slot, version: int | str, index: int) -> CollectedTurn:
+        if slot.obs is None:
+            slot.obs = await self._new_dialog(i, slot, index)
+        obs, side = slot.obs, self.engine_side
+        traj_id = self.tracker.traj_id(i)
+        prompt = prompt_of(obs, side.tokenizer, side.stop_token_ids)
+        request = request_of(
+            prompt, sampling=side.sampling, stop_token_ids=side.stop_token_ids, request_id=str(traj_id), affinity=str(traj_id)
+        )
+        result = await asyncio.wrap_future(side.engine.submit(request))
+        turn = turn_from_result(obs, prompt, result, tokenizer=side.tokenizer, sampling=side.sampling, tracked=self.tracked)
+        check_turn(turn, i, side.engine)
+        nxt = await self._step_env(i, slot.env, turn)
+        done = bool(nxt.get(keys.DONE).any())
+        traj_id, step_count, min_version = self.tracker.stamp(i, index)
+        _stamp(turn, version, index, traj_id, step_count, min_version, i, self._group_id(i, turn))
+        if done:
+            self.tracker.end(i, index)
+        slot.obs = None if done else _next_observation(turn, nxt)
+        return CollectedTurn(slot=i, traj_id=traj_id, done=done, td=turn)
+
+    async def _new_dialog(self, i: int, slot: Slot, index: int) -> TensorDictBase:
+        if slot.was_reset:
+            mask = TensorDict({keys.RESET: torch.ones(1, 1, dtype=torch.bool)}, batch_size=[1])
+            fresh = await self._in_thread(slot.env.reset, mask)
+        else:
+            fresh = await self._in_thread(slot.env.reset)
+        slot.was_reset = True
+        self.tracker.end(i, index)
+        return fresh.unbind(0)[0]
+
+    async def _step_env(self, i: int, env: Any, turn: TensorDictBase) -> TensorDictBase:
+        td = lazy_stack([turn])
+        stepped = await env.astep(td) if isinstance(env, AsyncEnvProtocol) else await self._in_thread(env.step, td)
+        nxt = env_next(stepped, env, i, 1)[0]
+        turn.set("next", nxt)
+        return nxt
+
+    async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _group_id(self, i: int, turn: TensorDictBase) -> int:
+        prompt_id = turn.get(keys.ENV_PROMPT_ID, None)
+        if prompt_id is None:
+            return -1
+        return self.tracker.group_id(i, len(self.slots), int(prompt_id))
+
+
+async def _make_condition() -> asyncio.Condition:
+    return asyncio.Condition()  # bound to the loop it is created on
+
+
+async def _wait(cond: asyncio.Condition, timeout_s: float) -> None:
+    """``cond.wait()`` for at most ``timeout_s`` (the lock is held again either way)."""
+    try:
+        await asyncio.wait_for(cond.wait(), timeout_s)
+    except TimeoutError:
+        pass

@@ -1,0 +1,217 @@
+"""Admission and release of turns in continuous collection: backpressure and bounded policy lag (pure logic).
+
+The continuous collector runs every dialog on its own; this module decides when a dialog may start
+its next turn and when finished turns may leave as a batch. One thread (the collector's event
+loop) calls it, so it holds no lock.
+
+**Admission.** A turn starts only while the turns started and not yet consumed (in flight, or
+finished and waiting for a batch) stay below ``capacity``: ``(max_policy_lag + 1) * B`` with
+``max_policy_lag`` set, else ``max_buffered_turns``. A consumer that stops reading therefore stops
+generation. This is AReaL's rule ``started + running <= (k + v + 1) * B`` with ``v * B`` replaced
+by the turns actually consumed (the same when the trainer pushes once per batch).
+
+**Release with bounded lag** (``max_policy_lag=k``, flat turn batches). A turn started under
+version ``s`` must leave in a batch released while the collector's version is at most ``s + k``
+(its deadline). A batch takes the ``B`` finished turns with the oldest versions (ties: first
+finished first), and is released only if every turn left behind, finished or in flight, can
+still meet its deadline when each later batch brings at most one new version: sorted by deadline,
+the ``i``-th remaining turn (0-based) needs ``deadline >= v + ceil((i + 1) / B)``. Otherwise the
+batch waits for the old turns still in flight. With admission, every deadline can be met, and
+nothing is discarded. The bound assumes at most one push per batch consumed (train, push, next
+batch); pushing more often makes versions outrun it.
+
+Trajectory modes (``yield_completed_trajectories`` / ``yield_only_last_steps``) release completed
+trajectories in completion order (:class:`~lmcollect.collectors.batcher.Batcher`); there, only new
+dialogs wait for admission (a dialog under way always finishes), and ``max_policy_lag`` is refused.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from tensordict import TensorDictBase
+
+from lmcollect.collectors.batcher import Batcher, BatchMode, CollectedTurn
+from lmcollect.data.turns import stack_turns
+
+
+class TurnFlow:
+    """Counts started, in-flight, finished and consumed turns; decides admission and release.
+
+    Args:
+        mode: the batch mode (``"steps"``: flat batches of turns in finish order).
+        num_slots: dialogs run at once (env slots).
+        turns_per_batch: ``B``, turns per batch.
+        capacity: turns started and not consumed beyond which no turn (steps) or dialog
+            (trajectory modes) starts.
+        max_policy_lag: ``k`` (steps mode only), or None for no lag bound.
+        max_turns: turns to start in the collector's life (None: endless); in steps mode rounded up
+            to whole batches.
+    """
+
+    def __init__(
+        self,
+        *,
+        mode: BatchMode,
+        num_slots: int,
+        turns_per_batch: int,
+        capacity: int,
+        max_policy_lag: int | None,
+        max_turns: int | None,
+    ) -> None:
+        if max_policy_lag is not None and mode != "steps":
+            raise ValueError(
+                "max_policy_lag bounds the lag of turns in flat turn batches; it cannot be combined with "
+                "yield_completed_trajectories / yield_only_last_steps. Drop max_policy_lag, or yield turns."
+            )
+        self.mode = mode
+        self.turns_per_batch = turns_per_batch
+        self.capacity = capacity
+        self.max_policy_lag = max_policy_lag
+        if max_turns is not None and mode == "steps":
+            max_turns = math.ceil(max_turns / turns_per_batch) * turns_per_batch
+        self.max_turns = max_turns
+        self.num_started = 0
+        self.num_consumed = 0
+        self.num_dialogs_running = 0
+        self._in_flight: Counter[int] = Counter()  # version index -> turns in flight
+        self._finished: list[tuple[int, int, CollectedTurn]] = []  # steps mode: (version, seq, turn)
+        self._seq = 0
+        self._batcher = None if mode == "steps" else Batcher(
+            mode=mode, num_slots=num_slots, turns_per_batch=turns_per_batch, flatten=True
+        )
+
+    # ------------------------------------------------------------------ admission
+    @property
+    def num_in_flight(self) -> int:
+        return sum(self._in_flight.values())
+
+    @property
+    def num_buffered_turns(self) -> int:
+        """Finished turns not consumed yet (trajectory modes: also turns of dialogs under way)."""
+        return len(self._finished) if self._batcher is None else self._batcher.num_buffered_turns
+
+    def budget_left(self) -> bool:
+        return self.max_turns is None or self.num_started < self.max_turns
+
+    def may_start(self, *, new_dialog: bool) -> bool:
+        """Whether a dialog may start its next turn (a new dialog: its first one)."""
+        if self._batcher is not None and not new_dialog:
+            return True  # a dialog under way always finishes: its trajectory is needed whole
+        if not self.budget_left():
+            return False
+        return self.num_buffered_turns + self.num_in_flight < self.capacity
+
+    def start_turn(self, version_index: int, *, new_dialog: bool) -> None:
+        self.num_started += 1
+        self._in_flight[version_index] += 1
+        if new_dialog:
+            self.num_dialogs_running += 1
+
+    def abandon_turn(self, version_index: int, *, end_dialog: bool) -> None:
+        """A turn that failed: it leaves the in-flight count (and its dialog ends if ``end_dialog``)."""
+        self._remove_in_flight(version_index)
+        self.num_started -= 1
+        if end_dialog:
+            self.num_dialogs_running -= 1
+
+    def finish_turn(self, version_index: int, turn: CollectedTurn) -> None:
+        self._remove_in_flight(version_index)
+        if turn.done:
+            self.num_dialogs_running -= 1
+        if self._batcher is not None:
+            self._batcher.add(turn)
+            return
+        self._finished.append((version_index, self._seq, turn))
+        self._seq += 1
+
+    def drop_dialog(self, slot: int) -> int:
+        """Forget the unfinished trajectory of ``slot`` (its dialog was abandoned); turns dropped."""
+        return 0 if self._batcher is None else self._batcher.drop_pending(slot)
+
+    def _remove_in_flight(self, version_index: int) -> None:
+        self._in_flight[version_index] -= 1
+        if self._in_flight[version_index] <= 0:
+            del self._in_flight[version_index]
+
+    # ------------------------------------------------------------------ release
+    def ready(self, version_index: int) -> bool:
+        """Whether a batch may leave now, the collector holding ``version_index``."""
+        if self._batcher is not None:
+            return self._batcher.ready()
+        if len(self._finished) < self.turns_per_batch:
+            return False
+        if self.max_policy_lag is None:
+            return True
+        _, left = self._split()
+        return _deadlines_met(left, version_index, self.max_policy_lag, self.turns_per_batch)
+
+    def pop(self, version_index: int) -> TensorDictBase:
+        """The next batch (call only when :meth:`ready`)."""
+        assert self.ready(version_index), "pop() called before a batch was ready"
+        if self._batcher is not None:
+            batch = self._batcher.pop()
+            self.num_consumed += batch.shape[0]
+            return batch
+        if self.max_policy_lag is None:
+            taken, self._finished = self._finished[: self.turns_per_batch], self._finished[self.turns_per_batch :]
+        else:
+            taken = sorted(self._finished, key=lambda item: item[:2])[: self.turns_per_batch]
+            chosen = {id(item) for item in taken}
+            self._finished = [item for item in self._finished if id(item) not in chosen]
+            taken.sort(key=lambda item: item[1])  # the batch keeps finish order
+        self.num_consumed += len(taken)
+        return stack_turns([item[2].td for item in taken])
+
+    def _split(self) -> tuple[list[int], list[int]]:
+        """(versions of the next batch, versions of every turn left: finished and in flight)."""
+        ordered = sorted(self._finished, key=lambda item: item[:2])
+        taken = [v for v, _, _ in ordered[: self.turns_per_batch]]
+        left = [v for v, _, _ in ordered[self.turns_per_batch :]] + list(self._in_flight.elements())
+        return taken, left
+
+    def exhausted(self) -> bool:
+        """The turn budget is spent and nothing more can ever make a batch."""
+        if self.budget_left() or self.num_in_flight:
+            return False
+        if self._batcher is not None:
+            return not self.num_dialogs_running and not self._batcher.ready()
+        return len(self._finished) < self.turns_per_batch
+
+    def drain(self) -> TensorDictBase | None:
+        """Every finished turn that could go into a batch (trajectory modes: whole trajectories), consumed now."""
+        if self._batcher is not None:
+            tds = self._batcher.pop_completed()
+        else:
+            tds = [item[2].td for item in self._finished]
+            self._finished = []
+        self.num_consumed += len(tds)
+        return stack_turns(tds) if tds else None
+
+    def state_dict(self) -> dict:
+        """The finished turns not consumed yet and the counters (taken with no turn in flight)."""
+        assert not self._in_flight, "state_dict() with turns in flight"
+        pending = self._batcher.state_dict() if self._batcher is not None else [
+            {"version": v, "slot": t.slot, "traj_id": t.traj_id, "done": t.done, "td": t.td} for v, _, t in self._finished
+        ]
+        return {"num_started": self.num_started, "num_consumed": self.num_consumed, "pending": pending}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.num_started = int(state["num_started"])
+        self.num_consumed = int(state["num_consumed"])
+        if self._batcher is not None:
+            self._batcher.load_state_dict(state["pending"])
+            return
+        self._finished = []
+        for item in state["pending"]:
+            turn = CollectedTurn(slot=item["slot"], traj_id=item["traj_id"], done=item["done"], td=item["td"])
+            self._finished.append((int(item["version"]), self._seq, turn))
+            self._seq += 1
+
+
+def _deadlines_met(versions: list[int], version_index: int, max_policy_lag: int, turns_per_batch: int) -> bool:
+    """Whether turns of these versions can all leave in time, one batch (and at most one version) at a time."""
+    for i, version in enumerate(sorted(versions)):
+        if version + max_policy_lag < version_index + math.ceil((i + 1) / turns_per_batch):
+            return False
+    return True
