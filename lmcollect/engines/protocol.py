@@ -21,7 +21,11 @@ import torch
 
 from lmcollect.policies.sampling import SamplingConfig
 
-__all__ = ["EngineProtocol", "EngineRequest", "EngineResult"]
+__all__ = ["EngineClosedError", "EngineProtocol", "EngineRequest", "EngineResult"]
+
+
+class EngineClosedError(RuntimeError):
+    """The engine was closed before the request finished (its tokens are lost; resubmit it elsewhere)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +58,9 @@ class EngineResult:
     """int64 ``[n]``: the weight version that generated each token (differs within a response that spanned a push)."""
     finish_reason: str
     """``"stop"`` (a stop token or string) or ``"length"`` (``max_new_tokens`` reached)."""
+    sampled_log_probs: torch.Tensor | None = None
+    """float32 ``[n]``: log-probs under the distribution actually sampled (after temperature / top-k /
+    top-p; 0 for greedy), with ``SamplingConfig(sampled_log_probs=True)`` on engines that support it; else None."""
 
 
 @runtime_checkable

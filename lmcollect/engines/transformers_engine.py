@@ -1,0 +1,375 @@
+"""Continuous batching of our own over a ``transformers`` causal LM, behind :class:`EngineProtocol`."""
+from __future__ import annotations
+
+import inspect
+import logging
+import numbers
+import threading
+from collections import deque
+from collections.abc import Iterable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import DynamicCache
+
+from lmcollect.engines.kv_batch import LeftPaddedKVCache
+from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult
+from lmcollect.engines.running_request import RunningRequest
+from lmcollect.weight_sync.weights import (
+    align_names,
+    raise_if_problems,
+    tensor_metadata,
+    unique_targets,
+    weight_problems,
+)
+
+if TYPE_CHECKING:  # transformers' model classes: the caller built the model
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = ["TransformersEngine"]
+
+logger = logging.getLogger(__name__)
+
+Outcome = tuple[RunningRequest, EngineResult | BaseException]
+
+
+class TransformersEngine:
+    """Answers requests as they arrive, batching every running request into one decoding step.
+
+    A background thread runs the loop. Each step (under the loop's lock):
+
+    1. admit queued requests while fewer than ``max_batch_size`` run;
+    2. decode the running batch: one forward pass over each row's last token, with the rows'
+       keys/values left-padded in one cache (:class:`~lmcollect.engines.kv_batch.LeftPaddedKVCache`),
+       an attention mask and each row's own position ids;
+    3. prefill each newcomer alone (no padding) and append its keys/values to the batch cache;
+    4. pick every row's next token from its raw logits (:class:`~lmcollect.engines.running_request.RunningRequest`:
+       raw log-prob first, then sampling with the request's own generator);
+    5. resolve the requests that ended (a stop token, a stop string or ``max_new_tokens``) and
+       drop their rows from the cache.
+
+    Log-probs are the raw model's (log-softmax at temperature 1) in float32: a plain forward pass
+    over prompt + response reproduces them. :meth:`load_weights` writes in place between two steps
+    (it takes the loop's lock) and marks the cache stale: the next step re-prefills every running
+    request (prompt + tokens so far) under the new weights, so each token after a load is exactly
+    what the new weights give that prefix, and ``token_versions`` switch at that token.
+
+    Supported sampling: ``temperature`` (0 = greedy), ``top_k``, ``top_p``, ``min_new_tokens``,
+    ``repetition_penalty``, ``ignore_eos`` (the model's eos is never drawn; the request's
+    ``stop_token_ids`` still stop), ``stop_strings``, ``sampled_log_probs``. ``sampling.seed`` is
+    not read: each request is seeded by :attr:`EngineRequest.seed` (None: a seed drawn from torch's
+    global RNG at submit).
+
+    Args:
+        model: a causal LM whose cache is plain full attention (no sliding-window or recurrent
+            layers); exposed as ``.model``.
+        tokenizer: its tokenizer (eos id, stop strings).
+        max_batch_size: most requests decoded together; the rest wait in the queue.
+        version: the version of the weights the model holds now (-1: before any push).
+
+    Example::
+
+        engine = TransformersEngine(model, tokenizer, max_batch_size=16)
+        future = engine.submit(EngineRequest(prompt_ids=ids, sampling=SamplingConfig(temperature=0)))
+        engine.pause(); engine.load_weights(trainer_model.state_dict().items(), version=1); engine.resume()
+        result = future.result()  # result.token_versions: -1 before the load, 1 after
+        engine.close()
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        max_batch_size: int = 16,
+        version: int = -1,
+    ) -> None:
+        _check_int("max_batch_size", max_batch_size, minimum=1, hint="the most requests decoded together")
+        _check_int("version", version, minimum=-1, hint="-1 before any push")
+        _check_model(model)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self._version = version
+        self._eos_ids = _eos_token_ids(model, tokenizer)
+        self._vocab_size = model.get_input_embeddings().num_embeddings
+        self._device = next(model.parameters()).device
+        self._step_lock = threading.Lock()  # held for one whole step; loads and pauses wait for it
+        self._state = threading.Condition()  # guards the queue and the flags; the loop sleeps on it
+        self._queue: deque[RunningRequest] = deque()
+        self._rows: list[RunningRequest] = []  # the running batch (loop thread only, under the step lock)
+        self._batch = LeftPaddedKVCache()
+        self._paused = self._closed = self._weights_changed = False
+        self._num_in_flight = 0
+        self._outcomes: list[Outcome] = []  # the current step's ended requests (loop thread only)
+        self._thread = threading.Thread(target=self._run, name="TransformersEngine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ the protocol
+    def submit(self, request: EngineRequest) -> Future[EngineResult]:
+        """Queue ``request``; the future resolves with its :class:`EngineResult` when it ends."""
+        self._check_request(request)
+        running = RunningRequest(request, eos_token_ids=self._eos_ids, tokenizer=self.tokenizer, device=self._device)
+        with self._state:
+            if self._closed:
+                raise EngineClosedError("this TransformersEngine is closed; build a new engine to submit requests.")
+            self._queue.append(running)
+            self._num_in_flight += 1
+            self._state.notify_all()
+        return running.future
+
+    def pause(self) -> None:
+        """Stop before the next step and return once the current one is done; requests keep their state."""
+        with self._state:
+            self._paused = True
+        with self._step_lock:  # the step running now (if any) ends before this is acquired
+            pass
+
+    def resume(self) -> None:
+        """Continue decoding every running and queued request."""
+        with self._state:
+            self._paused = False
+            self._state.notify_all()
+
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int, convert_dtype: bool = False
+    ) -> None:
+        """Check every tensor against the model, then copy them in place between two steps and take ``version``.
+
+        All or nothing: a missing, unexpected, misshapen or wrongly typed tensor raises one
+        ValueError naming each, before anything is written (``convert_dtype=True`` casts floating
+        tensors instead). Tied weights may come under either name. Names carrying one extra leading
+        component (``model.`` of a policy wrapping the model) are accepted. Works paused or running;
+        running requests continue under the new weights (their prefixes are re-prefilled).
+        """
+        _check_int("version", version, minimum=-1, hint="the pushed weights' version")
+        targets, writes = self._planned_writes(named_tensors, convert_dtype=convert_dtype)
+        with self._step_lock, torch.no_grad():
+            if self._closed:
+                raise EngineClosedError("this TransformersEngine is closed; it cannot load weights.")
+            for name, tensor in writes.items():
+                targets[name].copy_(tensor)
+            self._version = version
+            self._weights_changed = True
+
+    def reset_prefix_cache(self) -> None:
+        """Nothing to forget: no prefix is cached across requests, and a load re-prefills running ones."""
+
+    @property
+    def version(self) -> int:
+        """The version of the weights loaded now."""
+        return self._version
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests submitted and not finished (queued or running)."""
+        with self._state:
+            return self._num_in_flight
+
+    def close(self) -> None:
+        """Stop the loop and fail every unfinished request with :class:`EngineClosedError`."""
+        with self._state:
+            self._closed = True
+            self._state.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()  # the loop's exit fails what is left (see _run)
+
+    def __enter__(self) -> TransformersEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ checks
+    def _check_request(self, request: EngineRequest) -> None:
+        if not isinstance(request, EngineRequest):
+            raise TypeError(f"submit() takes an EngineRequest, got {type(request).__name__}.")
+        ids = request.prompt_ids
+        if len(ids) == 0:
+            raise ValueError(
+                f"request {request.request_id!r} has an empty prompt; prompt_ids needs at least one token."
+            )
+        bad = [i for i in [*ids, *request.stop_token_ids] if not _is_token_id(i, self._vocab_size)]
+        if bad:
+            raise ValueError(
+                f"request {request.request_id!r} has token ids outside the model's vocabulary "
+                f"[0, {self._vocab_size}) in prompt_ids or stop_token_ids: {bad[:5]}."
+            )
+
+    def _planned_writes(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, convert_dtype: bool
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The model's tensors and ``name -> tensor`` to copy into them, after checking every one."""
+        weights: dict[str, torch.Tensor] = {}
+        for name, tensor in named_tensors:
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"weight {name!r} is a {type(tensor).__name__}, not a tensor; no weight was changed.")
+            if name in weights:
+                raise ValueError(f"weight {name!r} was given twice; no weight was changed.")
+            weights[name] = tensor
+        targets, aliases = unique_targets(self.model)
+        weights = align_names(weights, set(targets) | set(aliases))
+        problems = weight_problems(
+            tensor_metadata(weights), tensor_metadata(targets), aliases=aliases, convert_dtype=convert_dtype
+        )
+        raise_if_problems(problems, where=" by TransformersEngine.load_weights")
+        return targets, {aliases.get(name, name): tensor for name, tensor in weights.items()}
+
+    # ------------------------------------------------------------------ the loop
+    def _run(self) -> None:
+        try:
+            while self._wait_for_work():
+                with self._step_lock:
+                    outcomes = [] if self._is_paused() else self._step_or_fail()
+                self._resolve(outcomes)  # outside the lock: callbacks may pause or load weights
+        finally:
+            self._fail_unfinished()
+
+    def _fail_unfinished(self) -> None:
+        """When the loop exits (closed, or an error outside any step): fail every request left."""
+        with self._state:
+            self._closed = True
+            left, self._rows = [*self._rows, *self._queue], []
+            self._queue.clear()
+        self._batch.clear()
+        self._resolve([(row, _closed_error(row)) for row in left])
+
+    def _wait_for_work(self) -> bool:
+        """Sleep while paused or idle; False once closed."""
+        with self._state:
+            while not self._closed and (self._paused or not (self._rows or self._queue)):
+                self._state.wait()
+            return not self._closed
+
+    def _is_paused(self) -> bool:
+        with self._state:
+            return self._paused or self._closed
+
+    def _step_or_fail(self) -> list[Outcome]:
+        """One step; the requests that ended in it (or all of the step's requests, failed, if it raised)."""
+        self._outcomes = []
+        try:
+            with torch.inference_mode():
+                self._step()
+        except Exception as exc:  # designed: a failed step fails its requests; the engine goes on
+            logger.exception("TransformersEngine: a decoding step failed; failing its %d request(s)", len(self._rows))
+            self._outcomes += [(row, exc) for row in self._rows]
+            self._rows = []
+            self._batch.clear()
+        return self._outcomes
+
+    def _step(self) -> None:
+        """One decoding step of every running request, newcomers included (ended ones go to ``_outcomes``)."""
+        self._rows.extend(self._admit())
+        if self._weights_changed:  # keys/values of the old weights: re-prefill every row
+            self._weights_changed = False
+            self._batch.clear()
+            for row in self._rows:
+                row.in_batch = False
+        cached = [row for row in self._rows if row.in_batch]
+        logits = [self._decode(cached)] if cached else []
+        fresh = []
+        for row in self._rows:
+            if not row.in_batch:
+                try:
+                    logits.append(self._prefill(row))
+                    fresh.append(row)
+                except Exception as exc:  # designed: one prompt that fails (too long, ...) fails alone
+                    self._outcomes.append((row, exc))
+        self._rows = cached + fresh
+        for row, row_logits in zip(self._rows, torch.cat(logits) if logits else [], strict=True):
+            row.append_next(row_logits, version=self._version)
+        self._retire_finished()
+
+    def _admit(self) -> list[RunningRequest]:
+        """Queued requests that fit in the batch (cancelled ones are dropped)."""
+        admitted = []
+        with self._state:
+            while self._queue and len(self._rows) + len(admitted) < self.max_batch_size:
+                row = self._queue.popleft()
+                if row.future.set_running_or_notify_cancel():
+                    admitted.append(row)
+                else:
+                    self._num_in_flight -= 1
+        return admitted
+
+    def _decode(self, rows: list[RunningRequest]) -> torch.Tensor:
+        """float32 ``[len(rows), vocab]``: next-token logits of the cached rows (their last token in, one step)."""
+        input_ids = torch.tensor([[row.tokens[-1]] for row in rows], device=self._device)
+        positions = torch.tensor([[row.num_known - 1] for row in rows], device=self._device)
+        mask = self._batch.decode_mask()
+        cache = self._batch.cache
+        out = self.model(
+            input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
+        )
+        self._batch.mask = mask
+        return out.logits[:, -1].float()
+
+    def _prefill(self, row: RunningRequest) -> torch.Tensor:
+        """float32 ``[1, vocab]``: next-token logits after all of ``row``'s known tokens; its cache joins the batch."""
+        cache = DynamicCache()
+        input_ids = torch.tensor([row.known_ids], device=self._device)
+        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        self._batch.add_row(cache)
+        row.in_batch = True
+        return out.logits[:, -1].float()
+
+    def _retire_finished(self) -> None:
+        keep = [i for i, row in enumerate(self._rows) if row.finish_reason is None]
+        self._outcomes += [(row, row.result()) for row in self._rows if row.finish_reason is not None]
+        self._batch.keep_rows(keep)
+        self._rows = [self._rows[i] for i in keep]
+
+    def _resolve(self, outcomes: list[Outcome]) -> None:
+        """Settle futures (their callbacks run here, in the loop thread, with no lock held)."""
+        if not outcomes:
+            return
+        with self._state:
+            self._num_in_flight -= len(outcomes)
+        for row, outcome in outcomes:
+            if row.future.cancelled():  # cancelled while queued
+                continue
+            if isinstance(outcome, BaseException):
+                row.future.set_exception(outcome)
+            else:
+                row.future.set_result(outcome)
+
+
+def _closed_error(row: RunningRequest) -> EngineClosedError:
+    return EngineClosedError(
+        f"the TransformersEngine was closed before request {row.request.request_id!r} finished; resubmit it elsewhere."
+    )
+
+
+def _is_token_id(value: object, vocab_size: int) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and 0 <= value < vocab_size
+
+
+def _check_int(name: str, value: object, *, minimum: int, hint: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum} ({hint}), got {value!r}.")
+
+
+def _check_model(model: PreTrainedModel) -> None:
+    """Refuse models whose cache this engine cannot left-pad and merge."""
+    config = model.config.get_text_config(decoder=True)
+    other = sorted({t for t in getattr(config, "layer_types", None) or [] if t != "full_attention"})
+    if other:
+        raise ValueError(
+            f"TransformersEngine batches full-attention caches only; this model has {other} layers. "
+            "Use TransformersPolicy (model.generate) or a vLLM engine for it."
+        )
+    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        raise ValueError(
+            f"{type(model).__name__}.forward takes no logits_to_keep; TransformersEngine needs a recent causal LM class."
+        )
+
+
+def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The model's eos ids (generation config) and the tokenizer's, as TransformersPolicy stops on."""
+    ids = model.generation_config.eos_token_id
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
