@@ -1,5 +1,21 @@
 """Inference engines behind one interface (:class:`EngineProtocol`): submit, pause, resume, load weights."""
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
 from lmcollect.engines.protocol import EngineClosedError, EngineProtocol, EngineRequest, EngineResult
 from lmcollect.engines.transformers_engine import TransformersEngine
 
-__all__ = ["EngineClosedError", "EngineProtocol", "EngineRequest", "EngineResult", "TransformersEngine"]
+# vLLM is an optional extra and slow to import: its engine's module is imported when first used
+_LAZY = {
+    "VLLMAsyncEngine": "lmcollect.engines.vllm_async",
+}
+
+__all__ = ["EngineClosedError", "EngineProtocol", "EngineRequest", "EngineResult", "TransformersEngine", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'lmcollect.engines' has no attribute {name!r}")

@@ -52,9 +52,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
+from lmcollect.weight_sync.buckets import WeightBuckets, layout_from_json
 from lmcollect.weight_sync.schemes.process_group import ProcessGroupReceiver
+from lmcollect.weight_sync.weights import raise_if_problems, weight_problems
 
 logger = logging.getLogger(__name__)
 
@@ -163,12 +166,7 @@ class VLLMWeightReceiverExtension:
         A worker that was in an earlier group (an earlier updater) leaves it first.
         """
         self.close_weight_group()
-        model_config = self.model_config  # type: ignore[attr-defined]
-        metadata, aliases = checkpoint_metadata(
-            model_config.model,
-            dtype=model_config.dtype,
-            tie_word_embeddings=bool(getattr(model_config.hf_config, "tie_word_embeddings", False)),
-        )
+        metadata, aliases = self._lmcollect_weight_metadata()
         self._lmcollect_context = EngineWeights(metadata, aliases)
         receiver = ProcessGroupReceiver()
         receiver.init_on_receiver(model_id="policy", context=self._lmcollect_context)
@@ -192,10 +190,7 @@ class VLLMWeightReceiverExtension:
         if weights is None:
             raise TimeoutError(f"no weight push arrived within timeout_s={timeout_s} (None: the group's timeout).")
         received = time.perf_counter()
-        reload = self.reload_weights  # type: ignore[attr-defined]
-        reload(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
-        refresh_tied_modules(self.model_runner.get_model())  # type: ignore[attr-defined]
-        self._lmcollect_num_pushes += 1
+        self._lmcollect_reload(weights)
         info: dict[str, Any] = {
             "rank": self._lmcollect_receiver.rank,
             "num_pushes": self._lmcollect_num_pushes,
@@ -207,6 +202,41 @@ class VLLMWeightReceiverExtension:
         if verify:
             info["checksums"] = self._lmcollect_receiver.last_checksums()
         return info
+
+    def load_packed_weights(self, layout_json: str, buffers: list[bytes]) -> dict[str, Any]:
+        """Check and reload weights sent in the call itself: a bucket layout and its byte buffers.
+
+        The path of :class:`lmcollect.engines.vllm_async.VLLMAsyncEngine` (engine and caller on
+        one host, no process group): every name, shape and dtype is checked against the
+        checkpoint before anything is written, so a refused load changes nothing.
+        """
+        buckets = WeightBuckets(layout_from_json(layout_json), [np.frombuffer(b, dtype=np.uint8) for b in buffers])
+        metadata, aliases = self._lmcollect_weight_metadata()
+        problems = weight_problems(buckets.layout.metadata(), metadata, aliases=aliases)
+        raise_if_problems(problems, where=" by the vLLM worker")
+        start = time.perf_counter()
+        self._lmcollect_reload(buckets.tensors())
+        return {
+            "num_pushes": self._lmcollect_num_pushes,
+            "num_tensors": len(buckets.layout.slots),
+            "reload_s": time.perf_counter() - start,
+        }
+
+    def _lmcollect_weight_metadata(self) -> tuple[dict[str, tuple[torch.dtype, torch.Size]], dict[str, str]]:
+        """What this worker's model accepts (checkpoint names, the engine's dtype, tied aliases)."""
+        model_config = self.model_config  # type: ignore[attr-defined]
+        return checkpoint_metadata(
+            model_config.model,
+            dtype=model_config.dtype,
+            tie_word_embeddings=bool(getattr(model_config.hf_config, "tie_word_embeddings", False)),
+        )
+
+    def _lmcollect_reload(self, weights: dict[str, torch.Tensor]) -> None:
+        """Hand checked weights (Hugging Face names) to vLLM's reload, then rebuild tied modules."""
+        reload = self.reload_weights  # type: ignore[attr-defined]
+        reload(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
+        refresh_tied_modules(self.model_runner.get_model())  # type: ignore[attr-defined]
+        self._lmcollect_num_pushes += 1
 
     def ray_node_id(self) -> str | None:
         """The Ray node this worker runs on (None: no Ray in its process, e.g. an engine subprocess;
