@@ -12,7 +12,14 @@ from lmcollect.weight_sync.version import PushVersion
 from lmcollect.collectors.trajectories import id_base
 from lmcollect.weight_sync.base import resolve_updater
 from lmcollect.weight_sync.delta import WeightDelta, check_delta_base, prepare_delta
-from lmcollect.weight_sync.weights import expected_metadata, load_weights_, to_weight_dict, unique_targets
+from lmcollect.weight_sync.weights import (
+    expected_metadata,
+    load_weights_,
+    share_weights_,
+    to_weight_dict,
+    unique_targets,
+    unshare_weights_,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +50,7 @@ class WeightReceiverMixin:
         self._weight_updater = None
         self._worker_idx: int | None = None
         self._held_push: PushVersion | None = None  # the push whose weights the model holds (delta base)
+        self._shared_models: set[int] = set()  # id() of models whose tensors map a push (zero_copy)
         if weight_updater is not None:
             self.weight_updater = weight_updater
 
@@ -149,6 +157,7 @@ class WeightReceiverMixin:
         model_id: str = "policy",
         convert_dtype: bool = False,
         version: PushVersion | None = None,
+        zero_copy: bool = False,
     ) -> None:
         """Check ``weights`` against the model, load them in place, reset the cache, take the version.
 
@@ -161,12 +170,17 @@ class WeightReceiverMixin:
         its ``version``): applied only onto the push it was made from, and its checksums verified
         after writing; otherwise it raises ``DeltaRejectedError`` with the old weights and version
         kept, and the updater sends a full push.
+
+        ``zero_copy=True``: the model's tensors are pointed at ``weights`` instead of copied (see
+        :func:`~lmcollect.weight_sync.weights.share_weights_`; a Ray push maps the object store's
+        shared memory, so collectors on one node share one copy). A later copying or delta load
+        first gives the model private tensors again.
         """
         children = getattr(self, "_sub_collectors", None)
         if children:  # a collector holding collectors passes weights down; each leaf takes the version
             weights = weights if isinstance(weights, WeightDelta) else to_weight_dict(weights)
             for child in children:
-                child.apply_weights(weights, model_id=model_id, convert_dtype=convert_dtype, version=version)
+                child.apply_weights(weights, model_id=model_id, convert_dtype=convert_dtype, version=version, zero_copy=zero_copy)
             return
         target = self.get_model(model_id)
         if isinstance(weights, WeightDelta):
@@ -178,9 +192,20 @@ class WeightReceiverMixin:
         # one turn), so every turn's policy_version names the weights that produced it.
         with self._policy_lock.write():
             self._held_push = None  # until the load succeeded
-            load_weights_(target, weights, convert_dtype=convert_dtype)
+            if zero_copy:
+                share_weights_(target, weights, convert_dtype=convert_dtype)
+                self._shared_models.add(id(target))
+            else:
+                self._unshare(target)
+                load_weights_(target, weights, convert_dtype=convert_dtype)
             self._finish_update(version)
             self._held_push = version
+
+    def _unshare(self, target: Any) -> None:
+        """Private, writable tensors for a model a zero-copy push had pointed at shared memory."""
+        if id(target) in self._shared_models:
+            unshare_weights_(target)
+            self._shared_models.discard(id(target))
 
     def _apply_delta(self, target: Any, delta: WeightDelta, version: PushVersion | None) -> None:
         """Check the delta (base version, names, dtypes, positions), then, under the policy write
@@ -188,6 +213,9 @@ class WeightReceiverMixin:
         if version is None:
             raise TypeError("a delta push needs the version it brings (version=PushVersion(...)).")
         self._check_version(version)
+        if id(target) in self._shared_models:
+            with self._policy_lock.write():
+                self._unshare(target)
         targets, aliases = unique_targets(target)
         prepared = prepare_delta(delta, targets, held_version=self._held_push, aliases=aliases)
         with self._policy_lock.write():

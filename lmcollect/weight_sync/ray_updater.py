@@ -60,9 +60,22 @@ class RayPushConfig:
     and per-tensor checksums; a worker that holds another version (it skipped pushes, was left
     out by ``worker_ids``, restarted) or whose checksum fails gets a full push instead, in the same
     push. With delta the NaN/Inf check runs on the changed values only. False: full pushes."""
+    zero_copy: bool = False
+    """Workers point their model's tensors at the pushed object instead of copying it: Ray maps
+    the object store's shared memory into every worker on a node, so a push costs one copy (the
+    driver's ``ray.put``) however many collectors share the node, and they hold one copy of the
+    weights between them. The mapped memory is read-only: only pushes write it (a later copying
+    load or delta push first gives the model private tensors again). Not with ``delta``, which
+    patches the weights in place."""
 
     def __post_init__(self) -> None:
         resolve_delta(self.delta)  # a TypeError for anything but a bool or a DeltaConfig
+        if self.zero_copy and self.delta:
+            raise ValueError(
+                "zero_copy=True and delta cannot be combined: a delta patches the workers' weights in place, "
+                "zero-copy weights are read-only shared memory. Pick one (delta for small changes over a "
+                "slow link, zero_copy for collectors sharing a node)."
+            )
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive or None, got {self.timeout_s}.")
         if self.packing not in ("views", "flat"):
@@ -211,7 +224,10 @@ class RayRemoteWeightUpdater(WeightUpdaterBase):
         remember = getattr(self._collectors[worker_id], "remember_push", None)
         if callable(remember):  # a RayLLMCollector re-sends it to its actor if the actor restarts
             remember(server_weights, version=version, convert_dtype=convert_dtype)
-        return self._actors[worker_id].apply_weights.remote(server_weights, convert_dtype=convert_dtype, version=version)
+        extra = {"zero_copy": True} if self.config.zero_copy else {}  # actors of other kinds need not know it
+        return self._actors[worker_id].apply_weights.remote(
+            server_weights, convert_dtype=convert_dtype, version=version, **extra
+        )
 
     def _aligned(self, weights: WeightDict) -> WeightDict:
         """Names spelled as the workers' models spell them (a policy wrapping ``.model`` sends ``model.*``)."""

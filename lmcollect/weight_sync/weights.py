@@ -183,3 +183,42 @@ def load_weights_(model: torch.nn.Module, weights: Mapping[str, torch.Tensor], *
     check_weights(weights, tensor_metadata(targets), aliases=aliases, convert_dtype=convert_dtype)
     for name, tensor in weights.items():
         targets[aliases.get(name, name)].copy_(tensor)
+
+
+def _tensors_by_target(model: torch.nn.Module) -> tuple[dict[str, list[torch.Tensor]], dict[str, str]]:
+    """Every state tensor object of ``model`` under the distinct name it shares storage with."""
+    targets, aliases = unique_targets(model)
+    groups: dict[str, list[torch.Tensor]] = {name: [tensor] for name, tensor in targets.items()}
+    state = model.state_dict(keep_vars=True)
+    for alias, name in aliases.items():
+        groups[name].append(state[alias])
+    return groups, aliases
+
+
+@torch.no_grad()
+def share_weights_(model: torch.nn.Module, weights: Mapping[str, torch.Tensor], *, convert_dtype: bool = False) -> None:
+    """Check ``weights`` against ``model``, then point its tensors at them: no copy (all or nothing).
+
+    For weights that live in shared memory (a Ray object mapped by every collector on a node): the
+    model then reads that memory directly, so a push costs one copy in all, however many
+    collectors share it. The memory may be read-only: never write such a model's tensors in
+    place before :func:`unshare_weights_`. Tied weights stay tied (every alias is repointed); a
+    tensor cast by ``convert_dtype`` is a private copy.
+    """
+    groups, aliases = _tensors_by_target(model)
+    check_weights(weights, {n: (g[0].dtype, g[0].shape) for n, g in groups.items()}, aliases=aliases, convert_dtype=convert_dtype)
+    for name, tensor in weights.items():
+        group = groups[aliases.get(name, name)]
+        data = tensor if tensor.dtype == group[0].dtype else tensor.to(group[0].dtype)
+        for target in group:
+            target.data = data
+
+
+@torch.no_grad()
+def unshare_weights_(model: torch.nn.Module) -> None:
+    """Give ``model`` private, writable copies of tensors :func:`share_weights_` pointed elsewhere."""
+    groups, _ = _tensors_by_target(model)
+    for group in groups.values():
+        data = group[0].detach().clone()
+        for target in group:
+            target.data = data

@@ -270,3 +270,28 @@ def test_process_group_scheme_with_a_collector_actor(small_collectors) -> None:
     assert collector.policy_version == start + 1
     assert same_state(remote_state(collector), trainer.state_dict())
     sender.close()
+
+
+def test_zero_copy_push_maps_the_object_and_a_copying_push_unshares(tiny_collectors, tiny_model_path) -> None:
+    # packing="flat": one buffer per dtype, so a parameter mapped zero-copy sits at an offset in it
+    def offset(c: RayLLMCollector) -> int:
+        return c.cascade_execute("policy.model.model.norm.weight.storage_offset")
+
+    trainer = perturbed_model(tiny_model_path, seed=3)
+    updater = RayRemoteWeightUpdater(trainer, tiny_collectors, config=RayPushConfig(timeout_s=60, zero_copy=True, packing="flat"))
+    updater.push_weights()
+    fresh, tokenizer = load_model_and_tokenizer(tiny_model_path)
+    fresh.load_state_dict(trainer.state_dict())
+    reference = TransformersPolicy(fresh, tokenizer, max_new_tokens=MAX_NEW_TOKENS, temperature=0)
+    for c in tiny_collectors:
+        assert offset(c) > 0
+        assert same_state(remote_state(c), trainer.state_dict())
+        turns = flatten_turns(c.next())
+        assert {int(t[keys.POLICY_VERSION]) for t in turns} == {updater.version}
+        _, responses, _ = reference.generate([t[keys.TEXT_PROMPT] for t in turns])
+        assert all(torch.equal(t[keys.TOKENS_RESPONSE], r) for t, r in zip(turns, responses))
+    other = perturbed_model(tiny_model_path, seed=4)
+    RayRemoteWeightUpdater(other, tiny_collectors, config=RayPushConfig(timeout_s=60)).push_weights()
+    for c in tiny_collectors:
+        assert offset(c) == 0
+        assert same_state(remote_state(c), other.state_dict())

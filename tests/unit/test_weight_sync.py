@@ -349,3 +349,46 @@ def test_cuda_model_takes_cpu_weights_and_buckets_pack_on_the_gpu() -> None:
     buckets = pack_buckets(trainer.cuda().state_dict())
     assert all(b.is_cuda for b in buckets.buffers)
     assert all(torch.equal(buckets.tensors()[k], v) for k, v in trainer.state_dict().items())
+
+
+# ---------------------------------------------------------------------- zero-copy loads
+def test_zero_copy_points_at_the_pushed_memory_and_a_later_copy_unshares() -> None:
+    collector = make_collector()
+    source = trained()
+    payload = pack_buckets(source.state_dict())  # one flat buffer: the model must map into it
+    buffer = payload.buffers[0]
+    buffer_ptr, buffer_end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel()
+    collector.apply_weights(payload, zero_copy=True)
+    model = collector.policy.model
+    assert_weights(collector, source)
+    for name, tensor in model.state_dict().items():  # every state tensor lives in the pushed buffer
+        assert buffer_ptr <= tensor.data_ptr() < buffer_end, name
+    assert model.head.weight is model.embed.weight  # still tied
+    assert torch.equal(model.scratch, torch.ones(3))  # non-persistent buffers are left alone
+    assert collector.policy_version == 1
+    # A copying push must not write into the shared buffer: the model gets private tensors first.
+    before, other = buffer.clone(), TinyNet()
+    collector.apply_weights(other)
+    assert torch.equal(buffer, before)
+    for tensor in model.state_dict().values():
+        assert not buffer_ptr <= tensor.data_ptr() < buffer_end
+    assert_weights(collector, other)
+    assert model.head.weight is model.embed.weight and collector.policy_version == 2
+
+
+def test_zero_copy_refuses_a_bad_push_without_changing_anything() -> None:
+    collector = make_collector()
+    before = state(collector)
+    spoiled = trained().state_dict()
+    spoiled["norm.weight"] = torch.zeros(5)
+    with pytest.raises(ValueError, match="norm.weight"):
+        collector.apply_weights(spoiled, zero_copy=True)
+    assert all(torch.equal(v, before[k]) for k, v in collector.policy.model.state_dict().items())
+    assert collector.policy_version == 0
+
+
+def test_zero_copy_and_delta_cannot_be_combined() -> None:
+    from lmcollect.weight_sync.ray_updater import RayPushConfig
+
+    with pytest.raises(ValueError, match="zero_copy=True and delta"):
+        RayPushConfig(zero_copy=True, delta=True)
