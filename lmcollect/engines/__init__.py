@@ -5,6 +5,7 @@ from importlib import import_module
 from typing import Any
 
 from lmcollect.engines.protocol import EngineClosedError, EngineProtocol, EngineRequest, EngineResult
+from lmcollect.engines.router import EngineRouter
 from lmcollect.engines.transformers_engine import TransformersEngine
 
 # vLLM is an optional extra and slow to import: its engine's module is imported when first used
@@ -12,7 +13,15 @@ _LAZY = {
     "VLLMAsyncEngine": "lmcollect.engines.vllm_async",
 }
 
-__all__ = ["EngineClosedError", "EngineProtocol", "EngineRequest", "EngineResult", "TransformersEngine", *_LAZY]
+__all__ = [
+    "EngineClosedError",
+    "EngineProtocol",
+    "EngineRequest",
+    "EngineResult",
+    "EngineRouter",
+    "TransformersEngine",
+    *_LAZY,
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,152 @@
+"""One engine in front of several: least-loaded routing, dialog affinity, control calls to every replica."""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
+
+import torch
+
+from lmcollect.engines.protocol import EngineProtocol, EngineRequest, EngineResult
+
+__all__ = ["EngineRouter", "ReplicaLoadError"]
+
+T = TypeVar("T")
+
+
+class ReplicaLoadError(RuntimeError):
+    """A weight load succeeded on some replicas and failed on others: they now hold different versions."""
+
+
+class EngineRouter:
+    """Spreads requests over replicas of one model; itself an :class:`EngineProtocol`.
+
+    Routing, per request:
+
+    1. a request whose ``affinity`` was seen before goes to the replica that served it (the
+       dialog's earlier turns are in that replica's prefix cache);
+    2. any other goes to the least-loaded replica (fewest ``num_in_flight``; ties go to the one
+       picked longest ago, so an idle pool is filled evenly), which its affinity then sticks to.
+
+    Affinities are remembered up to ``max_affinities`` (least recently used forgotten first: a
+    forgotten dialog only loses its cache hits). ``pause``, ``resume``, ``load_weights`` and
+    ``reset_prefix_cache`` run on every replica at once and return when all have; the replicas are
+    plain :class:`EngineProtocol` objects (in-process engines, or proxies of Ray engine actors).
+
+    Args:
+        engines: the replicas (at least one), all serving the same model.
+        max_affinities: how many affinities to remember.
+
+    Example::
+
+        router = EngineRouter([engine_a, engine_b])
+        future = router.submit(EngineRequest(prompt_ids=ids, affinity="dialog-17"))
+    """
+
+    def __init__(self, engines: Sequence[EngineProtocol], *, max_affinities: int = 100_000) -> None:
+        engines = list(engines)
+        if not engines:
+            raise ValueError("engines is empty; EngineRouter needs at least one engine to route to.")
+        for index, engine in enumerate(engines):
+            if not isinstance(engine, EngineProtocol):
+                raise TypeError(f"engines[{index}] is a {type(engine).__name__}, not an EngineProtocol engine.")
+        if isinstance(max_affinities, bool) or not isinstance(max_affinities, int) or max_affinities < 1:
+            raise ValueError(f"max_affinities must be an int >= 1 (affinities remembered), got {max_affinities!r}.")
+        self.engines = engines
+        self.max_affinities = max_affinities
+        self._affinities: OrderedDict[str, int] = OrderedDict()  # affinity -> replica index, LRU order
+        self._last_pick = [0] * len(engines)  # pick counter at each replica's last pick (tie-break)
+        self._num_picks = 0
+        self._lock = threading.Lock()  # picks and their submits, in one order
+        self._closed = False
+        self._fan_out = ThreadPoolExecutor(len(engines), thread_name_prefix="lmcollect-engine-router")
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, request: EngineRequest) -> Future[EngineResult]:
+        """Send ``request`` to its replica (see the class docstring) and return that replica's future."""
+        with self._lock:  # the next pick sees this request in its replica's load
+            index = self._pick(request.affinity)
+            return self.engines[index].submit(request)
+
+    def replica_of(self, affinity: str) -> int | None:
+        """The replica index an affinity sticks to now (None: not remembered)."""
+        with self._lock:
+            return self._affinities.get(affinity)
+
+    def _pick(self, affinity: str | None) -> int:
+        index = self._affinities.get(affinity) if affinity is not None else None
+        if index is None:
+            loads = [engine.num_in_flight for engine in self.engines]
+            index = min(range(len(self.engines)), key=lambda i: (loads[i], self._last_pick[i]))
+        self._num_picks += 1
+        self._last_pick[index] = self._num_picks
+        if affinity is not None:
+            self._affinities[affinity] = index
+            self._affinities.move_to_end(affinity)
+            if len(self._affinities) > self.max_affinities:
+                self._affinities.popitem(last=False)
+        return index
+
+    # ------------------------------------------------------------------ control, on every replica
+    def pause(self) -> None:
+        """Pause every replica; returns once all are paused."""
+        self._on_every(lambda engine: engine.pause())
+
+    def resume(self) -> None:
+        """Resume every replica."""
+        self._on_every(lambda engine: engine.resume())
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
+        """Load the same weights into every replica (each checks them before writing any).
+
+        A push every replica refuses raises that refusal (nothing changed anywhere); one that only
+        some replicas refuse raises :class:`ReplicaLoadError` naming which hold which version.
+        """
+        weights = dict(named_tensors)  # every replica reads them
+        errors = self._on_every(lambda engine: engine.load_weights(weights.items(), version=version), raise_first=False)
+        failed = [i for i, error in enumerate(errors) if error is not None]
+        if len(failed) == len(self.engines):
+            raise errors[0]
+        if failed:
+            versions = {i: engine.version for i, engine in enumerate(self.engines)}
+            raise ReplicaLoadError(
+                f"loading version {version} failed on replicas {failed} ({errors[failed[0]]!r}) and succeeded on "
+                f"the others; versions now {versions}. Push again, or close the failed replicas."
+            ) from errors[failed[0]]
+
+    def reset_prefix_cache(self) -> None:
+        """Reset every replica's prefix cache."""
+        self._on_every(lambda engine: engine.reset_prefix_cache())
+
+    @property
+    def version(self) -> int:
+        """The oldest version any replica holds (all equal after a successful load)."""
+        return min(engine.version for engine in self.engines)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests in flight on all replicas together."""
+        return sum(engine.num_in_flight for engine in self.engines)
+
+    def close(self) -> None:
+        """Close every replica (each fails its pending futures), then the router's threads. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._on_every(lambda engine: engine.close())
+        finally:
+            self._fan_out.shutdown(wait=True)
+
+    def _on_every(self, call: Callable[[EngineProtocol], T], *, raise_first: bool = True) -> list[BaseException | None]:
+        """``call(engine)`` on every replica at once; waits for all. The first error is raised
+        (after all finished) unless ``raise_first=False``, which returns each replica's error or None."""
+        futures = [self._fan_out.submit(call, engine) for engine in self.engines]
+        errors = [future.exception() for future in futures]
+        first = next((error for error in errors if error is not None), None)
+        if raise_first and first is not None:
+            raise first
+        return errors

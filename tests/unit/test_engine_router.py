@@ -1,0 +1,188 @@
+"""EngineRouter over plain in-process engines: least-loaded routing, affinity, control on every replica."""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from lmcollect.engines import EngineClosedError, EngineProtocol, EngineRequest, EngineResult
+from lmcollect.engines.router import EngineRouter, ReplicaLoadError
+from lmcollect.policies.sampling import SamplingConfig
+
+
+class HeldEngine:
+    """An EngineProtocol engine whose requests stay in flight until the test finishes them."""
+
+    def __init__(self, name: str, *, refuse_loads: bool = False) -> None:
+        self.name = name
+        self.refuse_loads = refuse_loads
+        self.pending: list[tuple[EngineRequest, Future[EngineResult]]] = []
+        self.events: list[str] = []
+        self._version = -1
+
+    def submit(self, request: EngineRequest) -> Future[EngineResult]:
+        future: Future[EngineResult] = Future()
+        self.pending.append((request, future))
+        return future
+
+    def finish_all(self) -> None:
+        for request, future in self.pending:
+            n = len(request.prompt_ids)
+            future.set_result(EngineResult(
+                tokens=torch.zeros(n, dtype=torch.long), log_probs=torch.zeros(n),
+                token_versions=torch.full((n,), self._version), finish_reason="length",
+            ))
+        self.pending.clear()
+
+    def pause(self) -> None:
+        self.events.append("pause")
+
+    def resume(self) -> None:
+        self.events.append("resume")
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
+        names = [name for name, _ in named_tensors]
+        if self.refuse_loads or names != ["w"]:
+            raise ValueError(f"weight push rejected by {self.name}, no weight was changed")
+        self._version = version
+        self.events.append(f"load {version}")
+
+    def reset_prefix_cache(self) -> None:
+        self.events.append("reset")
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(not future.done() for _, future in self.pending)
+
+    def close(self) -> None:
+        for _, future in self.pending:
+            if not future.done():
+                future.set_exception(EngineClosedError(f"{self.name} closed"))
+        self.events.append("close")
+
+
+def request(affinity: str | None = None) -> EngineRequest:
+    return EngineRequest(prompt_ids=[1, 2], affinity=affinity)
+
+
+def replicas(n: int = 3) -> list[HeldEngine]:
+    return [HeldEngine(f"e{i}") for i in range(n)]
+
+
+def test_least_loaded_routing_fills_an_idle_pool_evenly() -> None:
+    engines = replicas()
+    router = EngineRouter(engines)
+    assert isinstance(router, EngineProtocol)
+    for _ in range(6):
+        router.submit(request())
+    assert [e.num_in_flight for e in engines] == [2, 2, 2] and router.num_in_flight == 6
+    engines[1].finish_all()
+    router.submit(request())
+    router.submit(request())
+    assert [e.num_in_flight for e in engines] == [2, 2, 2]  # both went to the replica that had room
+
+
+def test_same_affinity_same_replica_even_when_it_is_busier() -> None:
+    engines = replicas(2)
+    router = EngineRouter(engines)
+    router.submit(request("dialog-a"))
+    first = router.replica_of("dialog-a")
+    for _ in range(3):
+        router.submit(request("dialog-a"))
+    assert engines[first].num_in_flight == 4 and engines[1 - first].num_in_flight == 0
+    router.submit(request("dialog-b"))  # a new dialog goes where the load is
+    assert router.replica_of("dialog-b") == 1 - first
+
+
+def test_affinities_are_forgotten_least_recently_used_first() -> None:
+    router = EngineRouter(replicas(2), max_affinities=2)
+    for name in ("a", "b", "a", "c"):
+        router.submit(request(name))
+    assert router.replica_of("b") is None
+    assert router.replica_of("a") is not None and router.replica_of("c") is not None
+
+
+def test_concurrent_submits_stay_balanced() -> None:
+    engines = replicas(4)
+    router = EngineRouter(engines)
+    threads = [threading.Thread(target=lambda: [router.submit(request()) for _ in range(25)]) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [e.num_in_flight for e in engines] == [25, 25, 25, 25]
+
+
+def test_control_calls_reach_every_replica() -> None:
+    engines = replicas()
+    router = EngineRouter(engines)
+    router.pause()
+    router.load_weights(iter([("w", torch.zeros(1))]), version=3)  # an iterator, read once, reaches all
+    router.reset_prefix_cache()
+    router.resume()
+    assert all(e.events == ["pause", "load 3", "reset", "resume"] for e in engines)
+    assert router.version == 3
+
+
+def test_loads_refused_everywhere_or_somewhere() -> None:
+    engines = replicas(2)
+    router = EngineRouter(engines)
+    with pytest.raises(ValueError, match="no weight was changed"):
+        router.load_weights([("bad", torch.zeros(1))], version=1)
+    assert router.version == -1
+    engines[1].refuse_loads = True
+    with pytest.raises(ReplicaLoadError, match=r"replicas \[1\].*versions now \{0: 2, 1: -1\}"):
+        router.load_weights([("w", torch.zeros(1))], version=2)
+    assert router.version == -1  # the oldest any replica holds
+
+
+def test_close_fails_pending_futures_on_every_replica() -> None:
+    engines = replicas(2)
+    router = EngineRouter(engines)
+    futures = [router.submit(request()) for _ in range(4)]
+    router.close()
+    router.close()  # idempotent
+    assert all(isinstance(f.exception(timeout=1), EngineClosedError) for f in futures)
+    assert all(e.events == ["close"] for e in engines)
+
+
+def test_bad_settings_name_the_knob() -> None:
+    with pytest.raises(ValueError, match="engines is empty"):
+        EngineRouter([])
+    with pytest.raises(TypeError, match=r"engines\[1\]"):
+        EngineRouter([HeldEngine("e0"), object()])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="max_affinities"):
+        EngineRouter(replicas(1), max_affinities=0)
+
+
+def test_a_push_through_the_router_reaches_requests_in_flight_on_every_replica() -> None:
+    from lmcollect.engines.scripted import ScriptedEngine
+
+    engines = [ScriptedEngine(num_tokens=40, token_delay_s=0.005) for _ in range(2)]
+    router = EngineRouter(engines)
+    try:
+        long = EngineRequest(prompt_ids=[1], sampling=SamplingConfig(max_new_tokens=40))
+        futures = [router.submit(long) for _ in range(4)]
+        assert [e.num_in_flight for e in engines] == [2, 2]
+        deadline = time.monotonic() + 10
+        while min(e.num_steps for e in engines) < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)  # every response has tokens under the old weights
+        router.pause()
+        router.load_weights([("tag", torch.ones(1))], version=1)
+        router.reset_prefix_cache()
+        router.resume()
+        for future in futures:
+            versions = future.result(timeout=30).token_versions
+            assert versions[0] == -1 and versions[-1] == 1  # one response, both versions
+            assert torch.equal(versions, versions.sort().values)  # old tokens, then new ones
+        assert router.version == 1
+    finally:
+        router.close()
