@@ -111,7 +111,10 @@ class VLLMAsyncEngine:
             raise
         config = self._llm.model_config
         tied = bool(getattr(config.hf_config, "tie_word_embeddings", False))
-        self._metadata, self._aliases = checkpoint_metadata(self.model_path, dtype=config.dtype, tie_word_embeddings=tied)
+        # what load_weights accepts: the worker's own check, made here before anything is sent
+        self._metadata, self._aliases = checkpoint_metadata(
+            self.model_path, dtype=config.dtype, tie_word_embeddings=tied
+        )
 
     # ------------------------------------------------------------------ the protocol
     def submit(self, request: EngineRequest) -> Future[EngineResult]:

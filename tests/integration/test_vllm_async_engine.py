@@ -227,7 +227,8 @@ def test_close_fails_pending_futures_and_stops_the_engine_processes(started: Sta
     engine = started.engine
     assert started.child_pids, "the engine core runs in a subprocess"
     engine.pause()
-    pending = [engine.submit(EngineRequest(prompt_ids=[1, 2, 3], sampling=greedy(), request_id=f"p{i}")) for i in range(3)]
+    requests = [EngineRequest(prompt_ids=[1, 2, 3], sampling=greedy(), request_id=f"p{i}") for i in range(3)]
+    pending = [engine.submit(r) for r in requests]
     assert engine.num_in_flight == 3
     engine.close()
     for i, future in enumerate(pending):
