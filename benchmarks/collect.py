@@ -125,41 +125,94 @@ def bench_ray(size: str, batch_size: int, sampling: SamplingConfig, reps: int) -
     row["ray_init_s"] = round(ray_init_s, 2)
     row["actor_startup_s"] = round(collector.startup_s, 2)
     collector.shutdown()
-    overlap = bench_overlap(policy_factory, batch_size, statistics.median(collector_s), reps)
+    overlap = bench_overlap(policy_factory, batch_size, reps)
     ray.shutdown()
     return row, overlap
 
 
-def bench_overlap(policy_factory, batch_size: int, collect_s: float, reps: int) -> dict:
-    """sync_iter=False: wall time over max(collect, consume) with a consumer sleeping collect_s."""
+class MatmulTrainer:
+    """The overlap row's trainer: real compute (fp32 matmuls) on one thread, sized to one collect time."""
+
+    def __init__(self, width: int = 384) -> None:
+        self.a, self.b = torch.randn(width, width), torch.randn(width, width)
+        self.iters = 1
+
+    def step(self) -> None:
+        c = self.a
+        for _ in range(self.iters):
+            c = torch.tanh(c @ self.b)
+
+    def calibrate(self, seconds: float) -> None:
+        """Choose the number of matmuls so that one step takes about ``seconds``."""
+        self.iters = 20
+        start = time.perf_counter()
+        self.step()
+        per_iter = (time.perf_counter() - start) / self.iters
+        self.iters = max(1, round(seconds / per_iter))
+
+
+def bench_overlap(policy_factory, batch_size: int, reps: int, num_batches: int = 5) -> dict:
+    """sync_iter=False with a trainer that computes: wall / ideal, where ideal is the first batch
+    plus num_batches times the slower of collect and train, each measured alone in the same run.
+
+    Cores: the collector actor has 1 CPU (1 torch thread), the trainer 1 thread in the driver.
+    Each repetition runs collect-alone, train-alone and overlapped back to back; medians.
+    """
+    import itertools
+
     from lmcollect.collectors.ray_collector import RayLLMCollector
 
-    num_batches = reps + 1
     collector = RayLLMCollector(
-        lambda: make_env(batch_size),
-        policy_factory=policy_factory,
-        dialog_turns_per_batch=batch_size,
-        total_dialog_turns=batch_size * (num_batches + 1),
-        sync_iter=False,
-        num_cpus=2,
+        lambda: make_env(batch_size), policy_factory=policy_factory, dialog_turns_per_batch=batch_size, sync_iter=False, num_cpus=1
     )
-    collector.rollout()  # warm-up, not counted (the collector's total counts it)
-    start = time.perf_counter()
-    for _ in collector:
-        time.sleep(collect_s)  # the "trainer"
-    wall = time.perf_counter() - start
+    torch.set_num_threads(1)
+    trainer = MatmulTrainer()
+
+    def collect_alone() -> float:
+        start = time.perf_counter()
+        for _ in itertools.islice(collector.iterator(), num_batches):
+            pass
+        wall = time.perf_counter() - start
+        collector.next()  # the batch the iterator prefetched: nothing runs in the next phase
+        return wall / num_batches
+
+    def train_alone() -> float:
+        start = time.perf_counter()
+        for _ in range(num_batches):
+            trainer.step()
+        return (time.perf_counter() - start) / num_batches
+
+    def overlapped() -> float:
+        start = time.perf_counter()
+        for _ in itertools.islice(collector.iterator(), num_batches):
+            trainer.step()
+        wall = time.perf_counter() - start
+        collector.next()
+        return wall
+
+    collector.next()  # warm-up
+    trainer.calibrate(collect_alone())
+    collect_s, train_s, ratios, walls = [], [], [], []
+    for _ in range(reps):
+        collect_s.append(collect_alone())
+        train_s.append(train_alone())
+        walls.append(overlapped())
+        ideal = collect_s[-1] + num_batches * max(collect_s[-1], train_s[-1])
+        ratios.append(walls[-1] / ideal)
     collector.shutdown()
-    ideal = num_batches * collect_s + collect_s  # consumer time + the first batch nobody overlaps
-    ratio = wall / ideal
+    torch.set_num_threads(2)
+    ratio = statistics.median(ratios)
     return {
-        "row": "sync_iter=False overlap",
-        "metric": "wall / max(collect, consume)",
+        "row": "sync_iter=False overlap, trainer computing",
+        "metric": "wall / (first batch + n * max(collect, train))",
         "value": round(ratio, 3),
-        "target": "<= 1.15",
-        "met": ratio <= 1.15,
+        "target": "<= 1.2",
+        "met": ratio <= 1.2,
+        "cores": "collector actor 1 CPU (1 torch thread), trainer 1 thread in the driver",
         "batches": num_batches,
-        "collect_s_per_batch": round(collect_s, 3),
-        "wall_s": round(wall, 2),
+        "collect_s_per_batch": round(statistics.median(collect_s), 3),
+        "train_s_per_step": round(statistics.median(train_s), 3),
+        "wall_s": round(statistics.median(walls), 2),
     }
 
 
