@@ -10,6 +10,7 @@ import torch
 from tensordict import TensorDictBase
 
 from lmcollect.collectors.llm_collector import LLMCollector
+from lmcollect.data.turns import for_transport
 from lmcollect.weight_sync.version import PushVersion
 
 logger = logging.getLogger(__name__)
@@ -108,11 +109,11 @@ class CollectorWorker(LLMCollector):
         if self._finished():
             return None, True
         batch = self.next()
-        return batch, self._finished()
+        return for_transport(batch), self._finished()
 
     def rollout_once(self) -> TensorDictBase:
         self._check_restored()
-        return self.rollout()
+        return for_transport(self.rollout())
 
     def is_finished(self) -> bool:
         return self._finished()
