@@ -45,6 +45,7 @@ TARGET_S_PER_GB = 0.2  # a 1 GB push into 2 collectors (the zero_copy row)
 VLLM_PUSH_TARGET = 1.15  # vLLMUpdater push / (raw gloo broadcast + the engine's own reload), same tensors
 DELTA_BYTES_TARGET = 0.05  # delta push after one optimizer step / full push (bf16), bytes
 DELTA_TIME_TARGET = 0.3  # and time
+ALL_ROWS = ("memcpy", "put", "views", "flat", "zero-copy", "pg", "medium", "vllm", "delta-encodings", "delta", "delta-vllm")
 NUM_LAYERS, LAYER_WIDTH = 8, 4096  # 1 GiB: 8 layers of 8192 x 4096 fp32 (128 MiB each)
 
 
@@ -465,13 +466,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=1.0, help="size of the dummy fp32 state dict")
     parser.add_argument("--reps", type=int, default=5, help="timed pushes per row (after warm-up)")
-    parser.add_argument("--rows", default="memcpy,put,views,flat,zero-copy,medium", help="comma-separated rows (also: pg, vllm, delta, delta-vllm, delta-encodings)")
+    parser.add_argument("--rows", default="memcpy,put,views,flat,zero-copy,medium", help="comma-separated rows (also: pg, vllm, delta, delta-vllm, delta-encodings), or all")
     parser.add_argument("--lrs", default="1e-6,1e-5", help="AdamW learning rates of the delta rows")
     parser.add_argument("--quick", action="store_true", help="0.25 GB, 2 reps, no medium model")
     args = parser.parse_args()
     if args.quick:
         args.gb, args.reps, args.rows = 0.25, 2, args.rows.replace(",medium", "")
-    rows_wanted = set(args.rows.split(","))
+    rows_wanted = set(ALL_ROWS if args.rows == "all" else args.rows.split(","))
     logging.basicConfig(level=logging.WARNING)
     load_before = [round(x, 2) for x in os.getloadavg()]
 

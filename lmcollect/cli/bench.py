@@ -30,7 +30,7 @@ from lmcollect.cli.configs import BenchConfig, UsageError
 
 logger = logging.getLogger(__name__)
 
-BENCHMARKS = ("collect", "weight_sync", "memory")
+BENCHMARKS = ("collect", "weight_sync", "memory", "startup")
 
 
 def run_bench(config: BenchConfig) -> int:
@@ -102,7 +102,7 @@ def _rows_of(module: ModuleType, config: BenchConfig) -> list[dict[str, Any]]:
         accepted = inspect.signature(module.run).parameters
         result = module.run(**{k: v for k, v in options.items() if k in accepted})
     else:
-        result = _json_of_main(module, ["--quick"] if config.quick else [])
+        result = _json_of_main(module, ["--quick"] if config.quick else ["--rows", "all"])
     return result["rows"] if isinstance(result, dict) else list(result)
 
 

@@ -167,14 +167,14 @@ class BenchConfig:
     """A short run: fewer repetitions, the small model only."""
     sizes: str = "small,medium"
     """Model presets to measure, comma-separated (--quick: small)."""
-    rows: str = "local,ray"
-    """Collection rows to run: local and/or ray."""
+    rows: str = "local,ray,vllm"
+    """Collection rows to run: local, ray (with the overlap row) and/or vllm (skipped without vLLM)."""
     batch_size: int = 16
     """Prompts per collection batch."""
     max_new_tokens: int = 32
     """Tokens per answer in the collection benchmark."""
     only: str = ""
-    """Benchmarks to run, comma-separated (collect, weight_sync); empty: all found."""
+    """Benchmarks to run, comma-separated (collect, weight_sync, memory, startup); empty: all found."""
     output: str = "runs/bench.json"
     """Where the merged JSON rows are written."""
 
