@@ -139,6 +139,10 @@ class ContinuousLLMCollector(WeightReceiverMixin):
         self.verbose = verbose
         self.max_policy_lag = max_policy_lag
         self._policy_version = make_policy_version(track_policy_version)
+        if max_policy_lag is not None and self._policy_version is None:
+            raise ValueError(
+                "max_policy_lag counts policy versions: pass track_policy_version=True with it (or drop max_policy_lag)."
+            )
         self._push_lock = threading.Lock()  # one push at a time
         self._tracker = TrajectoryTracker(len(self.envs), first_id=id_base(random_namespace()))
         self._flow = TurnFlow(
@@ -148,6 +152,7 @@ class ContinuousLLMCollector(WeightReceiverMixin):
             capacity=_capacity(dialog_turns_per_batch, len(self.envs), max_policy_lag, max_buffered_turns),
             max_policy_lag=max_policy_lag,
             max_turns=None if total_dialog_turns == -1 else total_dialog_turns,
+            base_version=self.version_index(),
         )
         stop_ids = list(stop_token_ids) if stop_token_ids is not None else [tokenizer.eos_token_id]
         self._tasks = DialogTasks(
@@ -225,7 +230,7 @@ class ContinuousLLMCollector(WeightReceiverMixin):
     def next(self) -> TensorDictBase | None:
         """The next batch (None when a replay buffer is used: the batch went there)."""
         self._raise_if_unusable()
-        batch = self._collect_output(wait_while_paused=False)
+        batch = self._collect_output(background=False)
         if batch is None:
             raise StopIteration(
                 f"the collector has run total_dialog_turns={self._total_dialog_turns} turns "
@@ -236,19 +241,19 @@ class ContinuousLLMCollector(WeightReceiverMixin):
             return None
         return batch
 
-    def _collect_output(self, *, wait_while_paused: bool) -> TensorDictBase | None:
+    def _collect_output(self, *, background: bool) -> TensorDictBase | None:
         """The next batch after postproc (a postproc returning None holds a batch back: collect on)."""
         while True:
-            batch = self._next_raw_batch(wait_while_paused=wait_while_paused)
+            batch = self._next_raw_batch(background=background)
             if batch is None:
                 return None
             batch = self._postprocess(batch)
             if batch is not None:
                 return batch
 
-    def _next_raw_batch(self, *, wait_while_paused: bool, on_pop: Callable[[], None] | None = None) -> TensorDictBase | None:
+    def _next_raw_batch(self, *, background: bool, on_pop: Callable[[], None] | None = None) -> TensorDictBase | None:
         self._tasks.ensure_running()
-        batch = self._tasks.call(self._tasks.next_batch(wait_while_paused=wait_while_paused, on_pop=on_pop))
+        batch = self._tasks.call(self._tasks.next_batch(background=background, on_pop=on_pop))
         if batch is not None:
             self._batches += 1
             if self.verbose:
@@ -287,7 +292,7 @@ class ContinuousLLMCollector(WeightReceiverMixin):
     def _write_batches(self) -> None:
         try:
             while True:
-                batch = self._next_raw_batch(wait_while_paused=True, on_pop=self._taking_batch)
+                batch = self._next_raw_batch(background=True, on_pop=self._taking_batch)
                 if batch is None:
                     return
                 try:
@@ -416,6 +421,8 @@ class ContinuousLLMCollector(WeightReceiverMixin):
                 self._finish_update(version)  # resets the engine's prefix cache, takes the version
             finally:
                 self.engine.resume()
+        if not self._shut_down:
+            self._tasks.wake()  # the lag rule may admit turns under the new version
 
     def _next_index(self) -> int:
         if self._policy_version is not None:

@@ -123,16 +123,18 @@ class DialogTasks:
             self._tasks = [asyncio.create_task(self._run_slot(i), name=f"dialog-slot-{i}") for i in range(len(self.slots))]
 
     async def next_batch(
-        self, *, wait_while_paused: bool, on_pop: Callable[[], None] | None = None
+        self, *, background: bool, on_pop: Callable[[], None] | None = None
     ) -> TensorDictBase | None:
         """The next batch once one may leave; None when the turn budget is spent (or on shutdown).
 
+        ``background`` (start()'s writer): wait through pauses and for pushes. Otherwise (the
+        iterating caller) a pause or a stall waiting for a push raises, since no batch would come.
         ``on_pop`` runs on the loop as the batch leaves (before any pause can complete).
         """
         async with self._cond:
             while True:
                 self._raise_error()
-                if self._paused and not wait_while_paused:
+                if self._paused and not background:
                     raise RuntimeError(
                         "next() was called inside collector.pause(): no turn starts while paused, so no batch "
                         "would come; iterate after the pause ends."
@@ -147,9 +149,20 @@ class DialogTasks:
                         return batch
                     if self.flow.exhausted():
                         return None
+                    if not background and self.flow.stalled(index):
+                        raise RuntimeError(_STALLED.format(k=self.flow.max_policy_lag, v=index))
                 if self._stopping:
                     return None
                 await _wait(self._cond, _RECHECK_S)
+                self._cond.notify_all()  # the version may have moved: slots re-check admission too
+
+    def wake(self) -> None:
+        """Have the slots re-check admission (after a push changed the version); returns at once."""
+        asyncio.run_coroutine_threadsafe(self._notify(), self._runner.loop)
+
+    async def _notify(self) -> None:
+        async with self._cond:
+            self._cond.notify_all()
 
     async def pause(self) -> None:
         """Admit no turn; return once every turn under way has finished (and is kept)."""
@@ -227,7 +240,9 @@ class DialogTasks:
                 self._cond.notify_all()
 
     def _may_start(self, new_dialog: bool) -> bool:
-        return not self._paused and not self._errors and self.flow.may_start(new_dialog=new_dialog)
+        if self._paused or self._errors:
+            return False
+        return self.flow.may_start(new_dialog=new_dialog, version_index=self.version_fn()[1])
 
     def _drop_dialog(self, i: int, slot: Slot, index: int) -> None:
         self.flow.abandon_turn(index, end_dialog=True)
@@ -283,6 +298,13 @@ class DialogTasks:
         if prompt_id is None:
             return -1
         return self.tracker.group_id(i, len(self.slots), int(prompt_id))
+
+
+_STALLED = (
+    "max_policy_lag={k}: the batches already taken are the last ones version {v} may produce, and no "
+    "turn is running. Push new weights (collector.update_policy_weights_(...)) before the next batch, "
+    "raise max_policy_lag, or pass max_policy_lag=None for no lag bound."
+)
 
 
 async def _make_condition() -> asyncio.Condition:

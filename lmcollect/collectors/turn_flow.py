@@ -5,10 +5,11 @@ its next turn and when finished turns may leave as a batch. One thread (the coll
 loop) calls it, so it holds no lock.
 
 **Admission.** A turn starts only while the turns started and not yet consumed (in flight, or
-finished and waiting for a batch) stay below ``capacity``: ``(max_policy_lag + 1) * B`` with
-``max_policy_lag`` set, else ``max_buffered_turns``. A consumer that stops reading therefore stops
-generation. This is AReaL's rule ``started + running <= (k + v + 1) * B`` with ``v * B`` replaced
-by the turns actually consumed (the same when the trainer pushes once per batch).
+finished and waiting for a batch) stay below ``capacity`` (``max_buffered_turns``, or
+``(max_policy_lag + 1) * B``), so a consumer that stops reading stops generation. With
+``max_policy_lag=k`` it also needs AReaL's rule ``started < (k + v + 1) * B`` (``started`` counted
+from the version ``base_version`` the flow began at), where the versions advanced, ``v``, count at
+most one per batch consumed (a push before the first batch does not let more turns in).
 
 **Release with bounded lag** (``max_policy_lag=k``, flat turn batches). A turn started under
 version ``s`` must leave in a batch released while the collector's version is at most ``s + k``
@@ -18,7 +19,9 @@ still meet its deadline when each later batch brings at most one new version: so
 the ``i``-th remaining turn (0-based) needs ``deadline >= v + ceil((i + 1) / B)``. Otherwise the
 batch waits for the old turns still in flight. With admission, every deadline can be met, and
 nothing is discarded. The bound assumes at most one push per batch consumed (train, push, next
-batch); pushing more often makes versions outrun it.
+batch); pushing more often makes versions outrun it (a batch then leaves once no turn is in
+flight). A consumer that takes ``k + 1`` batches without a push has nothing more to take:
+:meth:`TurnFlow.stalled` says so.
 
 Trajectory modes (``yield_completed_trajectories`` / ``yield_only_last_steps``) release completed
 trajectories in completion order (:class:`~lmcollect.collectors.batcher.Batcher`); there, only new
@@ -47,6 +50,7 @@ class TurnFlow:
         max_policy_lag: ``k`` (steps mode only), or None for no lag bound.
         max_turns: turns to start in the collector's life (None: endless); in steps mode rounded up
             to whole batches.
+        base_version: the version index when the flow began (AReaL's rule counts versions from it).
     """
 
     def __init__(
@@ -58,6 +62,7 @@ class TurnFlow:
         capacity: int,
         max_policy_lag: int | None,
         max_turns: int | None,
+        base_version: int = 0,
     ) -> None:
         if max_policy_lag is not None and mode != "steps":
             raise ValueError(
@@ -71,8 +76,10 @@ class TurnFlow:
         if max_turns is not None and mode == "steps":
             max_turns = math.ceil(max_turns / turns_per_batch) * turns_per_batch
         self.max_turns = max_turns
+        self.base_version = base_version
         self.num_started = 0
         self.num_consumed = 0
+        self.num_batches = 0
         self.num_dialogs_running = 0
         self._in_flight: Counter[int] = Counter()  # version index -> turns in flight
         self._finished: list[tuple[int, int, CollectedTurn]] = []  # steps mode: (version, seq, turn)
@@ -94,13 +101,31 @@ class TurnFlow:
     def budget_left(self) -> bool:
         return self.max_turns is None or self.num_started < self.max_turns
 
-    def may_start(self, *, new_dialog: bool) -> bool:
+    def may_start(self, *, new_dialog: bool, version_index: int) -> bool:
         """Whether a dialog may start its next turn (a new dialog: its first one)."""
         if self._batcher is not None and not new_dialog:
             return True  # a dialog under way always finishes: its trajectory is needed whole
         if not self.budget_left():
             return False
-        return self.num_buffered_turns + self.num_in_flight < self.capacity
+        if self.num_buffered_turns + self.num_in_flight >= self.capacity:
+            return False
+        return self._lag_admits(version_index)
+
+    def _lag_admits(self, version_index: int) -> bool:
+        if self.max_policy_lag is None:
+            return True
+        advanced = min(version_index - self.base_version, self.num_batches)  # at most one per batch
+        return self.num_started < (self.max_policy_lag + advanced + 1) * self.turns_per_batch
+
+    def stalled(self, version_index: int) -> bool:
+        """Nothing can move until a push: no batch is ready, none in flight, and the lag rule admits no turn."""
+        return (
+            self.max_policy_lag is not None
+            and self.budget_left()
+            and not self.num_in_flight
+            and not self.ready(version_index)
+            and not self._lag_admits(version_index)
+        )
 
     def start_turn(self, version_index: int, *, new_dialog: bool) -> None:
         self.num_started += 1
@@ -144,7 +169,8 @@ class TurnFlow:
         if self.max_policy_lag is None:
             return True
         _, left = self._split()
-        return _deadlines_met(left, version_index, self.max_policy_lag, self.turns_per_batch)
+        # with no turn in flight, waiting cannot help (only extra pushes make deadlines unmeetable)
+        return not self._in_flight or _deadlines_met(left, version_index, self.max_policy_lag, self.turns_per_batch)
 
     def pop(self, version_index: int) -> TensorDictBase:
         """The next batch (call only when :meth:`ready`)."""
@@ -152,6 +178,7 @@ class TurnFlow:
         if self._batcher is not None:
             batch = self._batcher.pop()
             self.num_consumed += batch.shape[0]
+            self.num_batches += 1
             return batch
         if self.max_policy_lag is None:
             taken, self._finished = self._finished[: self.turns_per_batch], self._finished[self.turns_per_batch :]
@@ -161,6 +188,7 @@ class TurnFlow:
             self._finished = [item for item in self._finished if id(item) not in chosen]
             taken.sort(key=lambda item: item[1])  # the batch keeps finish order
         self.num_consumed += len(taken)
+        self.num_batches += 1
         return stack_turns([item[2].td for item in taken])
 
     def _split(self) -> tuple[list[int], list[int]]:
@@ -194,11 +222,12 @@ class TurnFlow:
         pending = self._batcher.state_dict() if self._batcher is not None else [
             {"version": v, "slot": t.slot, "traj_id": t.traj_id, "done": t.done, "td": t.td} for v, _, t in self._finished
         ]
-        return {"num_started": self.num_started, "num_consumed": self.num_consumed, "pending": pending}
+        counters = {k: getattr(self, k) for k in ("base_version", "num_started", "num_consumed", "num_batches")}
+        return {**counters, "pending": pending}
 
     def load_state_dict(self, state: dict) -> None:
-        self.num_started = int(state["num_started"])
-        self.num_consumed = int(state["num_consumed"])
+        for name in ("base_version", "num_started", "num_consumed", "num_batches"):
+            setattr(self, name, int(state[name]))
         if self._batcher is not None:
             self._batcher.load_state_dict(state["pending"])
             return

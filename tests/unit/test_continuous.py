@@ -1,0 +1,377 @@
+"""ContinuousLLMCollector with the scripted engine and the tool task: flow, layout, ids, lag, versions, memory."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import Counter, defaultdict
+
+import pytest
+import torch
+
+from lmcollect.collectors import ContinuousLLMCollector, LLMCollector
+from lmcollect.collectors.batcher import CollectedTurn
+from lmcollect.collectors.turn_flow import TurnFlow
+from lmcollect.data import keys
+from lmcollect.data.turns import flatten_turns, leaf_keys
+from lmcollect.buffers import ReplayBuffer
+from lmcollect.engines.scripted import ByteTokenizer, ScriptedEngine, chat_script
+from lmcollect.envs import ChatEnv, SingleTurnTask, arithmetic_dataset
+from lmcollect.envs.tasks.tool_calc import ToolCalcTask, tool_calc_dataset, tool_calc_player
+from lmcollect.policies import SamplingConfig
+from lmcollect.policies.outputs import Generation, answer_prompts
+from tests.factories import run_in_thread
+
+ROWS = tool_calc_dataset(256, seed=0)
+SAMPLING = SamplingConfig(max_new_tokens=64)
+
+
+def tool_env(seed: int, task: ToolCalcTask | None = None) -> ChatEnv:
+    return ChatEnv(ROWS, task=task or ToolCalcTask(max_latency_s=0.0), batch_size=1, max_turns=5, seed=seed)
+
+
+def tool_engine(**kwargs) -> ScriptedEngine:
+    return ScriptedEngine(script=chat_script(tool_calc_player), **kwargs)
+
+
+def make_collector(envs, engine=None, **kwargs) -> ContinuousLLMCollector:
+    kwargs.setdefault("dialog_turns_per_batch", 4)
+    return ContinuousLLMCollector(
+        envs, engine=engine or tool_engine(), tokenizer=ByteTokenizer(), sampling=SAMPLING, **kwargs
+    )
+
+
+def turns_of(batch) -> list:
+    return flatten_turns(batch)
+
+
+def wait_until(predicate, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+class GatedTask(ToolCalcTask):
+    """Tool calls wait until ``gate`` is set (a tool that hangs until the test lets it answer)."""
+
+    def __init__(self) -> None:
+        super().__init__(max_latency_s=0.0)
+        self.gate = threading.Event()
+
+    async def arespond(self, state, history):
+        while not self.gate.is_set():
+            await asyncio.sleep(0.005)
+        return await super().arespond(state, history)
+
+
+class CountingTask(ToolCalcTask):
+    """Counts tool calls waiting at the same time (shared by every slot's env)."""
+
+    def __init__(self, latency_s: float) -> None:
+        super().__init__(min_latency_s=latency_s, max_latency_s=latency_s)
+        self.waiting = 0
+        self.max_waiting = 0
+        self._lock = threading.Lock()
+
+    async def arespond(self, state, history):
+        with self._lock:
+            self.waiting += 1
+            self.max_waiting = max(self.max_waiting, self.waiting)
+        try:
+            return await super().arespond(state, history)
+        finally:
+            with self._lock:
+                self.waiting -= 1
+
+
+class EnginePolicy:
+    """A synchronous policy over an engine (the lockstep baseline): every prompt submitted, then awaited."""
+
+    def __init__(self, engine, tokenizer, sampling) -> None:
+        self.engine, self.tokenizer, self.sampling = engine, tokenizer, sampling
+
+    def _generate(self, prompt_ids):
+        from lmcollect.engines.protocol import EngineRequest
+
+        futures = [self.engine.submit(EngineRequest(prompt_ids=ids, sampling=self.sampling, stop_token_ids=(256,))) for ids in prompt_ids]
+        return [Generation(f.result().tokens, f.result().log_probs) for f in futures]
+
+    def __call__(self, td):
+        return answer_prompts(td, self.tokenizer, self._generate, sampling=self.sampling, stop_token_ids=[256])
+
+
+# ---------------------------------------------------------------------- flow without a barrier
+def test_a_hung_tool_call_in_one_dialog_does_not_hold_the_others() -> None:
+    gated = GatedTask()
+    envs = [tool_env(0, gated)] + [tool_env(seed) for seed in (1, 2, 3)]
+    with make_collector(envs, dialog_turns_per_batch=4) as collector:
+        batches = [turns_of(next(iter(collector))) for _ in range(3)]
+        turns = [t for batch in batches for t in batch]
+        assert all(int(t[keys.ENV_INDEX]) != 0 for t in turns), "slot 0's tool call is still hanging"
+        assert max(int(t[keys.STEP_COUNT]) for t in turns) >= 1, "the other dialogs went on to later turns"
+        gated.gate.set()
+        later = [t for _ in range(6) for t in turns_of(collector.next())]
+        assert any(int(t[keys.ENV_INDEX]) == 0 for t in later)
+
+
+def test_tool_calls_of_many_dialogs_wait_at_once() -> None:
+    task = CountingTask(latency_s=0.2)
+    envs = [tool_env(seed, task) for seed in range(8)]
+    with make_collector(envs, dialog_turns_per_batch=8) as collector:
+        collector.next()
+        # sequential tool calls would never overlap; 8 dialogs waiting 200 ms each do
+        assert task.max_waiting >= 4
+
+
+# ---------------------------------------------------------------------- layout and ids
+def test_turns_have_the_synchronous_collectors_layout_and_values() -> None:
+    sync = LLMCollector(
+        tool_env(5), policy=EnginePolicy(tool_engine(), ByteTokenizer(), SAMPLING),
+        dialog_turns_per_batch=6, flatten_data=True, track_policy_version=True,
+    )
+    cont = make_collector([tool_env(5)], dialog_turns_per_batch=6, track_policy_version=True)
+    sync.set_worker_idx(0)
+    cont.set_worker_idx(0)
+    with cont:
+        expected = [t for _ in range(2) for t in turns_of(sync.next())]
+        got = [t for _ in range(2) for t in turns_of(cont.next())]
+    sync.shutdown()
+    assert len(got) == len(expected) == 12
+    for mine, theirs in zip(got, expected):
+        assert set(leaf_keys(mine)) == set(leaf_keys(theirs)) | {keys.TOKEN_VERSIONS}
+        for key in leaf_keys(theirs):
+            a, b = mine.get(key), theirs.get(key)
+            if isinstance(a, torch.Tensor):
+                assert a.dtype == b.dtype and torch.equal(a, b), key
+            else:
+                assert a == b, key
+        versions = mine.get(keys.TOKEN_VERSIONS)
+        assert versions.dtype == torch.int64 and versions.shape == mine.get(keys.TOKENS_RESPONSE).shape
+
+
+def test_ids_are_unique_and_trajectories_contiguous() -> None:
+    envs = [tool_env(seed) for seed in range(4)]
+    with make_collector(envs, dialog_turns_per_batch=8, total_dialog_turns=64) as collector:
+        turns = [t for batch in collector for t in turns_of(batch)]
+    assert len(turns) == 64
+    ids = [(int(t[keys.TRAJ_IDS]), int(t[keys.STEP_COUNT])) for t in turns]
+    assert len(set(ids)) == len(ids)
+    steps = defaultdict(list)
+    slots = defaultdict(set)
+    for t in turns:
+        steps[int(t[keys.TRAJ_IDS])].append(int(t[keys.STEP_COUNT]))
+        slots[int(t[keys.TRAJ_IDS])].add(int(t[keys.ENV_INDEX]))
+    assert all(sorted(s) == list(range(len(s))) for s in steps.values())
+    assert all(len(s) == 1 for s in slots.values())
+    # a group id names one prompt draw of one slot
+    groups = {(int(t[keys.GROUP_ID]), int(t[keys.ENV_INDEX]), int(t[keys.ENV_PROMPT_ID])) for t in turns}
+    assert len({g for g, _, _ in groups}) == len(groups)
+
+
+def test_completed_trajectories_come_whole() -> None:
+    envs = [tool_env(seed) for seed in range(3)]
+    with make_collector(envs, dialog_turns_per_batch=8, yield_completed_trajectories=True) as collector:
+        turns = [t for _ in range(3) for t in turns_of(collector.next())]
+    by_traj = defaultdict(list)
+    for t in turns:
+        by_traj[int(t[keys.TRAJ_IDS])].append(t)
+    for traj in by_traj.values():
+        assert [int(t[keys.STEP_COUNT]) for t in traj] == list(range(len(traj)))
+        assert bool(traj[-1][keys.NEXT_DONE]) and float(traj[-1][keys.NEXT_REWARD]) == 1.0
+
+
+# ---------------------------------------------------------------------- bounded lag, versions, pushes
+@pytest.mark.parametrize("max_policy_lag", [0, 1, 2])
+def test_lag_of_every_consumed_turn_is_bounded_under_pushes_every_batch(max_policy_lag: int) -> None:
+    # varied tool latency and many slots: turns finish far out of start order
+    envs = [tool_env(seed, ToolCalcTask(max_latency_s=0.03)) for seed in range(8)]
+    collector = make_collector(
+        envs, engine=tool_engine(token_delay_s=0.0005), dialog_turns_per_batch=4, total_dialog_turns=80,
+        track_policy_version=True, max_policy_lag=max_policy_lag,
+    )
+    lags, consumed = [], 0
+    for batch in collector:
+        now = collector.version_index()
+        lags += [now - int(t[keys.POLICY_VERSION]) for t in turns_of(batch)]
+        consumed += len(turns_of(batch))
+        collector.update_policy_weights_({"tag": torch.tensor([float(now + 1)])})
+    collector.shutdown()
+    assert max(lags) <= max_policy_lag
+    assert consumed == 80 and collector.turns_run == 80  # nothing discarded
+    assert collector.leftover_turns is None
+
+
+def test_token_versions_name_the_weights_of_each_token_across_a_push() -> None:
+    engine = ScriptedEngine(num_tokens=40, token_delay_s=0.01)  # each token reveals the tag it was generated with
+    envs = [ChatEnv(arithmetic_dataset(8, seed=s), task=SingleTurnTask(), batch_size=1, seed=s) for s in range(2)]
+    collector = make_collector(envs, engine=engine, dialog_turns_per_batch=2, track_policy_version=True)
+    tags = {0: 0.0, 1: 7.0}
+    join = run_in_thread(collector.next)
+    wait_until(lambda: engine.num_steps >= 3)
+    collector.update_policy_weights_({"tag": torch.tensor([tags[1]])})  # lands between two decoding steps
+    batch = join()
+    collector.shutdown()
+    spanned = 0
+    for turn in turns_of(batch):
+        versions = turn.get(keys.TOKEN_VERSIONS).tolist()
+        tokens = turn.get(keys.TOKENS_RESPONSE).tolist()
+        log_probs = turn.get(keys.LOG_PROBS_RESPONSE).tolist()
+        spanned += len(set(versions)) == 2
+        assert int(turn[keys.POLICY_VERSION]) == 0 and versions == sorted(versions)
+        for token, log_prob, version in zip(tokens, log_probs, versions):
+            assert log_prob == -tags[version]
+            assert token in (ord("0") + int(tags[version]) % 10, ByteTokenizer.eos_token_id)
+    assert spanned == 2
+    assert engine.num_prefix_cache_resets == 1
+
+
+def test_a_push_goes_through_pause_load_reset_resume() -> None:
+    engine = tool_engine()
+    calls = []
+    for name in ("pause", "load_weights", "reset_prefix_cache", "resume"):
+        method = getattr(engine, name)
+        setattr(engine, name, lambda *a, _m=method, _n=name, **k: (calls.append(_n), _m(*a, **k))[1])
+    with make_collector([tool_env(0)], engine=engine, track_policy_version=True) as collector:
+        collector.update_policy_weights_({"tag": torch.tensor([1.0])})
+        assert calls == ["pause", "load_weights", "reset_prefix_cache", "resume"]
+        assert collector.policy_version == 1 and engine.version == 1
+        with pytest.raises(ValueError, match="tag"):
+            collector.update_policy_weights_({"bias": torch.tensor([1.0])})
+        assert engine.version == 1
+
+
+# ---------------------------------------------------------------------- backpressure, pause, shutdown
+def test_a_consumer_that_stops_reading_stops_admission() -> None:
+    envs = [tool_env(seed) for seed in range(8)]
+    with make_collector(envs, dialog_turns_per_batch=4) as collector:
+        collector.next()
+        wait_until(lambda: collector.num_in_flight == 0 and collector.num_buffered_turns > 0)
+        run = collector.turns_run
+        time.sleep(0.3)
+        assert collector.turns_run == run, "generation went on without a reader"
+        assert collector.num_buffered_turns <= 4 + 8  # dialog_turns_per_batch + max_dialogs_in_flight
+        assert collector.turns_run - 4 == collector.num_buffered_turns
+        collector.next()  # reading again admits again
+        wait_until(lambda: collector.turns_run > run)
+
+
+def test_pause_and_shutdown_mid_flight_keep_every_finished_turn() -> None:
+    buffer = ReplayBuffer(capacity=10_000)
+    envs = [tool_env(seed, ToolCalcTask(max_latency_s=0.01)) for seed in range(6)]
+    collector = make_collector(envs, engine=tool_engine(token_delay_s=0.002), dialog_turns_per_batch=4, replay_buffer=buffer)
+    collector.start()
+    wait_until(lambda: len(buffer) >= 8)
+    with collector.pause():
+        assert collector.num_in_flight == 0
+        run, written = collector.turns_run, len(buffer)
+        assert written + collector.num_buffered_turns == run
+        time.sleep(0.1)
+        assert (collector.turns_run, len(buffer)) == (run, written)
+    wait_until(lambda: collector.turns_run > run)
+    collector.shutdown()  # mid-flight: turns under way finish, leftovers go to the buffer
+    turns = flatten_turns(buffer.sample(len(buffer), replace=False))
+    assert len(turns) == collector.turns_run
+    steps = defaultdict(set)
+    for t in turns:
+        steps[int(t[keys.TRAJ_IDS])].add(int(t[keys.STEP_COUNT]))
+    assert all(s == set(range(len(s))) for s in steps.values()), "a dialog was left half-written"
+
+
+def test_state_dict_needs_a_pause_and_restores_the_dialogs() -> None:
+    collector = make_collector([tool_env(s) for s in range(2)], dialog_turns_per_batch=4, track_policy_version=True)
+    collector.next()
+    with pytest.raises(RuntimeError, match="pause"):
+        collector.state_dict()
+    with collector.pause():
+        state = collector.state_dict()
+    buffered = collector.num_buffered_turns
+    collector.shutdown()
+    fresh = make_collector([tool_env(s) for s in range(2)], dialog_turns_per_batch=4, track_policy_version=True)
+    fresh.load_state_dict(state)
+    assert fresh.num_buffered_turns == buffered and fresh.turns_run == state["turns_run"]
+    with fresh:
+        turns = turns_of(fresh.next())
+    seen = {int(t[keys.TRAJ_IDS]) for t in turns}
+    assert seen  # dialogs continue with their ids
+    assert len({(int(t[keys.TRAJ_IDS]), int(t[keys.STEP_COUNT])) for t in turns}) == len(turns)
+
+
+# ---------------------------------------------------------------------- the release rule, alone
+def _turn(slot: int) -> CollectedTurn:
+    from tensordict import TensorDict
+
+    return CollectedTurn(slot=slot, traj_id=slot, done=False, td=TensorDict({}, batch_size=[]))
+
+
+def test_a_batch_waits_for_old_turns_that_would_otherwise_miss_their_deadline() -> None:
+    flow = TurnFlow(mode="steps", num_slots=8, turns_per_batch=2, capacity=6, max_policy_lag=2, max_turns=None)
+    for _ in range(6):  # six turns start under version 0: deadlines at version 2
+        flow.start_turn(0, new_dialog=True)
+    assert not flow.may_start(new_dialog=True, version_index=0)
+    flow.finish_turn(0, _turn(0))
+    flow.finish_turn(0, _turn(1))
+    assert flow.ready(0)
+    flow.pop(0)
+    assert not flow.may_start(new_dialog=True, version_index=0), "the batch's push has not come yet"
+    assert flow.may_start(new_dialog=True, version_index=1)
+    for _ in range(2):
+        flow.start_turn(1, new_dialog=True)
+    flow.finish_turn(1, _turn(2))
+    flow.finish_turn(1, _turn(3))
+    # at version 1, releasing the two version-1 turns would leave four version-0 turns for one batch
+    assert not flow.ready(1)
+    flow.finish_turn(0, _turn(4))
+    flow.finish_turn(0, _turn(5))
+    assert flow.ready(1)
+    flow.pop(1)  # takes the two oldest
+    flow.finish_turn(0, _turn(6))
+    flow.finish_turn(0, _turn(7))
+    assert flow.ready(2)
+
+
+def test_a_consumer_that_never_pushes_is_told_instead_of_hanging() -> None:
+    envs = [tool_env(seed) for seed in range(4)]
+    with make_collector(envs, dialog_turns_per_batch=4, max_policy_lag=1, track_policy_version=True) as collector:
+        collector.next()
+        collector.next()
+        with pytest.raises(RuntimeError, match="update_policy_weights_"):
+            collector.next()
+        collector.update_policy_weights_({"tag": torch.tensor([1.0])})
+        assert turns_of(collector.next())
+
+
+# ---------------------------------------------------------------------- arguments
+def test_arguments_are_checked_naming_the_knob() -> None:
+    with pytest.raises(ValueError, match="batch_size=1"):
+        make_collector([ChatEnv(ROWS, task=ToolCalcTask(), batch_size=2, max_turns=5)])
+    with pytest.raises(ValueError, match="flatten_data"):
+        make_collector([tool_env(0)], flatten_data=False)
+    with pytest.raises(ValueError, match="max_policy_lag"):
+        make_collector([tool_env(0)], max_policy_lag=1, yield_completed_trajectories=True, track_policy_version=True)
+    with pytest.raises(ValueError, match="track_policy_version"):
+        make_collector([tool_env(0)], max_policy_lag=1)
+    with pytest.raises(ValueError, match="max_policy_lag"):
+        make_collector([tool_env(0)], max_policy_lag=-1)
+    with pytest.raises(TypeError, match="EngineProtocol"):
+        ContinuousLLMCollector([tool_env(0)], engine=object(), tokenizer=ByteTokenizer(), dialog_turns_per_batch=2)
+    with pytest.raises(ValueError, match="max_dialogs_in_flight"):
+        make_collector([tool_env(0), tool_env(1)], max_dialogs_in_flight=3)
+
+
+def test_a_failing_env_surfaces_naming_the_slot_and_collection_goes_on() -> None:
+    class Broken(ToolCalcTask):
+        calls = 0
+
+        async def arespond(self, state, history):
+            Broken.calls += 1
+            if Broken.calls == 2:
+                raise KeyError("tool down")
+            return await super().arespond(state, history)
+
+    with make_collector([tool_env(0, Broken(max_latency_s=0.0))], dialog_turns_per_batch=2) as collector:
+        with pytest.raises(Exception, match="tool down") as info:
+            while True:
+                collector.next()
+        assert any("slot 0" in note for note in info.value.__notes__)
+        assert turns_of(collector.next())  # a new dialog takes the slot
