@@ -23,9 +23,14 @@ from lmcollect.envs.tasks import (
     guessing_game_dataset,
 )
 from lmcollect.envs.tasks import SHIPPED_TASKS, ShippedTask, comparison_dataset, get_shipped_task
+from lmcollect.envs.tasks import AsyncTask, ToolCalcTask, tool_calc_dataset, tool_calc_player
 
 __all__ = [
     "AsyncEnvProtocol",
+    "AsyncTask",
+    "ToolCalcTask",
+    "tool_calc_dataset",
+    "tool_calc_player",
     "PROMPT_ID",
     "SAMPLE_INDEX",
     "AsyncEnvPool",
