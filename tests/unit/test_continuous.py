@@ -385,3 +385,76 @@ def test_readme_example_runs_as_written() -> None:
     collector = namespace["collector"]
     assert collector.turns_run == 128 and collector.policy_version == 4
     collector.shutdown()
+
+
+# ---------------------------------------------------------------------- with a real model
+@pytest.fixture(scope="module")
+def tiny_parts(tiny_model_path):
+    from lmcollect.models import load_model_and_tokenizer
+    from tests.factories import perturbed_model
+
+    _, tokenizer = load_model_and_tokenizer(tiny_model_path)
+    return tokenizer, lambda seed: perturbed_model(tiny_model_path, seed=seed)
+
+
+def guessing_env(seed: int) -> ChatEnv:
+    from lmcollect.envs import GuessingGameTask, guessing_game_dataset
+
+    return ChatEnv(guessing_game_dataset(16, seed=0), task=GuessingGameTask(), batch_size=1, max_turns=5, seed=seed)
+
+
+def test_with_the_transformers_engine_turns_equal_the_synchronous_policys(tiny_parts) -> None:
+    from lmcollect.engines import TransformersEngine
+    from lmcollect.policies import TransformersPolicy
+
+    tokenizer, make_model = tiny_parts
+    policy = TransformersPolicy(make_model(1), tokenizer, max_new_tokens=8, temperature=0)
+    sync = LLMCollector(guessing_env(3), policy=policy, dialog_turns_per_batch=6, flatten_data=True)
+    engine = TransformersEngine(make_model(1), tokenizer)
+    cont = ContinuousLLMCollector(
+        [guessing_env(3)], engine=engine, tokenizer=tokenizer, sampling=SamplingConfig(max_new_tokens=8, temperature=0),
+        stop_token_ids=policy.stop_token_ids, dialog_turns_per_batch=6,
+    )
+    with cont:
+        got, expected = turns_of(cont.next()), turns_of(sync.next())
+    engine.close()
+    assert max(int(t[keys.STEP_COUNT]) for t in got) >= 1  # multi-turn: prompts extend the previous tokens
+    for mine, theirs in zip(got, expected):
+        for key in (keys.TOKENS_PROMPT, keys.TOKENS_RESPONSE, keys.TOKENS_FULL, keys.ASSISTANT_MASK):
+            assert torch.equal(mine.get(key), theirs.get(key)), key
+        assert torch.allclose(mine.get(keys.LOG_PROBS_RESPONSE), theirs.get(keys.LOG_PROBS_RESPONSE), atol=1e-5)
+        assert mine.get(keys.HISTORY_FULL) == theirs.get(keys.HISTORY_FULL)
+
+
+def _forward_log_probs(model, full: torch.Tensor, num_prompt: int) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(full.unsqueeze(0)).logits[0].float()
+    return torch.log_softmax(logits, -1)[num_prompt - 1 : -1].gather(1, full[num_prompt:, None])[:, 0]
+
+
+def test_a_push_mid_turn_on_a_real_model_each_segment_has_its_weights_log_probs(tiny_parts) -> None:
+    from lmcollect.engines import TransformersEngine
+
+    tokenizer, make_model = tiny_parts
+    old, new = make_model(1), make_model(2)
+    engine = TransformersEngine(make_model(1), tokenizer)
+    env = ChatEnv(arithmetic_dataset(8, seed=0), task=SingleTurnTask(), batch_size=1, seed=0)
+    collector = ContinuousLLMCollector(
+        [env], engine=engine, tokenizer=tokenizer, dialog_turns_per_batch=1, track_policy_version=True,
+        sampling=SamplingConfig(max_new_tokens=160, temperature=0, ignore_eos=True),
+    )
+    join = run_in_thread(collector.next, timeout_s=120)
+    wait_until(lambda: engine.num_in_flight == 1)
+    time.sleep(0.05)
+    collector.update_policy_weights_(new)  # lands between two decoding steps of the running turn
+    turn = turns_of(join())[0]
+    collector.shutdown()
+    engine.close()
+    versions = turn.get(keys.TOKEN_VERSIONS)
+    assert set(versions.tolist()) == {0, 1}, "the push should land mid-turn"
+    full, num_prompt = turn.get(keys.TOKENS_FULL), turn.get(keys.TOKENS_PROMPT).numel()
+    stored = turn.get(keys.LOG_PROBS_RESPONSE)
+    for model, version in ((old, 0), (new, 1)):
+        segment = versions == version
+        expected = _forward_log_probs(model, full, num_prompt)[segment]
+        assert torch.allclose(stored[segment], expected, atol=1e-4), version
