@@ -61,7 +61,8 @@ class ContinuousLLMCollector(WeightReceiverMixin):
 
     Args:
         env: a list of batch-1 envs (one per slot) or a callable building one.
-        engine: the inference engine (see :class:`~lmcollect.engines.EngineProtocol`).
+        engine: the inference engine (see :class:`~lmcollect.engines.EngineProtocol`); yours to
+            close (:meth:`shutdown` leaves it running).
         tokenizer: builds the prompts' token ids (the engine's tokenizer; chat template, decode).
         sampling: sampling settings of every request (default ``SamplingConfig()``).
         stop_token_ids: ids that end a response (default: the tokenizer's eos).

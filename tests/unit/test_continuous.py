@@ -13,7 +13,7 @@ from lmcollect.collectors import ContinuousLLMCollector, LLMCollector
 from lmcollect.collectors.batcher import CollectedTurn
 from lmcollect.collectors.turn_flow import TurnFlow
 from lmcollect.data import keys
-from lmcollect.data.turns import flatten_turns, leaf_keys
+from lmcollect.data.turns import flatten_turns, leaf_keys, non_tensor_values
 from lmcollect.buffers import ReplayBuffer
 from lmcollect.engines.scripted import ByteTokenizer, ScriptedEngine, chat_script
 from lmcollect.envs import ChatEnv, SingleTurnTask, arithmetic_dataset
@@ -43,6 +43,11 @@ def make_collector(envs, engine=None, **kwargs) -> ContinuousLLMCollector:
 
 def turns_of(batch) -> list:
     return flatten_turns(batch)
+
+
+def value(turn, key):
+    """A turn's entry: a tensor, or the Python object (History, str) stored there."""
+    return non_tensor_values(turn, key)[0]
 
 
 def wait_until(predicate, timeout_s: float = 20.0) -> None:
@@ -141,11 +146,11 @@ def test_turns_have_the_synchronous_collectors_layout_and_values() -> None:
     for mine, theirs in zip(got, expected):
         assert set(leaf_keys(mine)) == set(leaf_keys(theirs)) | {keys.TOKEN_VERSIONS}
         for key in leaf_keys(theirs):
-            a, b = mine.get(key), theirs.get(key)
+            a, b = value(mine, key), value(theirs, key)
             if isinstance(a, torch.Tensor):
                 assert a.dtype == b.dtype and torch.equal(a, b), key
             else:
-                assert a == b, key
+                assert type(a) is type(b) and a == b, key
         versions = mine.get(keys.TOKEN_VERSIONS)
         assert versions.dtype == torch.int64 and versions.shape == mine.get(keys.TOKENS_RESPONSE).shape
 
@@ -239,6 +244,30 @@ def test_a_push_goes_through_pause_load_reset_resume() -> None:
         with pytest.raises(ValueError, match="tag"):
             collector.update_policy_weights_({"bias": torch.tensor([1.0])})
         assert engine.version == 1
+
+
+def test_a_local_weight_updater_pushes_into_the_engine_with_its_version() -> None:
+    from lmcollect.weight_sync import LocalWeightUpdater
+
+    engine = tool_engine()
+    trainer = {"tag": torch.tensor([3.0])}
+    with make_collector([tool_env(0)], engine=engine, weight_updater=LocalWeightUpdater(trainer),
+                        track_policy_version=True) as collector:
+        collector.update_policy_weights_()
+        collector.update_policy_weights_(version=5)
+        assert (collector.policy_version, engine.version, float(engine.model.tag)) == (5, 5, 3.0)
+        turn = turns_of(collector.next())[0]
+        assert set(turn.get(keys.TOKEN_VERSIONS).tolist()) == {5} and int(turn[keys.POLICY_VERSION]) == 5
+
+
+def test_set_seed_gives_every_slot_of_a_factory_its_own_prompts() -> None:
+    make_env = lambda: tool_env(0)  # noqa: E731 - identical envs until seeded
+    with make_collector(make_env, max_dialogs_in_flight=4, dialog_turns_per_batch=4) as collector:
+        collector.set_seed(10)
+        turns = [t for _ in range(3) for t in turns_of(collector.next())]
+    first_prompts = {int(t[keys.ENV_INDEX]): value(t, keys.HISTORY_PROMPT).messages[0].content for t in turns
+                     if int(t[keys.STEP_COUNT]) == 0}
+    assert len(first_prompts) >= 3 and len(set(first_prompts.values())) == len(first_prompts)
 
 
 # ---------------------------------------------------------------------- backpressure, pause, shutdown
@@ -423,7 +452,7 @@ def test_with_the_transformers_engine_turns_equal_the_synchronous_policys(tiny_p
         for key in (keys.TOKENS_PROMPT, keys.TOKENS_RESPONSE, keys.TOKENS_FULL, keys.ASSISTANT_MASK):
             assert torch.equal(mine.get(key), theirs.get(key)), key
         assert torch.allclose(mine.get(keys.LOG_PROBS_RESPONSE), theirs.get(keys.LOG_PROBS_RESPONSE), atol=1e-5)
-        assert mine.get(keys.HISTORY_FULL) == theirs.get(keys.HISTORY_FULL)
+        assert value(mine, keys.HISTORY_FULL) == value(theirs, keys.HISTORY_FULL)
 
 
 def _forward_log_probs(model, full: torch.Tensor, num_prompt: int) -> torch.Tensor:
