@@ -52,12 +52,15 @@ class ContinuousLLMCollector(WeightReceiverMixin):
     envs). GRPO groups across slots (``ChatEnv(repeats=k)``) need envs of batch size k and are not
     supported yet; group ids are still unique per prompt draw and slot.
 
-    Staleness and memory: a turn starts only while the turns started and not yet consumed stay
-    below ``(max_policy_lag + 1) * dialog_turns_per_batch`` (or ``max_buffered_turns``), and a batch
-    leaves only when every turn left behind can still leave within ``max_policy_lag`` versions (see
-    :mod:`lmcollect.collectors.turn_flow`). So, when the trainer pushes at most once per batch, no
-    consumed turn is more than ``max_policy_lag`` versions behind the collector, nothing is
-    discarded, and a consumer that stops reading stops generation.
+    Staleness and memory: with ``max_policy_lag=k`` a turn starts only while
+    ``started < (k + v + 1) * dialog_turns_per_batch`` (AReaL's rule; ``v`` counts the versions
+    since the collector began, at most one per batch consumed), and a batch leaves only when every
+    turn left behind can still leave within ``k`` versions (see
+    :mod:`lmcollect.collectors.turn_flow`). So, when the trainer pushes once per batch, no consumed
+    turn is more than ``k`` versions behind the collector and nothing is discarded; iterating
+    ``k + 1`` batches without a push raises an error saying so (``start()`` waits for the push).
+    Turns started and not consumed never exceed ``max_buffered_turns`` (default: turns per batch
+    plus slots): a consumer that stops reading stops generation.
 
     Args:
         env: a list of batch-1 envs (one per slot) or a callable building one.

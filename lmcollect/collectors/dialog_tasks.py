@@ -218,11 +218,12 @@ class DialogTasks:
     async def _run_slot(self, i: int) -> None:
         slot = self.slots[i]
         while True:
-            new_dialog = slot.obs is None
             async with self._cond:
-                await self._cond.wait_for(lambda: self._stopping or self._may_start(new_dialog))
+                # read the slot each time: set_seed / load_state_dict may change its dialog while it waits
+                await self._cond.wait_for(lambda: self._stopping or self._may_start(slot.obs is None))
                 if self._stopping:
                     return
+                new_dialog = slot.obs is None
                 version, index = self.version_fn()
                 self.flow.start_turn(index, new_dialog=new_dialog)
             try:
