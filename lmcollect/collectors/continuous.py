@@ -60,7 +60,8 @@ class ContinuousLLMCollector(WeightReceiverMixin):
     turn is more than ``k`` versions behind the collector and nothing is discarded; iterating
     ``k + 1`` batches without a push raises an error saying so (``start()`` waits for the push).
     Turns started and not consumed never exceed ``max_buffered_turns`` (default: turns per batch
-    plus slots): a consumer that stops reading stops generation.
+    plus slots; with ``max_policy_lag``, ``(k + 1)`` batches): a consumer that stops reading stops
+    generation.
 
     Args:
         env: a list of batch-1 envs (one per slot) or a callable building one.
@@ -80,8 +81,9 @@ class ContinuousLLMCollector(WeightReceiverMixin):
         track_policy_version: True (int versions) or a :class:`PolicyVersion`.
         max_policy_lag: ``k``: no consumed turn is more than k versions behind (None: unbounded).
         max_dialogs_in_flight: env slots (dialogs run at once); default: the list's length, or 8.
-        max_buffered_turns: without ``max_policy_lag``, turns started and not consumed beyond which
-            no turn starts (default ``dialog_turns_per_batch + max_dialogs_in_flight``).
+        max_buffered_turns: turns started and not consumed beyond which no turn starts (default
+            ``dialog_turns_per_batch + max_dialogs_in_flight``; with ``max_policy_lag=k``,
+            ``(k + 1) * dialog_turns_per_batch``, or the smaller of the two when both are given).
         verbose: log progress at INFO level.
 
     Example::
