@@ -254,6 +254,7 @@ def bench_vllm_push(reps: int, memcpy_gb_s: float) -> list[dict]:
     from lmcollect.policies.vllm_policy import VLLMPolicy
     from lmcollect.policies.vllm_ray import VLLMReplicas
     from lmcollect.weight_sync.buckets import plan_layout
+    from lmcollect.weight_sync.schemes.process_group import DIRECT_SEND_MIN_BYTES
     from lmcollect.weight_sync.vllm_updater import vLLMUpdater
     from lmcollect.weight_sync.vllm_worker_ext import VLLM_EXTENSION
 
@@ -276,8 +277,10 @@ def bench_vllm_push(reps: int, memcpy_gb_s: float) -> list[dict]:
         reload_s = [replicas.collective_rpc(_reload_stashed)[0] for _ in range(reps + 1)][1:]  # first: warm-up
     finally:
         replicas.shutdown()
-    sizes = list(plan_layout(trainer.state_dict(), bucket_size_bytes=updater.bucket_size_bytes).buffer_nbytes)
-    raw_s = bench_raw_gloo(sizes, reps)
+    # the same buffers the push sends (big tensors in buffers of their own)
+    layout = plan_layout(trainer.state_dict(), bucket_size_bytes=updater.bucket_size_bytes, own_buffer_min_bytes=DIRECT_SEND_MIN_BYTES)
+    raw_s = bench_raw_gloo(list(layout.buffer_nbytes), reps)
+    sizes = list(layout.buffer_nbytes)
     size = nbytes(trainer)
     limit = statistics.median(raw_s) + statistics.median(reload_s)
     parts = worker_parts[-reps:]

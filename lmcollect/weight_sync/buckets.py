@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,10 +124,13 @@ def plan_layout(
     *,
     bucket_size_bytes: int | None = None,
     dtypes: Mapping[str, torch.dtype] | None = None,
+    own_buffer_min_bytes: int | None = None,
 ) -> BucketLayout:
     """One buffer per dtype (in order of first appearance), split when a buffer would pass
     ``bucket_size_bytes`` (a tensor larger than that gets a buffer of its own). ``dtypes``
-    (name -> dtype) stores those tensors in another dtype (see :func:`pack_buckets`)."""
+    (name -> dtype) stores those tensors in another dtype (see :func:`pack_buckets`).
+    ``own_buffer_min_bytes``: tensors of at least this size get a buffer of their own (which a
+    sender can put on the wire as it is, see ``pack_buckets(direct=True)``)."""
     if bucket_size_bytes is not None and bucket_size_bytes <= 0:
         raise ValueError(f"bucket_size_bytes must be positive or None, got {bucket_size_bytes}.")
     open_buffer: dict[torch.dtype, int] = {}  # dtype -> index of the buffer being filled
@@ -138,7 +141,12 @@ def plan_layout(
         key = _tie_key(tensor)
         dtype = tensor.dtype if dtypes is None else dtypes.get(name, tensor.dtype)
         if key not in seen:
-            seen[key] = _place(tensor.numel() * dtype.itemsize, dtype, open_buffer, sizes, bucket_size_bytes)
+            nbytes = tensor.numel() * dtype.itemsize
+            if own_buffer_min_bytes is not None and nbytes >= own_buffer_min_bytes:
+                seen[key] = (len(sizes), 0)
+                sizes.append(nbytes)
+            else:
+                seen[key] = _place(nbytes, dtype, open_buffer, sizes, bucket_size_bytes)
         index, offset = seen[key]
         slots.append(TensorSlot(name, dtype, tuple(tensor.shape), index, offset))
     return BucketLayout(tuple(slots), tuple(sizes))
@@ -162,27 +170,62 @@ def pack_buckets(
     out: list[torch.Tensor] | None = None,
     device: torch.device | str | None = None,
     dtypes: Mapping[str, torch.dtype] | None = None,
+    layout: BucketLayout | None = None,
+    on_buffer_packed: Callable[[int, torch.Tensor], None] | None = None,
+    direct: bool = False,
 ) -> WeightBuckets:
     """Copy ``weights`` into flat per-dtype buffers (reusing ``out`` when its sizes match).
 
     ``dtypes`` (name -> dtype) casts those tensors while they are copied into their buffer: a
     cast copy of the whole model is never made (e.g. an fp32 trainer sending to a bf16 engine).
+    ``on_buffer_packed(index, buffer)`` is called for every buffer, in index order, as soon as it
+    and every buffer before it are full: a sender can put buffer ``i`` on the wire while later
+    buffers are still being packed. ``layout``: the :func:`plan_layout` of these arguments, if the
+    caller already made it. ``direct=True``: a buffer holding exactly one tensor that already has
+    its bytes in order (contiguous, on ``device``, in the buffer's dtype) is that tensor's bytes,
+    not a copy (``out`` is then ignored: never write into such buffers).
     """
-    layout = plan_layout(weights, bucket_size_bytes=bucket_size_bytes, dtypes=dtypes)
+    layout = layout if layout is not None else plan_layout(weights, bucket_size_bytes=bucket_size_bytes, dtypes=dtypes)
     device = torch.device(device) if device is not None else _common_device(weights)
-    if out is not None and [(b.numel(), b.device) for b in out] == [(n, device) for n in layout.buffer_nbytes]:
+    views = _direct_views(layout, weights, device) if direct else {}
+    if not direct and out is not None and [(b.numel(), b.device) for b in out] == [(n, device) for n in layout.buffer_nbytes]:
         buffers = out
     else:
-        buffers = [torch.empty(n, dtype=torch.uint8, device=device) for n in layout.buffer_nbytes]
+        buffers = [views[i] if i in views else torch.empty(n, dtype=torch.uint8, device=device) for i, n in enumerate(layout.buffer_nbytes)]
+    last_slot = {slot.buffer_index: position for position, slot in enumerate(layout.slots)}
+    full, announced = [False] * len(buffers), 0
     copied: set[tuple] = set()
     with torch.no_grad():
-        for slot, tensor in zip(layout.slots, weights.values()):
+        for position, (slot, tensor) in enumerate(zip(layout.slots, weights.values())):
             key = _tie_key(tensor)
-            if key in copied:
-                continue  # a tied alias of a tensor already copied
-            copied.add(key)
-            _slot_view(buffers[slot.buffer_index], slot).copy_(tensor)
+            if key not in copied and slot.buffer_index not in views:  # else a tied alias, or sent as it is
+                copied.add(key)
+                _slot_view(buffers[slot.buffer_index], slot).copy_(tensor)
+            if on_buffer_packed is not None and last_slot[slot.buffer_index] == position:
+                full[slot.buffer_index] = True
+                while announced < len(buffers) and full[announced]:
+                    on_buffer_packed(announced, buffers[announced])
+                    announced += 1
     return WeightBuckets(layout, buffers)
+
+
+def _direct_views(layout: BucketLayout, weights: Mapping[str, torch.Tensor], device: torch.device) -> dict[int, torch.Tensor]:
+    """Buffer index -> the bytes of the one tensor it holds, where they can be sent as they are."""
+    counts: dict[int, int] = {}
+    for slot in layout.slots:
+        counts[slot.buffer_index] = counts.get(slot.buffer_index, 0) + 1
+    views: dict[int, torch.Tensor] = {}
+    for slot, tensor in zip(layout.slots, weights.values()):
+        usable = tensor.dtype == slot.dtype and tensor.device == device and tensor.is_contiguous() and tensor.numel() > 0
+        # tied aliases name the same tensor; any other second slot means a shared buffer
+        if usable and slot.buffer_index not in views and (counts[slot.buffer_index] == 1 or _all_tied(layout, slot.buffer_index)):
+            views[slot.buffer_index] = tensor.detach().reshape(-1).view(torch.uint8)
+    return views
+
+
+def _all_tied(layout: BucketLayout, index: int) -> bool:
+    """Whether every slot of buffer ``index`` starts at offset 0 (tied aliases of one tensor)."""
+    return all(s.offset_bytes == 0 for s in layout.slots if s.buffer_index == index)
 
 
 def view_buckets(weights: Mapping[str, torch.Tensor]) -> WeightBuckets:

@@ -116,7 +116,7 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
         *,
         verify: bool = False,
         timeout_s: float = 300.0,
-        bucket_size_bytes: int = 512 * 2**20,
+        bucket_size_bytes: int = 64 * 2**20,
         backend: str = "auto",
         convert_dtype: bool = False,
         allow_non_finite: bool = False,

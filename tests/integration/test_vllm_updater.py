@@ -240,7 +240,7 @@ def test_convert_dtype_pushes_an_fp32_trainer_into_a_bf16_engine(
         refused.close()
         collector.update_policy_weights_(new_model)
         assert collector.policy_version == 1
-        sent_bytes = sum(buffer.numel() for buffer in updater._sender._out)  # bf16 on the wire: half of fp32
+        sent_bytes = sum(buffer.numel() for buffer in updater._sender._sent)  # bf16 on the wire: half of fp32
         assert sent_bytes < 0.6 * sum(t.numel() * 4 for t in unique_targets(new_model)[0].values())
         got = pushed(td)
         for i in range(len(QUESTIONS)):

@@ -19,6 +19,7 @@ from lmcollect.weight_sync.buckets import (
     metadata_from_json,
     metadata_to_json,
     pack_buckets,
+    plan_layout,
 )
 from lmcollect.weight_sync.delta import (
     DeltaBase,
@@ -37,6 +38,7 @@ from lmcollect.weight_sync.weights import WeightDict, raise_if_problems, tensor_
 logger = logging.getLogger(__name__)
 
 _SENDER_RANK = 0
+DIRECT_SEND_MIN_BYTES = 1 << 20  # full pushes without delta send tensors this large from the trainer's memory
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,7 +55,7 @@ class ProcessGroupConfig:
     """"auto": NCCL when CUDA is available (buffers on the GPU), else gloo (buffers in RAM)."""
     timeout_s: float = 300.0
     """Longest wait for the rendezvous, a push's metadata, or a broadcast."""
-    bucket_size_bytes: int = 512 * 2**20
+    bucket_size_bytes: int = 64 * 2**20
     """Largest broadcast buffer: weights travel as per-dtype buffers up to this size."""
     convert_dtype: bool = False
     """Accept floating tensors of another dtype than the receivers hold (e.g. an fp32 trainer and a
@@ -114,7 +116,8 @@ class ProcessGroupSender(WeightSender):
         self._group: Any = None
         self._receiver_metadata: list[tuple[dict, dict]] = []
         self._num_pushes = 0
-        self._out: list[torch.Tensor] | None = None
+        self._out: list[torch.Tensor] | None = None  # packing buffers reused by the next full push
+        self._sent: list[torch.Tensor] = []  # the buffers of the last full push (checksums, sizes)
         self._delta_base = DeltaBase(self.config.delta) if self.config.delta is not None else None
         self.last_push_stats: PushStats | None = None
         """What the last push moved: full or delta, bytes, changed elements, receivers repaired."""
@@ -167,7 +170,7 @@ class ProcessGroupSender(WeightSender):
 
     def last_checksums(self) -> list[int]:
         """CRC32 of each buffer of the last push (compare with the receivers' :meth:`last_checksums`)."""
-        return buffer_checksums(self._out or [])
+        return buffer_checksums(self._sent)
 
     def connect(self) -> None:
         """Form the group (blocks until every receiver has called ``connect``)."""
@@ -202,7 +205,7 @@ class ProcessGroupSender(WeightSender):
                 return
             logger.warning("receiver(s) %s refused the delta push; sending the full weights", refused)
         self._send_full(prepared, version)
-        nbytes = sum(b.numel() for b in self._out or [])
+        nbytes = sum(b.numel() for b in self._sent)
         self.last_push_stats = PushStats("full", nbytes, nbytes, num_full=self.config.num_receivers, num_repaired=len(refused))
 
     def reset_delta_base(self) -> None:
@@ -212,18 +215,36 @@ class ProcessGroupSender(WeightSender):
 
     def _send_full(self, prepared: PreparedPush, version: PushVersion) -> None:
         device = self._device()
-        buckets = pack_buckets(
-            prepared.weights, bucket_size_bytes=self.config.bucket_size_bytes, out=self._out, device=device, dtypes=prepared.dtypes
-        )
-        self._out = buckets.buffers
+        layout = self.layout_for(prepared.weights, prepared.dtypes)
+        direct = self._delta_base is None  # a delta base must own its bytes: it copies
         if self._delta_base is not None:
             self._delta_base.reset()  # the buffers change now; they are the base again once sent
-        self._post_header({"kind": "full", "version": _version_json(version), "layout": layout_to_json(buckets.layout)})
-        for buffer in buckets.buffers:
-            self._group.broadcast(buffer, _SENDER_RANK).wait()
+        self._post_header({"kind": "full", "version": _version_json(version), "layout": layout_to_json(layout)})
+        sending: list[Any] = []  # buffer i goes on the wire while later buffers are being packed
+        buckets = pack_buckets(
+            prepared.weights,
+            bucket_size_bytes=self.config.bucket_size_bytes,
+            out=self._out,
+            device=device,
+            dtypes=prepared.dtypes,
+            layout=layout,
+            on_buffer_packed=lambda _, buffer: sending.append(self._group.broadcast(buffer, _SENDER_RANK)),
+            direct=direct,
+        )
+        for work in sending:
+            work.wait()
+        self._sent = buckets.buffers
+        self._out = None if direct else buckets.buffers  # direct buffers are the trainer's own tensors: no reuse
         self._num_pushes += 1
         if self._delta_base is not None:
             self._delta_base.adopt(distinct_tensors(buckets.tensors()), prepared.weights, version, prepared.dtypes)
+
+    def layout_for(self, weights: WeightDict, dtypes: dict[str, torch.dtype] | None = None) -> BucketLayout:
+        """How a full push of ``weights`` is cut into broadcast buffers: tensors of at least
+        ``DIRECT_SEND_MIN_BYTES`` travel in buffers of their own, straight from the trainer's memory
+        (without delta); the rest is packed into buffers of up to ``bucket_size_bytes``."""
+        own = DIRECT_SEND_MIN_BYTES if self._delta_base is None else None
+        return plan_layout(weights, bucket_size_bytes=self.config.bucket_size_bytes, dtypes=dtypes, own_buffer_min_bytes=own)
 
     def _send_delta(self, encoded: EncodedDelta, version: PushVersion) -> list[int]:
         """Broadcast a delta; returns the ranks that refused it (then a full push must follow)."""
@@ -352,8 +373,10 @@ class ProcessGroupReceiver(WeightReceiver):
         self._held = None  # the buffers are being overwritten
         if self._buffers is None or [b.numel() for b in self._buffers] != list(layout.buffer_nbytes):
             self._buffers = [torch.empty(n, dtype=torch.uint8, device=self._device()) for n in layout.buffer_nbytes]
-        for buffer in self._buffers:  # always take every broadcast, so the group stays in step
-            self._group.broadcast(buffer, _SENDER_RANK).wait()
+        # every broadcast posted at once (the sender packs and sends buffer by buffer), all taken
+        # even on an error, so the group stays in step
+        for work in [self._group.broadcast(buffer, _SENDER_RANK) for buffer in self._buffers]:
+            work.wait()
         self._num_pushes += 1
         self._layout, self._held = layout, _version_from_json(header["version"])
         self.last_receive_info = {"kind": "full", "nbytes": layout.total_nbytes, "refused": None}
