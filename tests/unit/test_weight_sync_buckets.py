@@ -184,3 +184,25 @@ def test_convert_dtype_only_when_asked() -> None:
     load_weights_(net, weights, convert_dtype=True)
     assert net.low.dtype == torch.bfloat16
     assert torch.equal(net.norm.weight, weights["norm.weight"].float())
+
+
+def test_direct_packing_sends_big_tensors_as_they_are_and_announces_buffers_in_order() -> None:
+    weights = {
+        "small.a": torch.arange(4, dtype=torch.float32),
+        "big": torch.randn(64, 64),
+        "small.b": torch.arange(3, dtype=torch.int64),
+        "big16": torch.randn(32, 64).to(torch.bfloat16),
+    }
+    layout = plan_layout(weights, own_buffer_min_bytes=4096)
+    announced: list[int] = []
+    buckets = pack_buckets(weights, layout=layout, direct=True, on_buffer_packed=lambda i, _: announced.append(i))
+    assert announced == list(range(len(layout.buffer_nbytes)))
+    by_name = {slot.name: slot for slot in layout.slots}
+    for name in ("big", "big16"):  # a buffer of its own, viewing the trainer's memory: no copy
+        buffer = buckets.buffers[by_name[name].buffer_index]
+        assert buffer.data_ptr() == weights[name].data_ptr() and buffer.numel() == weights[name].nbytes
+    assert by_name["small.a"].buffer_index != by_name["big"].buffer_index
+    got = buckets.tensors()
+    assert all(torch.equal(got[k], v) for k, v in weights.items())
+    copied = pack_buckets(weights, layout=layout)  # not direct: every buffer is a copy
+    assert all(b.data_ptr() != weights["big"].data_ptr() for b in copied.buffers)
