@@ -15,6 +15,7 @@ _EXPORTS = {
     "ContinuousLLMCollector": "lmcollect.collectors",
     "PolicyVersion": "lmcollect.collectors",
     "RayLLMCollector": "lmcollect.collectors.ray_collector",
+    "RayContinuousLLMCollector": "lmcollect.collectors.ray_continuous",
     "RayCollectorGroup": "lmcollect.collectors.ray_group",
     "ReplayBuffer": "lmcollect.buffers",
     "RayReplayBuffer": "lmcollect.buffers.ray_buffer",

@@ -173,3 +173,19 @@ def run_in_thread(fn, timeout_s: float = 30.0):
         return result.get("value")
 
     return join
+
+
+# ---------------------------------------------------------------------- continuous collection
+def make_tool_env():
+    """One calculator-tool dialog at a time (a continuous collector's slot env; set_seed sets slots apart)."""
+    from lmcollect.envs import ToolCalcTask, tool_calc_dataset
+
+    return ChatEnv(tool_calc_dataset(64, seed=0), task=ToolCalcTask(max_latency_s=0.01), batch_size=1, max_turns=5, seed=0)
+
+
+def make_tool_engine():
+    """A scripted engine playing the tool task right (no model; log-probs reveal the pushed tag)."""
+    from lmcollect.engines.scripted import ScriptedEngine, chat_script
+    from lmcollect.envs import tool_calc_player
+
+    return ScriptedEngine(script=chat_script(tool_calc_player), token_delay_s=0.001)

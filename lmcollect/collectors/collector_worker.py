@@ -9,8 +9,9 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
+from lmcollect.collectors.continuous import ContinuousLLMCollector
 from lmcollect.collectors.llm_collector import LLMCollector
-from lmcollect.data.turns import for_transport
+from lmcollect.data.transport import pack
 from lmcollect.weight_sync.version import PushVersion
 
 logger = logging.getLogger(__name__)
@@ -20,10 +21,10 @@ class CollectorRestartedError(RuntimeError):
     """A restarted collector actor was asked to collect before it was restored."""
 
 
-class CollectorWorker(LLMCollector):
-    """An :class:`LLMCollector` whose methods can all be called through an actor handle.
+class WorkerMethods:
+    """What a collector needs to be called through an actor handle (mixed into a collector class).
 
-    It is a plain class (Ray is applied where the actor is created); env and policy
+    It is a plain class (Ray is applied where the actor is created); env and policy (or engine)
     constructors are called here, inside the actor, so no model travels through the driver.
 
     ``restarted=True`` (the actor was reconstructed after a crash, see ``max_restarts``): it
@@ -108,15 +109,26 @@ class CollectorWorker(LLMCollector):
         self._check_restored()
         if self._finished():
             return None, True
-        batch = self.next()
-        return for_transport(batch), self._finished()
+        try:
+            batch = self.next()
+        except StopIteration:  # the budget ran out while waiting (a continuous collector's last turns)
+            return None, True
+        return pack(batch), self._finished()
 
     def rollout_once(self) -> TensorDictBase:
         self._check_restored()
-        return for_transport(self.rollout())
+        return pack(self.rollout())
 
     def is_finished(self) -> bool:
         return self._finished()
+
+
+class CollectorWorker(WorkerMethods, LLMCollector):
+    """An :class:`LLMCollector` whose methods can all be called through an actor handle."""
+
+
+class ContinuousCollectorWorker(WorkerMethods, ContinuousLLMCollector):
+    """A :class:`ContinuousLLMCollector` whose methods can all be called through an actor handle."""
 
 
 _READABLE = {

@@ -65,8 +65,8 @@ class ContinuousLLMCollector(WeightReceiverMixin):
 
     Args:
         env: a list of batch-1 envs (one per slot) or a callable building one.
-        engine: the inference engine (see :class:`~lmcollect.engines.EngineProtocol`); yours to
-            close (:meth:`shutdown` leaves it running).
+        engine: the inference engine (see :class:`~lmcollect.engines.EngineProtocol`), or a
+            callable building it; yours to close (:meth:`shutdown` leaves it running).
         tokenizer: builds the prompts' token ids (the engine's tokenizer; chat template, decode).
         sampling: sampling settings of every request (default ``SamplingConfig()``).
         stop_token_ids: ids that end a response (default: the tokenizer's eos).
@@ -100,7 +100,7 @@ class ContinuousLLMCollector(WeightReceiverMixin):
         self,
         env: Any,
         *,
-        engine: EngineProtocol,
+        engine: EngineProtocol | Callable[[], EngineProtocol],
         tokenizer: Any,
         sampling: SamplingConfig | None = None,
         stop_token_ids: Collection[int] | None = None,
@@ -123,6 +123,8 @@ class ContinuousLLMCollector(WeightReceiverMixin):
                 "ContinuousLLMCollector batches are flat (N,) turns in finish order: dialogs do not advance in "
                 "lockstep, so there is no (num_envs, T) shape. Leave flatten_data=None."
             )
+        if not isinstance(engine, EngineProtocol) and callable(engine):
+            engine = engine()  # a factory: the engine is built here (inside a Ray actor, no model travels)
         if not isinstance(engine, EngineProtocol):
             raise TypeError(f"engine must implement lmcollect.engines.EngineProtocol, got {type(engine).__name__}.")
         self._mode, self._flatten = resolve_batching(
@@ -233,6 +235,17 @@ class ContinuousLLMCollector(WeightReceiverMixin):
         return not self._shut_down
 
     # ------------------------------------------------------------------ iteration
+    def _finished(self) -> bool:
+        """The turn budget is spent and no batch is left to take."""
+        if self._shut_down:
+            return True
+        return self._total_dialog_turns != -1 and self._tasks.call(_exhausted(self._flow))
+
+    @property
+    def rollout(self) -> Callable[[], TensorDictBase | None]:
+        """The function that collects one batch."""
+        return lambda: self._collect_output(background=False)
+
     def next(self) -> TensorDictBase | None:
         """The next batch (None when a replay buffer is used: the batch went there)."""
         self._raise_if_unusable()
@@ -447,8 +460,15 @@ class ContinuousLLMCollector(WeightReceiverMixin):
                 set_env_seed = getattr(env, "set_seed", None)
                 if callable(set_env_seed):
                     out_seed = set_env_seed(out_seed, static_seed=static_seed)
-            self._tasks.call(_restart_dialogs(self._tasks))
+            self._tasks.call(_restart_dialogs(self._tasks, None, full_reset=True))
             return out_seed
+
+    def reset(self, index: list[int] | int | None = None, **kwargs: Any) -> None:
+        """Start new dialogs in every slot, or in the slots in ``index`` (waits for the turns under way;
+        in trajectory modes the unfinished trajectories' turns are dropped)."""
+        slots = None if index is None else ([index] if isinstance(index, int) else list(index))
+        with self._paused_here():
+            self._tasks.call(_restart_dialogs(self._tasks, slots, full_reset=False))
 
     @contextlib.contextmanager
     def _paused_here(self) -> Iterator[None]:
@@ -538,17 +558,24 @@ class ContinuousLLMCollector(WeightReceiverMixin):
         return getattr(self.replay_buffer, attr)
 
 
+async def _exhausted(flow: TurnFlow) -> bool:
+    return flow.exhausted()
+
+
 async def _drain(flow: TurnFlow) -> TensorDictBase | None:
     return flow.drain()
 
 
-async def _restart_dialogs(tasks: DialogTasks) -> None:
+async def _restart_dialogs(tasks: DialogTasks, slots: list[int] | None, *, full_reset: bool) -> None:
     index = tasks.version_fn()[1]
     for i, slot in enumerate(tasks.slots):
+        if slots is not None and i not in slots:
+            continue
         if slot.obs is not None:
             tasks.flow.num_dialogs_running -= 1
             tasks.flow.drop_dialog(i)
-        slot.obs, slot.was_reset = None, False
+        slot.obs = None
+        slot.was_reset = slot.was_reset and not full_reset  # a reseeded env starts with a full reset
         tasks.tracker.end(i, index)
 
 

@@ -13,10 +13,11 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from tensordict import TensorDictBase
 
 from lmcollect.buffers.replay_buffer import ReplayBuffer
-from lmcollect.collectors.collector_worker import CollectorRestartedError, CollectorWorker
+from lmcollect.collectors.collector_worker import CollectorRestartedError, CollectorWorker, ContinuousCollectorWorker
 from lmcollect.collectors.config import resolve_batching
 from lmcollect.collectors.versioning import PolicyVersion
 from lmcollect.collectors.weights import attach_updater
+from lmcollect.data.transport import unpack
 from lmcollect.distributed.ray_cluster import actor_options, init_ray, torch_threads_for, with_thread_env
 from lmcollect.weight_sync.buckets import view_buckets
 from lmcollect.weight_sync.version import PushVersion
@@ -99,6 +100,50 @@ class RayLLMCollector:
         )
         if policy is not None and policy_factory is not None:
             raise TypeError("pass either policy or policy_factory, not both.")
+        self._policy_arg = policy
+        self._launch(
+            env,
+            dict(
+                policy=policy,
+                policy_factory=policy_factory,
+                dialog_turns_per_batch=dialog_turns_per_batch,
+                total_dialog_turns=total_dialog_turns,
+                yield_only_last_steps=yield_only_last_steps,
+                yield_completed_trajectories=yield_completed_trajectories,
+                postproc=postproc,
+                async_envs=async_envs,
+                replay_buffer=replay_buffer,
+                reset_at_each_iter=reset_at_each_iter,
+                flatten_data=flatten_data,
+                track_policy_version=track_policy_version,
+                verbose=verbose,
+            ),
+            weight_updater=weight_updater,
+            ray_init_config=ray_init_config,
+            remote_config=remote_config,
+            sync_iter=sync_iter,
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            call_timeout_s=call_timeout_s,
+            collect_timeout_s=collect_timeout_s,
+        )
+
+    def _launch(
+        self,
+        env: Any,
+        collector_kwargs: dict[str, Any],
+        *,
+        weight_updater: Any,
+        ray_init_config: dict[str, Any] | None,
+        remote_config: dict[str, Any] | None,
+        sync_iter: bool,
+        num_cpus: float | None,
+        num_gpus: float | None,
+        call_timeout_s: float | None,
+        collect_timeout_s: float | None,
+    ) -> None:
+        """Start the actor (its collector built from ``env`` and ``collector_kwargs`` inside it)."""
+        replay_buffer = collector_kwargs.get("replay_buffer")
         if isinstance(replay_buffer, ReplayBuffer):
             logger.warning(
                 "a local ReplayBuffer is copied into the collector's actor; read it with getattr_rb, "
@@ -107,7 +152,7 @@ class RayLLMCollector:
         init_ray(ray_init_config)
         self._options = actor_options(remote_config, num_cpus=num_cpus, num_gpus=num_gpus, defaults=_ACTOR_DEFAULTS)
         self._collect_group = _add_collect_group(self._options)
-        self._name = f"RayLLMCollector-{uuid.uuid4().hex[:6]}"
+        self._name = f"{type(self).__name__}-{uuid.uuid4().hex[:6]}"
         self._sync_iter = sync_iter
         self._call_timeout_s = _check_timeout(call_timeout_s, "call_timeout_s")
         self._collect_timeout_s = _check_timeout(collect_timeout_s, "collect_timeout_s")
@@ -117,31 +162,15 @@ class RayLLMCollector:
         self._last_push: tuple[Any, PushVersion | None, bool] | None = None
         self._restarts = 0
         self._started = False
-        self._dialog_turns_per_batch = dialog_turns_per_batch
-        self._total_dialog_turns = total_dialog_turns
+        self._dialog_turns_per_batch = collector_kwargs["dialog_turns_per_batch"]
+        self._total_dialog_turns = collector_kwargs.get("total_dialog_turns", -1)
         self._has_replay_buffer = replay_buffer is not None
-        self._policy_arg = policy
         self._shut_down = False
         self._prefetch: ray.ObjectRef | None = None
         torch_threads = torch_threads_for(self._options.get("num_cpus"))
         started = time.perf_counter()
-        self._actor = self.as_remote(with_thread_env(self._options, torch_threads)).remote(
-            env,
-            policy=policy,
-            policy_factory=policy_factory,
-            dialog_turns_per_batch=dialog_turns_per_batch,
-            total_dialog_turns=total_dialog_turns,
-            yield_only_last_steps=yield_only_last_steps,
-            yield_completed_trajectories=yield_completed_trajectories,
-            postproc=postproc,
-            async_envs=async_envs,
-            replay_buffer=replay_buffer,
-            reset_at_each_iter=reset_at_each_iter,
-            flatten_data=flatten_data,
-            track_policy_version=track_policy_version,
-            verbose=verbose,
-            torch_threads=torch_threads,
-        )
+        remote_cls = self.as_remote(with_thread_env(self._options, torch_threads))
+        self._actor = remote_cls.remote(env, **collector_kwargs, torch_threads=torch_threads)
         self._call("ping")  # surfaces constructor errors here, with the actor's traceback
         self.startup_s = time.perf_counter() - started
         self._weight_updater = None
@@ -152,7 +181,12 @@ class RayLLMCollector:
     def as_remote(cls, remote_config: dict[str, Any] | None = None) -> Any:
         """The Ray actor class of the collector, with ``remote_config`` as its options."""
         options = dict(remote_config or {})
-        return ray.remote(**options)(_RayCollectorWorker) if options else ray.remote(_RayCollectorWorker)
+        body = cls._actor_body()
+        return ray.remote(**options)(body) if options else ray.remote(body)
+
+    @classmethod
+    def _actor_body(cls) -> type:
+        return _RayCollectorWorker
 
     # ------------------------------------------------------------------ calls to the actor
     @property
@@ -194,7 +228,8 @@ class RayLLMCollector:
         if timeout_s is None:
             timeout_s = self._collect_timeout_s if what in _COLLECT_METHODS else self._call_timeout_s
         try:
-            return ray.get(ref, timeout=timeout_s)
+            result = ray.get(ref, timeout=timeout_s)
+            return _unpacked(result) if what in _COLLECT_METHODS else result
         except RayActorError as exc:
             if self._options.get("max_restarts", 0) and self._wait_until_restarted():
                 self._restore()
@@ -400,6 +435,11 @@ class RayLLMCollector:
     def turns_run(self) -> int:
         return self._call("get_attribute", "turns_run")
 
+    @property
+    def num_buffered_turns(self) -> int:
+        """Turns run in the actor and not yet yielded or written."""
+        return self._call("get_attribute", "num_buffered_turns")
+
     # ------------------------------------------------------------------ state and attributes
     def state_dict(self) -> Any:
         return self._call("state_dict")
@@ -515,14 +555,24 @@ class RayLLMCollector:
         return self._name
 
 
+def _was_reconstructed() -> bool:
+    with warnings.catch_warnings():  # Ray 2.60 warns about its own use of a deprecated property here
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return ray.get_runtime_context().was_current_actor_reconstructed
+
+
 class _RayCollectorWorker(CollectorWorker):
     """The actor body: knows whether Ray reconstructed it after a crash (Ray stays at this edge)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        with warnings.catch_warnings():  # Ray 2.60 warns about its own use of a deprecated property here
-            warnings.simplefilter("ignore", DeprecationWarning)
-            restarted = ray.get_runtime_context().was_current_actor_reconstructed
-        super().__init__(*args, restarted=restarted, **kwargs)
+        super().__init__(*args, restarted=_was_reconstructed(), **kwargs)
+
+
+class _RayContinuousWorker(ContinuousCollectorWorker):
+    """The continuous collector's actor body (see :class:`_RayCollectorWorker`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, restarted=_was_reconstructed(), **kwargs)
 
 
 class _NeedsRestore(Exception):
@@ -559,3 +609,10 @@ def _add_collect_group(options: dict[str, Any]) -> str | None:
 def _cause(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return " ".join(line.strip() for line in text[:6])[:600] or type(exc).__name__
+
+
+def _unpacked(result: Any) -> Any:
+    """A collecting call's result with its batch rebuilt (batches travel packed, see lmcollect.data.transport)."""
+    if isinstance(result, tuple):
+        return (unpack(result[0]), *result[1:])
+    return unpack(result)

@@ -1,0 +1,68 @@
+"""RayContinuousLLMCollector: the continuous collector in an actor, iterated and writing into a RayReplayBuffer."""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import pytest
+import torch
+
+from lmcollect.buffers import RayReplayBuffer
+from lmcollect.collectors.ray_continuous import RayContinuousLLMCollector
+from lmcollect.data import keys
+from lmcollect.data.turns import flatten_turns
+from lmcollect.engines.scripted import ByteTokenizer
+from lmcollect.policies import SamplingConfig
+from tests.factories import make_tool_engine, make_tool_env
+
+pytestmark = pytest.mark.integration
+
+
+make_env, make_engine = make_tool_env, make_tool_engine
+
+
+def collector(**kwargs) -> RayContinuousLLMCollector:
+    return RayContinuousLLMCollector(
+        make_env, engine_factory=make_engine, tokenizer=ByteTokenizer(), sampling=SamplingConfig(max_new_tokens=64),
+        dialog_turns_per_batch=4, max_dialogs_in_flight=4, track_policy_version=True, num_cpus=0.25, **kwargs,
+    )
+
+
+def test_iterating_with_pushes_every_batch_keeps_the_lag_bound(ray_cluster) -> None:
+    with collector(total_dialog_turns=24, max_policy_lag=1) as c:
+        c.set_seed(0)
+        turns = []
+        for batch in c:
+            now = c.get_policy_version()
+            got = flatten_turns(batch)
+            assert all(now - int(t[keys.POLICY_VERSION]) <= 1 for t in got)
+            turns += got
+            c.update_policy_weights_({"tag": torch.tensor([float(now + 1)])})
+    assert len(turns) == 24
+    for t in turns:
+        versions = t.get(keys.TOKEN_VERSIONS)
+        assert int(versions.min()) >= int(t[keys.POLICY_VERSION])
+
+
+def test_start_writes_every_finished_turn_into_a_ray_replay_buffer(ray_cluster) -> None:
+    buffer = RayReplayBuffer(capacity=10_000)
+    c = collector(replay_buffer=buffer)
+    c.set_seed(0)
+    c.start()
+    deadline = time.monotonic() + 120
+    while len(buffer) < 12:
+        assert time.monotonic() < deadline, "no turns reached the buffer"
+        time.sleep(0.05)
+    c.update_policy_weights_({"tag": torch.tensor([1.0])})
+    with c.pause():
+        run = c.turns_run
+        written = len(buffer)
+        assert written + c.num_buffered_turns == run
+    c.shutdown()  # finished turns no batch took go to the buffer too
+    turns = flatten_turns(buffer.sample(len(buffer), replace=False))
+    assert len(turns) >= run
+    steps = defaultdict(set)
+    for t in turns:
+        steps[int(t[keys.TRAJ_IDS])].add(int(t[keys.STEP_COUNT]))
+    assert sum(len(s) for s in steps.values()) == len(turns)  # no (trajectory, step) twice
+    assert all(s == set(range(len(s))) for s in steps.values())
