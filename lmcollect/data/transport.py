@@ -1,7 +1,7 @@
 """A batch of turns packed for the trip between processes: one byte buffer plus its structure.
 
 Pickling a TensorDict sends each tensor on its own (a batch of 16 turns holds some 460 small
-tensors, about 70 us each both ways); a :class:`PackedTurns` holds every tensor's bytes in one
+tensors, each with its own serialization overhead both ways); a :class:`PackedTurns` holds every tensor's bytes in one
 buffer and the lazy-stack structure as plain Python, and is rebuilt into an equal batch on arrival
 (same keys, values, dtypes, shapes, nesting and non-tensor objects). Batches it cannot describe
 (dense batch dimensions, tensors off the CPU) travel consolidated instead (see :func:`pack`).

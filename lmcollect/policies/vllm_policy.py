@@ -137,7 +137,7 @@ class VLLMEngine:
 
     On CPU, vLLM's default KV cache does not fit: pass ``engine_kwargs={"kv_cache_memory_bytes":
     1 << 30}`` (or set ``VLLM_CPU_KVCACHE_SPACE=1``, in GiB). With ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
-    the engine runs in this process (start-up ~3 s instead of ~20 s); otherwise it spawns processes
+    the engine runs in this process (it starts several times faster); otherwise it spawns processes
     and the entry point needs an ``if __name__ == "__main__":`` guard.
 
     Keep at most one in-process engine per process: vLLM holds its parallel state in module

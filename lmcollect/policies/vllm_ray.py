@@ -14,8 +14,8 @@ from lmcollect.policies.vllm_policy import Completion, VLLMEngine
 
 logger = logging.getLogger(__name__)
 
-# The actor is already the engine's own process: running vLLM in it starts in ~3 s instead of
-# spawning an engine-core process (~20 s). Callers can override any of these.
+# The actor is already the engine's own process: running vLLM in it starts much faster than
+# spawning an engine-core process. Callers can override any of these.
 DEFAULT_ENV_VARS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 # Any max_concurrency works: each VLLMEngine runs its calls on its own engine thread, one at a time.
 _ACTOR_DEFAULTS: dict[str, Any] = {"num_cpus": 1}

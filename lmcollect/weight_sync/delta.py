@@ -15,8 +15,8 @@ Encodings of the changed positions, per tensor (``DeltaConfig.encoding``):
   count per block, 2 bytes per change instead of 4 for int32 positions; the receiver's work
   grows with the changes only;
 * ``"bitmask"``: one bit per element; fewer bytes once more than 1 element in 16 changed, but
-  the receiver unpacks it (a pass over every element), which measured twice as slow at equal
-  changes (``benchmarks/weight_sync.py --rows delta-encodings``);
+  the receiver unpacks it (a pass over every element), slower at equal changes (see the
+  README's delta-encodings rows, ``benchmarks/weight_sync.py --rows delta-encodings``);
 * ``"dense"``: the whole tensor, whenever that is smaller (e.g. a bias every element of which moved).
 
 Pure torch and numpy: no Ray, no torch.distributed.

@@ -147,7 +147,7 @@ def weight_problems(
 def non_finite_problems(weights: Mapping[str, torch.Tensor]) -> list[str]:
     """A problem for every floating tensor holding a NaN or an infinity (pushed only with
     ``allow_non_finite=True``). One min/max pass per tensor: NaN propagates through both, so min
-    and max are finite exactly when every element is (about 15x cheaper than ``isfinite(t).all()``)."""
+    and max are finite exactly when every element is (much cheaper than ``isfinite(t).all()``)."""
     problems = []
     for name, tensor in weights.items():
         if not tensor.is_floating_point() or tensor.numel() == 0:
