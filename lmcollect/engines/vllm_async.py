@@ -45,7 +45,7 @@ class VLLMAsyncEngine:
 
     ``submit`` returns a ``concurrent.futures.Future`` at once; any thread may call any method.
     The engine core runs in a subprocess (so a script needs an ``if __name__ == "__main__":``
-    guard; start-up takes ~15 s on CPU). Prompts go in as token ids, and each result holds the
+    guard; start-up takes seconds). Prompts go in as token ids, and each result holds the
     raw log-prob of every sampled token (``logprobs_mode="raw_logprobs"``, as :class:`VLLMPolicy`).
 
     A weight push, in order (what an updater does; ``load_weights`` alone does 1-4 itself)::
