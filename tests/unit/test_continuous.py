@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 
 import pytest
 import torch

@@ -1,0 +1,142 @@
+"""Seeds, resets and checkpoints of the continuous collector (taken while no turn is in flight)."""
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from lmcollect.collectors.dialog_tasks import DialogTasks
+from lmcollect.collectors.llm_collector import _state_of
+from lmcollect.collectors.trajectories import TrajectoryTracker
+from lmcollect.collectors.turn_flow import TurnFlow
+from lmcollect.weight_sync.version import PushVersion
+
+
+class ContinuousStateMixin:
+    """``set_seed``, ``reset``, ``state_dict`` / ``load_state_dict`` of :class:`ContinuousLLMCollector`.
+
+    Each runs with the collector paused (every dialog between two turns), pausing it for the call
+    when the caller has not.
+    """
+
+    envs: list[Any]
+    _tasks: DialogTasks
+    _flow: TurnFlow
+    _tracker: TrajectoryTracker
+    _policy_version: Any
+    _batches: int
+    _mode: str
+    _dialog_turns_per_batch: int
+    max_policy_lag: int | None
+
+    def set_seed(self, seed: int, static_seed: bool = False) -> int:
+        """Seed slot envs ``seed, seed+1, ...`` (as LLMCollector seeds its envs); new dialogs in every slot.
+
+        Waits for the turns under way; dialogs under way are dropped (in trajectory modes with their turns).
+        """
+        with self._paused_here():
+            out_seed = seed
+            for env in self.envs:
+                set_env_seed = getattr(env, "set_seed", None)
+                if callable(set_env_seed):
+                    out_seed = set_env_seed(out_seed, static_seed=static_seed)
+            self._tasks.call(_restart_dialogs(self._tasks, None, full_reset=True))
+            return out_seed
+
+    def reset(self, index: list[int] | int | None = None, **kwargs: Any) -> None:
+        """Start new dialogs in every slot, or in the slots in ``index`` (waits for the turns under way;
+        in trajectory modes the unfinished trajectories' turns are dropped)."""
+        slots = None if index is None else ([index] if isinstance(index, int) else list(index))
+        with self._paused_here():
+            self._tasks.call(_restart_dialogs(self._tasks, slots, full_reset=False))
+
+    @contextlib.contextmanager
+    def _paused_here(self) -> Iterator[None]:
+        """Paused for the block (nested in a caller's pause: stays paused after it)."""
+        if self._tasks.paused:
+            yield
+            return
+        with self.pause():
+            yield
+
+    def state_dict(self) -> OrderedDict:
+        """The collector's state, taken with no turn in flight (call it inside ``with collector.pause():``).
+
+        Counters, policy version and engine weights (when the engine exposes a ``model``), every
+        slot's env state and dialog under way, the finished turns not yet yielded and the id
+        counters. A collector built the same way continues from it with the same dialogs and
+        loses no finished turn; which dialog finishes its turn first depends on timing, so later
+        batches are not bitwise those of an uninterrupted run.
+        """
+        if self._flow.num_in_flight or (self._tasks.started and not self._tasks.paused):
+            raise RuntimeError(
+                "state_dict() needs every dialog between two turns: call it inside `with collector.pause():`."
+            )
+        return self._tasks.call(self._snapshot())
+
+    async def _snapshot(self) -> OrderedDict:
+        state: OrderedDict = OrderedDict()
+        state["layout"] = self.layout()
+        state["env_state_dict"] = [_state_of(env) for env in self.envs]
+        model = self.get_policy_model()
+        state["policy_state_dict"] = _state_of(model) if isinstance(model, torch.nn.Module) else None
+        state["turns_run"] = self._tasks.turns_run
+        state["batches"] = self._batches
+        state["policy_version"] = None if self._policy_version is None else self._policy_version.state_dict()
+        state["trajectories"] = self._tracker.state_dict()
+        state["observations"] = [{"obs": s.obs, "was_reset": s.was_reset} for s in self._tasks.slots]
+        state["pending_turns"] = self._flow.state_dict()
+        return state
+
+    def layout(self) -> dict[str, Any]:
+        return {
+            "mode": self._mode,
+            "dialog_turns_per_batch": self._dialog_turns_per_batch,
+            "max_dialogs_in_flight": len(self.envs),
+            "max_policy_lag": self.max_policy_lag,
+        }
+
+    def load_state_dict(self, state_dict: OrderedDict, **kwargs: Any) -> None:
+        """Restore :meth:`state_dict` (before collecting, or inside ``with collector.pause():``)."""
+        mine = self.layout()
+        wrong = [f"{k}={state_dict['layout'].get(k)!r} (this collector: {v!r})" for k, v in mine.items()
+                 if state_dict["layout"].get(k) != v]
+        if wrong:
+            raise ValueError("this state comes from a collector with another configuration: " + "; ".join(wrong) + ".")
+        version = state_dict.get("policy_version")
+        pushed = None if version is None else PushVersion(int(version["index"]), str(version["uuid"]))
+        if state_dict.get("policy_state_dict") is not None:
+            self.apply_weights(state_dict["policy_state_dict"], version=pushed)
+        elif pushed is not None and self._policy_version is not None:
+            self._check_version(pushed)
+            self._policy_version.set(pushed)
+        with self._paused_here():
+            self._tasks.call(self._restore(state_dict))
+
+    async def _restore(self, state: OrderedDict) -> None:
+        for env, env_state in zip(self.envs, state["env_state_dict"]):
+            if env_state is not None:
+                env.load_state_dict(env_state)
+        self._tasks.turns_run = int(state["turns_run"])
+        self._batches = int(state["batches"])
+        self._tracker.load_state_dict(state["trajectories"])
+        for slot, saved in zip(self._tasks.slots, state["observations"]):
+            slot.obs, slot.was_reset = saved["obs"], bool(saved["was_reset"])
+        self._flow.load_state_dict(state["pending_turns"])
+        self._flow.num_dialogs_running = sum(slot.obs is not None for slot in self._tasks.slots)
+
+
+async def _restart_dialogs(tasks: DialogTasks, slots: list[int] | None, *, full_reset: bool) -> None:
+    index = tasks.version_fn()[1]
+    for i, slot in enumerate(tasks.slots):
+        if slots is not None and i not in slots:
+            continue
+        if slot.obs is not None:
+            tasks.flow.num_dialogs_running -= 1
+            tasks.flow.drop_dialog(i)
+        slot.obs = None
+        slot.was_reset = slot.was_reset and not full_reset  # a reseeded env starts with a full reset
+        tasks.tracker.end(i, index)
