@@ -326,6 +326,25 @@ def test_state_dict_needs_a_pause_and_restores_the_dialogs() -> None:
     assert len({(int(t[keys.TRAJ_IDS]), int(t[keys.STEP_COUNT])) for t in turns}) == len(turns)
 
 
+def test_a_checkpoint_of_a_paused_collector_restores_its_unconsumed_turns(tmp_path) -> None:
+    from lmcollect import load_checkpoint, save_checkpoint
+
+    collector = make_collector([tool_env(s) for s in range(2)], dialog_turns_per_batch=4, track_policy_version=True)
+    collector.next()
+    collector.update_policy_weights_({"tag": torch.tensor([2.0])})
+    with collector.pause():
+        save_checkpoint(tmp_path / "ckpt", [collector])
+        buffered, run = collector.num_buffered_turns, collector.turns_run
+    collector.shutdown()
+    engine = tool_engine()
+    fresh = make_collector([tool_env(s) for s in range(2)], engine=engine, dialog_turns_per_batch=4, track_policy_version=True)
+    load_checkpoint(tmp_path / "ckpt", [fresh])
+    assert (fresh.num_buffered_turns, fresh.turns_run, fresh.policy_version) == (buffered, run, 1)
+    assert (engine.version, float(engine.model.tag)) == (1, 2.0)  # the weights came back into the engine
+    with fresh:
+        assert len(turns_of(fresh.next())) == 4
+
+
 # ---------------------------------------------------------------------- the release rule, alone
 def _turn(slot: int) -> CollectedTurn:
     from tensordict import TensorDict
