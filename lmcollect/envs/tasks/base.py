@@ -43,6 +43,8 @@ class Task(Protocol):
     called with the full history (ending with the assistant message) and returns a
     :class:`TaskReply`. ``respond`` must not mutate ``state`` (ChatEnv may call it again with the
     same state if another element of the batch failed); derive progress from ``history`` instead.
+    A task whose reply waits on something (a tool, a judge) may also define ``async arespond``:
+    see :class:`AsyncTask`.
     """
 
     def start(self, sample: Mapping[str, Any], rng: random.Random) -> Any: ...
