@@ -82,6 +82,7 @@ class TurnFlow:
         self.num_batches = 0
         self.num_dialogs_running = 0
         self._in_flight: Counter[int] = Counter()  # version index -> turns in flight
+        self._num_in_flight = 0  # their sum (read from other threads: an int, never a dict being changed)
         self._finished: list[tuple[int, int, CollectedTurn]] = []  # steps mode: (version, seq, turn)
         self._seq = 0
         self._batcher = None if mode == "steps" else Batcher(
@@ -91,7 +92,7 @@ class TurnFlow:
     # ------------------------------------------------------------------ admission
     @property
     def num_in_flight(self) -> int:
-        return sum(self._in_flight.values())
+        return self._num_in_flight
 
     @property
     def num_buffered_turns(self) -> int:
@@ -130,6 +131,7 @@ class TurnFlow:
     def start_turn(self, version_index: int, *, new_dialog: bool) -> None:
         self.num_started += 1
         self._in_flight[version_index] += 1
+        self._num_in_flight += 1
         if new_dialog:
             self.num_dialogs_running += 1
 
@@ -155,6 +157,7 @@ class TurnFlow:
         return 0 if self._batcher is None else self._batcher.drop_pending(slot)
 
     def _remove_in_flight(self, version_index: int) -> None:
+        self._num_in_flight -= 1
         self._in_flight[version_index] -= 1
         if self._in_flight[version_index] <= 0:
             del self._in_flight[version_index]
