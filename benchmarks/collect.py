@@ -57,15 +57,16 @@ def prompts_of(batch) -> list[str]:
     return non_tensor_values(stack_turns(flatten_turns(batch)), keys.TEXT_PROMPT)
 
 
-def alternate(collector, raw_seconds, reps: int) -> tuple[list, list, list]:
-    """Collector batch, then ``raw_seconds(prompts)`` on that batch's prompts, ``reps`` times (after a warm-up)."""
+def alternate(collector, raw_seconds, reps: int, *, raw_takes_batch: bool = False) -> tuple[list, list, list]:
+    """Collector batch, then ``raw_seconds(prompts)`` on that batch's prompts (or on the batch
+    itself), ``reps`` times (after a warm-up)."""
     collector.next()
     collector_s, raw_s, ratios = [], [], []
     for _ in range(reps):
         start = time.perf_counter()
         batch = collector.next()
         collector_s.append(time.perf_counter() - start)
-        raw_s.append(raw_seconds(prompts_of(batch)))
+        raw_s.append(raw_seconds(batch if raw_takes_batch else prompts_of(batch)))
         ratios.append(raw_s[-1] / collector_s[-1])
     return collector_s, raw_s, ratios
 
@@ -217,7 +218,9 @@ def bench_overlap(policy_factory, batch_size: int, reps: int, num_batches: int =
 
 
 def bench_vllm(size: str, batch_size: int, sampling: SamplingConfig, reps: int) -> dict | None:
-    """LLMCollector with VLLMPolicy vs raw ``LLM.generate`` (text prompts) on the same engine."""
+    """LLMCollector with VLLMPolicy vs raw ``LLM.generate`` on the same engine, with the same engine
+    work: the batch's prompt token ids and the policy's own sampling parameters (sampled-token
+    log-probs, no detokenization), so the ratio is what lmcollect adds around the engine."""
     import importlib.util
     import os
 
@@ -226,21 +229,23 @@ def bench_vllm(size: str, batch_size: int, sampling: SamplingConfig, reps: int) 
         return None
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process
     from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
 
-    from lmcollect.policies.vllm_policy import VLLMPolicy
+    from lmcollect.policies.vllm_policy import VLLMPolicy, sampling_params_kwargs
 
     engine_kwargs = {"kv_cache_memory_bytes": 1 << 30, "enforce_eager": True}
     sampling = dataclasses.replace(sampling, seed=None)  # the raw call has no per-request seeds either
     policy = VLLMPolicy(get_model_path(ModelSpec(size=size)), sampling=sampling, engine_kwargs=engine_kwargs)
     collector = LLMCollector(make_env(batch_size), policy=policy, dialog_turns_per_batch=batch_size)
-    params = SamplingParams(max_tokens=sampling.max_new_tokens, temperature=sampling.temperature, ignore_eos=True)
+    params = SamplingParams(**sampling_params_kwargs(sampling))
 
-    def raw_seconds(prompt_texts: list[str]) -> float:
+    def raw_seconds(batch) -> float:
+        prompts = [TokensPrompt(prompt_token_ids=t[keys.TOKENS_PROMPT].tolist()) for t in flatten_turns(batch)]
         start = time.perf_counter()
-        policy.engine.llm.generate(prompt_texts, params, use_tqdm=False)
+        policy.engine.llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - start
 
-    collector_s, raw_s, ratios = alternate(collector, raw_seconds, reps)
+    collector_s, raw_s, ratios = alternate(collector, raw_seconds, reps, raw_takes_batch=True)
     collector.shutdown()
     return _row(f"LLMCollector+vLLM {size}", batch_size, collector_s, raw_s, ratios, target=0.95)
 
