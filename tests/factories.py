@@ -189,3 +189,13 @@ def make_tool_engine():
     from lmcollect.envs import tool_calc_player
 
     return ScriptedEngine(script=chat_script(tool_calc_player), token_delay_s=0.001)
+
+
+def make_tiny_transformers_engine(model_path: str):
+    """A TransformersEngine over the model saved at ``model_path`` (built inside an engine actor)."""
+    from lmcollect.engines import TransformersEngine
+    from lmcollect.models import load_model_and_tokenizer
+
+    torch.set_num_threads(1)
+    model, tokenizer = load_model_and_tokenizer(model_path)
+    return TransformersEngine(model, tokenizer)

@@ -8,9 +8,11 @@ from lmcollect.engines.protocol import EngineClosedError, EngineProtocol, Engine
 from lmcollect.engines.router import EngineRouter
 from lmcollect.engines.transformers_engine import TransformersEngine
 
-# vLLM is an optional extra and slow to import: its engine's module is imported when first used
+# vLLM is an optional extra and slow to import, Ray too: their modules are imported when first used
 _LAZY = {
     "VLLMAsyncEngine": "lmcollect.engines.vllm_async",
+    "RayEngine": "lmcollect.engines.ray_engine",
+    "ray_engine_replicas": "lmcollect.engines.ray_engine",
 }
 
 __all__ = [

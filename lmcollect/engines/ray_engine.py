@@ -1,0 +1,135 @@
+"""Engines in Ray actors behind :class:`EngineProtocol`: a proxy per actor, a router over several.
+
+:class:`RayEngine` builds an engine inside an actor (``engine_factory`` runs there, so no model
+travels through the driver) and answers for it in the caller's process: ``submit`` returns a
+future at once (the actor awaits the engine's own future, so many requests run at once), control
+calls (``pause``, ``resume``, ``load_weights``, ``reset_prefix_cache``) wait for the actor.
+:func:`ray_engine_replicas` starts N of them behind an :class:`~lmcollect.engines.router.EngineRouter`
+(least-loaded routing, one dialog's turns on one replica), which a ``ContinuousLLMCollector`` takes
+as its engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from typing import Any
+
+import ray
+import torch
+
+from lmcollect.distributed.ray_cluster import actor_options, init_ray
+from lmcollect.engines.protocol import EngineProtocol, EngineRequest, EngineResult
+from lmcollect.engines.router import EngineRouter
+
+__all__ = ["RayEngine", "ray_engine_replicas"]
+
+_ACTOR_DEFAULTS = {"num_cpus": 1, "max_concurrency": 1000}
+
+
+class _EngineHost:
+    """The actor's body: one engine, requests awaited concurrently on the actor's event loop."""
+
+    def __init__(self, engine_factory: Callable[[], EngineProtocol]) -> None:
+        self.engine = engine_factory()
+
+    async def generate(self, request: EngineRequest) -> EngineResult:
+        return await asyncio.wrap_future(self.engine.submit(request))
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        # blocking engine calls (pause waits for a decoding step) run off the event loop
+        return await asyncio.to_thread(getattr(self.engine, method), *args, **kwargs)
+
+    async def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        await asyncio.to_thread(self.engine.load_weights, weights.items(), version=version)
+
+    async def version(self) -> int:
+        return self.engine.version
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.engine.close)
+
+
+class RayEngine:
+    """An :class:`EngineProtocol` engine living in a Ray actor.
+
+    Args:
+        engine_factory: builds the engine inside the actor (e.g. a ``TransformersEngine`` over a
+            model loaded there, or a ``VLLMAsyncEngine``); pickled by Ray.
+        remote_config: actor options (default: 1 CPU, 1000 concurrent calls).
+        ray_init_config: ``ray.init`` arguments if Ray is not running yet.
+    """
+
+    def __init__(
+        self,
+        engine_factory: Callable[[], EngineProtocol],
+        *,
+        remote_config: dict[str, Any] | None = None,
+        ray_init_config: dict[str, Any] | None = None,
+    ) -> None:
+        init_ray(ray_init_config)
+        options = actor_options(remote_config, defaults=_ACTOR_DEFAULTS)
+        self._actor = ray.remote(**options)(_EngineHost).remote(engine_factory)
+        self._version = ray.get(self._actor.version.remote())  # also surfaces start-up errors here
+        self._lock = threading.Lock()
+        self._in_flight = 0
+
+    def submit(self, request: EngineRequest) -> Future[EngineResult]:
+        future = self._actor.generate.remote(request).future()
+        with self._lock:
+            self._in_flight += 1
+        future.add_done_callback(self._finished)
+        return future
+
+    def _finished(self, _: Future) -> None:
+        with self._lock:
+            self._in_flight -= 1
+
+    def pause(self) -> None:
+        ray.get(self._actor.call.remote("pause"))
+
+    def resume(self) -> None:
+        ray.get(self._actor.call.remote("resume"))
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
+        weights = dict(named_tensors)  # one object-store copy, checked by the engine before it writes
+        ray.get(self._actor.load_weights.remote(weights, version))
+        self._version = version
+
+    def reset_prefix_cache(self) -> None:
+        ray.get(self._actor.call.remote("reset_prefix_cache"))
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests submitted through this proxy and not answered yet (counted here: no round trip)."""
+        return self._in_flight
+
+    @property
+    def actor(self) -> Any:
+        return self._actor
+
+    def close(self) -> None:
+        try:
+            ray.get(self._actor.close.remote())
+        finally:
+            ray.kill(self._actor)
+
+
+def ray_engine_replicas(
+    engine_factory: Callable[[], EngineProtocol],
+    *,
+    num_replicas: int,
+    remote_config: dict[str, Any] | None = None,
+    ray_init_config: dict[str, Any] | None = None,
+) -> EngineRouter:
+    """``num_replicas`` :class:`RayEngine` actors behind one :class:`EngineRouter`."""
+    if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+        raise ValueError(f"num_replicas must be an int >= 1, got {num_replicas!r}.")
+    return EngineRouter(
+        [RayEngine(engine_factory, remote_config=remote_config, ray_init_config=ray_init_config) for _ in range(num_replicas)]
+    )

@@ -1,0 +1,69 @@
+"""Engines in Ray actors: RayEngine proxies behind an EngineRouter, driven by a ContinuousLLMCollector."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from lmcollect.collectors import ContinuousLLMCollector
+from lmcollect.data import keys
+from lmcollect.data.turns import flatten_turns
+from lmcollect.engines import TransformersEngine
+from lmcollect.engines.ray_engine import ray_engine_replicas
+from lmcollect.envs import ChatEnv, GuessingGameTask, guessing_game_dataset
+from lmcollect.models import load_model_and_tokenizer
+from lmcollect.policies.sampling import SamplingConfig
+from tests.factories import make_tiny_transformers_engine, perturbed_model
+
+pytestmark = pytest.mark.integration
+
+GREEDY = SamplingConfig(max_new_tokens=8, temperature=0)
+
+
+def guessing_env() -> ChatEnv:
+    return ChatEnv(guessing_game_dataset(16, seed=0), task=GuessingGameTask(), batch_size=1, max_turns=4, seed=0)
+
+
+def collect(engine, tokenizer, *, slots: int, turns: int, **kwargs) -> list:
+    envs = [guessing_env() for _ in range(slots)]
+    collector = ContinuousLLMCollector(envs, engine=engine, tokenizer=tokenizer, sampling=GREEDY, dialog_turns_per_batch=turns, **kwargs)
+    collector.set_seed(0)
+    with collector:
+        return flatten_turns(collector.next())
+
+
+def by_dialog(turns) -> dict:
+    """(slot, step) -> response tokens: the same dialogs whichever replica served them."""
+    return {(int(t[keys.ENV_INDEX]), int(t[keys.STEP_COUNT])): t[keys.TOKENS_RESPONSE] for t in turns}
+
+
+def test_replicas_in_actors_answer_like_one_engine_and_keep_dialogs_on_one_replica(ray_cluster, tiny_model_path) -> None:
+    model, tokenizer = load_model_and_tokenizer(tiny_model_path)
+    router = ray_engine_replicas(
+        functools.partial(make_tiny_transformers_engine, str(tiny_model_path)), num_replicas=2, remote_config={"num_cpus": 0.25}
+    )
+    try:
+        routed = collect(router, tokenizer, slots=4, turns=12, track_policy_version=True)
+        local = TransformersEngine(model, tokenizer)
+        alone = collect(local, tokenizer, slots=4, turns=12)
+        local.close()
+        mine, theirs = by_dialog(routed), by_dialog(alone)
+        common = set(mine) & set(theirs)
+        assert len(common) >= 8
+        assert all(torch.equal(mine[k], theirs[k]) for k in common)
+        replicas = {router.replica_of(str(int(t[keys.TRAJ_IDS]))) for t in routed}
+        assert replicas == {0, 1}  # both replicas served; each dialog's turns stayed on one (affinity)
+        # a push reaches every replica, between two decoding steps
+        trainer = perturbed_model(tiny_model_path, seed=2)
+        collector = ContinuousLLMCollector(
+            [guessing_env()], engine=router, tokenizer=tokenizer, sampling=GREEDY, dialog_turns_per_batch=2, track_policy_version=True
+        )
+        with collector:
+            collector.next()
+            collector.update_policy_weights_(trainer)
+            after = flatten_turns(collector.next())
+        assert [engine.version for engine in router.engines] == [collector.version_index()] * 2
+        assert all(int(t[keys.POLICY_VERSION]) == collector.version_index() for t in after[-1:])
+    finally:
+        router.close()
