@@ -119,7 +119,7 @@ class DyingSender:
     def send(self, weights: Any) -> int:
         """Push ``weights``; returns the number of buffers broadcast."""
         self.sender.send(weights)
-        return len(self.sender._out or [])
+        return len(self.sender._sent)
 
     def send_and_die(self, weights: Any, num_broadcasts: int) -> None:
         """Push ``weights`` but die after ``num_broadcasts`` of its buffers went out."""
