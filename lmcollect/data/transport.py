@@ -3,7 +3,8 @@
 Pickling a TensorDict sends each tensor on its own (a batch of 16 turns holds some 460 small
 tensors, each with its own serialization overhead both ways); a :class:`PackedTurns` holds every tensor's bytes in one
 buffer and the lazy-stack structure as plain Python, and is rebuilt into an equal batch on arrival
-(same keys, values, dtypes, shapes, nesting and non-tensor objects). Batches it cannot describe
+(same keys, values, dtypes, shapes, nesting and non-tensor objects): unpickling a
+:class:`PackedTurns` gives the batch itself. Batches it cannot describe
 (dense batch dimensions, tensors off the CPU) travel consolidated instead (see :func:`pack`).
 """
 from __future__ import annotations
@@ -63,9 +64,17 @@ class PackedTurns:
         return offset
 
     def unpack(self) -> TensorDictBase:
-        buffer = torch.frombuffer(bytearray(self.payload), dtype=torch.uint8) if self.payload else torch.empty(0, dtype=torch.uint8)
-        views = [_view(buffer, dtype, shape, offset) for dtype, shape, offset in self.specs]
-        return _build(self.structure, views)
+        return _rebuild(self.structure, self.specs, self.payload)
+
+    def __reduce__(self) -> tuple:
+        # unpickled, it is the batch itself: a receiver (e.g. a hand-driven actor's caller) needs no unpack
+        return (_rebuild, (self.structure, self.specs, self.payload))
+
+
+def _rebuild(structure: Any, specs: list[tuple[torch.dtype, tuple[int, ...], int]], payload: bytes) -> TensorDictBase:
+    buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
+    views = [_view(buffer, dtype, shape, offset) for dtype, shape, offset in specs]
+    return _build(structure, views)
 
 
 def pack(batch: Any) -> Any:

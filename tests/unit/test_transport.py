@@ -38,8 +38,9 @@ def test_a_packed_batch_round_trips_through_pickle_unchanged(options) -> None:
     batch = collected(**options)
     packed = pack(batch)
     assert isinstance(packed, PackedTurns)
-    back = unpack(pickle.loads(pickle.dumps(packed)))
+    back = pickle.loads(pickle.dumps(packed))  # unpickled, it is the batch again
     assert_identical(back, batch)
+    assert_identical(unpack(packed), batch)  # in the same process
     for turn in flatten_turns(back):  # the trainer may write into what it received
         turn.get(("tokens", "response")).add_(0)
 
