@@ -30,7 +30,7 @@ from lmcollect.cli.configs import BenchConfig, UsageError
 
 logger = logging.getLogger(__name__)
 
-BENCHMARKS = ("collect", "weight_sync", "memory", "startup")
+BENCHMARKS = ("collect", "weight_sync", "memory", "startup", "agentic")
 
 
 def run_bench(config: BenchConfig) -> int:

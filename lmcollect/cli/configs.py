@@ -174,7 +174,7 @@ class BenchConfig:
     max_new_tokens: int = 32
     """Tokens per answer in the collection benchmark."""
     only: str = ""
-    """Benchmarks to run, comma-separated (collect, weight_sync, memory, startup); empty: all found."""
+    """Benchmarks to run, comma-separated (collect, weight_sync, memory, startup, agentic); empty: all found."""
     output: str = "runs/bench.json"
     """Where the merged JSON rows are written."""
 

@@ -1,7 +1,7 @@
 """A policy that generates with a Hugging Face transformers causal LM."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,6 +41,8 @@ class TransformersPolicy:
         model: a causal LM; exposed as ``.model`` for weight updates.
         tokenizer: its tokenizer, with a chat template and pad/eos tokens.
         sampling: sampling parameters; keyword arguments override its fields.
+        stop_token_ids: more ids that end a response (kept as its last token), on top of the
+            model's eos ids; e.g. to give a random model responses of varied length.
     """
 
     def __init__(
@@ -49,6 +51,7 @@ class TransformersPolicy:
         tokenizer: PreTrainedTokenizerBase,
         *,
         sampling: SamplingConfig | None = None,
+        stop_token_ids: Collection[int] | None = None,
         **sampling_kwargs: Any,
     ) -> None:
         if tokenizer.pad_token_id is None:
@@ -57,6 +60,8 @@ class TransformersPolicy:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self._eos_ids = self._eos_token_ids()
+        # ids that end a response: eos and the extra ones (ignore_eos masks only eos, as vLLM does)
+        self._stop_ids = self._eos_ids + [int(i) for i in stop_token_ids or () if int(i) not in self._eos_ids]
         if self.sampling.seed is not None:
             self.set_seed(self.sampling.seed)
 
@@ -72,7 +77,7 @@ class TransformersPolicy:
     @property
     def stop_token_ids(self) -> list[int]:
         """Token ids that end a response (kept as its last token)."""
-        return list(self._eos_ids)
+        return list(self._stop_ids)
 
     def set_seed(self, seed: int) -> None:
         torch.manual_seed(seed)
@@ -89,7 +94,7 @@ class TransformersPolicy:
             "repetition_penalty": sampling.repetition_penalty if sampling.repetition_penalty != 1.0 else None,
             "do_sample": not sampling.greedy,
             "pad_token_id": self.tokenizer.pad_token_id,
-            "eos_token_id": self._eos_ids,
+            "eos_token_id": self._stop_ids,
             **no_generate_warpers(sampling),
         }
 
@@ -143,7 +148,7 @@ class TransformersPolicy:
         # A row ends at its first eos (kept) or at the token completing a stop string (kept), if
         # sooner; later positions are padding. Tokens equal to the pad id before the end are real
         # output, so we never strip by pad id.
-        is_eos = torch.isin(generated, torch.tensor(self._eos_ids, device=generated.device))
+        is_eos = torch.isin(generated, torch.tensor(self._stop_ids, device=generated.device))
         has_eos = is_eos.any(dim=1)
         first_eos = is_eos.int().argmax(dim=1)
         lengths = torch.where(has_eos, first_eos + 1, generated.shape[1]).tolist()
@@ -151,7 +156,7 @@ class TransformersPolicy:
 
     def __call__(self, td: TensorDictBase) -> TensorDictBase:
         return answer_prompts(
-            td, self.tokenizer, self.generate_responses, sampling=self.sampling, stop_token_ids=self._eos_ids
+            td, self.tokenizer, self.generate_responses, sampling=self.sampling, stop_token_ids=self._stop_ids
         )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import logging
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar, runtime_checkable
@@ -47,7 +47,9 @@ class EngineProtocol(Protocol):
 
     def generate_tokens(
         self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int] | None = None
-    ) -> list[Completion]: ...
+    ) -> list[Completion]:
+        """Engines may also take ``stop_token_ids=`` (extra ids that end a response), as :class:`VLLMEngine` does."""
+        ...
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]: ...
 
@@ -164,19 +166,26 @@ class VLLMEngine:
         return self._engine_thread.submit(fn, *args, **kwargs).result()
 
     def generate_tokens(
-        self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int] | None = None
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingConfig,
+        seeds: list[int] | None = None,
+        *,
+        stop_token_ids: Sequence[int] = (),
     ) -> list[Completion]:
-        """One completion per prompt (token ids), in order; ``seeds`` gives each request its own RNG."""
+        """One completion per prompt (token ids), in order; ``seeds`` gives each request its own RNG;
+        ``stop_token_ids`` end a response (kept as its last token) besides the model's eos."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts; pass one seed per prompt.")
+        stops = {"stop_token_ids": list(stop_token_ids)} if stop_token_ids else {}
         params: SamplingParams | list[SamplingParams]
         if seeds is None:
-            params = SamplingParams(**sampling_params_kwargs(sampling))
+            params = SamplingParams(**sampling_params_kwargs(sampling), **stops)
         else:
-            params = [SamplingParams(**sampling_params_kwargs(sampling, seed=s)) for s in seeds]
+            params = [SamplingParams(**sampling_params_kwargs(sampling, seed=s), **stops) for s in seeds]
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         outputs = self._on_engine_thread(self.llm.generate, requests, params, use_tqdm=False)
         return [_completion(out.outputs[0]) for out in outputs]
@@ -239,6 +248,8 @@ class VLLMPolicy:
         engine_kwargs: ``vllm.LLM`` arguments for the in-process engine (see :class:`VLLMEngine`).
         engine: an already built engine instead (e.g. ``lmcollect.policies.vllm_ray.VLLMReplicas``);
             exclusive with ``engine_kwargs``.
+        stop_token_ids: more ids that end a response (kept as its last token), on top of the
+            model's eos ids; e.g. to give a random model responses of varied length.
 
     Example::
 
@@ -253,6 +264,7 @@ class VLLMPolicy:
         sampling: SamplingConfig | None = None,
         engine_kwargs: dict[str, Any] | None = None,
         engine: EngineProtocol | None = None,
+        stop_token_ids: Collection[int] | None = None,
         **sampling_kwargs: Any,
     ) -> None:
         if engine is not None and engine_kwargs is not None:
@@ -268,6 +280,9 @@ class VLLMPolicy:
         engine_kwargs = dict(engine_kwargs or {})
         self.tokenizer = AutoTokenizer.from_pretrained(engine_kwargs.get("tokenizer", self.model_path))
         self.stop_token_ids = engine_stop_token_ids(self.model_path, self.tokenizer)
+        # the ids vLLM does not stop at by itself (its eos ids come from the model's config)
+        self._extra_stop_ids = [int(i) for i in stop_token_ids or () if int(i) not in self.stop_token_ids]
+        self.stop_token_ids += self._extra_stop_ids
         if self.sampling.seed is not None:
             engine_kwargs.setdefault("seed", self.sampling.seed)
         if engine is None:
@@ -316,7 +331,11 @@ class VLLMPolicy:
 
     def generate_responses(self, prompt_ids: list[list[int]]) -> list[Generation]:
         """One response per prompt (token ids), in order."""
-        completions = self.engine.generate_tokens(prompt_ids, self.sampling, self._seeds_for(len(prompt_ids)))
+        seeds = self._seeds_for(len(prompt_ids))
+        if self._extra_stop_ids:  # only then: engines without the option (a server) keep working
+            completions = self.engine.generate_tokens(prompt_ids, self.sampling, seeds, stop_token_ids=self._extra_stop_ids)
+        else:
+            completions = self.engine.generate_tokens(prompt_ids, self.sampling, seeds)
         return [
             Generation(torch.tensor(c.tokens, dtype=torch.long), torch.tensor(c.log_probs, dtype=torch.float32))
             for c in completions

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,14 +77,21 @@ class VLLMReplicas:
         return len(self.actors)
 
     def generate_tokens(
-        self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int] | None = None
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingConfig,
+        seeds: list[int] | None = None,
+        *,
+        stop_token_ids: Sequence[int] = (),
     ) -> list[Completion]:
         """Completions in prompt order; replica ``i`` answers the ``i``-th contiguous slice."""
         futures = []
         for actor, part in zip(self.actors, split_evenly(len(prompts), self.num_replicas)):
             if part:
                 part_seeds = None if seeds is None else seeds[part.start : part.stop]
-                futures.append(actor.generate_tokens.remote(prompts[part.start : part.stop], sampling, part_seeds))
+                futures.append(actor.generate_tokens.remote(
+                    prompts[part.start : part.stop], sampling, part_seeds, stop_token_ids=list(stop_token_ids)
+                ))
         return [completion for chunk in ray.get(futures) for completion in chunk]
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:

@@ -133,3 +133,16 @@ def test_missing_prompt_key_is_explained(policy: TransformersPolicy) -> None:
 def test_generation_under_inference_mode(policy: TransformersPolicy) -> None:
     out = policy(prompts_td(["x"]))
     assert not out[0][keys.LOG_PROBS_RESPONSE].requires_grad
+
+
+def test_stop_token_ids_end_responses_where_they_are_drawn(tiny_model_and_tokenizer) -> None:
+    model, tokenizer = tiny_model_and_tokenizer
+    greedy = TransformersPolicy(model, tokenizer, max_new_tokens=12, temperature=0.0)
+    (full,) = greedy.generate_responses([[5, 6, 7]])
+    stop = int(full.tokens[3])
+    first = next(i for i, t in enumerate(full.tokens.tolist()) if t == stop)
+    stopping = TransformersPolicy(model, tokenizer, max_new_tokens=12, temperature=0.0, stop_token_ids=[stop])
+    (cut,) = stopping.generate_responses([[5, 6, 7]])
+    assert cut.tokens.tolist() == full.tokens[: first + 1].tolist()  # kept as the last token
+    assert torch.equal(cut.log_probs, full.log_probs[: first + 1])
+    assert stopping.stop_token_ids == [*greedy.stop_token_ids, stop]  # the model's eos ids stay

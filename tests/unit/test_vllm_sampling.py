@@ -29,3 +29,26 @@ def test_vllm_policy_takes_generate_style_options(tiny_model_path) -> None:
     assert policy.sampling.greedy and policy.sampling.top_k == 0
     with pytest.raises(TypeError, match="num_beams"):
         VLLMPolicy(tiny_model_path, engine=_NoEngine(), num_beams=2)
+
+
+def test_vllm_policy_sends_extra_stop_token_ids(tiny_model_path) -> None:
+    from lmcollect.policies.vllm_policy import Completion, VLLMPolicy
+
+    class _RecordingEngine:
+        """Answers every prompt with one token and records the stop ids it was asked to honour."""
+
+        def __init__(self) -> None:
+            self.calls: list[dict] = []
+
+        def generate_tokens(self, prompts, sampling, seeds=None, **options):
+            self.calls.append(options)
+            return [Completion([7], [-0.5]) for _ in prompts]
+
+    plain_engine, engine = _RecordingEngine(), _RecordingEngine()
+    plain = VLLMPolicy(tiny_model_path, engine=plain_engine)
+    plain.generate_responses([[1, 2]])
+    assert plain_engine.calls == [{}]  # nothing new for engines without the option
+    policy = VLLMPolicy(tiny_model_path, engine=engine, stop_token_ids=[9, 11, plain.stop_token_ids[0]])
+    policy.generate_responses([[1, 2]])
+    assert engine.calls == [{"stop_token_ids": [9, 11]}]  # the eos is the engine's own
+    assert policy.stop_token_ids == [*plain.stop_token_ids, 9, 11]  # prompts close replies ended on them

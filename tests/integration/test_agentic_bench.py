@@ -1,0 +1,46 @@
+"""``benchmarks/agentic.py`` end to end at its smallest: the tiny model, greedy, a few dialogs per mode.
+
+Speed is not asserted (the machine is shared); the rows' shape and the sameness of the work are.
+"""
+from __future__ import annotations
+
+from benchmarks.agentic import Workload, gpu_rows, ratio_row, run_sample
+
+# greedy, so a dialog's responses are a function of its row: both modes must produce the same ones
+SMALLEST = Workload(size="tiny", max_new_tokens=24, temperature=0.0, max_latency_s=0.05, turns_per_batch=8,
+                    num_batches=2)
+ROW_KEYS = {"row", "metric", "value", "target", "met", "this", "baseline"}
+SUMMARY_KEYS = {"turns_per_s", "tokens_per_s", "busy_share", "length_mean", "length_p50", "length_p90"}
+
+
+def test_lockstep_and_continuous_do_the_same_work() -> None:
+    sync = run_sample("transformers", "sync", 4, SMALLEST)
+    continuous = run_sample("transformers", "continuous", 4, SMALLEST)
+    lagged = run_sample("transformers", "continuous-lag", 6, SMALLEST)
+
+    for sample in (sync, continuous, lagged):
+        assert sample.turns == SMALLEST.turns_per_batch * SMALLEST.num_batches
+        assert 0 < sample.busy_s <= sample.wall_s * 1.01
+        assert all(1 <= n <= SMALLEST.max_new_tokens for n in sample.lengths)
+    # greedy: a (dialog, turn) pair both modes ran got the same response length in both
+    for other in (continuous, lagged):
+        theirs = {tuple(key): n for key, n in zip(other.dialog_keys, other.lengths)}
+        common = [(tuple(key), n) for key, n in zip(sync.dialog_keys, sync.lengths) if tuple(key) in theirs]
+        assert len(common) >= sync.turns // 2  # the same rows start in the same order
+        assert all(theirs[key] == n for key, n in common)
+    assert len(lagged.push_s) == SMALLEST.num_batches and set(lagged.lags) <= {0, 1}  # max_policy_lag=1
+
+    row = ratio_row("continuous vs LLMCollector", [continuous], [sync], SMALLEST, 1.3, "lockstep")
+    assert ROW_KEYS <= set(row) and isinstance(row["value"], float) and row["met"] == (row["value"] >= 1.3)
+    assert SUMMARY_KEYS <= set(row["this"]) and SUMMARY_KEYS <= set(row["baseline"])
+    lag_row = ratio_row("lagged", [lagged], [sync], SMALLEST, 2.0, "lockstep")
+    assert set(lag_row["this"]["lag_histogram"]) <= {0, 1} and "push_s_median" in lag_row["this"]
+
+
+def test_gpu_row_says_skipped_without_a_gpu() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return  # the GPU row runs for real there (benchmark, not test)
+    (row,) = gpu_rows(SMALLEST, 1, more_slots=8)
+    assert row["value"] is None and row["met"] is None and "skipped" in row
