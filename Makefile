@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(VENV)/bin/lmcollect demo
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q --durations=20
 
 bench: $(STAMP)
 	$(VENV)/bin/lmcollect bench

@@ -151,6 +151,10 @@ class ContinuousLLMCollector(ContinuousStateMixin, WeightReceiverMixin):
             raise ValueError(
                 "max_policy_lag counts policy versions: pass track_policy_version=True with it (or drop max_policy_lag)."
             )
+        if self._policy_version is not None and engine.version > self._policy_version.index:
+            # the engine already holds pushed weights (an earlier collector's): count on from them,
+            # so turns and their tokens carry one consistent version
+            self._policy_version.set(PushVersion(engine.version))
         self._push_lock = threading.Lock()  # one push at a time
         self._tracker = TrajectoryTracker(len(self.envs), first_id=id_base(random_namespace()))
         self._flow = TurnFlow(

@@ -506,3 +506,19 @@ def test_a_push_mid_turn_on_a_real_model_each_segment_has_its_weights_log_probs(
         segment = versions == version
         expected = _forward_log_probs(model, full, num_prompt)[segment]
         assert torch.allclose(stored[segment], expected, atol=1e-4), version
+
+
+def test_a_collector_over_an_engine_that_holds_a_push_counts_on_from_its_version() -> None:
+    engine = ScriptedEngine()
+    engine.load_weights({"tag": torch.tensor([5.0])}.items(), version=5)  # an earlier collector's push
+    env = ChatEnv(arithmetic_dataset(8, seed=0), task=SingleTurnTask(), batch_size=1, seed=0)
+    collector = ContinuousLLMCollector(
+        [env], engine=engine, tokenizer=ByteTokenizer(), dialog_turns_per_batch=2, track_policy_version=True,
+        sampling=SamplingConfig(max_new_tokens=3),
+    )
+    assert collector.version_index() == 5
+    with collector:
+        turns = flatten_turns(collector.next())
+    engine.close()
+    for turn in turns:
+        assert int(turn[keys.POLICY_VERSION]) == 5 and set(turn.get(keys.TOKEN_VERSIONS).tolist()) == {5}
