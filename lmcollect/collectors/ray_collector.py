@@ -52,8 +52,8 @@ class RayLLMCollector:
         call_timeout_s: longest wait for a control call (getters, pause, state, weights; default
             120 s); a stuck actor then raises :class:`CollectorActorError` naming the call.
             None: no limit.
-        collect_timeout_s: the same for a call that collects a batch, and for the actor's
-            start-up (building the env and the policy; default 1800 s).
+        collect_timeout_s: the same for a call that collects a batch (default 1800 s). The
+            actor's start-up (building the env and the policy) waits for the longer of the two.
 
     If the actor dies and comes back (``remote_config={"max_restarts": n}``), the collector
     restores it before collecting again: same ``worker_idx`` (its ids continue in a fresh
@@ -173,9 +173,9 @@ class RayLLMCollector:
         remote_cls = self.as_remote(with_thread_env(self._options, torch_threads))
         self._actor = remote_cls.remote(env, **collector_kwargs, torch_threads=torch_threads)
         # surfaces constructor errors here, with the actor's traceback; building the env and the
-        # policy (loading a model) is work like collecting, so collect_timeout_s bounds it
+        # policy (loading a model) may take long: the longer of the two timeouts bounds it
         self._check_ray("ping")
-        self._get(self._actor.ping.remote(), "ping", timeout_s=self._collect_timeout_s)
+        self._get(self._actor.ping.remote(), "ping", timeout_s=_longer(self._call_timeout_s, self._collect_timeout_s))
         self.startup_s = time.perf_counter() - started
         self._weight_updater = None
         if weight_updater is not None:
@@ -620,3 +620,8 @@ def _unpacked(result: Any) -> Any:
     if isinstance(result, tuple):
         return (unpack(result[0]), *result[1:])
     return unpack(result)
+
+
+def _longer(a: float | None, b: float | None) -> float | None:
+    """The longer of two timeouts (None: no limit)."""
+    return None if a is None or b is None else max(a, b)
