@@ -210,14 +210,19 @@ def _gloo_receiver(port: int, sizes: list[int], num_pushes: int) -> None:
 def bench_raw_gloo(sizes: list[int], reps: int, warmup: int = 2) -> list[float]:
     """Seconds per raw gloo broadcast of buffers of ``sizes`` bytes to one other process."""
     import datetime
-    import multiprocessing
+    import subprocess
+    import sys
 
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=600)
     store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, timeout=timeout, wait_for_workers=False)
-    receiver = multiprocessing.get_context("spawn").Process(target=_gloo_receiver, args=(store.port, sizes, reps + warmup))
-    receiver.start()
+    # a process of its own, importing this file by path (it may be loaded under another module name)
+    code = (
+        f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+        f"from weight_sync import _gloo_receiver; _gloo_receiver({store.port}, {sizes!r}, {reps + warmup})"
+    )
+    receiver = subprocess.Popen([sys.executable, "-c", code])
     group = dist.ProcessGroupGloo(dist.PrefixStore("raw/", store), 0, 2, timeout)
     buffers = [torch.full((n,), 7, dtype=torch.uint8) for n in sizes]
     done = iter(range(1, reps + warmup + 1))
@@ -230,7 +235,7 @@ def bench_raw_gloo(sizes: list[int], reps: int, warmup: int = 2) -> list[float]:
             time.sleep(0.0005)
 
     seconds = timed(broadcast, reps, warmup)
-    receiver.join(60)
+    receiver.wait(60)
     return seconds
 
 
