@@ -126,12 +126,13 @@ def normalize_row(benchmark: str, row: dict[str, Any]) -> dict[str, Any]:
     """A row with benchmark, row, metric, value, target and met (the script's own fields kept)."""
     if "metric" in row and "value" in row:
         return {"benchmark": benchmark, **row}
-    if "x_memcpy" in row:  # weight-sync rows: seconds per push relative to one memcpy of the bytes
+    if row.get("x_memcpy") is not None or row.get("s_per_gb") is not None:  # weight-sync rows
+        per_gb = row.get("s_per_gb")
         return {
             "benchmark": benchmark,
             **row,
-            "metric": f"push s / memcpy s ({row['s_per_gb']:.3f} s/GB)",
-            "value": row["x_memcpy"] if row["x_memcpy"] is not None else 1.0,
+            "metric": "push s / memcpy s" + (f" ({per_gb:.3f} s/GB)" if per_gb is not None else ""),
+            "value": row.get("x_memcpy") if row.get("x_memcpy") is not None else 1.0,
             "target": "",
             "met": None,
         }

@@ -181,6 +181,9 @@ def test_bench_rows_share_one_shape() -> None:
     for row in (collect, sync):
         assert {"benchmark", "row", "metric", "value", "target", "met"} <= set(row)
     assert sync["value"] == 3.5 and sync["metric"] == "push s / memcpy s (0.400 s/GB)"
+    # rows without a memcpy ratio or a per-GB figure (e.g. the delta encodings) keep their shape too
+    odd = normalize_row("weight_sync", {"row": "delta encoding", "gb": 0.1, "s_per_gb": None, "x_memcpy": 1.2})
+    assert odd["metric"] == "push s / memcpy s" and odd["value"] == 1.2
     table = markdown_table({"date": "2026-01-01", "machine": "x86_64 2 CPU cores", "quick": True, "rows": [collect, sync]})
     assert "2026-01-01" in table and "| collect | LLMCollector small | turns/s vs raw generate | 0.970 | >= 0.95 | True |" in table
 
