@@ -7,7 +7,6 @@ import ray
 from tensordict import TensorDictBase
 
 from lmcollect.buffers.replay_buffer import ReplayBuffer
-from lmcollect.data.transport import pack
 from lmcollect.distributed.ray_cluster import actor_options, init_ray
 
 
@@ -54,10 +53,10 @@ class RayReplayBuffer:
         return self._actor
 
     def extend(self, data: TensorDictBase) -> int:
-        return ray.get(self._actor.extend.remote(pack(data)))
+        return ray.get(self._actor.extend.remote(data))
 
     def add(self, turn: TensorDictBase) -> int:
-        return ray.get(self._actor.add.remote(pack(turn)))
+        return ray.get(self._actor.add.remote(turn))
 
     def sample(self, batch_size: int, *, replace: bool = True, min_policy_version: int | None = None) -> TensorDictBase:
         return ray.get(self._actor.sample.remote(batch_size, replace=replace, min_policy_version=min_policy_version))
