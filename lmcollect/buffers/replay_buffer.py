@@ -7,7 +7,6 @@ import torch
 from tensordict import TensorDictBase
 
 from lmcollect.data.keys import POLICY_VERSION
-from lmcollect.data.transport import unpack
 from lmcollect.data.turns import flatten_turns, stack_turns
 
 
@@ -53,7 +52,7 @@ class ReplayBuffer:
 
     def extend(self, data: TensorDictBase) -> int:
         """Write every turn of ``data`` (any batch shape); returns how many were written."""
-        turns = flatten_turns(unpack(data))  # packed when it came from another process
+        turns = flatten_turns(data)
         with self._lock:
             for turn in turns:
                 self._write(turn)
@@ -61,7 +60,6 @@ class ReplayBuffer:
 
     def add(self, turn: TensorDictBase) -> int:
         """Write one turn; returns its index in the storage."""
-        turn = unpack(turn)
         if turn.batch_dims != 0:
             raise ValueError(f"add() takes one turn (empty batch size), got {turn.batch_size}; use extend().")
         with self._lock:

@@ -17,7 +17,6 @@ from lmcollect.collectors.collector_worker import CollectorRestartedError, Colle
 from lmcollect.collectors.config import resolve_batching
 from lmcollect.collectors.versioning import PolicyVersion
 from lmcollect.collectors.weights import attach_updater
-from lmcollect.data.transport import unpack
 from lmcollect.distributed.ray_cluster import actor_options, init_ray, torch_threads_for, with_thread_env
 from lmcollect.weight_sync.buckets import view_buckets
 from lmcollect.weight_sync.version import PushVersion
@@ -232,8 +231,7 @@ class RayLLMCollector:
         if timeout_s is None:
             timeout_s = self._collect_timeout_s if what in _COLLECT_METHODS else self._call_timeout_s
         try:
-            result = ray.get(ref, timeout=timeout_s)
-            return _unpacked(result) if what in _COLLECT_METHODS else result
+            return ray.get(ref, timeout=timeout_s)  # a packed batch unpickles as the batch itself
         except RayActorError as exc:
             if self._options.get("max_restarts", 0) and self._wait_until_restarted():
                 self._restore()
@@ -613,13 +611,6 @@ def _add_collect_group(options: dict[str, Any]) -> str | None:
 def _cause(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return " ".join(line.strip() for line in text[:6])[:600] or type(exc).__name__
-
-
-def _unpacked(result: Any) -> Any:
-    """A collecting call's result with its batch rebuilt (batches travel packed, see lmcollect.data.transport)."""
-    if isinstance(result, tuple):
-        return (unpack(result[0]), *result[1:])
-    return unpack(result)
 
 
 def _longer(a: float | None, b: float | None) -> float | None:
