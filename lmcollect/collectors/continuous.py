@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
+from lmcollect.collectors.common import CollectorVersionMixin
 from lmcollect.collectors.config import resolve_batching
 from lmcollect.collectors.continuous_state import ContinuousStateMixin
 from lmcollect.collectors.dialog_tasks import DialogTasks, EngineSide, Slot
@@ -29,7 +30,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_DIALOGS_IN_FLIGHT = 8
 
 
-class ContinuousLLMCollector(ContinuousStateMixin, WeightReceiverMixin):
+class ContinuousLLMCollector(CollectorVersionMixin, ContinuousStateMixin, WeightReceiverMixin):
     """Collects dialog turns with every dialog as its own task: no barrier between dialogs.
 
     Each env slot runs one dialog at a time on a background asyncio loop: build the turn's
@@ -187,20 +188,7 @@ class ContinuousLLMCollector(ContinuousStateMixin, WeightReceiverMixin):
         """After :meth:`shutdown` without a replay buffer: the finished turns no batch took."""
         self._init_weight_sync(weight_updater)
 
-    def _version(self) -> tuple[int | str, int]:
-        if self._policy_version is None:
-            return -1, 0
-        return self._policy_version.version, self._policy_version.index
-
     # ------------------------------------------------------------------ properties
-    @property
-    def dialog_turns_per_batch(self) -> int:
-        return self._dialog_turns_per_batch
-
-    @property
-    def total_dialog_turns(self) -> int:
-        return self._total_dialog_turns
-
     @property
     def max_dialogs_in_flight(self) -> int:
         return len(self.envs)
@@ -219,24 +207,6 @@ class ContinuousLLMCollector(ContinuousStateMixin, WeightReceiverMixin):
     def num_in_flight(self) -> int:
         """Turns started and not finished."""
         return self._flow.num_in_flight
-
-    @property
-    def policy_version(self) -> int | str | None:
-        return None if self._policy_version is None else self._policy_version.version
-
-    def get_policy_version(self) -> int | str | None:
-        return self.policy_version
-
-    def version_index(self) -> int:
-        return 0 if self._policy_version is None else self._policy_version.index
-
-    def increment_version(self) -> None:
-        """Bump the policy version (the engine's weights stay; prefer a push, which does both)."""
-        if self._policy_version is not None:
-            self._policy_version.increment()
-
-    def is_initialized(self) -> bool:
-        return not self._shut_down
 
     # ------------------------------------------------------------------ iteration
     def _finished(self) -> bool:

@@ -12,6 +12,7 @@ import torch
 from tensordict import TensorDictBase
 
 from lmcollect.collectors.batcher import Batcher
+from lmcollect.collectors.common import CollectorVersionMixin
 from lmcollect.collectors.config import resolve_batching
 from lmcollect.collectors.env_runner import EnvRunner
 from lmcollect.collectors.runners import AsyncRunners, SyncRunners
@@ -26,7 +27,7 @@ logger = logging.getLogger(__name__)
 Policy = Callable[[TensorDictBase], TensorDictBase]
 
 
-class LLMCollector(WeightReceiverMixin):
+class LLMCollector(CollectorVersionMixin, WeightReceiverMixin):
     """Collects dialog turns from chat envs with an LLM policy, in this process.
 
     Iterate over it for batches (a lazy-stacked TensorDict per batch; see ``lmcollect.data.keys``
@@ -128,22 +129,7 @@ class LLMCollector(WeightReceiverMixin):
         group = AsyncRunners(runners) if async_envs else SyncRunners(runners)
         return group, offset
 
-    def _version(self) -> tuple[int | str, int]:
-        if self._policy_version is None:
-            return -1, 0
-        return self._policy_version.version, self._policy_version.index
-
     # ------------------------------------------------------------------ properties
-    @property
-    def dialog_turns_per_batch(self) -> int:
-        """Number of dialog turns per batch."""
-        return self._dialog_turns_per_batch
-
-    @property
-    def total_dialog_turns(self) -> int:
-        """Total number of dialog turns to run (-1: endless)."""
-        return self._total_dialog_turns
-
     @property
     def turns_run(self) -> int:
         """Dialog turns run so far (including turns not yet yielded)."""
@@ -158,33 +144,6 @@ class LLMCollector(WeightReceiverMixin):
     def rollout(self) -> Callable[[], TensorDictBase]:
         """The function that collects one batch."""
         return self._collect_batch
-
-    @property
-    def policy_version(self) -> int | str | None:
-        """The current policy version, or None if version tracking is disabled."""
-        return None if self._policy_version is None else self._policy_version.version
-
-    def get_policy_version(self) -> int | str | None:
-        """The current policy version (a method, for calls through a Ray actor)."""
-        return self.policy_version
-
-    def version_index(self) -> int:
-        """The version as a counter (also for uuid versions; 0 when versions are not tracked)."""
-        return 0 if self._policy_version is None else self._policy_version.index
-
-    def increment_version(self) -> None:
-        """Bump the policy version; turns collected from now on carry the new one.
-
-        With ``track_policy_version=False`` nothing changes: turns stay "untracked" (-1).
-        """
-        if self._policy_version is None:
-            logger.debug("increment_version(): versions are not tracked (track_policy_version=False)")
-            return
-        self._policy_version.increment()
-
-    def is_initialized(self) -> bool:
-        """True once the collector is built and not shut down."""
-        return not self._shut_down
 
     # ------------------------------------------------------------------ collection
     def _finished(self) -> bool:
