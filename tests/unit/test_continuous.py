@@ -20,6 +20,7 @@ from lmcollect.envs import ChatEnv, SingleTurnTask, arithmetic_dataset
 from lmcollect.envs.tasks.tool_calc import ToolCalcTask, tool_calc_dataset, tool_calc_player
 from lmcollect.policies import SamplingConfig
 from lmcollect.policies.outputs import Generation, answer_prompts
+from lmcollect.weight_sync.delta import WeightDelta
 from tests.factories import run_in_thread
 
 ROWS = tool_calc_dataset(256, seed=0)
@@ -522,3 +523,57 @@ def test_a_collector_over_an_engine_that_holds_a_push_counts_on_from_its_version
     engine.close()
     for turn in turns:
         assert int(turn[keys.POLICY_VERSION]) == 5 and set(turn.get(keys.TOKEN_VERSIONS).tolist()) == {5}
+
+
+def test_a_delta_push_over_the_transformers_engine_equals_the_full_push(tiny_parts) -> None:
+    from lmcollect.engines import TransformersEngine
+    from lmcollect.weight_sync.delta import DeltaBase, DeltaConfig, DeltaRejectedError
+    from lmcollect.weight_sync.version import PushVersion
+
+    tokenizer, make_model = tiny_parts
+    trainer = make_model(2)
+    v1, v2 = PushVersion(1), PushVersion(2)
+    base = DeltaBase(DeltaConfig())
+    base.snapshot(trainer.state_dict(), v1)
+    first = {name: tensor.clone() for name, tensor in trainer.state_dict().items()}
+    with torch.no_grad():
+        for param in list(trainer.parameters())[1:3]:  # a small, sparse change: what a delta carries
+            param.view(-1)[:5] += 0.5
+    second = trainer.state_dict()
+    delta = base.encode(second).delta
+    outputs, states = [], []
+    for use_delta in (False, True):
+        engine = TransformersEngine(make_model(1), tokenizer)
+        env = ChatEnv(arithmetic_dataset(8, seed=0), task=SingleTurnTask(), batch_size=1, seed=0)
+        collector = ContinuousLLMCollector(
+            [env], engine=engine, tokenizer=tokenizer, dialog_turns_per_batch=2, track_policy_version=True,
+            sampling=SamplingConfig(max_new_tokens=6, temperature=0),
+        )
+        collector.apply_weights(first, version=v1)
+        if use_delta:
+            before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+            with pytest.raises(DeltaRejectedError):  # applies to version 1, not to a version 7
+                collector.apply_weights(WeightDelta(PushVersion(7), delta.entries, delta.arrays), version=v2)
+            assert all(torch.equal(before[k], v) for k, v in engine.model.state_dict().items())
+        collector.apply_weights(delta if use_delta else second, version=v2)
+        with collector:
+            turns = turns_of(collector.next())
+        engine.close()
+        outputs.append([t.get(keys.TOKENS_RESPONSE) for t in turns])
+        states.append(engine.model.state_dict())
+        assert {int(t[keys.POLICY_VERSION]) for t in turns} == {2}
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+    assert all(torch.equal(a, b) for a, b in zip(*outputs))
+
+
+def test_a_delta_push_into_an_engine_without_a_model_names_the_fix() -> None:
+    from lmcollect.weight_sync.version import PushVersion
+
+    env = ChatEnv(arithmetic_dataset(8, seed=0), task=SingleTurnTask(), batch_size=1, seed=0)
+    engine = ScriptedEngine()
+    engine.model = None  # an engine whose weights live elsewhere (a vLLM server's, say)
+    collector = ContinuousLLMCollector([env], engine=engine, tokenizer=ByteTokenizer(), dialog_turns_per_batch=1)
+    delta = WeightDelta(PushVersion(1), (), None)
+    with pytest.raises(TypeError, match="delta=False"):
+        collector.apply_weights(delta, version=PushVersion(2))
+    collector.shutdown()
