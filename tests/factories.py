@@ -199,3 +199,17 @@ def make_tiny_transformers_engine(model_path: str):
     torch.set_num_threads(1)
     model, tokenizer = load_model_and_tokenizer(model_path)
     return TransformersEngine(model, tokenizer)
+
+
+def make_guessing_slot_env():
+    """One guessing-game dialog (up to four turns): a continuous collector's slot env for a real model."""
+    from lmcollect.envs import GuessingGameTask
+
+    return ChatEnv(guessing_game_dataset(16, seed=0), task=GuessingGameTask(), batch_size=1, max_turns=4, seed=0)
+
+
+def make_tiny_vllm_async_engine(model_path: str, engine_kwargs: dict):
+    """A VLLMAsyncEngine over the model saved at ``model_path`` (built inside a collector's actor)."""
+    from lmcollect.engines.vllm_async import VLLMAsyncEngine
+
+    return VLLMAsyncEngine(model_path, engine_kwargs=engine_kwargs, timeout_s=120.0)

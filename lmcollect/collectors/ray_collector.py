@@ -6,6 +6,7 @@ import logging
 import time
 import uuid
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import ray
@@ -28,31 +29,52 @@ _ACTOR_DEFAULTS = {"num_cpus": 1, "max_concurrency": 4}
 _COLLECT_GROUP = "collect"
 _COLLECT_METHODS = ("collect_next", "rollout_once")
 _MAX_RESTARTS_LEFT = 64  # id sub-blocks per worker (see collectors.trajectories.RESTART_BITS)
+_BATCHING_ARGS = (  # what resolve_batching checks in the driver
+    "dialog_turns_per_batch", "total_dialog_turns", "yield_only_last_steps", "yield_completed_trajectories", "flatten_data",
+)
 
 
 class CollectorActorError(RuntimeError):
     """The collector's actor died or could not be reached."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class RayActorConfig:
+    """The Ray arguments of every Ray collector (``RayLLMCollector``, ``RayContinuousLLMCollector``):
+    where Ray runs, how the collector's actor is placed, and how long the driver waits for it."""
+
+    ray_init_config: dict[str, Any] | None = None
+    """Keyword arguments for ``ray.init()`` if Ray is not running yet (default: a local cluster
+    with this machine's CPUs and no dashboard; pass ``{"address": "auto"}`` or set ``RAY_ADDRESS``
+    to attach to a running cluster)."""
+    remote_config: dict[str, Any] | None = None
+    """Actor options (``num_cpus``, ``max_restarts``, ``runtime_env``...). None is fine; the dict
+    is copied, never modified."""
+    num_cpus: float | None = None
+    """Overrides ``remote_config["num_cpus"]`` (default 1)."""
+    num_gpus: float | None = None
+    """Overrides ``remote_config["num_gpus"]``."""
+    sync_iter: bool = True
+    """True: each batch is collected when asked for. False: the actor collects the next batch
+    while the caller works on the current one."""
+    call_timeout_s: float | None = 120.0
+    """Longest wait for a control call (getters, pause, state, weights); a stuck actor then
+    raises :class:`CollectorActorError` naming the call. None: no limit."""
+    collect_timeout_s: float | None = 1800.0
+    """The same for a call that collects a batch. The actor's start-up (building the env and the
+    policy or engine) waits for the longer of the two."""
+
+    def __post_init__(self) -> None:
+        _check_timeout(self.call_timeout_s, "call_timeout_s")
+        _check_timeout(self.collect_timeout_s, "collect_timeout_s")
+
+
 class RayLLMCollector:
     """An :class:`~lmcollect.collectors.LLMCollector` in a Ray actor, with the same API.
 
-    Arguments are those of ``LLMCollector`` plus:
-
-    Args:
-        ray_init_config: keyword arguments for ``ray.init()`` if Ray is not running yet
-            (default: a local cluster with this machine's CPUs and no dashboard; pass
-            ``{"address": "auto"}`` or set ``RAY_ADDRESS`` to attach to a running cluster).
-        remote_config: actor options (``num_cpus``, ``max_restarts``, ``runtime_env``...).
-            None is fine; the dict is copied, never modified.
-        num_cpus, num_gpus: override the same keys of ``remote_config``.
-        sync_iter: True: each batch is collected when asked for. False: the actor collects the
-            next batch while the caller works on the current one.
-        call_timeout_s: longest wait for a control call (getters, pause, state, weights; default
-            120 s); a stuck actor then raises :class:`CollectorActorError` naming the call.
-            None: no limit.
-        collect_timeout_s: the same for a call that collects a batch (default 1800 s). The
-            actor's start-up (building the env and the policy) waits for the longer of the two.
+    Arguments are those of ``LLMCollector`` plus the Ray arguments ``ray_init_config``,
+    ``remote_config``, ``num_cpus`` / ``num_gpus``, ``sync_iter``, ``call_timeout_s`` and
+    ``collect_timeout_s``: see :class:`RayActorConfig` (every field is the argument of that name).
 
     If the actor dies and comes back (``remote_config={"max_restarts": n}``), the collector
     restores it before collecting again: same ``worker_idx`` (its ids continue in a fresh
@@ -91,71 +113,54 @@ class RayLLMCollector:
         call_timeout_s: float | None = 120.0,
         collect_timeout_s: float | None = 1800.0,
     ) -> None:
-        resolve_batching(  # fail in the driver, before an actor starts
+        if policy is not None and policy_factory is not None:
+            raise TypeError("pass either policy or policy_factory, not both.")
+        self._policy_arg = policy
+        collector_kwargs = dict(
+            policy=policy,
+            policy_factory=policy_factory,
             dialog_turns_per_batch=dialog_turns_per_batch,
             total_dialog_turns=total_dialog_turns,
             yield_only_last_steps=yield_only_last_steps,
             yield_completed_trajectories=yield_completed_trajectories,
+            postproc=postproc,
+            async_envs=async_envs,
+            replay_buffer=replay_buffer,
+            reset_at_each_iter=reset_at_each_iter,
             flatten_data=flatten_data,
+            track_policy_version=track_policy_version,
+            verbose=verbose,
         )
-        if policy is not None and policy_factory is not None:
-            raise TypeError("pass either policy or policy_factory, not both.")
-        self._policy_arg = policy
-        self._launch(
-            env,
-            dict(
-                policy=policy,
-                policy_factory=policy_factory,
-                dialog_turns_per_batch=dialog_turns_per_batch,
-                total_dialog_turns=total_dialog_turns,
-                yield_only_last_steps=yield_only_last_steps,
-                yield_completed_trajectories=yield_completed_trajectories,
-                postproc=postproc,
-                async_envs=async_envs,
-                replay_buffer=replay_buffer,
-                reset_at_each_iter=reset_at_each_iter,
-                flatten_data=flatten_data,
-                track_policy_version=track_policy_version,
-                verbose=verbose,
-            ),
-            weight_updater=weight_updater,
+        ray_config = RayActorConfig(
             ray_init_config=ray_init_config,
             remote_config=remote_config,
-            sync_iter=sync_iter,
             num_cpus=num_cpus,
             num_gpus=num_gpus,
+            sync_iter=sync_iter,
             call_timeout_s=call_timeout_s,
             collect_timeout_s=collect_timeout_s,
         )
+        self._launch(env, collector_kwargs, weight_updater=weight_updater, ray_config=ray_config)
 
-    def _launch(
-        self,
-        env: Any,
-        collector_kwargs: dict[str, Any],
-        *,
-        weight_updater: Any,
-        ray_init_config: dict[str, Any] | None,
-        remote_config: dict[str, Any] | None,
-        sync_iter: bool,
-        num_cpus: float | None,
-        num_gpus: float | None,
-        call_timeout_s: float | None,
-        collect_timeout_s: float | None,
-    ) -> None:
-        """Start the actor (its collector built from ``env`` and ``collector_kwargs`` inside it)."""
+    def _launch(self, env: Any, collector_kwargs: dict[str, Any], *, weight_updater: Any, ray_config: RayActorConfig) -> None:
+        """Check the batching arguments, start the actor (its collector built from ``env`` and
+        ``collector_kwargs`` inside it) and wait until it answers; shared by every Ray collector."""
+        resolve_batching(**{name: collector_kwargs[name] for name in _BATCHING_ARGS})  # fail here, before an actor starts
         replay_buffer = collector_kwargs.get("replay_buffer")
         if isinstance(replay_buffer, ReplayBuffer):
             logger.warning(
                 "a local ReplayBuffer is copied into the collector's actor; read it with getattr_rb, "
                 "or pass a RayReplayBuffer to share one buffer between the actor and this process."
             )
-        init_ray(ray_init_config)
-        self._options = actor_options(remote_config, num_cpus=num_cpus, num_gpus=num_gpus, defaults=_ACTOR_DEFAULTS)
+        init_ray(ray_config.ray_init_config)
+        self._options = actor_options(
+            ray_config.remote_config, num_cpus=ray_config.num_cpus, num_gpus=ray_config.num_gpus, defaults=_ACTOR_DEFAULTS
+        )
         self._collect_group = _add_collect_group(self._options)
         self._name = f"{type(self).__name__}-{uuid.uuid4().hex[:6]}"
-        self._sync_iter = sync_iter
-        self._call_timeout_s = _check_timeout(call_timeout_s, "call_timeout_s")
-        self._collect_timeout_s = _check_timeout(collect_timeout_s, "collect_timeout_s")
+        self._sync_iter = ray_config.sync_iter
+        self._call_timeout_s = ray_config.call_timeout_s
+        self._collect_timeout_s = ray_config.collect_timeout_s
         # what a restarted actor gets back (see restore_after_restart)
         self._assigned_worker_idx: int | None = None
         self._seed: tuple[int, bool] | None = None
@@ -163,7 +168,7 @@ class RayLLMCollector:
         self._restarts = 0
         self._started = False
         self._dialog_turns_per_batch = collector_kwargs["dialog_turns_per_batch"]
-        self._total_dialog_turns = collector_kwargs.get("total_dialog_turns", -1)
+        self._total_dialog_turns = collector_kwargs["total_dialog_turns"]
         self._has_replay_buffer = replay_buffer is not None
         self._shut_down = False
         self._prefetch: ray.ObjectRef | None = None

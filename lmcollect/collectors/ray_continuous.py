@@ -6,8 +6,7 @@ from typing import Any
 
 from tensordict import TensorDictBase
 
-from lmcollect.collectors.config import resolve_batching
-from lmcollect.collectors.ray_collector import RayLLMCollector, _RayContinuousWorker
+from lmcollect.collectors.ray_collector import RayActorConfig, RayLLMCollector, _RayContinuousWorker
 from lmcollect.collectors.versioning import PolicyVersion
 from lmcollect.engines.protocol import EngineProtocol
 from lmcollect.policies.sampling import SamplingConfig
@@ -18,11 +17,12 @@ class RayContinuousLLMCollector(RayLLMCollector):
 
     Arguments are those of ``ContinuousLLMCollector``, with the engine given as ``engine_factory``
     (called inside the actor, so no model travels through the driver; the env list or env
-    factory and the tokenizer are pickled into it), plus RayLLMCollector's Ray arguments
+    factory and the tokenizer are pickled into it), plus the Ray arguments of every Ray collector
     (``ray_init_config``, ``remote_config``, ``num_cpus`` / ``num_gpus``, ``sync_iter``,
-    ``call_timeout_s``, ``collect_timeout_s``). Every method works as on ``RayLLMCollector``:
-    iteration, ``start()`` into a :class:`~lmcollect.buffers.RayReplayBuffer`, ``pause()``,
-    weight pushes (they land between two decoding steps of the actor's engine), restarts.
+    ``call_timeout_s``, ``collect_timeout_s``; see :class:`~lmcollect.collectors.ray_collector.RayActorConfig`).
+    Every method works as on ``RayLLMCollector``: iteration, ``start()`` into a
+    :class:`~lmcollect.buffers.RayReplayBuffer`, ``pause()``, weight pushes (they land between two
+    decoding steps of the actor's engine), restarts.
 
     Example::
 
@@ -63,47 +63,39 @@ class RayContinuousLLMCollector(RayLLMCollector):
         call_timeout_s: float | None = 120.0,
         collect_timeout_s: float | None = 1800.0,
     ) -> None:
-        resolve_batching(  # fail in the driver, before an actor starts
-            dialog_turns_per_batch=dialog_turns_per_batch,
-            total_dialog_turns=total_dialog_turns,
-            yield_only_last_steps=yield_only_last_steps,
-            yield_completed_trajectories=yield_completed_trajectories,
-            flatten_data=True if flatten_data is None else flatten_data,
-        )
         if not callable(engine_factory):
             raise TypeError(
                 f"engine_factory must be a callable building the engine inside the actor, got {type(engine_factory).__name__}."
             )
         self._policy_arg = None
-        self._launch(
-            env,
-            dict(
-                engine=engine_factory,
-                tokenizer=tokenizer,
-                sampling=sampling,
-                stop_token_ids=stop_token_ids,
-                dialog_turns_per_batch=dialog_turns_per_batch,
-                total_dialog_turns=total_dialog_turns,
-                yield_only_last_steps=yield_only_last_steps,
-                yield_completed_trajectories=yield_completed_trajectories,
-                postproc=postproc,
-                replay_buffer=replay_buffer,
-                flatten_data=flatten_data,
-                track_policy_version=track_policy_version,
-                max_policy_lag=max_policy_lag,
-                max_dialogs_in_flight=max_dialogs_in_flight,
-                max_buffered_turns=max_buffered_turns,
-                verbose=verbose,
-            ),
-            weight_updater=weight_updater,
+        collector_kwargs = dict(
+            engine=engine_factory,
+            tokenizer=tokenizer,
+            sampling=sampling,
+            stop_token_ids=stop_token_ids,
+            dialog_turns_per_batch=dialog_turns_per_batch,
+            total_dialog_turns=total_dialog_turns,
+            yield_only_last_steps=yield_only_last_steps,
+            yield_completed_trajectories=yield_completed_trajectories,
+            postproc=postproc,
+            replay_buffer=replay_buffer,
+            flatten_data=flatten_data,
+            track_policy_version=track_policy_version,
+            max_policy_lag=max_policy_lag,
+            max_dialogs_in_flight=max_dialogs_in_flight,
+            max_buffered_turns=max_buffered_turns,
+            verbose=verbose,
+        )
+        ray_config = RayActorConfig(
             ray_init_config=ray_init_config,
             remote_config=remote_config,
-            sync_iter=sync_iter,
             num_cpus=num_cpus,
             num_gpus=num_gpus,
+            sync_iter=sync_iter,
             call_timeout_s=call_timeout_s,
             collect_timeout_s=collect_timeout_s,
         )
+        self._launch(env, collector_kwargs, weight_updater=weight_updater, ray_config=ray_config)
 
     @classmethod
     def _actor_body(cls) -> type:
