@@ -1,8 +1,11 @@
 """The weight-receiving side of a collector: updater, receiver schemes, versions, model lookup."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -10,6 +13,7 @@ import torch
 from lmcollect.collectors.attr_path import resolve_attr_path
 from lmcollect.weight_sync.version import PushVersion
 from lmcollect.collectors.trajectories import id_base
+from lmcollect.engines.protocol import EngineProtocol, WorkerRpcEngine, engine_of, worker_rpc_engine_of
 from lmcollect.weight_sync.base import resolve_updater
 from lmcollect.weight_sync.delta import WeightDelta, check_delta_base, prepare_delta
 from lmcollect.weight_sync.weights import (
@@ -51,6 +55,7 @@ class WeightReceiverMixin:
         self._worker_idx: int | None = None
         self._held_push: PushVersion | None = None  # the push whose weights the model holds (delta base)
         self._shared_models: set[int] = set()  # id() of models whose tensors map a push (zero_copy)
+        self._engine_rpc_thread: ThreadPoolExecutor | None = None  # submit_policy_engine_rpc's
         if weight_updater is not None:
             self.weight_updater = weight_updater
 
@@ -105,7 +110,11 @@ class WeightReceiverMixin:
 
     def weight_metadata(self, model_id: str = "policy") -> tuple[dict[str, tuple[torch.dtype, torch.Size]], dict[str, str]]:
         """What the model accepts: name -> (dtype, shape) of its distinct tensors, and tied aliases."""
-        return expected_metadata(self.get_model(model_id))
+        target = self.get_model(model_id)
+        engine = engine_of(self.policy) if model_id == "policy" else None
+        if engine is not None and not isinstance(target, torch.nn.Module):  # the engine holds its own weights
+            return engine.weight_metadata()
+        return expected_metadata(target)
 
     def update_policy_weights_(self, policy_or_weights: Any = None, worker_ids: Any = None, **kwargs: Any) -> Any:
         """Push weights through the weight updater, or apply them here when there is none."""
@@ -183,6 +192,10 @@ class WeightReceiverMixin:
                 child.apply_weights(weights, model_id=model_id, convert_dtype=convert_dtype, version=version, zero_copy=zero_copy)
             return
         target = self.get_model(model_id)
+        engine = engine_of(self.policy) if model_id == "policy" else None
+        if engine is not None and not isinstance(target, torch.nn.Module):  # e.g. an EnginePolicy over vLLM
+            self._load_into_engine(engine, weights, convert_dtype=convert_dtype, version=version)
+            return
         if isinstance(weights, WeightDelta):
             self._apply_delta(target, weights, version)
             return
@@ -198,6 +211,26 @@ class WeightReceiverMixin:
             else:
                 self._unshare(target)
                 load_weights_(target, weights, convert_dtype=convert_dtype)
+            self._finish_update(version)
+            self._held_push = version
+
+    def _load_into_engine(
+        self, engine: EngineProtocol, weights: Any, *, convert_dtype: bool, version: PushVersion | None
+    ) -> None:
+        """A full push into an engine that holds its own weights: checked by the engine, loaded while
+        no token is generated (see :meth:`_engine_held`), then the cache reset and the version taken."""
+        if isinstance(weights, WeightDelta):
+            raise TypeError(
+                f"delta pushes need the weights in this process; {type(engine).__name__} holds its own. "
+                "Push full weights (RayPushConfig(delta=False)), or use a vLLMUpdater for a vLLM engine."
+            )
+        if convert_dtype:
+            raise TypeError(f"convert_dtype is not supported by {type(engine).__name__}: push the engine's dtype.")
+        weights = to_weight_dict(weights)
+        self._check_version(version)
+        index = version.index if version is not None else self._loaded_version_index(engine)
+        with self._engine_held():
+            engine.load_weights(weights.items(), version=index)
             self._finish_update(version)
             self._held_push = version
 
@@ -231,32 +264,52 @@ class WeightReceiverMixin:
             self._policy_version.check(version)
 
     def _finish_update(self, version: PushVersion | None) -> None:
-        """After new weights are in (under the policy write lock): reset the prefix cache, take the version."""
+        """After new weights are in (while no token is generated): reset the prefix cache, take the
+        version; an engine behind the policy labels the tokens it generates from now on with it."""
         reset_cache = getattr(self.policy, "reset_prefix_cache", None)
         if callable(reset_cache):
             reset_cache()
         if self._policy_version is None:
-            return  # untracked (-1) stays untracked
+            return  # untracked (-1) stays untracked; an engine counts its loads itself
         if version is None:
             self._policy_version.increment()
         else:
             self._policy_version.set(version)
+        engine = engine_of(self.policy)
+        if engine is not None and engine.version != self.version_index():  # loaded other than by load_weights
+            engine.set_version(self.version_index())
 
-    # ------------------------------------------------------------------ a vLLM policy's engine
-    # A vLLM engine holds its own weights: a vLLMUpdater reaches them with these calls (through
-    # the actor for a Ray collector) instead of apply_weights.
-    def _policy_engine(self) -> Any:
-        engine = getattr(self.policy, "engine", None)
-        if engine is None or not hasattr(engine, "collective_rpc"):
+    # ------------------------------------------------------------------ an engine with worker processes
+    # A vLLM engine holds its weights in its workers: a vLLMUpdater reaches them with these calls
+    # (through the actor for a Ray collector) instead of apply_weights. The engine is a
+    # WorkerRpcEngine: a lockstep VLLMPolicy's engine, or a continuous collector's VLLMAsyncEngine.
+    def _worker_engine(self) -> WorkerRpcEngine:
+        engine = worker_rpc_engine_of(self.policy)
+        if engine is None:
             raise TypeError(
-                f"this collector's policy ({type(self.policy).__name__}) has no vLLM engine "
-                "(policy.engine with collective_rpc); use a VLLMPolicy with a vLLMUpdater."
+                f"this collector's policy ({type(self.policy).__name__}) has no engine with worker processes "
+                "(lmcollect.engines.WorkerRpcEngine); a vLLMUpdater needs a VLLMPolicy or a VLLMAsyncEngine. "
+                "Push with RayRemoteWeightUpdater instead."
             )
         return engine
 
+    @contextlib.contextmanager
+    def _engine_held(self) -> Iterator[None]:
+        """No token is generated inside: a continuous engine is paused (its requests kept), a
+        lockstep policy's turns wait for the policy lock."""
+        if isinstance(self.policy, EngineProtocol):  # a continuous collector's engine
+            self.policy.pause()
+            try:
+                yield
+            finally:
+                self.policy.resume()
+        else:
+            with self._policy_lock.write():
+                yield
+
     def policy_engine_num_replicas(self) -> int:
         """How many engine replicas the policy's engine has (1 for an in-process engine)."""
-        return int(getattr(self._policy_engine(), "num_replicas", 1))
+        return self._worker_engine().num_replicas
 
     def policy_engine_rpc(
         self,
@@ -267,28 +320,51 @@ class WeightReceiverMixin:
         finish_update: bool = False,
         version: PushVersion | None = None,
     ) -> list[Any]:
-        """``collective_rpc`` on the policy's engine, replica ``i`` with ``args_per_replica[i]``,
-        while no turn runs (an engine is not safe to call from two threads).
+        """``collective_rpc_each`` on the policy's engine, replica ``i`` with ``args_per_replica[i]``,
+        while no token is generated (see :meth:`_engine_held`).
 
         ``finish_update=True`` (a weight push): also reset the prefix cache and take the push's
-        ``version`` (None: one more) inside the same pause, so no turn sees new weights with a
-        stale cache or version.
+        ``version`` (None: one more) inside the same hold, so no turn sees new weights with a
+        stale cache or version; a continuous engine labels its next tokens with it.
         """
-        from lmcollect.policies.vllm_policy import collective_rpc_each  # no vllm import: plain helpers
-
-        engine = self._policy_engine()
+        engine = self._worker_engine()
         if finish_update:
             self._check_version(version)
-        with self._policy_lock.write():
-            results = collective_rpc_each(engine, method, args_per_replica, kwargs)
+        with self._engine_held():
+            results = engine.collective_rpc_each(method, args_per_replica, kwargs)
             if finish_update:
                 self._finish_update(version)
+                if self._policy_version is None and isinstance(engine, EngineProtocol):
+                    engine.set_version(self._loaded_version_index(engine))  # untracked: count the load
             return results
+
+    def submit_policy_engine_rpc(
+        self,
+        method: str,
+        args_per_replica: list[tuple],
+        kwargs: dict[str, Any] | None = None,
+        *,
+        finish_update: bool = False,
+        version: PushVersion | None = None,
+    ) -> Callable[[float | None], list[Any]]:
+        """Start :meth:`policy_engine_rpc` on a thread; returns ``wait(timeout_s)`` for its answers.
+
+        A weight push needs it: the workers' receive returns only once the trainer has sent."""
+        if self._engine_rpc_thread is None:
+            self._engine_rpc_thread = ThreadPoolExecutor(1, thread_name_prefix="lmcollect-engine-rpc")
+        call = functools.partial(self.policy_engine_rpc, finish_update=finish_update, version=version)
+        return self._engine_rpc_thread.submit(call, method, args_per_replica, kwargs).result
+
+    def _loaded_version_index(self, engine: EngineProtocol) -> int:
+        """The version index a load about to be taken gives ``engine`` (untracked: it counts its loads)."""
+        if self._policy_version is not None:
+            return self.version_index() + 1
+        return max(engine.version, 0) + 1
 
     def reset_policy_prefix_cache(self) -> None:
         """Drop the policy engine's cached prefixes (after its weights changed)."""
-        engine = self._policy_engine()
-        with self._policy_lock.write():
+        engine = self._worker_engine()
+        with self._engine_held():
             engine.reset_prefix_cache()
 
     def register_scheme_receiver(self, weight_recv_schemes: dict[str, Any], *, synchronize_weights: bool = True) -> None:

@@ -4,7 +4,16 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-from lmcollect.engines.protocol import EngineClosedError, EngineProtocol, EngineRequest, EngineResult
+from lmcollect.engines.protocol import (
+    EngineClosedError,
+    EngineProtocol,
+    EngineRequest,
+    EngineResult,
+    WorkerRpcEngine,
+    engine_of,
+    worker_rpc_engine_of,
+)
+from lmcollect.engines.engine_policy import EnginePolicy
 from lmcollect.engines.router import EngineRouter
 from lmcollect.engines.transformers_engine import TransformersEngine
 
@@ -17,11 +26,15 @@ _LAZY = {
 
 __all__ = [
     "EngineClosedError",
+    "EnginePolicy",
     "EngineProtocol",
     "EngineRequest",
     "EngineResult",
     "EngineRouter",
     "TransformersEngine",
+    "WorkerRpcEngine",
+    "engine_of",
+    "worker_rpc_engine_of",
     *_LAZY,
 ]
 

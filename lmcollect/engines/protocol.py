@@ -6,22 +6,27 @@ and resolves the future when the response ends. Pausing keeps in-flight requests
 after ``resume``), so weights can be loaded between two decoding steps; every generated token
 records the version of the weights that produced it.
 
-Implementations: :class:`lmcollect.engines.transformers_engine.TransformersEngine` (our own
-continuous batching over a ``transformers`` causal LM) and, later, vLLM's ``AsyncLLM`` in-process
-and as Ray engine actors.
+Implementations: :class:`~lmcollect.engines.transformers_engine.TransformersEngine` (our own
+continuous batching over a ``transformers`` causal LM), :class:`~lmcollect.engines.vllm_async.VLLMAsyncEngine`
+(vLLM's ``AsyncLLM`` in this process), :class:`~lmcollect.engines.ray_engine.RayEngine` (any of them
+in a Ray actor) and :class:`~lmcollect.engines.router.EngineRouter` (replicas behind one engine).
+
+Engines whose weights live in worker processes (vLLM's) also implement :class:`WorkerRpcEngine`:
+that is how a :class:`~lmcollect.weight_sync.vLLMUpdater` broadcasts weights straight into the
+workers, whether the engine is a lockstep ``VLLMPolicy``'s or a continuous collector's.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from lmcollect.policies.sampling import SamplingConfig
 
-__all__ = ["EngineClosedError", "EngineProtocol", "EngineRequest", "EngineResult"]
+__all__ = ["EngineClosedError", "EngineProtocol", "EngineRequest", "EngineResult", "WorkerRpcEngine", "engine_of", "worker_rpc_engine_of"]
 
 
 class EngineClosedError(RuntimeError):
@@ -87,6 +92,15 @@ class EngineProtocol(Protocol):
         """
         ...
 
+    def weight_metadata(self) -> tuple[dict[str, tuple[torch.dtype, torch.Size]], dict[str, str]]:
+        """What :meth:`load_weights` accepts: name -> (dtype, shape), and tied aliases (alias -> name)."""
+        ...
+
+    def set_version(self, version: int) -> None:
+        """Label tokens decoded from now on with ``version``: weights were loaded by other means
+        than :meth:`load_weights` (a process-group broadcast into the workers). Call while paused."""
+        ...
+
     def reset_prefix_cache(self) -> None:
         """Forget cached prompt prefixes (after a weight load, they were computed with old weights)."""
         ...
@@ -104,3 +118,50 @@ class EngineProtocol(Protocol):
     def close(self) -> None:
         """Fail pending futures with a clear error and free the engine."""
         ...
+
+
+@runtime_checkable
+class WorkerRpcEngine(Protocol):
+    """An engine whose weights live in worker processes that a trainer can join in a process group.
+
+    What :class:`~lmcollect.weight_sync.vLLMUpdater` needs to push weights straight into vLLM's
+    workers (their extension's ``init_weight_group`` / ``receive_weights``). Implemented by the
+    lockstep engines of :class:`~lmcollect.policies.VLLMPolicy` (``VLLMEngine``, ``VLLMReplicas``,
+    a vLLM server) and by the continuous ``VLLMAsyncEngine`` (also in a ``RayEngine`` actor and
+    behind an ``EngineRouter``). The caller keeps generation off the engine during a call that
+    changes weights: a lockstep collector holds its policy lock, a continuous one pauses the engine.
+    """
+
+    @property
+    def num_replicas(self) -> int:
+        """Engine replicas (each a tensor-parallel group of workers)."""
+        ...
+
+    def collective_rpc_each(
+        self, method: str, args_per_replica: list[tuple], kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """``method`` on every worker of every replica, replica ``i`` with ``args_per_replica[i]``;
+        returns every worker's answer (replica by replica)."""
+        ...
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prompt prefixes (after the workers' weights changed)."""
+        ...
+
+
+def engine_of(policy: Any) -> EngineProtocol | None:
+    """The :class:`EngineProtocol` engine behind ``policy``: the policy itself (a continuous
+    collector's engine) or its ``engine`` (an :class:`~lmcollect.engines.EnginePolicy`); else None."""
+    for candidate in (policy, getattr(policy, "engine", None)):
+        if isinstance(candidate, EngineProtocol):
+            return candidate
+    return None
+
+
+def worker_rpc_engine_of(policy: Any) -> WorkerRpcEngine | None:
+    """The :class:`WorkerRpcEngine` behind ``policy``: the policy itself (a continuous collector's
+    engine) or its ``engine`` (a ``VLLMPolicy``); None when there is none."""
+    for candidate in (policy, getattr(policy, "engine", None)):
+        if isinstance(candidate, WorkerRpcEngine):
+            return candidate
+    return None

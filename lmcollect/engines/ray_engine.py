@@ -20,7 +20,7 @@ import ray
 import torch
 
 from lmcollect.distributed.ray_cluster import actor_options, init_ray
-from lmcollect.engines.protocol import EngineProtocol, EngineRequest, EngineResult
+from lmcollect.engines.protocol import EngineProtocol, EngineRequest, EngineResult, WorkerRpcEngine
 from lmcollect.engines.router import EngineRouter
 
 __all__ = ["RayEngine", "ray_engine_replicas"]
@@ -47,6 +47,13 @@ class _EngineHost:
     async def version(self) -> int:
         return self.engine.version
 
+    async def num_replicas(self) -> int | None:
+        return self.engine.num_replicas if isinstance(self.engine, WorkerRpcEngine) else None
+
+    async def collective_rpc_each(self, method: str, args_per_replica: list[tuple], kwargs: dict | None) -> list[Any]:
+        engine = _worker_rpc_engine(self.engine)
+        return await asyncio.to_thread(engine.collective_rpc_each, method, args_per_replica, kwargs)
+
     async def close(self) -> None:
         await asyncio.to_thread(self.engine.close)
 
@@ -72,6 +79,7 @@ class RayEngine:
         options = actor_options(remote_config, defaults=_ACTOR_DEFAULTS)
         self._actor = ray.remote(**options)(_EngineHost).remote(engine_factory)
         self._version = ray.get(self._actor.version.remote())  # also surfaces start-up errors here
+        self._worker_replicas = ray.get(self._actor.num_replicas.remote())  # None: no worker processes
         self._lock = threading.Lock()
         self._in_flight = 0
 
@@ -97,8 +105,30 @@ class RayEngine:
         ray.get(self._actor.load_weights.remote(weights, version))
         self._version = version
 
+    def weight_metadata(self) -> tuple[dict[str, tuple[torch.dtype, torch.Size]], dict[str, str]]:
+        return ray.get(self._actor.call.remote("weight_metadata"))
+
+    def set_version(self, version: int) -> None:
+        ray.get(self._actor.call.remote("set_version", version))
+        self._version = version
+
     def reset_prefix_cache(self) -> None:
         ray.get(self._actor.call.remote("reset_prefix_cache"))
+
+    @property
+    def num_replicas(self) -> int:
+        """The actor's engine's replicas, if it is a :class:`~lmcollect.engines.WorkerRpcEngine` (vLLM: 1).
+
+        Raises AttributeError otherwise, so ``isinstance(ray_engine, WorkerRpcEngine)`` tells."""
+        if self._worker_replicas is None:
+            raise AttributeError(_NO_WORKERS)
+        return self._worker_replicas
+
+    def collective_rpc_each(
+        self, method: str, args_per_replica: list[tuple], kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """``collective_rpc_each`` on the actor's engine (vLLM's workers; see ``WorkerRpcEngine``)."""
+        return ray.get(self._actor.collective_rpc_each.remote(method, args_per_replica, kwargs))
 
     @property
     def version(self) -> int:
@@ -118,6 +148,18 @@ class RayEngine:
             ray.get(self._actor.close.remote())
         finally:
             ray.kill(self._actor)
+
+
+_NO_WORKERS = (
+    "this engine has no worker processes to call; process-group pushes (vLLMUpdater) need a vLLM engine "
+    "(VLLMAsyncEngine). Push with RayRemoteWeightUpdater instead."
+)
+
+
+def _worker_rpc_engine(engine: EngineProtocol) -> WorkerRpcEngine:
+    if not isinstance(engine, WorkerRpcEngine):
+        raise TypeError(f"{type(engine).__name__}: {_NO_WORKERS}")
+    return engine
 
 
 def ray_engine_replicas(

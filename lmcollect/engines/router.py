@@ -5,11 +5,11 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
-from lmcollect.engines.protocol import EngineProtocol, EngineRequest, EngineResult
+from lmcollect.engines.protocol import EngineProtocol, EngineRequest, EngineResult, WorkerRpcEngine
 
 __all__ = ["EngineRouter", "ReplicaLoadError"]
 
@@ -115,6 +115,45 @@ class EngineRouter:
                 f"loading version {version} failed on replicas {failed} ({errors[failed[0]]!r}) and succeeded on "
                 f"the others; versions now {versions}. Push again, or close the failed replicas."
             ) from errors[failed[0]]
+
+    def weight_metadata(self) -> tuple[dict[str, tuple[torch.dtype, torch.Size]], dict[str, str]]:
+        """Replica 0's (all replicas serve the same model)."""
+        return self.engines[0].weight_metadata()
+
+    def set_version(self, version: int) -> None:
+        """Label every replica's next tokens with ``version``."""
+        self._on_every(lambda engine: engine.set_version(version))
+
+    @property
+    def num_replicas(self) -> int:
+        """Replicas as a :class:`~lmcollect.engines.WorkerRpcEngine` counts them (each engine's own, summed)."""
+        return sum(self._worker_engine(i).num_replicas for i in range(len(self.engines)))
+
+    def collective_rpc_each(
+        self, method: str, args_per_replica: list[tuple], kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """``method`` on every replica's workers at once, replica ``i`` with ``args_per_replica[i]``
+        (a weight receive waits for the trainer's broadcast, so all must be under way together)."""
+        counts = [self._worker_engine(i).num_replicas for i in range(len(self.engines))]
+        if len(args_per_replica) != sum(counts):
+            raise ValueError(f"got arguments for {len(args_per_replica)} replicas; this router has {sum(counts)}.")
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        futures = [
+            self._fan_out.submit(engine.collective_rpc_each, method, args_per_replica[s : s + n], kwargs)
+            for engine, s, n in zip(self.engines, starts, counts)
+        ]
+        return [answer for future in futures for answer in future.result()]
+
+    def _worker_engine(self, index: int) -> WorkerRpcEngine:
+        """Replica ``index`` as a WorkerRpcEngine; AttributeError if it is not one (so that
+        ``isinstance(router, WorkerRpcEngine)`` is False for a router of such replicas)."""
+        engine = self.engines[index]
+        if not isinstance(engine, WorkerRpcEngine):
+            raise AttributeError(
+                f"replica {index} ({type(engine).__name__}) has no worker processes to call; process-group pushes "
+                "(vLLMUpdater) need vLLM replicas. Push with RayRemoteWeightUpdater instead."
+            )
+        return engine
 
     def reset_prefix_cache(self) -> None:
         """Reset every replica's prefix cache."""

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from lmcollect.weight_sync.weights import expected_metadata
+
 from lmcollect.data.history import History
 from lmcollect.engines.protocol import EngineRequest, EngineResult
 
@@ -186,6 +188,14 @@ class ScriptedEngine:
             )
         with self._step_lock:  # between two decoding steps
             self.model.tag.data.copy_(weights["tag"])
+            self._version = int(version)
+
+    def weight_metadata(self) -> tuple[dict[str, tuple[torch.dtype, torch.Size]], dict[str, str]]:
+        """The model's distinct tensors (name -> (dtype, shape)) and tied aliases."""
+        return expected_metadata(self.model)
+
+    def set_version(self, version: int) -> None:
+        with self._step_lock:
             self._version = int(version)
 
     def reset_prefix_cache(self) -> None:

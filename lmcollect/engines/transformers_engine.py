@@ -18,6 +18,7 @@ from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineR
 from lmcollect.engines.running_request import RunningRequest
 from lmcollect.weight_sync.weights import (
     align_names,
+    expected_metadata,
     raise_if_problems,
     tensor_metadata,
     unique_targets,
@@ -152,6 +153,16 @@ class TransformersEngine:
                 targets[name].copy_(tensor)
             self._version = version
             self._weights_changed = True
+
+    def weight_metadata(self) -> tuple[dict[str, tuple[torch.dtype, torch.Size]], dict[str, str]]:
+        """The model's distinct tensors (name -> (dtype, shape)) and tied aliases."""
+        return expected_metadata(self.model)
+
+    def set_version(self, version: int) -> None:
+        """Label tokens decoded from now on with ``version`` (between two decoding steps)."""
+        _check_int("version", version, minimum=-1, hint="the loaded weights' version")
+        with self._step_lock:
+            self._version = version
 
     def reset_prefix_cache(self) -> None:
         """Nothing to forget: no prefix is cached across requests, and a load re-prefills running ones."""

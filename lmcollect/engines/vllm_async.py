@@ -174,6 +174,35 @@ class VLLMAsyncEngine:
                 if not was_paused:
                     self._call(lambda llm: llm.resume_generation())
 
+    def weight_metadata(self) -> tuple[dict[str, tuple[torch.dtype, torch.Size]], dict[str, str]]:
+        """The checkpoint's names, dtypes and shapes (what ``load_weights`` accepts), and tied aliases."""
+        return dict(self._metadata), dict(self._aliases)
+
+    def set_version(self, version: int) -> None:
+        """Label the steps from now on with ``version`` (weights loaded through :meth:`collective_rpc_each`)."""
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise TypeError(f"version must be an int (the loaded weights' version), got {version!r}.")
+        with self._control:
+            self._call(lambda llm: llm.update_weight_version(str(version)))
+            self._version = version
+
+    @property
+    def num_replicas(self) -> int:
+        """One engine (its tensor-parallel workers are one replica)."""
+        return 1
+
+    def collective_rpc_each(
+        self, method: str, args_per_replica: list[tuple], kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """``method`` on every worker (through our worker extension); one replica, so one tuple of arguments.
+
+        A call that changes weights must run paused (see :class:`~lmcollect.engines.WorkerRpcEngine`).
+        """
+        if len(args_per_replica) != 1:
+            raise ValueError(f"VLLMAsyncEngine is one replica; got arguments for {len(args_per_replica)}.")
+        args = tuple(args_per_replica[0])
+        return self._call(lambda llm: llm.collective_rpc(method, args=args, kwargs=kwargs))
+
     def reset_prefix_cache(self) -> None:
         """Forget cached prefixes (running requests, if any, are recomputed from their tokens)."""
         if not self._call(lambda llm: llm.reset_prefix_cache(reset_running_requests=True)):

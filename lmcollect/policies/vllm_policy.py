@@ -37,12 +37,13 @@ class Completion(NamedTuple):
 
 
 @runtime_checkable
-class EngineProtocol(Protocol):
-    """What :class:`VLLMPolicy` needs from an engine: a local :class:`VLLMEngine` or Ray replicas.
+class BatchEngineProtocol(Protocol):
+    """What :class:`VLLMPolicy` needs from an engine: a local :class:`VLLMEngine`, Ray replicas
+    (``VLLMReplicas``) or a vLLM server; a lockstep engine answering a whole batch per call.
 
-    ``collective_rpc`` and ``reset_prefix_cache`` are for weight updates (see
-    ``lmcollect.weight_sync.vllm_worker_ext``); they reach every worker of every replica. Every
-    method may be called from any thread, also concurrently: the engine serialises the calls.
+    Weight updates reach every worker of every replica through the
+    :class:`~lmcollect.engines.WorkerRpcEngine` methods (see ``lmcollect.weight_sync.vllm_worker_ext``).
+    Every method may be called from any thread, also concurrently: the engine serialises the calls.
     """
 
     def generate_tokens(
@@ -51,7 +52,13 @@ class EngineProtocol(Protocol):
         """Engines may also take ``stop_token_ids=`` (extra ids that end a response), as :class:`VLLMEngine` does."""
         ...
 
-    def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]: ...
+    # lmcollect.engines.WorkerRpcEngine's methods (not inherited: that module imports this package)
+    @property
+    def num_replicas(self) -> int: ...
+
+    def collective_rpc_each(
+        self, method: str, args_per_replica: list[tuple], kwargs: dict[str, Any] | None = None
+    ) -> list[Any]: ...
 
     def reset_prefix_cache(self) -> None: ...
 
@@ -128,7 +135,7 @@ def _completion(output: CompletionOutput) -> Completion:
 
 
 class VLLMEngine:
-    """An in-process ``vllm.LLM`` behind :class:`EngineProtocol`; also the body of Ray replica actors.
+    """An in-process ``vllm.LLM`` behind :class:`BatchEngineProtocol`; also the body of Ray replica actors.
 
     Any thread may call it, several at once: the engine is built on a thread of its own, and
     every call (generate, ``collective_rpc``, prefix-cache reset) runs there, one at a time, while
@@ -216,19 +223,6 @@ class VLLMEngine:
         return True
 
 
-def collective_rpc_each(
-    engine: EngineProtocol, method: str, args_per_replica: list[tuple], kwargs: dict[str, Any] | None = None
-) -> list[Any]:
-    """``method`` on every worker, replica ``i`` with ``args_per_replica[i]`` (engines without
-    ``collective_rpc_each`` count as one replica)."""
-    each = getattr(engine, "collective_rpc_each", None)
-    if callable(each):
-        return each(method, args_per_replica, kwargs)
-    if len(args_per_replica) != 1:
-        raise ValueError(f"{type(engine).__name__} has one replica; got arguments for {len(args_per_replica)}.")
-    return engine.collective_rpc(method, args_per_replica[0], kwargs)
-
-
 class VLLMPolicy:
     """Answers a batch of chat prompts with vLLM; same output layout as ``TransformersPolicy``.
 
@@ -263,7 +257,7 @@ class VLLMPolicy:
         *,
         sampling: SamplingConfig | None = None,
         engine_kwargs: dict[str, Any] | None = None,
-        engine: EngineProtocol | None = None,
+        engine: BatchEngineProtocol | None = None,
         stop_token_ids: Collection[int] | None = None,
         **sampling_kwargs: Any,
     ) -> None:
@@ -287,7 +281,7 @@ class VLLMPolicy:
             engine_kwargs.setdefault("seed", self.sampling.seed)
         if engine is None:
             engine = VLLMEngine(model_path, engine_kwargs=engine_kwargs)
-        self.engine: EngineProtocol = engine
+        self.engine: BatchEngineProtocol = engine
         self._request_seeds: random.Random | None = None
         if self.sampling.seed is not None:
             self.set_seed(self.sampling.seed)

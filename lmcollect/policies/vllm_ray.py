@@ -1,4 +1,4 @@
-"""vLLM engine replicas as Ray actors, behind the same ``EngineProtocol`` as an in-process engine."""
+"""vLLM engine replicas as Ray actors, behind the same ``BatchEngineProtocol`` as an in-process engine."""
 from __future__ import annotations
 
 import logging

@@ -1,6 +1,6 @@
 """A policy that generates through a vLLM server (``vllm serve``, OpenAI-compatible HTTP), and a launcher for one.
 
-The server is an engine like the in-process one (:class:`~lmcollect.policies.vllm_policy.EngineProtocol`):
+The server is an engine like the in-process one (:class:`~lmcollect.policies.vllm_policy.BatchEngineProtocol`):
 :class:`VLLMServerEngine` sends token-id prompts to ``/v1/completions`` and reaches the workers for
 weight pushes through the server's development endpoints (``/collective_rpc``, ``/pause``,
 ``/resume``, ``/reset_prefix_cache``; on with ``VLLM_SERVER_DEV_MODE=1``). Only the standard

@@ -1,15 +1,15 @@
 """vLLMUpdater: pushes a trainer's weights into the vLLM engine behind a collector over a process group."""
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
+from lmcollect.engines.protocol import EngineProtocol, WorkerRpcEngine, worker_rpc_engine_of
 from lmcollect.weight_sync.base import WeightPushError, WeightUpdaterBase
 from lmcollect.weight_sync.delta import DeltaConfig, PushStats, resolve_delta
 from lmcollect.weight_sync.version import PushVersion
@@ -144,7 +144,6 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
         self._policy: Any = None  # set by from_policy: an engine reached without a collector
         self._sender: ProcessGroupSender | None = None
         self._num_replicas = 1
-        self._pool: ThreadPoolExecutor | None = None
         self.last_push_info: list[dict[str, Any]] = []
         self.last_push_stats: PushStats | None = None
         """What the last push moved: full or delta, bytes, changed elements, workers repaired."""
@@ -152,17 +151,19 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state.update(_sender=None, _pool=None, _prepared=None)  # connections and threads never travel
+        state.update(_sender=None, _prepared=None)  # connections and threads never travel
         return state
 
     # ------------------------------------------------------------------ spec API
     @classmethod
     def from_policy(cls, policy: Any) -> vLLMUpdater | None:
-        """An updater for a vLLM-backed policy (one with ``.engine.collective_rpc``), else None."""
-        if not hasattr(getattr(policy, "engine", None), "collective_rpc"):
+        """An updater for a policy backed by an engine with worker processes (a ``VLLMPolicy``, a
+        ``VLLMAsyncEngine``: see :class:`~lmcollect.engines.WorkerRpcEngine`), else None."""
+        engine = worker_rpc_engine_of(policy)
+        if engine is None:
             return None
         updater = cls()
-        updater._policy = policy
+        updater._policy = _BareEngine(engine)
         return updater
 
     @classmethod
@@ -170,7 +171,7 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
         """name -> (dtype, shape) of a trainer model, or of a ``VLLMPolicy``'s checkpoint."""
         if isinstance(model, torch.nn.Module) or isinstance(getattr(model, "model", None), torch.nn.Module):
             return super().get_model_metadata(model)
-        if hasattr(model, "model_path") and hasattr(model, "engine"):
+        if isinstance(getattr(model, "model_path", None), str) and worker_rpc_engine_of(model) is not None:
             from lmcollect.policies.vllm_policy import checkpoint_dtype  # plain helpers: no vllm import
             from lmcollect.weight_sync.vllm_worker_ext import checkpoint_metadata
 
@@ -289,11 +290,12 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
         assert sender is not None, "_validate forms the group"
         deadline = time.monotonic() + self.timeout_s
         # With a collector, the workers' receive, the prefix-cache reset and the version bump run
-        # in one pause of its policy: no turn sees new weights with a stale cache or version.
+        # in one hold of its engine (policy lock, or a continuous engine's pause): no turn sees new
+        # weights with a stale cache or version. A bare continuous engine is paused and labelled.
         received = self._start_rpc(
             "receive_weights",
             [(self.timeout_s, self.verify)] * self._num_replicas,
-            finish_update=self.collector is not None,
+            finish_update=True,
             version=version,
         )
         prepared, self._prepared = self._prepared, None
@@ -317,8 +319,9 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
             raise WeightPushError(f"vLLM worker rank(s) {bad} received buckets whose checksums differ from the sent ones.")
 
     # ------------------------------------------------------------------ reaching the engine
-    # Through the registered collector (in-process or a Ray actor), else the from_policy policy.
-    def _target(self) -> Any:
+    # Through the registered collector (in-process or a Ray actor), else the from_policy engine:
+    # each answers policy_engine_num_replicas / submit_policy_engine_rpc / reset_policy_prefix_cache.
+    def _target(self) -> EngineTarget:
         target = self.collector if self.collector is not None else self._policy
         if target is None:
             raise RuntimeError(
@@ -328,10 +331,7 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
         return target
 
     def _call_num_replicas(self) -> int:
-        target = self._target()
-        if hasattr(target, "policy_engine_num_replicas"):
-            return target.policy_engine_num_replicas()
-        return int(getattr(target.engine, "num_replicas", 1))
+        return self._target().policy_engine_num_replicas()
 
     def _start_rpc(
         self,
@@ -344,22 +344,8 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
         """Start ``method`` on every worker without waiting (it returns only once the trainer has sent).
 
         ``finish_update``: the collector resets its prefix cache and takes ``version`` in the same pause."""
-        target = self._target()
         update = {"finish_update": True, "version": version} if finish_update else {}
-        if hasattr(target, "submit_policy_engine_rpc"):  # a Ray collector: the call is already asynchronous
-            return target.submit_policy_engine_rpc(method, args_per_replica, **update)
-        if hasattr(target, "policy_engine_rpc"):
-            call = functools.partial(target.policy_engine_rpc, **update)
-        else:
-            from lmcollect.policies.vllm_policy import collective_rpc_each  # plain helpers: no vllm import
-
-            def call(method: str, args: list[tuple]) -> list[Any]:
-                return collective_rpc_each(target.engine, method, args)
-
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="vllm-updater")
-        future = self._pool.submit(call, method, args_per_replica)
-        return future.result
+        return self._target().submit_policy_engine_rpc(method, args_per_replica, **update)
 
     def _wait(self, wait: Wait, deadline: float, what: str) -> list[Any]:
         try:
@@ -382,11 +368,7 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
         return str(exc)
 
     def _reset_prefix_cache(self) -> None:
-        target = self._target()
-        if hasattr(target, "reset_policy_prefix_cache"):
-            target.reset_policy_prefix_cache()
-        else:
-            target.reset_prefix_cache()
+        self._target().reset_policy_prefix_cache()
 
     def _choose_backend(self, device: torch.device | str | None) -> str:
         if self.backend != "auto":
@@ -397,3 +379,62 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
 
 
 VLLMUpdater = vLLMUpdater
+
+
+class EngineTarget(Protocol):
+    """How the updater reaches an engine's workers: a collector (local or Ray) or a bare engine."""
+
+    def policy_engine_num_replicas(self) -> int: ...
+
+    def submit_policy_engine_rpc(
+        self, method: str, args_per_replica: list[tuple], *, finish_update: bool = False, version: PushVersion | None = None
+    ) -> Wait: ...
+
+    def reset_policy_prefix_cache(self) -> None: ...
+
+
+class _BareEngine:
+    """An engine reached without a collector (``from_policy``): calls run on a thread of their own.
+
+    A continuous engine (:class:`~lmcollect.engines.EngineProtocol`) is paused around a call that
+    loads weights (``finish_update``) and labels its next tokens with the push's version; a
+    lockstep engine is the caller's to keep idle (no collector lock here). The updater resets the
+    prefix cache after the push.
+    """
+
+    def __init__(self, engine: WorkerRpcEngine) -> None:
+        self.engine = engine
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="vllm-updater")
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"engine": self.engine}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["engine"])
+
+    def policy_engine_num_replicas(self) -> int:
+        return self.engine.num_replicas
+
+    def submit_policy_engine_rpc(
+        self, method: str, args_per_replica: list[tuple], *, finish_update: bool = False, version: PushVersion | None = None
+    ) -> Wait:
+        engine = self.engine
+
+        def call() -> list[Any]:
+            if not (finish_update and isinstance(engine, EngineProtocol)):
+                return engine.collective_rpc_each(method, args_per_replica)
+            engine.pause()
+            try:
+                answers = engine.collective_rpc_each(method, args_per_replica)
+                engine.set_version(version.index if version is not None else max(engine.version, 0) + 1)
+                return answers
+            finally:
+                engine.resume()
+
+        return self._thread.submit(call).result
+
+    def reset_policy_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
+
+    def __repr__(self) -> str:
+        return f"{type(self.engine).__name__}"

@@ -24,6 +24,7 @@ from lmcollect.envs import ChatEnv, GuessingGameTask, SingleTurnTask, arithmetic
 from lmcollect.engines import EngineClosedError, EngineProtocol, EngineRequest, EngineResult
 from lmcollect.models import load_model_and_tokenizer
 from lmcollect.policies.sampling import SamplingConfig
+from lmcollect.weight_sync import vLLMUpdater
 from tests.factories import perturbed_model, run_in_thread
 from tests.integration.conftest import CPU_ENGINE_KWARGS, MAX_NEW_TOKENS, QUESTIONS, chat_batch
 
@@ -254,13 +255,17 @@ def _forward_log_probs(model, full: torch.Tensor, num_prompt: int) -> torch.Tens
     return torch.log_softmax(logits, -1)[num_prompt - 1 : -1].gather(1, full[num_prompt:, None])[:, 0]
 
 
-def test_a_push_mid_turn_is_recorded_per_token(async_engine, model_dir, greedy_policy) -> None:
+@pytest.mark.parametrize("push", ["object store", "process group"])
+def test_a_push_mid_turn_is_recorded_per_token(async_engine, model_dir, greedy_policy, push) -> None:
+    """Either updater lands mid-turn: apply_weights (load_weights), or vLLMUpdater broadcasting
+    straight into the engine's workers through the WorkerRpcEngine interface while it is paused."""
     old, _ = load_model_and_tokenizer(model_dir)
     new = perturbed_model(model_dir, seed=5)
     env = ChatEnv(arithmetic_dataset(8, seed=0), task=SingleTurnTask(), batch_size=1, seed=0)
+    updater = vLLMUpdater(timeout_s=60) if push == "process group" else None
     collector = ContinuousLLMCollector(
         [env], engine=async_engine, tokenizer=greedy_policy.tokenizer, dialog_turns_per_batch=1, track_policy_version=True,
-        sampling=SamplingConfig(max_new_tokens=300, temperature=0, ignore_eos=True),
+        sampling=SamplingConfig(max_new_tokens=300, temperature=0, ignore_eos=True), weight_updater=updater,
     )
     try:
         join = run_in_thread(collector.next, timeout_s=180)
@@ -271,8 +276,11 @@ def test_a_push_mid_turn_is_recorded_per_token(async_engine, model_dir, greedy_p
         time.sleep(0.2)
         collector.update_policy_weights_(new)  # lands while the 300-token turn runs
         turn = flatten_turns(join())[0]
+        assert async_engine.version == collector.version_index()
     finally:
         collector.shutdown()
+        if updater is not None:
+            updater.close()
         async_engine.load_weights(old.state_dict().items(), version=async_engine.version + 1)  # as before
     versions = turn.get(keys.TOKEN_VERSIONS)
     assert versions[0] < versions[-1] and set(versions.tolist()) == {int(versions[0]), int(versions[-1])}
@@ -281,6 +289,24 @@ def test_a_push_mid_turn_is_recorded_per_token(async_engine, model_dir, greedy_p
     for model, version in ((old, int(versions[0])), (new, int(versions[-1]))):
         segment = versions == version
         torch.testing.assert_close(stored[segment], _forward_log_probs(model, full, num_prompt)[segment], atol=1e-4, rtol=0)
+
+
+def test_a_bare_engine_takes_process_group_pushes(async_engine, model_dir, hf_model) -> None:
+    """vLLMUpdater.from_policy(engine): no collector; the push pauses the engine, labels the version."""
+    new = perturbed_model(model_dir, seed=6)
+    updater = vLLMUpdater.from_policy(async_engine)
+    assert updater is not None
+    prompt = [1, 2, 3, 4]
+    try:
+        updater.push_weights(new)
+        result = answer(async_engine, prompt, greedy(8))
+        assert int(result.token_versions[0]) == async_engine.version == updater.version
+        torch.testing.assert_close(
+            result.log_probs, forward_log_probs(new, prompt, result.tokens), atol=ATOL, rtol=0
+        )
+    finally:
+        updater.close()
+        async_engine.load_weights(hf_model.state_dict().items(), version=async_engine.version + 1)
 
 
 def test_close_fails_pending_futures_and_stops_the_engine_processes(started: Started) -> None:

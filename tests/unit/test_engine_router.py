@@ -9,7 +9,14 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from lmcollect.engines import EngineClosedError, EngineProtocol, EngineRequest, EngineResult
+from lmcollect.engines import (
+    EngineClosedError,
+    EngineProtocol,
+    EngineRequest,
+    EngineResult,
+    WorkerRpcEngine,
+    worker_rpc_engine_of,
+)
 from lmcollect.engines.router import EngineRouter, ReplicaLoadError
 from lmcollect.policies.sampling import SamplingConfig
 
@@ -50,6 +57,13 @@ class HeldEngine:
             raise ValueError(f"weight push rejected by {self.name}, no weight was changed")
         self._version = version
         self.events.append(f"load {version}")
+
+    def weight_metadata(self) -> tuple[dict, dict]:
+        return {"w": (torch.float32, torch.Size([1]))}, {}
+
+    def set_version(self, version: int) -> None:
+        self._version = version
+        self.events.append(f"label {version}")
 
     def reset_prefix_cache(self) -> None:
         self.events.append("reset")
@@ -186,3 +200,39 @@ def test_a_push_through_the_router_reaches_requests_in_flight_on_every_replica()
         assert router.version == 1
     finally:
         router.close()
+
+
+class WorkerHeldEngine(HeldEngine):
+    """A HeldEngine with worker processes (a WorkerRpcEngine): answers each RPC with its arguments."""
+
+    def __init__(self, name: str, *, num_replicas: int = 1) -> None:
+        super().__init__(name)
+        self._num_replicas = num_replicas
+
+    @property
+    def num_replicas(self) -> int:
+        return self._num_replicas
+
+    def collective_rpc_each(self, method: str, args_per_replica: list[tuple], kwargs: dict | None = None) -> list:
+        self.events.append(f"rpc {method}")
+        return [(self.name, args) for args in args_per_replica]
+
+
+def test_worker_rpcs_are_split_over_replicas_in_order() -> None:
+    a, b = WorkerHeldEngine("a"), WorkerHeldEngine("b", num_replicas=2)
+    router = EngineRouter([a, b])
+    assert isinstance(router, WorkerRpcEngine) and router.num_replicas == 3
+    answers = router.collective_rpc_each("receive_weights", [(1,), (2,), (3,)])
+    assert answers == [("a", (1,)), ("b", (2,)), ("b", (3,))]
+    with pytest.raises(ValueError, match="arguments for 2 replicas; this router has 3"):
+        router.collective_rpc_each("receive_weights", [(1,), (2,)])
+    router.set_version(4)
+    assert a.version == b.version == 4 and "label 4" in a.events
+
+
+def test_a_router_of_engines_without_workers_is_not_a_worker_rpc_engine() -> None:
+    router = EngineRouter(replicas(2))
+    assert isinstance(router, EngineProtocol) and not isinstance(router, WorkerRpcEngine)
+    assert worker_rpc_engine_of(router) is None
+    with pytest.raises(AttributeError, match="RayRemoteWeightUpdater"):
+        router.collective_rpc_each("receive_weights", [(1,), (2,)])

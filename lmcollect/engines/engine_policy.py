@@ -1,0 +1,100 @@
+"""EnginePolicy: a lockstep policy over any :class:`~lmcollect.engines.EngineProtocol` engine.
+
+The synchronous :class:`~lmcollect.collectors.LLMCollector` takes a policy that answers a whole
+batch per call. Over an engine that is the continuous collector's request path with a batch
+barrier: every row's request is submitted at once (the engine batches them as they come), and the
+call returns when the last one has answered. So ``LLMCollector(env, policy=EnginePolicy(engine,
+tokenizer=...))`` and ``ContinuousLLMCollector(envs, engine=engine, ...)`` run the same engine, the
+same prompts and the same turn layout; only the barrier differs.
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Collection
+from typing import Any
+
+from tensordict import TensorDictBase
+
+from lmcollect.engines.protocol import EngineProtocol, EngineRequest
+from lmcollect.policies.outputs import Generation, answer_prompts
+from lmcollect.policies.sampling import SamplingConfig
+
+__all__ = ["EnginePolicy"]
+
+MAX_REQUEST_SEED = 2**31 - 1
+
+
+class EnginePolicy:
+    """A batch policy (``td -> td``) whose rows are requests to ``engine``, awaited together.
+
+    Args:
+        engine: the engine (yours to close).
+        tokenizer: builds the token-exact prompts (chat template, decode).
+        sampling: sampling settings of every request (default ``SamplingConfig()``).
+        stop_token_ids: ids that end a response (default: the tokenizer's eos).
+        seed: seeds each request (drawn from one generator seeded with it; :meth:`set_seed` resets
+            it); None leaves sampling unseeded.
+        timeout_s: how long one batch may take before a ``TimeoutError`` (None: no limit).
+
+    Weights: the collector loads pushes into ``engine`` (through ``load_weights`` or, for vLLM,
+    a ``vLLMUpdater``'s broadcast into its workers) while no batch runs.
+    """
+
+    def __init__(
+        self,
+        engine: EngineProtocol,
+        *,
+        tokenizer: Any,
+        sampling: SamplingConfig | None = None,
+        stop_token_ids: Collection[int] | None = None,
+        seed: int | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        if not isinstance(engine, EngineProtocol):
+            raise TypeError(f"engine must implement lmcollect.engines.EngineProtocol, got {type(engine).__name__}.")
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.sampling = sampling or SamplingConfig()
+        self.stop_token_ids = list(stop_token_ids) if stop_token_ids is not None else [tokenizer.eos_token_id]
+        self.timeout_s = timeout_s
+        self._seeds: random.Random | None = None
+        if seed is not None:
+            self.set_seed(seed)
+
+    def set_seed(self, seed: int) -> None:
+        """Seed the requests' seeds (the same seed and weights give the same batches)."""
+        self._seeds = random.Random(seed)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the engine's cached prefixes (the collector calls it after every weight load)."""
+        self.engine.reset_prefix_cache()
+
+    def generate_responses(self, prompt_ids: list[list[int]]) -> list[Generation]:
+        """Submit every prompt at once, then wait for all of them (the batch barrier)."""
+        futures = [
+            self.engine.submit(
+                EngineRequest(
+                    prompt_ids=ids,
+                    sampling=self.sampling,
+                    stop_token_ids=tuple(self.stop_token_ids),
+                    seed=self._next_seed(),
+                    request_id=f"row-{row}",
+                )
+            )
+            for row, ids in enumerate(prompt_ids)
+        ]
+        results = [future.result(timeout=self.timeout_s) for future in futures]
+        return [Generation(r.tokens, r.log_probs, r.sampled_log_probs) for r in results]
+
+    def _next_seed(self) -> int | None:
+        if self._seeds is None or self.sampling.greedy:
+            return None
+        return self._seeds.randrange(MAX_REQUEST_SEED)
+
+    def __call__(self, td: TensorDictBase) -> TensorDictBase:
+        return answer_prompts(
+            td, self.tokenizer, self.generate_responses, sampling=self.sampling, stop_token_ids=self.stop_token_ids
+        )
+
+    def __repr__(self) -> str:
+        return f"EnginePolicy({type(self.engine).__name__})"
