@@ -21,9 +21,8 @@ from lmcollect.collectors.versioning import PolicyVersion, make_policy_version
 from lmcollect.collectors.weights import WeightReceiverMixin
 from lmcollect.engines.protocol import EngineProtocol
 from lmcollect.policies.sampling import SamplingConfig
-from lmcollect.weight_sync.delta import WeightDelta, prepare_delta
 from lmcollect.weight_sync.version import PushVersion
-from lmcollect.weight_sync.weights import to_weight_dict, unique_targets
+
 
 logger = logging.getLogger(__name__)
 
@@ -403,33 +402,10 @@ class ContinuousLLMCollector(CollectorVersionMixin, ContinuousStateMixin, Weight
         """
         if model_id != "policy":
             raise ValueError(f"model_id={model_id!r}: a ContinuousLLMCollector receives weights for 'policy' only.")
-        if convert_dtype:
-            raise TypeError("convert_dtype is not supported here: push the engine's dtype.")
-        delta = weights if isinstance(weights, WeightDelta) else None
-        if delta is not None and version is None:
-            raise TypeError("a delta push needs the version it brings (version=PushVersion(...)).")
-        if delta is None:
-            weights = to_weight_dict(weights)
-        self._check_version(version)
-        with self._push_lock:
-            if delta is not None:  # under the lock: no other push changes the base meanwhile
-                weights = _decode_delta(self.engine, delta, self._held_push)
-            index = version.index if version is not None else self._next_index()
-            self._held_push = None  # until the load succeeded
-            self.engine.pause()
-            try:
-                self.engine.load_weights(weights.items(), version=index)
-                self._finish_update(version)  # resets the engine's prefix cache, takes the version
-                self._held_push = version
-            finally:
-                self.engine.resume()
+        with self._push_lock:  # one push at a time (a delta decodes against the weights held now)
+            self._load_into_engine(self.engine, weights, convert_dtype=convert_dtype, version=version)
         if not self._shut_down:
             self._tasks.wake()  # the lag rule may admit turns under the new version
-
-    def _next_index(self) -> int:
-        if self._policy_version is not None:
-            return self._policy_version.index + 1
-        return max(self.engine.version, 0) + 1
 
     # ------------------------------------------------------------------ attribute access
     def getattr_env(self, attr: str) -> Any:
@@ -442,25 +418,6 @@ class ContinuousLLMCollector(CollectorVersionMixin, ContinuousStateMixin, Weight
         if self.replay_buffer is None:
             raise AttributeError("this collector has no replay_buffer; pass replay_buffer=... to use getattr_rb.")
         return getattr(self.replay_buffer, attr)
-
-
-def _decode_delta(engine: EngineProtocol, delta: WeightDelta, held: PushVersion | None) -> dict[str, torch.Tensor]:
-    """The full weights ``delta`` makes of the engine's current ones (a copy: the engine is untouched).
-
-    Same checks as the synchronous collector (base version, names, dtypes, sizes, checksums):
-    a :class:`~lmcollect.weight_sync.delta.DeltaRejectedError` leaves everything as it was.
-    """
-    model = getattr(engine, "model", None)  # EngineProtocol has no "current weights" method yet
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(
-            f"delta pushes need the engine's current weights, and {type(engine).__name__} exposes no "
-            "torch module as .model (TransformersEngine does); push full weights (RayPushConfig(delta=False))."
-        )
-    targets, aliases = unique_targets(model)
-    with torch.no_grad():
-        copies = {name: tensor.detach().clone() for name, tensor in targets.items()}
-    prepare_delta(delta, copies, held_version=held, aliases=aliases).apply_()
-    return copies
 
 
 async def _exhausted(flow: TurnFlow) -> bool:

@@ -217,18 +217,23 @@ class WeightReceiverMixin:
     def _load_into_engine(
         self, engine: EngineProtocol, weights: Any, *, convert_dtype: bool, version: PushVersion | None
     ) -> None:
-        """A full push into an engine that holds its own weights: checked by the engine, loaded while
-        no token is generated (see :meth:`_engine_held`), then the cache reset and the version taken."""
-        if isinstance(weights, WeightDelta):
-            raise TypeError(
-                f"delta pushes need the weights in this process; {type(engine).__name__} holds its own. "
-                "Push full weights (RayPushConfig(delta=False)), or use a vLLMUpdater for a vLLM engine."
-            )
+        """A push into an engine that holds its own weights: checked by the engine, loaded while no
+        token is generated (see :meth:`_engine_held`), then the cache reset and the version taken.
+
+        A :class:`~lmcollect.weight_sync.delta.WeightDelta` (with ``version``) is first decoded
+        against a copy of the engine's current weights (its ``.model``, as ``TransformersEngine``
+        exposes; same checks as an in-place delta: a rejected one changes nothing), then loads as a
+        full push. An engine without a model refuses deltas, naming the fix.
+        """
         if convert_dtype:
             raise TypeError(f"convert_dtype is not supported by {type(engine).__name__}: push the engine's dtype.")
-        weights = to_weight_dict(weights)
+        delta = weights if isinstance(weights, WeightDelta) else None
+        if delta is not None and version is None:
+            raise TypeError("a delta push needs the version it brings (version=PushVersion(...)).")
         self._check_version(version)
+        weights = _decode_delta(engine, delta, self._held_push) if delta is not None else to_weight_dict(weights)
         index = version.index if version is not None else self._loaded_version_index(engine)
+        self._held_push = None  # until the load succeeded
         with self._engine_held():
             engine.load_weights(weights.items(), version=index)
             self._finish_update(version)
@@ -383,3 +388,23 @@ class WeightReceiverMixin:
         if not callable(target):
             raise TypeError(f"{attr_path!r} resolves to a {type(target).__name__}, which is not callable.")
         return target(*args, **kwargs)
+
+
+def _decode_delta(engine: EngineProtocol, delta: WeightDelta, held: PushVersion | None) -> dict[str, torch.Tensor]:
+    """The full weights ``delta`` makes of the engine's current ones (a copy: the engine is untouched).
+
+    Same checks as an in-place delta (base version, names, dtypes, sizes, checksums): a
+    :class:`~lmcollect.weight_sync.delta.DeltaRejectedError` leaves everything as it was.
+    """
+    model = getattr(engine, "model", None)  # the weights of an engine that runs in this process
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"delta pushes need the engine's current weights, and {type(engine).__name__} exposes no "
+            "torch module as .model (TransformersEngine does); push full weights (RayPushConfig(delta=False)), "
+            "or use a vLLMUpdater (its delta pushes decode in vLLM's workers)."
+        )
+    targets, aliases = unique_targets(model)
+    with torch.no_grad():
+        copies = {name: tensor.detach().clone() for name, tensor in targets.items()}
+    prepare_delta(delta, copies, held_version=held, aliases=aliases).apply_()
+    return copies

@@ -128,11 +128,6 @@ def test_transformers_engine_in_the_actor_fills_the_buffer_and_takes_a_push(ray_
     check_collection(got, trainer, original.eval(), atol=1e-5)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="RayRemoteWeightUpdater asks the actor for weight_metadata(), and ContinuousLLMCollector answers from "
-    "expected_metadata(engine): VLLMAsyncEngine is no nn.Module (AttributeError: no state_dict); see the report",
-)
 def test_vllm_async_engine_in_the_actor_fills_the_buffer_and_takes_a_push(ray_cluster, tiny_model_path: Path) -> None:
     pytest.importorskip("vllm")
     original, tokenizer = load_model_and_tokenizer(tiny_model_path)
