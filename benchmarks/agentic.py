@@ -225,6 +225,12 @@ class MeteredEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
         self.engine.load_weights(named_tensors, version=version)
 
+    def weight_metadata(self) -> tuple[dict, dict]:
+        return self.engine.weight_metadata()
+
+    def set_version(self, version: int) -> None:
+        self.engine.set_version(version)
+
     def reset_prefix_cache(self) -> None:
         self.engine.reset_prefix_cache()
 
