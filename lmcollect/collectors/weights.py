@@ -111,10 +111,15 @@ class WeightReceiverMixin:
     def weight_metadata(self, model_id: str = "policy") -> tuple[dict[str, tuple[torch.dtype, torch.Size]], dict[str, str]]:
         """What the model accepts: name -> (dtype, shape) of its distinct tensors, and tied aliases."""
         target = self.get_model(model_id)
-        engine = engine_of(self.policy) if model_id == "policy" else None
-        if engine is not None and not isinstance(target, torch.nn.Module):  # the engine holds its own weights
-            return engine.weight_metadata()
-        return expected_metadata(target)
+        engine = self._engine_holding(model_id, target)
+        return engine.weight_metadata() if engine is not None else expected_metadata(target)
+
+    def _engine_holding(self, model_id: str, target: Any) -> EngineProtocol | None:
+        """The engine behind the policy when it holds the weights itself (no torch module here to
+        load into, e.g. an EnginePolicy or a continuous collector over vLLM); else None."""
+        if model_id != "policy" or isinstance(target, torch.nn.Module):
+            return None
+        return engine_of(self.policy)
 
     def update_policy_weights_(self, policy_or_weights: Any = None, worker_ids: Any = None, **kwargs: Any) -> Any:
         """Push weights through the weight updater, or apply them here when there is none."""
@@ -192,8 +197,8 @@ class WeightReceiverMixin:
                 child.apply_weights(weights, model_id=model_id, convert_dtype=convert_dtype, version=version, zero_copy=zero_copy)
             return
         target = self.get_model(model_id)
-        engine = engine_of(self.policy) if model_id == "policy" else None
-        if engine is not None and not isinstance(target, torch.nn.Module):  # e.g. an EnginePolicy over vLLM
+        engine = self._engine_holding(model_id, target)
+        if engine is not None:
             self._load_into_engine(engine, weights, convert_dtype=convert_dtype, version=version)
             return
         if isinstance(weights, WeightDelta):
