@@ -64,14 +64,34 @@ class Batcher:
             return all(len(q) >= self.steps_per_slot for q in self._per_slot)
         return self._num_completed_turns >= self.turns_per_batch
 
-    def pop(self) -> TensorDictBase:
-        """The next batch; call only when :meth:`ready`."""
-        assert self.ready(), "pop() called before the batch was ready"
+    @property
+    def batch_rows(self) -> int | None:
+        """Rows of every batch (None in ``"trajectories"`` mode, whose batches end on whole trajectories)."""
+        if self.mode == "steps":
+            return self.steps_per_slot * self.num_slots
+        return self.turns_per_batch if self.mode == "last_steps" else None
+
+    @property
+    def num_completed_turns(self) -> int:
+        """Turns of completed trajectories waiting for a batch (trajectory modes)."""
+        return self._num_completed_turns
+
+    def num_pending_steps(self, slot: int) -> int:
+        """Turns of ``slot`` waiting for a batch (steps mode)."""
+        return len(self._per_slot[slot])
+
+    def pop(self, *, take_all: bool = False) -> TensorDictBase:
+        """The next batch; call only when :meth:`ready`.
+
+        ``take_all`` (``"trajectories"`` mode, the collector's last batch): every completed
+        trajectory goes into it, so no finished turn is left behind.
+        """
+        assert self.ready() or (take_all and self.mode == "trajectories"), "pop() called before the batch was ready"
         if self.mode == "steps":
             rows = [[q.popleft().td for _ in range(self.steps_per_slot)] for q in self._per_slot]
             return stack_turns([t for row in rows for t in row]) if self.flatten else stack_rows(rows)
         turns: list[TensorDictBase] = []
-        while len(turns) < self.turns_per_batch:
+        while self._completed and (len(turns) < self.turns_per_batch or (take_all and self.mode == "trajectories")):
             traj = self._completed.popleft()
             self._num_completed_turns -= len(traj)
             turns.extend(t.td for t in traj)

@@ -41,7 +41,8 @@ class LLMCollector(CollectorVersionMixin, WeightReceiverMixin):
         policy: a callable ``td -> td`` (see :class:`lmcollect.policies.PolicyProtocol`).
         policy_factory: a callable building the policy (exclusive with ``policy``).
         dialog_turns_per_batch: turns per batch (at least; exactly with ``yield_only_last_steps``).
-        total_dialog_turns: turns to run in the collector's life; -1 runs forever.
+        total_dialog_turns: turns to yield in the collector's life, rounded up to whole batches (see
+            :attr:`turns_yielded`); -1 runs forever.
         yield_only_last_steps: yield only the last turn of completed trajectories.
         yield_completed_trajectories: yield only whole completed trajectories.
         postproc: applied to every batch before it is yielded or written.
@@ -96,6 +97,7 @@ class LLMCollector(CollectorVersionMixin, WeightReceiverMixin):
             mode=self._mode, num_slots=num_slots, turns_per_batch=dialog_turns_per_batch, flatten=self._flatten
         )
         self._turns_run = 0
+        self._turns_yielded = 0
         self._batches = 0
         self._lock = threading.RLock()  # one batch at a time (iterator vs start() thread)
         self._thread: threading.Thread | None = None
@@ -111,6 +113,7 @@ class LLMCollector(CollectorVersionMixin, WeightReceiverMixin):
         sizes = [int(torch.Size(env.batch_size).numel()) for env in self.envs]
         # ids of this collector's trajectories and groups: a random block until worker_idx is set
         self._tracker = TrajectoryTracker(sum(sizes), first_id=id_base(random_namespace()))
+        self._steps_taken = [0] * len(self.envs)  # steps of each env whose turns reached the batcher
         runners, offset = [], 0
         for number, (env, size) in enumerate(zip(self.envs, sizes)):
             runners.append(
@@ -126,7 +129,8 @@ class LLMCollector(CollectorVersionMixin, WeightReceiverMixin):
                 )
             )
             offset += size
-        group = AsyncRunners(runners) if async_envs else SyncRunners(runners)
+        self._runner_of_slot = [n for n, size in enumerate(sizes) for _ in range(size)]
+        group = AsyncRunners(runners, may_step=self._may_step) if async_envs else SyncRunners(runners)
         return group, offset
 
     # ------------------------------------------------------------------ properties
@@ -134,6 +138,19 @@ class LLMCollector(CollectorVersionMixin, WeightReceiverMixin):
     def turns_run(self) -> int:
         """Dialog turns run so far (including turns not yet yielded)."""
         return self._turns_run
+
+    @property
+    def turns_yielded(self) -> int:
+        """Turns yielded (or written to the replay buffer) so far: what ``total_dialog_turns`` counts.
+
+        A finite collector yields whole batches until this reaches ``total_dialog_turns``: in steps
+        mode exactly ``ceil(total / B) * B`` turns (``B`` the turns of one batch), with
+        ``yield_only_last_steps`` ``ceil(total / dialog_turns_per_batch)`` full batches, and with
+        ``yield_completed_trajectories`` at least ``total`` (the last batch takes every trajectory
+        completed by then). Only turns of dialogs still under way at the end stay unyielded
+        (:attr:`num_buffered_turns`; kept by :meth:`state_dict`).
+        """
+        return self._turns_yielded
 
     @property
     def num_buffered_turns(self) -> int:
@@ -147,7 +164,52 @@ class LLMCollector(CollectorVersionMixin, WeightReceiverMixin):
 
     # ------------------------------------------------------------------ collection
     def _finished(self) -> bool:
-        return self._total_dialog_turns != -1 and self._turns_run >= self._total_dialog_turns
+        return self._total_dialog_turns != -1 and self._turns_yielded >= self._total_dialog_turns
+
+    def _budget_left(self) -> int | None:
+        """Turns still to yield (None: endless)."""
+        return None if self._total_dialog_turns == -1 else self._total_dialog_turns - self._turns_yielded
+
+    def _may_step(self, index: int, steps_started: int) -> bool:
+        """Whether env ``index`` (async_envs) may start a step: only for turns a batch will take."""
+        budget = self._budget_left()
+        if self._mode != "steps":  # trajectory modes: until the completed turns cover the budget
+            return budget is None or self._batcher.num_completed_turns < self._rows_needed(budget)
+        runner = self._runners.runners[index]
+        pending = self._batcher.num_pending_steps(runner.slot_offset) + steps_started - self._steps_taken[index]
+        per_slot = self._batcher.steps_per_slot
+        if pending >= _RUN_AHEAD_BATCHES * per_slot:
+            return False  # the batch under way and the next one are covered: wait for the slow envs
+        if budget is None:
+            return True
+        batches_left = -(-budget // self._batcher.batch_rows)
+        return pending < batches_left * per_slot
+
+    def _rows_needed(self, budget: int) -> int:
+        """Completed rows that cover ``budget`` in whole batches (the last trajectories batch may be larger)."""
+        per_batch = self._dialog_turns_per_batch
+        return -(-budget // per_batch) * per_batch if self._mode == "last_steps" else max(budget, per_batch)
+
+    def _last_batch_due(self) -> bool:
+        """Trajectories mode: the completed trajectories cover the budget; they all go out now."""
+        budget = self._budget_left()
+        if self._mode != "trajectories" or budget is None:
+            return False
+        return self._batcher.num_completed_turns >= self._rows_needed(budget)
+
+    def _add_turns(self, turns: list) -> None:
+        steps = [0] * len(self._steps_taken)
+        for turn in turns:
+            self._batcher.add(turn)
+            self._turns_run += 1
+            steps[self._runner_of_slot[turn.slot]] += 1
+        for index, count in enumerate(steps):  # after the batcher has them: _may_step never undercounts
+            self._steps_taken[index] += count // self._runners.runners[index].num_envs
+
+    def _halt(self) -> None:
+        """Stop the env threads; turns of steps that were under way join the batcher (none is lost)."""
+        self._runners.stop_stepping()
+        self._add_turns(self._runners.take_pending())
 
     def _collect_batch(self) -> TensorDictBase:
         with self._lock:
@@ -158,15 +220,14 @@ class LLMCollector(CollectorVersionMixin, WeightReceiverMixin):
             self._wait_if_paused()
             with self._lock:  # one turn at a time (iterator vs start() thread vs control calls)
                 if self._batcher.ready():
-                    self._runners.stop_stepping()
-                    batch = self._batcher.pop()
+                    self._halt()
+                    batch = self._batcher.pop(take_all=self._last_batch_due())
                     self._batches += 1
+                    self._turns_yielded += batch.batch_size.numel()
                     break
-                for turn in self._runners.next_turns():
-                    self._batcher.add(turn)
-                    self._turns_run += 1
+                self._add_turns(self._runners.next_turns())
         if self.verbose:
-            logger.info("batch %d: %d turns run of %s", self._batches, self._turns_run, self._total_dialog_turns)
+            logger.info("batch %d: %d turns yielded of %s", self._batches, self._turns_yielded, self._total_dialog_turns)
         return self.postproc(batch) if self.postproc is not None else batch
 
     def _collect_output(self) -> TensorDictBase | None:
@@ -182,8 +243,8 @@ class LLMCollector(CollectorVersionMixin, WeightReceiverMixin):
         self._raise_if_unusable()
         if self._finished():
             raise StopIteration(
-                f"the collector has run total_dialog_turns={self._total_dialog_turns} turns "
-                f"({self._turns_run} run); build a new collector or raise total_dialog_turns."
+                f"the collector has yielded total_dialog_turns={self._total_dialog_turns} turns "
+                f"({self._turns_yielded} yielded); build a new collector or raise total_dialog_turns."
             )
         batch = self._collect_output()
         if self.replay_buffer is not None:
@@ -230,7 +291,8 @@ class LLMCollector(CollectorVersionMixin, WeightReceiverMixin):
             logger.exception("background collection failed")
             self._thread_error = exc
         finally:
-            self._runners.stop_stepping()
+            with self._lock:
+                self._halt()
 
     def is_running(self) -> bool:
         """True while start()'s thread collects; re-raises the error that stopped it, if any."""
@@ -244,7 +306,8 @@ class LLMCollector(CollectorVersionMixin, WeightReceiverMixin):
             raise _Stopped
         if not self._pause_requested.is_set():
             return
-        self._runners.stop_stepping()
+        with self._lock:
+            self._halt()
         self._paused.set()
         while self._pause_requested.is_set() and not self._stop.is_set():
             time.sleep(0.005)
@@ -317,7 +380,7 @@ class LLMCollector(CollectorVersionMixin, WeightReceiverMixin):
     def reset(self, index: list[int] | int | None = None, **kwargs: Any) -> None:
         """Start new dialogs in every env slot, or in the slots in ``index``."""
         with self._lock:
-            self._runners.stop_stepping()
+            self._halt()
             slots = _as_index_list(index)
             for runner in self._runners.runners:
                 local = None if slots is None else [s - runner.slot_offset for s in slots if 0 <= s - runner.slot_offset < runner.num_envs]
@@ -361,12 +424,13 @@ class LLMCollector(CollectorVersionMixin, WeightReceiverMixin):
         Taken between turns: waits for the batch under way.
         """
         with self._lock:
-            self._runners.stop_stepping()
+            self._halt()
             state: OrderedDict = OrderedDict()
             state["layout"] = self.layout()
             state["env_state_dict"] = [_state_of(env) for env in self.envs]
             state["policy_state_dict"] = _state_of(self.get_policy_model())
             state["turns_run"] = self._turns_run
+            state["turns_yielded"] = self._turns_yielded
             state["batches"] = self._batches
             state["policy_version"] = None if self._policy_version is None else self._policy_version.state_dict()
             state["trajectories"] = self._tracker.state_dict()
@@ -429,12 +493,15 @@ class LLMCollector(CollectorVersionMixin, WeightReceiverMixin):
             if rng.get("policy") is not None:
                 self.policy.set_rng_state(rng["policy"])
         if state_dict.get("observations") is None:
+            self._turns_yielded = state_dict.get("turns_yielded", self._turns_run)
             self.reset()  # an older state without dialogs in flight: they restart from the env state
             return
-        self._runners.stop_stepping()
+        self._halt()  # turns of the replaced state still under way are dropped with it
         for runner, observations in zip(self._runners.runners, state_dict["observations"]):
             runner.set_observations(observations)
         self._batcher.load_state_dict(state_dict["pending_turns"])
+        # a state from before turns_yielded was saved: every turn run and not pending was yielded
+        self._turns_yielded = state_dict.get("turns_yielded", self._turns_run - self._batcher.num_buffered_turns)
 
     # ------------------------------------------------------------------ attribute access
     def getattr_env(self, attr: str) -> Any:
@@ -450,6 +517,10 @@ class LLMCollector(CollectorVersionMixin, WeightReceiverMixin):
         if self.replay_buffer is None:
             raise AttributeError("this collector has no replay_buffer; pass replay_buffer=... to use getattr_rb.")
         return getattr(self.replay_buffer, attr)
+
+
+# async_envs, steps mode: an env thread runs at most this many batches ahead of the one being taken
+_RUN_AHEAD_BATCHES = 2
 
 
 class _Stopped(Exception):

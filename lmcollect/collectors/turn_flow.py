@@ -73,7 +73,7 @@ class TurnFlow:
         self.turns_per_batch = turns_per_batch
         self.capacity = capacity
         self.max_policy_lag = max_policy_lag
-        if max_turns is not None and mode == "steps":
+        if max_turns is not None and mode != "trajectories":  # whole batches (last steps: of dialogs)
             max_turns = math.ceil(max_turns / turns_per_batch) * turns_per_batch
         self.max_turns = max_turns
         self.base_version = base_version
@@ -81,6 +81,7 @@ class TurnFlow:
         self.num_consumed = 0
         self.num_batches = 0
         self.num_dialogs_running = 0
+        self.num_dialogs_started = 0
         self._in_flight: Counter[int] = Counter()  # version index -> turns in flight
         self._num_in_flight = 0  # their sum (read from other threads: an int, never a dict being changed)
         self._finished: list[tuple[int, int, CollectedTurn]] = []  # steps mode: (version, seq, turn)
@@ -100,7 +101,11 @@ class TurnFlow:
         return len(self._finished) if self._batcher is None else self._batcher.num_buffered_turns
 
     def budget_left(self) -> bool:
-        return self.max_turns is None or self.num_started < self.max_turns
+        """Whether a turn (last-steps mode: a dialog, one row each) may still start."""
+        if self.max_turns is None:
+            return True
+        started = self.num_dialogs_started if self.mode == "last_steps" else self.num_started
+        return started < self.max_turns
 
     def may_start(self, *, new_dialog: bool, version_index: int) -> bool:
         """Whether a dialog may start its next turn (a new dialog: its first one)."""
@@ -134,13 +139,15 @@ class TurnFlow:
         self._num_in_flight += 1
         if new_dialog:
             self.num_dialogs_running += 1
+            self.num_dialogs_started += 1
 
     def abandon_turn(self, version_index: int, *, end_dialog: bool) -> None:
         """A turn that failed: it leaves the in-flight count (and its dialog ends if ``end_dialog``)."""
         self._remove_in_flight(version_index)
         self.num_started -= 1
-        if end_dialog:
+        if end_dialog:  # its turns are dropped: another dialog may take its place in the budget
             self.num_dialogs_running -= 1
+            self.num_dialogs_started -= 1
 
     def finish_turn(self, version_index: int, turn: CollectedTurn) -> None:
         self._remove_in_flight(version_index)
@@ -166,7 +173,7 @@ class TurnFlow:
     def ready(self, version_index: int) -> bool:
         """Whether a batch may leave now, the collector holding ``version_index``."""
         if self._batcher is not None:
-            return self._batcher.ready()
+            return self._batcher.ready() or self._last_trajectories_due()
         if len(self._finished) < self.turns_per_batch:
             return False
         if self.max_policy_lag is None:
@@ -179,7 +186,7 @@ class TurnFlow:
         """The next batch (call only when :meth:`ready`)."""
         assert self.ready(version_index), "pop() called before a batch was ready"
         if self._batcher is not None:
-            batch = self._batcher.pop()
+            batch = self._batcher.pop(take_all=self._last_trajectories_due())
             self.num_consumed += batch.shape[0]
             self.num_batches += 1
             return batch
@@ -194,6 +201,16 @@ class TurnFlow:
         self.num_batches += 1
         return stack_turns([item[2].td for item in taken])
 
+    def _last_trajectories_due(self) -> bool:
+        """Trajectories mode, budget spent, every dialog ended: the rest goes out as the last batch."""
+        return (
+            self.mode == "trajectories"
+            and not self.budget_left()
+            and not self.num_in_flight
+            and not self.num_dialogs_running
+            and self._batcher.num_completed_turns > 0
+        )
+
     def _split(self) -> tuple[list[int], list[int]]:
         """(versions of the next batch, versions of every turn left: finished and in flight)."""
         ordered = sorted(self._finished, key=lambda item: item[:2])
@@ -206,7 +223,7 @@ class TurnFlow:
         if self.budget_left() or self.num_in_flight:
             return False
         if self._batcher is not None:
-            return not self.num_dialogs_running and not self._batcher.ready()
+            return not self.num_dialogs_running and not self.ready(self.base_version)
         return len(self._finished) < self.turns_per_batch
 
     def drain(self) -> TensorDictBase | None:
@@ -225,12 +242,14 @@ class TurnFlow:
         pending = self._batcher.state_dict() if self._batcher is not None else [
             {"version": v, "slot": t.slot, "traj_id": t.traj_id, "done": t.done, "td": t.td} for v, _, t in self._finished
         ]
-        counters = {k: getattr(self, k) for k in ("base_version", "num_started", "num_consumed", "num_batches")}
+        counters = {k: getattr(self, k) for k in (*_COUNTERS, "num_dialogs_started")}
         return {**counters, "pending": pending}
 
     def load_state_dict(self, state: dict) -> None:
-        for name in ("base_version", "num_started", "num_consumed", "num_batches"):
+        for name in _COUNTERS:
             setattr(self, name, int(state[name]))
+        # a state from before dialogs were counted: as many as rows were taken (last-steps mode)
+        self.num_dialogs_started = int(state.get("num_dialogs_started", self.num_consumed))
         if self._batcher is not None:
             self._batcher.load_state_dict(state["pending"])
             return
@@ -239,6 +258,9 @@ class TurnFlow:
             turn = CollectedTurn(slot=item["slot"], traj_id=item["traj_id"], done=item["done"], td=item["td"])
             self._finished.append((int(item["version"]), self._seq, turn))
             self._seq += 1
+
+
+_COUNTERS = ("base_version", "num_started", "num_consumed", "num_batches")
 
 
 def _deadlines_met(versions: list[int], version_index: int, max_policy_lag: int, turns_per_batch: int) -> bool:

@@ -182,9 +182,9 @@ def test_async_steps_mode_keeps_every_turn() -> None:
     assert all(b.batch_size == torch.Size([4, 2]) for b in batches)
     ids = [int(t[keys.TRAJ_IDS]) for t in all_turns(batches)]
     assert len(ids) == len(set(ids)) == 8 * len(batches)
-    # a faster env may have run ahead: its extra turns wait in the collector (and count as run,
-    # so iteration may end after fewer batches), none is dropped
-    assert collector.turns_run == len(ids) + collector.num_buffered_turns >= 32
+    # a faster env may not run past the budget: every turn run is yielded, exactly 32
+    assert len(batches) == 4 and collector.turns_yielded == collector.turns_run == len(ids) == 32
+    assert collector.num_buffered_turns == 0
 
 
 def test_postproc_runs_on_every_batch() -> None:
