@@ -135,6 +135,7 @@ _READABLE = {
     "dialog_turns_per_batch",
     "total_dialog_turns",
     "turns_run",
+    "turns_yielded",
     "num_buffered_turns",
     "policy_version",
     "worker_idx",

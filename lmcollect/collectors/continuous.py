@@ -198,6 +198,11 @@ class ContinuousLLMCollector(CollectorVersionMixin, ContinuousStateMixin, Weight
         return self._tasks.turns_run
 
     @property
+    def turns_yielded(self) -> int:
+        """Turns that left in batches so far (see "Turn budget" in the README)."""
+        return self._flow.num_consumed
+
+    @property
     def num_buffered_turns(self) -> int:
         """Finished turns not yet yielded (trajectory modes: with the turns of dialogs under way)."""
         return self._flow.num_buffered_turns

@@ -443,6 +443,11 @@ class RayLLMCollector:
         return self._call("get_attribute", "turns_run")
 
     @property
+    def turns_yielded(self) -> int:
+        """Turns yielded so far: what ``total_dialog_turns`` counts (see ``LLMCollector.turns_yielded``)."""
+        return self._call("get_attribute", "turns_yielded")
+
+    @property
     def num_buffered_turns(self) -> int:
         """Turns run in the actor and not yet yielded or written."""
         return self._call("get_attribute", "num_buffered_turns")

@@ -15,10 +15,11 @@ from lmcollect.engines.protocol import (
 )
 from lmcollect.engines.engine_policy import EnginePolicy
 from lmcollect.engines.router import EngineRouter
-from lmcollect.engines.transformers_engine import TransformersEngine
 
-# vLLM is an optional extra and slow to import, Ray too: their modules are imported when first used
+# vLLM is an optional extra and slow to import, Ray and transformers too: their modules are imported
+# when first used
 _LAZY = {
+    "TransformersEngine": "lmcollect.engines.transformers_engine",
     "VLLMAsyncEngine": "lmcollect.engines.vllm_async",
     "RayEngine": "lmcollect.engines.ray_engine",
     "ray_engine_replicas": "lmcollect.engines.ray_engine",
@@ -31,7 +32,6 @@ __all__ = [
     "EngineRequest",
     "EngineResult",
     "EngineRouter",
-    "TransformersEngine",
     "WorkerRpcEngine",
     "engine_of",
     "worker_rpc_engine_of",

@@ -1,16 +1,26 @@
 """Inference backends: callables that answer a batch of chat prompts."""
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
 from lmcollect.policies.protocol import PolicyProtocol
 from lmcollect.policies.sampling import SamplingConfig
 from lmcollect.policies.scripted import ScriptedPolicy
-from lmcollect.policies.transformers_policy import TransformersPolicy
-from lmcollect.policies.vllm_server import VLLMServer, VLLMServerError, VLLMServerPolicy
 
-__all__ = [
-    "PolicyProtocol",
-    "SamplingConfig",
-    "ScriptedPolicy",
-    "TransformersPolicy",
-    "VLLMServer",
-    "VLLMServerError",
-    "VLLMServerPolicy",
-]
+# transformers (and the HTTP client of the served engine) are slow to import: a process that never
+# builds these policies (a collector actor over a scripted policy, the CLI's --help) never pays for them
+_LAZY = {
+    "TransformersPolicy": "lmcollect.policies.transformers_policy",
+    "VLLMServer": "lmcollect.policies.vllm_server",
+    "VLLMServerError": "lmcollect.policies.vllm_server",
+    "VLLMServerPolicy": "lmcollect.policies.vllm_server",
+}
+
+__all__ = ["PolicyProtocol", "SamplingConfig", "ScriptedPolicy", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'lmcollect.policies' has no attribute {name!r}")

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from lmcollect.cli.main import main
+from tests.processes import Child
 
 pytestmark = pytest.mark.integration
 
@@ -70,15 +70,14 @@ def test_ctrl_c_shuts_the_collectors_down_and_keeps_the_run_folder(ray_cluster, 
             "--max-train-s", "600", "--output-dir", str(tmp_path), "--no-progress", "--logger", "wandb", *SMALL_RUN]
     env = {**os.environ, "WANDB_SILENT": "true"}
     env.pop("WANDB_MODE", None)  # offline by default
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        metrics = _wait_for_steps(tmp_path, proc, num_steps=2, timeout_s=90)
-        proc.send_signal(signal.SIGINT)
-        output, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130, output
+    with Child(argv, tmp_path / "demo.log", env=env) as child:
+        # budgets for a loaded 2-core machine: start-up, warm-up and two steps; then the shutdown
+        metrics = _wait_for_steps(tmp_path, child, num_steps=2, timeout_s=300)
+        interrupted = time.monotonic()
+        child.proc.send_signal(signal.SIGINT)
+        returncode = child.wait(timeout_s=180, what="the demo after Ctrl-C")
+        output = child.output(last_chars=100_000)
+    assert returncode == 130, f"exit status {returncode} {time.monotonic() - interrupted:.0f} s after Ctrl-C:\n{output}"
     summary = json.loads((metrics.parent / "summary.json").read_text())
     assert summary["interrupted"] is True and summary["steps"] >= 2
     assert len(summary["collectors"]) == 2 and all(c["shut_down"] for c in summary["collectors"])
@@ -94,13 +93,13 @@ def _lmcollect() -> list[str]:
     return [sys.executable, "-m", "lmcollect.cli.main"]
 
 
-def _wait_for_steps(output_dir: Path, proc: subprocess.Popen, *, num_steps: int, timeout_s: float) -> Path:
+def _wait_for_steps(output_dir: Path, child: Child, *, num_steps: int, timeout_s: float) -> Path:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"the demo exited early ({proc.returncode}): {proc.stdout.read()}")
+        if child.proc.poll() is not None:
+            raise AssertionError(f"the demo exited early ({child.proc.returncode}):\n{child.output()}")
         for metrics in output_dir.glob("*/metrics.jsonl"):
             if len(metrics.read_text().splitlines()) >= num_steps:
                 return metrics
         time.sleep(0.2)
-    raise AssertionError(f"no {num_steps} training steps within {timeout_s} s")
+    raise AssertionError(f"no {num_steps} training steps within {timeout_s} s; the demo printed:\n{child.output()}")

@@ -164,7 +164,7 @@ def test_a_stuck_actor_raises_instead_of_blocking(ray_cluster) -> None:
         started = time.monotonic()
         with pytest.raises(CollectorActorError, match=r"did not answer collect_next\(\) within 2 s"):
             c.next()
-        assert time.monotonic() - started < 15
+        assert time.monotonic() - started < 90, "collect_timeout_s=2 did not bound the call"
         with pytest.raises(ValueError, match="call_timeout_s"):
             RayLLMCollector(make_slow_env, policy_factory=ScriptedPolicy, dialog_turns_per_batch=2, call_timeout_s=0)
     finally:

@@ -125,7 +125,7 @@ def test_dead_actor_raises_quickly_and_buffer_keeps_data(ray_cluster) -> None:
     start = time.monotonic()
     with pytest.raises(CollectorActorError, match=r"RayLLMCollector-\w+'s actor died during collect_next"):
         c.next()
-    assert time.monotonic() - start < 20
+    assert time.monotonic() - start < 120, "a dead actor was noticed only at the call timeout"
     assert len(buffer) == 4  # what the dead collector wrote survives
     c.shutdown()
     buffer.shutdown()

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 import torch
 from tensordict import TensorDictBase
@@ -26,6 +25,7 @@ from lmcollect.models import load_model_and_tokenizer
 from lmcollect.policies.sampling import SamplingConfig
 from lmcollect.weight_sync import vLLMUpdater
 from tests.factories import perturbed_model, run_in_thread
+from tests.processes import is_alive, live_descendants
 from tests.integration.conftest import CPU_ENGINE_KWARGS, MAX_NEW_TOKENS, QUESTIONS, chat_batch
 
 pytest.importorskip("vllm")
@@ -46,8 +46,8 @@ class Started:
 
 
 def child_pids() -> set[int]:
-    """This process's descendants, but Python's multiprocessing resource tracker (it lives as long as we do)."""
-    return {p.pid for p in psutil.Process().children(recursive=True) if "resource_tracker" not in " ".join(p.cmdline())}
+    """This process's live descendants, but Python's multiprocessing resource tracker (it lives as long as we do)."""
+    return live_descendants(exclude_cmdline=("resource_tracker",))
 
 
 @pytest.fixture(scope="module")
@@ -327,13 +327,7 @@ def test_close_fails_pending_futures_and_stops_the_engine_processes(started: Sta
         engine.resume()
     engine.close()  # idempotent
     deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in started.child_pids) and time.monotonic() < deadline:
+    while any(is_alive(pid) for pid in started.child_pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(_alive(pid) for pid in started.child_pids), "an engine process outlived close()"
+    assert not any(is_alive(pid) for pid in started.child_pids), "an engine process outlived close()"
 
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False

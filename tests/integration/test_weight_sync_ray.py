@@ -214,13 +214,13 @@ def test_worker_side_check_and_dtype_conversion(small_collectors) -> None:
 # ---------------------------------------------------------------------- faults
 def test_a_dead_worker_fails_the_push_quickly(small_collectors) -> None:
     (doomed,) = start_collectors(1, SmallModelPolicy)
-    updater = RayRemoteWeightUpdater(SmallNet(), [small_collectors[0], doomed], config=RayPushConfig(timeout_s=60))
+    updater = RayRemoteWeightUpdater(SmallNet(), [small_collectors[0], doomed], config=RayPushConfig(timeout_s=300))
     updater.init()  # metadata fetched while both are alive
     ray.kill(doomed.actor, no_restart=True)
     started = time.monotonic()
     with pytest.raises(WeightPushError, match="worker 1 died"):
         updater.push_weights()
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 150, "the push waited for its timeout instead of failing on the dead worker"
     doomed.shutdown(timeout=1)
 
 

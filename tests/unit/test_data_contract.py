@@ -221,11 +221,12 @@ def test_pause_returns_at_once_when_the_thread_finished_and_raises_its_error() -
         arithmetic_env(2), policy=ScriptedPolicy("1"), dialog_turns_per_batch=2, total_dialog_turns=4, replay_buffer=buffer
     )
     done.start()
-    done._thread.join(10)
+    done._thread.join(60)
+    assert not done._thread.is_alive(), "the collector did not finish its 4 turns within 60 s"
     start = time.monotonic()
-    with done.pause(timeout_s=60):
+    with done.pause(timeout_s=120):
         pass
-    assert time.monotonic() - start < 1
+    assert time.monotonic() - start < 60, "pause() waited for its timeout instead of returning at once"
 
     def broken_reward(history) -> float:
         raise RuntimeError("the judge is down")
@@ -237,12 +238,13 @@ def test_pause_returns_at_once_when_the_thread_finished_and_raises_its_error() -
         replay_buffer=ReplayBuffer(capacity=10),
     )
     crashed.start()
-    crashed._thread.join(10)
+    crashed._thread.join(60)
+    assert not crashed._thread.is_alive(), "the crashed collector's thread did not end within 60 s"
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="the judge is down"):
-        with crashed.pause(timeout_s=60):
+        with crashed.pause(timeout_s=120):
             pass
-    assert time.monotonic() - start < 1
+    assert time.monotonic() - start < 60, "pause() waited for its timeout instead of raising the thread's error"
 
 
 def test_set_seed_waits_for_the_batch_under_way() -> None:

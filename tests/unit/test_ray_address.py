@@ -19,8 +19,9 @@ def test_an_unreachable_address_is_named_quickly() -> None:
     port = _closed_port()
     started = time.monotonic()
     with pytest.raises(ConnectionError, match=rf"127\.0\.0\.1:{port}.*ray start --head"):
-        check_reachable(f"127.0.0.1:{port}")
-    assert time.monotonic() - started < 5
+        check_reachable(f"127.0.0.1:{port}", timeout_s=120)
+    # a closed port refuses at once: far sooner than the connect timeout
+    assert time.monotonic() - started < 60, "check_reachable waited for its timeout on a refused connection"
 
 
 def test_a_listening_address_passes() -> None:
