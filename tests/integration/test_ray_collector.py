@@ -1,6 +1,7 @@
 """What only the Ray layer does: actor options, overlap, shared buffers, actor death and restart."""
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -15,7 +16,7 @@ from lmcollect.collectors.ray_group import RayCollectorGroup
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
 
-from tests.factories import make_guesser, make_guessing_env
+from tests.factories import make_guesser, make_guessing_env, make_uneven_guessing_env
 
 pytestmark = pytest.mark.integration
 
@@ -139,3 +140,35 @@ def test_max_restarts_brings_the_actor_back(ray_cluster) -> None:
         c.next()
     assert c.next().batch_size == torch.Size([2, 2])  # collection continues
     c.shutdown()
+
+
+# ---------------------------------------------------------------------- the turn budget through the actor
+@pytest.mark.parametrize("mode", ["steps", "trajectories"])
+def test_a_finite_ray_collector_over_uneven_async_envs_yields_every_promised_turn(ray_cluster, mode: str) -> None:
+    envs = [functools.partial(make_uneven_guessing_env, seed) for seed in range(8)]
+    kwargs = {"yield_completed_trajectories": True} if mode == "trajectories" else {}
+    with RayLLMCollector(envs, async_envs=True, policy_factory=make_policy, dialog_turns_per_batch=16,
+                         total_dialog_turns=64, num_cpus=0.25, **kwargs) as c:
+        batches = list(c)
+        ids = [(int(t[keys.TRAJ_IDS]), int(t[keys.STEP_COUNT])) for b in batches for t in flatten_turns(b)]
+        assert len(ids) == len(set(ids)) == c.turns_yielded
+        if mode == "steps":
+            assert len(ids) == 64 == c.turns_run, "every turn run is yielded, none past the budget"
+        else:
+            assert 64 <= len(ids) < 64 + 16 + 5 * 8
+
+
+def test_start_into_a_ray_buffer_writes_every_promised_turn(ray_cluster) -> None:
+    buffer = RayReplayBuffer(capacity=1000)
+    envs = [functools.partial(make_uneven_guessing_env, seed) for seed in range(4)]
+    with RayLLMCollector(envs, async_envs=True, policy_factory=make_policy, dialog_turns_per_batch=8,
+                         total_dialog_turns=50, replay_buffer=buffer, num_cpus=0.25) as c:
+        c.start()
+        deadline = time.monotonic() + 120
+        while c.is_running():
+            assert time.monotonic() < deadline, "start() did not finish its 50-turn budget within 120 s"
+            time.sleep(0.1)
+        assert len(buffer) == c.turns_yielded == c.turns_run == 56  # ceil(50 / 8) = 7 batches of 8
+        sample = flatten_turns(buffer.sample(56, replace=False))
+        assert len({(int(t[keys.TRAJ_IDS]), int(t[keys.STEP_COUNT])) for t in sample}) == 56
+    buffer.shutdown()

@@ -1,7 +1,9 @@
-"""The CI soak: ``benchmarks/soak.py`` for 2 minutes with the same pass/fail rules as a long run.
+"""The CI soak: ``benchmarks/soak.py`` for 1 minute with the same pass/fail rules as a long run.
 
 Two collectors, a trainer pushing after every batch, replay-buffer sampling: no turn lost or
-duplicated, RSS of the trainer, collectors and buffer within 5% after the warm-up. Set
+duplicated, the RSS floor of the trainer, collectors and buffer within 5% after the warm-up
+(the lowest sample of the first third against that of the last third: one sample swings with
+every training step, a leak raises the floor). Set
 ``LMCOLLECT_SKIP_SOAK=1`` to skip it locally (CI always runs it: .ci/run sets nothing).
 """
 from __future__ import annotations
@@ -19,7 +21,7 @@ pytestmark = [
 
 
 def test_short_soak_loses_nothing_and_keeps_memory_flat(ray_cluster, tiny_model_path) -> None:
-    config = SoakConfig(minutes=2.0, warmup_s=30.0, sample_every_s=5.0, model_dir=str(tiny_model_path.parent))
+    config = SoakConfig(minutes=1.0, warmup_s=24.0, sample_every_s=1.0, model_dir=str(tiny_model_path.parent))
     report = run_soak(config)
     print(format_report(report))  # shown with -s or on failure
     assert report["problems"] == [], format_report(report)

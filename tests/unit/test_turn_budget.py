@@ -9,7 +9,6 @@ unique, and a turn that was run is yielded unless its dialog was still under way
 from __future__ import annotations
 
 import math
-import random
 import time
 
 import pytest
@@ -22,27 +21,13 @@ from lmcollect.engines.scripted import ByteTokenizer, ScriptedEngine, chat_scrip
 from lmcollect.envs import ChatEnv, GuessingGameTask, MathAnswerReward, arithmetic_dataset, guessing_game_dataset
 from lmcollect.envs.tasks.guessing import binary_search_player
 from lmcollect.policies import SamplingConfig, ScriptedPolicy
+from tests.factories import UnevenEnv, make_uneven_guessing_env
 
 MODES = {
     "steps": {},
     "trajectories": {"yield_completed_trajectories": True},
     "last_steps": {"yield_only_last_steps": True},
 }
-
-
-class UnevenEnv:
-    """An env whose steps take a random time of up to ``max_delay_s`` (its own seeded stream)."""
-
-    def __init__(self, env: ChatEnv, seed: int, max_delay_s: float) -> None:
-        self.env, self.batch_size = env, env.batch_size
-        self._rng, self._max_delay_s = random.Random(seed), max_delay_s
-
-    def reset(self, *args, **kwargs):
-        return self.env.reset(*args, **kwargs)
-
-    def step(self, td):
-        time.sleep(self._rng.uniform(0.0, self._max_delay_s))
-        return self.env.step(td)
 
 
 def guessing_env(seed: int, batch_size: int = 1) -> ChatEnv:
@@ -97,7 +82,7 @@ def test_one_env_yields_the_promised_turns(mode: str) -> None:
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_eight_async_envs_with_uneven_step_times_yield_the_promised_turns(mode: str) -> None:
-    envs = [UnevenEnv(guessing_env(seed), seed=seed, max_delay_s=0.004 * (seed + 1)) for seed in range(8)]
+    envs = [make_uneven_guessing_env(seed) for seed in range(8)]
     collector = LLMCollector(
         envs, async_envs=True, policy=ScriptedPolicy(binary_search_player),
         dialog_turns_per_batch=16, total_dialog_turns=64, **MODES[mode],
