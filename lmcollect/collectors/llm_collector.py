@@ -471,6 +471,7 @@ class LLMCollector(CollectorVersionMixin, WeightReceiverMixin):
 
     def _load_state_dict(self, state_dict: OrderedDict, **kwargs: Any) -> None:
         self._check_layout(state_dict.get("layout"))
+        self._halt()  # env threads stop first; turns of the replaced state still under way go with it
         version = state_dict.get("policy_version")
         pushed = None if version is None else PushVersion(int(version["index"]), str(version["uuid"]))
         policy_state = state_dict.get("policy_state_dict")
@@ -496,7 +497,6 @@ class LLMCollector(CollectorVersionMixin, WeightReceiverMixin):
             self._turns_yielded = state_dict.get("turns_yielded", self._turns_run)
             self.reset()  # an older state without dialogs in flight: they restart from the env state
             return
-        self._halt()  # turns of the replaced state still under way are dropped with it
         for runner, observations in zip(self._runners.runners, state_dict["observations"]):
             runner.set_observations(observations)
         self._batcher.load_state_dict(state_dict["pending_turns"])

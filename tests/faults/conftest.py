@@ -12,10 +12,10 @@ import faulthandler
 import signal
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import pytest
 
+from tests.faults.table import FaultTable
 from tests.integration.conftest import ray_cluster  # noqa: F401 - the session's one local Ray cluster
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -50,45 +50,9 @@ def fault_deadline(request: pytest.FixtureRequest) -> Iterator[float]:
         faulthandler.cancel_dump_traceback_later()
 
 
-@dataclass(frozen=True)
-class FaultRow:
-    fault: str
-    injected: str
-    outcome: str
-    time_to_error_s: float | None
-    turns_lost: int | str | None
-
-
-class FaultTable:
-    """Rows of the report: what was broken, how, what followed, how fast, what was lost."""
-
-    def __init__(self) -> None:
-        self.rows: list[FaultRow] = []
-
-    def add(
-        self, fault: str, injected: str, outcome: str, time_to_error_s: float | None, turns_lost: int | str | None
-    ) -> None:
-        self.rows.append(FaultRow(fault, injected, outcome, time_to_error_s, turns_lost))
-
-    def lines(self) -> list[str]:
-        out = ["| fault | how injected | outcome | time to error (s) | turns lost |", "|---|---|---|---|---|"]
-        for r in self.rows:
-            seconds = "-" if r.time_to_error_s is None else f"{r.time_to_error_s:.2f}"
-            lost = "-" if r.turns_lost is None else str(r.turns_lost)
-            out.append(f"| {r.fault} | {r.injected} | {r.outcome} | {seconds} | {lost} |")
-        return out
-
-
 _TABLE = FaultTable()
 
 
 @pytest.fixture
 def fault_table() -> FaultTable:
     return _TABLE
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if _TABLE.rows:
-        terminalreporter.section("fault table")
-        for line in _TABLE.lines():
-            terminalreporter.write_line(line)

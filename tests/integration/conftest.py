@@ -1,4 +1,4 @@
-"""Session fixtures: one local Ray cluster, and the one in-process vLLM engine (tiny model)."""
+"""Session fixtures: one local Ray cluster, and the one in-process vLLM engine (tiny model), per pytest worker."""
 from __future__ import annotations
 
 import json
@@ -32,6 +32,7 @@ def ray_cluster():
 
     if not ray.is_initialized():
         ray.init(
+            address="local",  # a cluster of this test process's own (make test runs two, one per pytest worker)
             num_cpus=2,
             include_dashboard=False,
             # test modules must be importable inside actors (functions defined there are pickled by name)
