@@ -22,7 +22,7 @@ Backend = Literal["transformers", "vllm"]
 def _check_positive(config: object, *names: str) -> None:
     for name in names:
         value = getattr(config, name)
-        if value <= 0:
+        if not value > 0 or value == math.inf:  # also refuses nan and inf
             flag = "--" + name.replace("_", "-")
             raise ValueError(f"{flag} must be positive, got {value}.")
 
@@ -230,6 +230,8 @@ def _checked_value(value: Any, annotation: Any, *, where: str) -> Any:
         return float(value)
     if not ok:
         raise UsageError(f"{where} must be {expected}, got {_describe(value)}.")
+    if annotation is float and not math.isfinite(value):  # TOML has nan and inf; no setting takes them
+        raise UsageError(f"{where} must be a finite number, got {value}.")
     return value
 
 

@@ -34,6 +34,21 @@ class TaskReply:
             raise TypeError(f"TaskReply.env_message must be a str or None, got {type(self.env_message).__name__}.")
 
 
+MAX_ANSWER_DIGITS = 30
+"""The most digits a number read from a model's reply may have; a longer one counts as no valid number."""
+
+
+def parse_model_int(digits: str) -> int | None:
+    """The integer a model wrote (``"-?\\d+"``), or None past :data:`MAX_ANSWER_DIGITS` digits.
+
+    Never raises: Python refuses to convert a string of over 4300 digits to an int, and a reply
+    must never stop collection; the task treats None as a reply without a usable number.
+    """
+    if len(digits.lstrip("-")) > MAX_ANSWER_DIGITS:
+        return None
+    return int(digits)
+
+
 @runtime_checkable
 class Task(Protocol):
     """A (possibly multi-turn) dialog task.

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmcollect.data.history import History
-from lmcollect.envs.tasks.base import TaskReply
+from lmcollect.envs.tasks.base import TaskReply, parse_model_int
 
 _INT_RE = re.compile(r"-?\d+")
 
@@ -83,16 +83,17 @@ class GuessingGameTask:
     def respond(self, state: GuessingState, history: History) -> TaskReply:
         turns = sum(m.role == "assistant" for m in history.messages) - state.prior_turns
         last = history.last("assistant")
-        numbers = _INT_RE.findall(last.content if last is not None else "")
-        if numbers and int(numbers[-1]) == state.secret:
+        found = _INT_RE.findall(last.content if last is not None else "")
+        guess = parse_model_int(found[-1]) if found else None  # None: no number, or an absurdly long one
+        if guess == state.secret:
             return TaskReply(reward=self.correct_reward, done=True)
-        reward = self.wrong_reward if numbers else self.invalid_reward
+        reward = self.wrong_reward if guess is not None else self.invalid_reward
         if self.max_turns is not None and turns >= self.max_turns:
             return TaskReply(reward=reward, done=True, env_message=f"Out of guesses! The number was {state.secret}.")
-        if not numbers:
+        if guess is None:
             message = f"Please answer with a number between {state.low} and {state.high}."
         else:
-            message = "Higher." if int(numbers[-1]) < state.secret else "Lower."
+            message = "Higher." if guess < state.secret else "Lower."
         return TaskReply(reward=reward, done=False, env_message=message)
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lmcollect.data.history import History
-from lmcollect.envs.tasks.base import TaskReply
+from lmcollect.envs.tasks.base import MAX_ANSWER_DIGITS, TaskReply, parse_model_int
 
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 _OP_WORDS = {"+": "add {}", "-": "subtract {}", "*": "multiply by {}"}
@@ -103,7 +103,7 @@ class ToolCalcTask:
         last = history.last("assistant")
         text = last.content if last is not None else ""
         answer = _ANSWER_RE.search(text)
-        if answer is not None and int(answer.group(1)) == state.answer:
+        if answer is not None and parse_model_int(answer.group(1)) == state.answer:
             return TaskReply(reward=1.0, done=True), 0.0
         if turn + 1 >= state.num_turns:
             return TaskReply(reward=0.0, done=True, env_message=f"Out of turns. The answer was {state.answer}."), 0.0
@@ -112,7 +112,10 @@ class ToolCalcTask:
         call = _CALC_RE.search(text)
         if call is None:
             return TaskReply(reward=0.0, done=False, env_message="Write 'CALC: a op b' or 'ANSWER: n'."), 0.0
-        a, op, b = int(call.group(1)), call.group(2), int(call.group(3))
+        a, op, b = parse_model_int(call.group(1)), call.group(2), parse_model_int(call.group(3))
+        if a is None or b is None:
+            message = f"The calculator takes numbers of at most {MAX_ANSWER_DIGITS} digits."
+            return TaskReply(reward=0.0, done=False, env_message=message), 0.0
         reply = TaskReply(reward=0.0, done=False, env_message=f"RESULT: {_OPS[op](a, b)}")
         return reply, self.latency_s_of(state, turn)
 
