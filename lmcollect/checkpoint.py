@@ -18,7 +18,9 @@ Example::
 from __future__ import annotations
 
 import json
+import os
 import time
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,24 +37,56 @@ def save_checkpoint(folder: str | Path, collectors: Sequence[Any], *, replay_buf
     Each collector's state is taken between two turns (it waits for the batch under way); pause
     background collection (``collector.pause()``) around the call for a consistent cut across
     collectors and buffer.
+
+    Saving over an earlier checkpoint is atomic: this save's files carry a save id of their own,
+    the manifest naming them replaces the old one last (``os.replace``), and only then are the old
+    files removed. A save that crashes midway leaves the earlier checkpoint whole and loadable.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    save_id = uuid.uuid4().hex[:12]
     entries = []
     for i, collector in enumerate(collectors):
         state = collector.state_dict()
-        name = f"collector-{i}.safetensors"
+        name = f"collector-{i}.{save_id}.safetensors"
         codec.save(folder / name, dict(state))
         entries.append({"file": name, "layout": state.get("layout"), "kind": type(collector).__name__})
-    manifest: dict[str, Any] = {"format": FORMAT, "saved_at": time.time(), "collectors": entries, "replay_buffer": None}
+    manifest: dict[str, Any] = {
+        "format": FORMAT, "save_id": save_id, "saved_at": time.time(), "collectors": entries, "replay_buffer": None,
+    }
     if replay_buffer is not None:
         state = replay_buffer.state_dict()
-        codec.save(folder / "replay_buffer.safetensors", state)
-        manifest["replay_buffer"] = {"file": "replay_buffer.safetensors", "capacity": state["capacity"], "size": len(state["storage"])}
-    tmp = folder / (MANIFEST + ".tmp")
+        name = f"replay_buffer.{save_id}.safetensors"
+        codec.save(folder / name, state)
+        manifest["replay_buffer"] = {"file": name, "capacity": state["capacity"], "size": len(state["storage"])}
+    tmp = folder / f"{MANIFEST}.{save_id}.tmp"
     tmp.write_text(json.dumps(manifest, indent=2), encoding="utf-8")
-    tmp.replace(folder / MANIFEST)  # the manifest is written last: a folder without one is incomplete
+    os.replace(tmp, folder / MANIFEST)  # the manifest is written last: until then the old one holds
+    _remove_other_saves(folder, keep={entry["file"] for entry in _manifest_files(manifest)})
     return folder
+
+
+def _manifest_files(manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    buffer = manifest.get("replay_buffer")
+    return list(manifest.get("collectors", [])) + ([buffer] if buffer is not None else [])
+
+
+def _remove_other_saves(folder: Path, keep: set[str]) -> None:
+    """Files of earlier (or crashed) saves: the state files the manifest no longer names."""
+    for path in folder.glob("*.safetensors"):
+        if path.name not in keep and (path.name.startswith("collector-") or path.name.startswith("replay_buffer")):
+            path.unlink(missing_ok=True)
+
+
+def _checked_file(folder: Path, entry: Any) -> Path:
+    """The state file a manifest entry names: a plain file name inside ``folder``, nothing else."""
+    name = entry.get("file") if isinstance(entry, dict) else None
+    if not isinstance(name, str) or not name or name in (".", "..") or Path(name).name != name or "\\" in name:
+        raise ValueError(
+            f"{folder / MANIFEST} names the state file {name!r}: a checkpoint's files are plain file names in "
+            "its own folder (no path, no '..'); this manifest was not written by save_checkpoint."
+        )
+    return folder / name
 
 
 def load_checkpoint(folder: str | Path, collectors: Sequence[Any], *, replay_buffer: Any = None) -> None:
@@ -78,8 +112,10 @@ def load_checkpoint(folder: str | Path, collectors: Sequence[Any], *, replay_buf
             f"{folder} {'has no' if saved_buffer is None else 'has a'} replay buffer state; "
             f"{'drop replay_buffer=' if saved_buffer is None else 'pass replay_buffer='} to restore it."
         )
-    states = [codec.load(folder / entry["file"]) for entry in entries]  # read everything before changing anything
-    buffer_state = None if saved_buffer is None else codec.load(folder / saved_buffer["file"])
+    paths = [_checked_file(folder, entry) for entry in entries]
+    buffer_path = None if saved_buffer is None else _checked_file(folder, saved_buffer)
+    states = [codec.load(path) for path in paths]  # read everything before changing anything
+    buffer_state = None if buffer_path is None else codec.load(buffer_path)
     if buffer_state is not None and buffer_state["capacity"] != replay_buffer_capacity(replay_buffer):
         raise ValueError(
             f"{folder}: the replay buffer was saved with capacity={buffer_state['capacity']}, the given one has "

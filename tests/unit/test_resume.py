@@ -90,7 +90,8 @@ def test_a_checkpoint_holds_no_pickled_objects(tmp_path: Path) -> None:
     )
     collector.next()
     save_checkpoint(tmp_path / "ckpt", [collector])
-    raw = (tmp_path / "ckpt" / "collector-0.safetensors").read_bytes()
+    (entry,) = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())["collectors"]
+    raw = (tmp_path / "ckpt" / entry["file"]).read_bytes()
     header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])  # safetensors: length, JSON header, raw tensors
     state = json.loads(header["__metadata__"]["lmcollect"])  # the rest of the state is plain JSON
     assert {"observations", "pending_turns", "rng", "trajectories", "env_state_dict"} <= set(state["items"])
