@@ -39,7 +39,7 @@ from lmcollect.cli.builders import (
     resolve_model_path,
     resolve_task,
 )
-from lmcollect.cli.cluster import ray_session
+from lmcollect.cli.cluster import interrupt_on_sigint, ray_session
 from lmcollect.cli.collection import Collection, background_collection
 from lmcollect.cli.configs import DemoConfig, UsageError
 from lmcollect.cli.progress import training_progress
@@ -87,7 +87,8 @@ def run_demo(config: DemoConfig) -> int:
     model, tokenizer = load_model_and_tokenizer(model_path)
     with ray_session(config.address), _torch_threads(_trainer_threads(config)):
         demo = DemoRun(config, task, model, tokenizer, model_path=model_path, run_dir=run_dir, console=console)
-        summary = demo.run()
+        with interrupt_on_sigint():  # after Ray and the loggers are up: see its docstring
+            summary = demo.run()
     console.print(summary_table(_table_rows(summary), title=f"lmcollect demo: {run_dir}"))
     if summary["files"]["report"] is not None:
         console.print(f"rollouts of the last training steps: {run_dir / summary['files']['report']} (open it in a browser)")
