@@ -27,7 +27,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             terminalreporter.write_line(line)
 
 
-# The slowest test files, slowest first (seconds on 2 busy cores): `make test` hands whole files to two
+# The slowest test files, slowest first (seconds on 2 busy cores): `make test` hands the tests to two
 # pytest workers in collection order, so these start first and the short ones fill the gaps at the end.
 SLOWEST_FIRST = (
     "integration/test_soak.py",  # ~90
@@ -51,16 +51,36 @@ SLOWEST_FIRST = (
 )
 
 
-def _slowness_rank(item: pytest.Item) -> int:
+# Files whose tests share nothing but the session's fixtures: their tests may go to either worker one by
+# one (the rest keep each file on one worker, for module-scoped engines and order-dependent tests).
+SPLIT_PER_TEST = (
+    "integration/test_ray_collector.py",
+    "integration/test_collector_contract.py",
+    "integration/test_data_contract_ray.py",
+    "integration/test_continuous_ray.py",
+    "integration/test_cli_collect.py",
+    "integration/test_ray_engines.py",
+    "faults/test_fault_collector_actor.py",
+    "faults/test_fault_env_policy.py",
+    "faults/test_fault_process_group.py",
+)
+
+
+def _relative(item: pytest.Item) -> str:
     path = item.path.as_posix()
-    for rank, suffix in enumerate(SLOWEST_FIRST):
-        if path.endswith("tests/" + suffix):
-            return rank
-    return len(SLOWEST_FIRST)
+    return path[path.rfind("tests/") + len("tests/") :]
+
+
+def _slowness_rank(item: pytest.Item) -> int:
+    relative = _relative(item)
+    return SLOWEST_FIRST.index(relative) if relative in SLOWEST_FIRST else len(SLOWEST_FIRST)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     items.sort(key=_slowness_rank)  # stable: tests keep their order within a file
+    for item in items:  # `make test` runs --dist loadgroup: a group goes to one worker, in order
+        if _relative(item) not in SPLIT_PER_TEST:
+            item.add_marker(pytest.mark.xdist_group(_relative(item)))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
