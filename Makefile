@@ -25,9 +25,8 @@ demo: $(STAMP)
 	$(VENV)/bin/lmcollect demo
 
 # two pytest workers (pytest-xdist), each with its own Ray cluster; a test file stays on one worker
-# unless tests/conftest.py lets its tests split (SPLIT_PER_TEST)
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -n 2 --dist loadgroup --durations=20
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --durations=20
 
 # unit tests only (no Ray cluster, no vLLM engine): for quick loops; CI runs `make test`
 test-fast: $(STAMP)

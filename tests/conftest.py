@@ -27,7 +27,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             terminalreporter.write_line(line)
 
 
-# The slowest test files, slowest first (seconds on 2 busy cores): `make test` hands the tests to two
+# The slowest test files, slowest first (seconds on 2 busy cores): `make test` hands whole files to two
 # pytest workers in collection order, so these start first and the short ones fill the gaps at the end.
 SLOWEST_FIRST = (
     "integration/test_soak.py",  # ~90
@@ -51,21 +51,6 @@ SLOWEST_FIRST = (
 )
 
 
-# Files whose tests share nothing but the session's fixtures: their tests may go to either worker one by
-# one (the rest keep each file on one worker, for module-scoped engines and order-dependent tests).
-SPLIT_PER_TEST = (
-    "integration/test_ray_collector.py",
-    "integration/test_collector_contract.py",
-    "integration/test_data_contract_ray.py",
-    "integration/test_continuous_ray.py",
-    "integration/test_cli_collect.py",
-    "integration/test_ray_engines.py",
-    "faults/test_fault_collector_actor.py",
-    "faults/test_fault_env_policy.py",
-    "faults/test_fault_process_group.py",
-)
-
-
 def _relative(item: pytest.Item) -> str:
     path = item.path.as_posix()
     return path[path.rfind("tests/") + len("tests/") :]
@@ -78,9 +63,6 @@ def _slowness_rank(item: pytest.Item) -> int:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     items.sort(key=_slowness_rank)  # stable: tests keep their order within a file
-    for item in items:  # `make test` runs --dist loadgroup: a group goes to one worker, in order
-        if _relative(item) not in SPLIT_PER_TEST:
-            item.add_marker(pytest.mark.xdist_group(_relative(item)))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
@@ -101,3 +83,4 @@ def tiny_model_and_tokenizer(tiny_model_path: Path):
     from lmcollect.models import load_model_and_tokenizer
 
     return load_model_and_tokenizer(tiny_model_path)
+

@@ -315,7 +315,7 @@ def test_state_dict_needs_a_pause_and_restores_the_dialogs() -> None:
         collector.state_dict()
     with collector.pause():
         state = collector.state_dict()
-    buffered = collector.num_buffered_turns
+        buffered = collector.num_buffered_turns  # inside the pause: after it, turns under way finish
     collector.shutdown()
     fresh = make_collector([tool_env(s) for s in range(2)], dialog_turns_per_batch=4, track_policy_version=True)
     fresh.load_state_dict(state)
