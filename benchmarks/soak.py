@@ -451,7 +451,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     repo_root = str(Path(__file__).resolve().parents[1])
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": repo_root}})
+    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": repo_root}})
     report = run_soak(SoakConfig(minutes=args.minutes, warmup_s=args.warmup_s, sample_every_s=args.sample_every_s))
     print(format_report(report))
     if args.json is not None:

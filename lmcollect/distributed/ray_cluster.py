@@ -22,7 +22,9 @@ def init_ray(ray_init_config: dict[str, Any] | None = None) -> None:
     attaching = config.get("address") is not None or "RAY_ADDRESS" in os.environ
     if not attaching:
         # Ray 2.60 maps a loopback node address to the machine's own address, so we do not pass
-        # one; the cluster is local to this machine and has no dashboard.
+        # one; the cluster is local to this machine and has no dashboard. "local" starts a new one:
+        # without it ray.init() joins the newest cluster already running here (another job's).
+        config["address"] = "local"
         config.setdefault("num_cpus", os.cpu_count())
     config.setdefault("include_dashboard", False)
     config.setdefault("log_to_driver", True)

@@ -51,7 +51,7 @@ def kill_head() -> None:
 
 def main() -> None:
     checkpoint_dir = sys.argv[1]
-    ray.init(num_cpus=1, include_dashboard=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False)  # its own cluster, never a test worker's
     buffer = RayReplayBuffer(capacity=1000)
     collector = build(buffer)
     for _ in range(3):
