@@ -239,3 +239,17 @@ def make_uneven_guessing_env(seed: int, batch_size: int = 1) -> UnevenEnv:
         guessing_game_dataset(32, seed=seed), task=GuessingGameTask(), batch_size=batch_size, max_turns=5, seed=seed
     )
     return UnevenEnv(env, seed=seed, max_delay_s=0.004 * (seed + 1))
+
+
+# ---------------------------------------------------------------------- security: bounded calls
+def make_engine_that_hangs_on_pause():
+    """A scripted engine whose ``pause`` never returns (a deadlocked engine, for bounded-call tests)."""
+    import threading
+
+    from lmcollect.engines.scripted import ScriptedEngine
+
+    class HangsOnPause(ScriptedEngine):
+        def pause(self) -> None:
+            threading.Event().wait()
+
+    return HangsOnPause()

@@ -7,6 +7,7 @@ import ray
 from tensordict import TensorDictBase
 
 from lmcollect.buffers.replay_buffer import ReplayBuffer
+from lmcollect.distributed.bounded import DEFAULT_CALL_TIMEOUT_S, get_within
 from lmcollect.distributed.ray_cluster import actor_options, init_ray
 
 
@@ -22,6 +23,8 @@ class RayReplayBuffer:
         seed: seed of the sampling generator.
         remote_config: actor options (default: a tenth of a CPU).
         ray_init_config: ``ray.init`` arguments if Ray is not running yet.
+        call_timeout_s: longest any call into the actor waits for its answer (a hung actor
+            raises :class:`~lmcollect.distributed.bounded.CallTimeoutError` naming this knob).
     """
 
     def __init__(
@@ -31,51 +34,59 @@ class RayReplayBuffer:
         seed: int | None = None,
         remote_config: dict[str, Any] | None = None,
         ray_init_config: dict[str, Any] | None = None,
+        call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
     ) -> None:
+        if not call_timeout_s > 0:
+            raise ValueError(f"call_timeout_s must be positive, got {call_timeout_s!r}.")
         init_ray(ray_init_config)
         options = actor_options(remote_config, defaults={"num_cpus": 0.1, "max_concurrency": 8})
         self._actor = ray.remote(**options)(ReplayBuffer).remote(capacity=capacity, seed=seed)
         self.capacity = capacity
-        ray.get(self._actor.__len__.remote())
+        self.call_timeout_s = call_timeout_s
+        self._call("__len__")  # surfaces start-up errors here
 
     @classmethod
-    def _from_actor(cls, actor: Any, capacity: int) -> RayReplayBuffer:
+    def _from_actor(cls, actor: Any, capacity: int, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S) -> RayReplayBuffer:
         buffer = cls.__new__(cls)
-        buffer._actor, buffer.capacity = actor, capacity
+        buffer._actor, buffer.capacity, buffer.call_timeout_s = actor, capacity, call_timeout_s
         return buffer
 
     def __reduce__(self) -> tuple:
         # Pickles as the actor handle: every copy (in any collector actor) writes to the same buffer.
-        return (RayReplayBuffer._from_actor, (self._actor, self.capacity))
+        return (RayReplayBuffer._from_actor, (self._actor, self.capacity, self.call_timeout_s))
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        ref = getattr(self._actor, method).remote(*args, **kwargs)
+        return get_within(ref, timeout_s=self.call_timeout_s, call=f"RayReplayBuffer.{method}", knob="call_timeout_s")
 
     @property
     def actor(self) -> Any:
         return self._actor
 
     def extend(self, data: TensorDictBase) -> int:
-        return ray.get(self._actor.extend.remote(data))
+        return self._call("extend", data)
 
     def add(self, turn: TensorDictBase) -> int:
-        return ray.get(self._actor.add.remote(turn))
+        return self._call("add", turn)
 
     def sample(self, batch_size: int, *, replace: bool = True, min_policy_version: int | None = None) -> TensorDictBase:
-        return ray.get(self._actor.sample.remote(batch_size, replace=replace, min_policy_version=min_policy_version))
+        return self._call("sample", batch_size, replace=replace, min_policy_version=min_policy_version)
 
     def __len__(self) -> int:
-        return ray.get(self._actor.__len__.remote())
+        return self._call("__len__")
 
     @property
     def write_count(self) -> int:
-        return ray.get(self._actor.get_write_count.remote())
+        return self._call("get_write_count")
 
     def empty(self) -> None:
-        ray.get(self._actor.empty.remote())
+        self._call("empty")
 
     def state_dict(self) -> dict:
-        return ray.get(self._actor.state_dict.remote())
+        return self._call("state_dict")
 
     def load_state_dict(self, state: dict) -> None:
-        ray.get(self._actor.load_state_dict.remote(state))
+        self._call("load_state_dict", state)
 
     def shutdown(self) -> None:
         """Release the actor (the data goes with it)."""

@@ -137,13 +137,36 @@ class ReplayBuffer:
             }
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`; a state that does not fit this buffer is refused, nothing changed."""
         if state["capacity"] != self.capacity:
             raise ValueError(
                 f"state_dict capacity {state['capacity']} != this buffer's {self.capacity}; "
                 "create the buffer with the same capacity."
             )
+        storage, cursor, write_count = list(state["storage"]), state["cursor"], state["write_count"]
+        _check_state(storage, cursor, write_count, self.capacity)
+        generator = torch.Generator()
+        generator.set_state(state["generator"])  # a bad generator state raises here, before any change
         with self._lock:
-            self._storage = list(state["storage"])
-            self._cursor = state["cursor"]
-            self._write_count = state["write_count"]
-            self._generator.set_state(state["generator"])
+            self._storage = storage
+            self._cursor = cursor
+            self._write_count = write_count
+            self._generator = generator
+
+
+def _check_state(storage: list, cursor: object, write_count: object, capacity: int) -> None:
+    """Refuse a replay-buffer state whose fields disagree (a hand-edited or corrupted checkpoint)."""
+    problems = []
+    if len(storage) > capacity:
+        problems.append(f"it stores {len(storage)} turns, over the capacity {capacity}")
+    if not all(isinstance(turn, TensorDictBase) and turn.batch_dims == 0 for turn in storage):
+        problems.append("its storage holds something other than one-turn TensorDicts")
+    if isinstance(cursor, bool) or not isinstance(cursor, int) or not 0 <= cursor < capacity:
+        problems.append(f"cursor={cursor!r} is outside 0..{capacity - 1}")
+    elif len(storage) < capacity and cursor != len(storage):
+        problems.append(f"cursor={cursor} but a buffer not yet full writes next at {len(storage)}")
+    if isinstance(write_count, bool) or not isinstance(write_count, int) or write_count < len(storage):
+        problems.append(f"write_count={write_count!r} is below the {len(storage)} turns stored")
+    if problems:
+        raise ValueError("this replay-buffer state is inconsistent (" + "; ".join(problems) + "); it was not loaded: "
+                         "load a state_dict() written by a ReplayBuffer of this capacity.")

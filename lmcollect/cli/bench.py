@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lmcollect.cli.configs import BenchConfig, UsageError
+from lmcollect.files import write_text_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +54,8 @@ def run_bench(config: BenchConfig) -> int:
     report = {"date": time.strftime("%Y-%m-%d"), "machine": machine_description(), "quick": config.quick, "rows": rows}
     output = Path(config.output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    output.with_suffix(".md").write_text(markdown_table(report), encoding="utf-8")
+    write_text_atomically(output, json.dumps(report, indent=2) + "\n")
+    write_text_atomically(output.with_suffix(".md"), markdown_table(report))
     console.print(_rich_table(rows, title=f"lmcollect bench, {report['date']}, {report['machine']}"))
     console.print(f"wrote {output} and {output.with_suffix('.md')}")
     return 1 if failed else 0

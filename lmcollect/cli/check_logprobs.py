@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcollect.cli.configs import UsageError
+from lmcollect.files import write_text_atomically
 
 COLUMNS = ("tokens_prompt", "tokens_response", "log_probs")
 
@@ -61,7 +62,7 @@ def run_check_logprobs(config: CheckLogprobsConfig) -> int:
     print(report.summary())
     if config.output is not None:
         Path(config.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(config.output).write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
+        write_text_atomically(config.output, json.dumps(report.to_dict(), indent=2) + "\n")
     if config.max_abs_diff is not None and report.max_abs_diff > config.max_abs_diff:
         print(f"max |diff| {report.max_abs_diff:.3e} exceeds --max-abs-diff {config.max_abs_diff:.3e}")
         return 1

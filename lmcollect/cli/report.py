@@ -13,6 +13,7 @@ from tensordict import TensorDictBase
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
 from lmcollect.envs import PROMPT_ID
+from lmcollect.files import write_text_atomically
 
 SUMMARY_FILE = "summary.json"
 PLOT_FILE = "training.png"
@@ -34,7 +35,7 @@ def make_run_dir(output_dir: str | Path, prefix: str) -> Path:
 
 def write_summary(run_dir: Path, summary: Mapping[str, Any]) -> Path:
     path = run_dir / SUMMARY_FILE
-    path.write_text(json.dumps(summary, indent=2, default=str) + "\n", encoding="utf-8")
+    write_text_atomically(path, json.dumps(summary, indent=2, default=str) + "\n")
     return path
 
 

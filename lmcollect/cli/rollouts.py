@@ -11,6 +11,7 @@ from tensordict import TensorDictBase
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns, non_tensor_values
 from lmcollect.envs import PROMPT_ID
+from lmcollect.files import replacing
 
 COLUMNS = (
     "prompt", "response", "tokens_prompt", "tokens_response", "log_probs",
@@ -46,17 +47,18 @@ def batch_records(batch: TensorDictBase) -> list[dict[str, Any]]:
 
 
 def write_records(records: Sequence[dict[str, Any]], path: Path) -> Path:
-    """Write to ``path``: ``.parquet`` (pyarrow) or ``.jsonl`` (one JSON object per line)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix == ".parquet":
-        import pyarrow as pa  # imported here: only parquet output pays for it
-        import pyarrow.parquet as pq
-
-        pq.write_table(pa.Table.from_pylist(list(records)), path)
-    elif path.suffix == ".jsonl":
-        with path.open("w", encoding="utf-8") as f:
-            for record in records:
-                f.write(json.dumps(record) + "\n")
-    else:
+    """Write to ``path``: ``.parquet`` (pyarrow) or ``.jsonl`` (one JSON object per line); the file
+    appears whole (written beside it, then renamed), so a crash never leaves it truncated."""
+    if path.suffix not in (".parquet", ".jsonl"):
         raise ValueError(f"cannot write {path}: use a .parquet or .jsonl file name.")
+    with replacing(path) as tmp:
+        if path.suffix == ".parquet":
+            import pyarrow as pa  # imported here: only parquet output pays for it
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.Table.from_pylist(list(records)), tmp)
+        else:
+            with tmp.open("w", encoding="utf-8") as f:
+                for record in records:
+                    f.write(json.dumps(record) + "\n")
     return path

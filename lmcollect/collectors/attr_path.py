@@ -1,10 +1,18 @@
-"""Resolves paths like ``_receiver_schemes['policy']._set_info`` by attribute and item access only."""
+"""Resolves paths like ``_receiver_schemes['policy'].connect`` by attribute and item access only.
+
+A path is a remote caller's way into the collector, so it reaches public attributes only, plus
+the two private names the collector's documentation shows (``_receiver_schemes`` and the schemes'
+``_set_dist_connection_info``): a dunder (``__globals__``, ``__class__``) or any other
+``_``-prefixed segment is refused before anything is looked up.
+"""
 from __future__ import annotations
 
 import ast
 import re
 from typing import Any
 
+# the documented private entry points (RayLLMCollector.cascade_execute's example path)
+ALLOWED_PRIVATE_NAMES = frozenset({"_receiver_schemes", "_set_dist_connection_info"})
 _TOKEN = re.compile(r"""\.?([A-Za-z_][A-Za-z0-9_]*)|\[\s*('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|-?\d+)\s*\]""")
 
 
@@ -19,7 +27,7 @@ def parse_attr_path(path: str) -> list[tuple[str, str | int]]:
         if match.group(1) is not None:
             if pos > 0 and path[pos] != ".":
                 raise ValueError(f"cannot parse attr_path {path!r} at position {pos}: missing '.'.")
-            steps.append(("attr", match.group(1)))
+            steps.append(("attr", _public_name(path, match.group(1))))
         else:
             # literal_eval of a quoted string or an int literal only: never code
             steps.append(("item", ast.literal_eval(match.group(2))))
@@ -34,3 +42,13 @@ def resolve_attr_path(root: Any, path: str) -> Any:
     for kind, name in parse_attr_path(path):
         obj = getattr(obj, name) if kind == "attr" else obj[name]
     return obj
+
+
+def _public_name(path: str, name: str) -> str:
+    if name.startswith("_") and name not in ALLOWED_PRIVATE_NAMES:
+        raise ValueError(
+            f"attr_path {path!r} names the private attribute {name!r}: paths reach public attributes only "
+            f"(and {sorted(ALLOWED_PRIVATE_NAMES)}); call a public method instead, "
+            "e.g. \"_receiver_schemes['policy'].set_connection_info\"."
+        )
+    return name

@@ -154,8 +154,7 @@ class ContinuousLLMCollector(CollectorVersionMixin, ContinuousStateMixin, Weight
         if self._policy_version is not None and engine.version > self._policy_version.index:
             # the engine already holds pushed weights (an earlier collector's): count on from them,
             # so turns and their tokens carry one consistent version
-            self._policy_version.set(PushVersion(engine.version))
-        self._push_lock = threading.Lock()  # one push at a time
+            self._policy_version.adopt_index(engine.version)
         self._tracker = TrajectoryTracker(len(self.envs), first_id=id_base(random_namespace()))
         self._flow = TurnFlow(
             mode=self._mode,
@@ -175,7 +174,6 @@ class ContinuousLLMCollector(CollectorVersionMixin, ContinuousStateMixin, Weight
             flow=self._flow,
             tracker=self._tracker,
             version_fn=self._version,
-            tracked=self._policy_version is not None,
         )
         self._batches = 0
         self._writer: threading.Thread | None = None

@@ -6,7 +6,6 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 
 from lmcollect.collectors.dialog_tasks import DialogTasks
 from lmcollect.collectors.llm_collector import _state_of
@@ -81,8 +80,7 @@ class ContinuousStateMixin:
         state: OrderedDict = OrderedDict()
         state["layout"] = self.layout()
         state["env_state_dict"] = [_state_of(env) for env in self.envs]
-        model = self.get_policy_model()
-        state["policy_state_dict"] = _state_of(model) if isinstance(model, torch.nn.Module) else None
+        state["policy_state_dict"] = self._weights_for_state()
         state["turns_run"] = self._tasks.turns_run
         state["batches"] = self._batches
         state["policy_version"] = None if self._policy_version is None else self._policy_version.state_dict()

@@ -92,14 +92,12 @@ class DialogTasks:
         flow: TurnFlow,
         tracker: TrajectoryTracker,
         version_fn: VersionFn,
-        tracked: bool,
     ) -> None:
         self.slots = slots
         self.engine_side = engine_side
         self.flow = flow
         self.tracker = tracker
         self.version_fn = version_fn
-        self.tracked = tracked
         self.turns_run = 0
         self._runner = LoopThread("lmcollect-dialogs")
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(slots), thread_name_prefix="lmcollect-env")
@@ -263,7 +261,7 @@ class DialogTasks:
             prompt, sampling=side.sampling, stop_token_ids=side.stop_token_ids, request_id=str(traj_id), affinity=str(traj_id)
         )
         result = await asyncio.wrap_future(side.engine.submit(request))
-        turn = turn_from_result(obs, prompt, result, tokenizer=side.tokenizer, sampling=side.sampling, tracked=self.tracked)
+        turn = turn_from_result(obs, prompt, result, tokenizer=side.tokenizer, sampling=side.sampling)
         check_turn(turn, i, side.engine)
         nxt = await self._step_env(i, slot.env, turn)
         done = bool(nxt.get(keys.DONE).any())

@@ -14,10 +14,9 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from lmcollect.data import keys
 from lmcollect.data.history import History
 from lmcollect.engines.protocol import EngineRequest, EngineResult
-from lmcollect.policies.outputs import prompts_of, record_sampling, turn_output
+from lmcollect.policies.outputs import prompts_of, record_sampling, record_token_versions, turn_output
 from lmcollect.policies.prompt_tokens import dialog_prompt_ids
 from lmcollect.policies.sampling import SamplingConfig
 
@@ -52,20 +51,10 @@ def request_of(
 
 
 def turn_from_result(
-    obs: TensorDictBase,
-    prompt: TurnPrompt,
-    result: EngineResult,
-    *,
-    tokenizer: Any,
-    sampling: SamplingConfig,
-    tracked: bool,
+    obs: TensorDictBase, prompt: TurnPrompt, result: EngineResult, *, tokenizer: Any, sampling: SamplingConfig
 ) -> TensorDictBase:
-    """The turn TensorDict (as a synchronous policy writes it) plus ``("collector", "token_versions")``.
-
-    Token versions are the engine's version indices; an engine that never got a push (-1) holds
-    the initial weights, version 0. An untracked collector (``track_policy_version=False``) writes
-    -1 everywhere, as its ``policy_version``.
-    """
+    """The turn TensorDict, as :func:`~lmcollect.policies.outputs.answer_prompts` builds it for a
+    lockstep policy, with the engine's ``("collector", "token_versions")``."""
     num_tokens, num_log_probs = result.tokens.numel(), result.log_probs.numel()
     if num_log_probs != num_tokens or result.token_versions.numel() != num_tokens:
         raise ValueError(
@@ -82,6 +71,5 @@ def turn_from_result(
         log_probs=result.log_probs.to(torch.float32),
     )
     record_sampling(out, sampling, result.sampled_log_probs if sampling.sampled_log_probs else None)
-    versions = result.token_versions.to(torch.int64).clamp(min=0) if tracked else torch.full((num_tokens,), -1)
-    out.set(keys.TOKEN_VERSIONS, versions)
+    record_token_versions(out, result.token_versions)
     return out

@@ -200,9 +200,22 @@ def _stamp(
     group_id: int,
 ) -> None:
     turn.set(keys.POLICY_VERSION, torch.tensor(version) if isinstance(version, int) else version)
+    _stamp_token_versions(turn, version_index if version != UNTRACKED else UNTRACKED)
     turn.set(keys.TRAJ_IDS, torch.tensor(traj_id))
     turn.set(keys.GROUP_ID, torch.tensor(group_id))
     turn.set(keys.ENV_INDEX, torch.tensor(slot))
     turn.set(keys.TRAJ_MIN_VERSION, torch.tensor(min_version))
     turn.set(keys.TRAJ_MAX_VERSION, torch.tensor(version_index))
     turn.set(keys.STEP_COUNT, torch.tensor(step_count))
+
+
+UNTRACKED = -1  # the policy version of turns from a collector that does not track versions
+
+
+def _stamp_token_versions(turn: TensorDictBase, version_index: int) -> None:
+    """``("collector", "token_versions")`` on every turn, whatever the policy: as the engine
+    recorded them (a continuous engine's tokens may span a push), else the turn's version for
+    every response token; -1 everywhere when versions are not tracked."""
+    num_tokens = turn.get(keys.LOG_PROBS_RESPONSE).numel()  # one per response token (check_turn)
+    if version_index == UNTRACKED or keys.TOKEN_VERSIONS not in turn.keys(include_nested=True):
+        turn.set(keys.TOKEN_VERSIONS, torch.full((num_tokens,), version_index, dtype=torch.int64))

@@ -91,7 +91,7 @@ class LLMCollector(CollectorVersionMixin, WeightReceiverMixin):
         self.reset_at_each_iter = reset_at_each_iter
         self.verbose = verbose
         self._policy_version = make_policy_version(track_policy_version)
-        self._policy_lock = ReadWriteLock()
+        self._policy_lock = ReadWriteLock(knob="collector.weight_lock_timeout_s")
         self._runners, num_slots = self._build_runners(bool(async_envs))
         self._batcher = Batcher(
             mode=self._mode, num_slots=num_slots, turns_per_batch=dialog_turns_per_batch, flatten=self._flatten
@@ -138,6 +138,18 @@ class LLMCollector(CollectorVersionMixin, WeightReceiverMixin):
     def turns_run(self) -> int:
         """Dialog turns run so far (including turns not yet yielded)."""
         return self._turns_run
+
+    @property
+    def weight_lock_timeout_s(self) -> float:
+        """Longest a weight load waits for the policy calls under way, or a policy call for a load
+        (default 600 s); past it a :class:`~lmcollect.collectors.rwlock.LockTimeoutError` names this knob."""
+        return self._policy_lock.timeout_s
+
+    @weight_lock_timeout_s.setter
+    def weight_lock_timeout_s(self, value: float) -> None:
+        if not value > 0:
+            raise ValueError(f"weight_lock_timeout_s must be positive, got {value!r}.")
+        self._policy_lock.timeout_s = float(value)
 
     @property
     def turns_yielded(self) -> int:
@@ -428,7 +440,7 @@ class LLMCollector(CollectorVersionMixin, WeightReceiverMixin):
             state: OrderedDict = OrderedDict()
             state["layout"] = self.layout()
             state["env_state_dict"] = [_state_of(env) for env in self.envs]
-            state["policy_state_dict"] = _state_of(self.get_policy_model())
+            state["policy_state_dict"] = self._weights_for_state()
             state["turns_run"] = self._turns_run
             state["turns_yielded"] = self._turns_yielded
             state["batches"] = self._batches
@@ -475,12 +487,14 @@ class LLMCollector(CollectorVersionMixin, WeightReceiverMixin):
         version = state_dict.get("policy_version")
         pushed = None if version is None else PushVersion(int(version["index"]), str(version["uuid"]))
         policy_state = state_dict.get("policy_state_dict")
-        if policy_state is not None and hasattr(self.get_policy_model(), "load_state_dict"):
+        model = self.get_policy_model()
+        if policy_state is not None and (hasattr(model, "load_state_dict") or self._engine_holding("policy", model)):
             self.apply_weights(policy_state, convert_dtype=bool(kwargs.get("convert_dtype", False)), version=pushed)
         elif pushed is not None and self._policy_version is not None:
-            self._check_version(pushed)
-            with self._policy_lock.write():
-                self._finish_update(pushed)
+            with self._push_lock:
+                self._check_version(pushed)
+                with self._policy_lock.write():
+                    self._finish_update(pushed)
         for env, env_state in zip(self.envs, state_dict.get("env_state_dict", [])):
             if env_state is not None:
                 env.load_state_dict(env_state)

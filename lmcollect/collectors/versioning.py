@@ -22,6 +22,7 @@ class PolicyVersion:
         self._lock = threading.Lock()
         self.index = 0
         self._uuid = str(uuid.uuid4())
+        self._pushed = False  # whether index and uuid are a push's (else drawn here)
 
     @property
     def version_uuid(self) -> str:
@@ -36,6 +37,7 @@ class PolicyVersion:
         with self._lock:
             self.index += 1
             self._uuid = str(uuid.uuid4())
+            self._pushed = False
             return self.version
 
     def set(self, pushed: PushVersion) -> int | str:
@@ -44,23 +46,41 @@ class PolicyVersion:
             self.check(pushed)
             self.index = pushed.index
             self._uuid = pushed.uuid
+            self._pushed = True
             return self.version
 
+    def adopt_index(self, index: int) -> None:
+        """Count on from ``index`` (weights an engine already held, with no push's uuid to take)."""
+        with self._lock:
+            if index > self.index:
+                self.index, self._uuid, self._pushed = index, str(uuid.uuid4()), False
+
     def check(self, pushed: PushVersion) -> None:
-        """Raise the ValueError :meth:`set` would, without changing anything."""
+        """Raise the ValueError :meth:`set` would, without changing anything.
+
+        Versions only go up. The same push again (same index and uuid) is taken; another push
+        under the index of a push already held is refused: two pushes cannot share a label. A
+        version drawn here (the starting weights, ``increment``) may be relabelled by a push.
+        """
         if pushed.index < self.index:
             raise ValueError(
                 f"pushed version {pushed.index} is older than this collector's version {self.index}; "
                 "versions only go up (push with a higher version, or leave version=None)."
             )
+        if pushed.index == self.index and self._pushed and pushed.uuid != self._uuid:
+            raise ValueError(
+                f"pushed version {pushed.index} has uuid {pushed.uuid!r}, but this collector already holds version "
+                f"{self.index} of another push (uuid {self._uuid!r}); push with a higher version, or leave version=None."
+            )
 
     def state_dict(self) -> dict:
-        return {"version_type": self.version_type, "index": self.index, "uuid": self._uuid}
+        return {"version_type": self.version_type, "index": self.index, "uuid": self._uuid, "pushed": self._pushed}
 
     def load_state_dict(self, state: dict) -> None:
         self.version_type = state["version_type"]
         self.index = int(state["index"])
         self._uuid = state["uuid"]
+        self._pushed = bool(state.get("pushed", False))
 
     def __repr__(self) -> str:
         return f"PolicyVersion(version_type={self.version_type!r}, version={self.version!r})"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -15,6 +16,7 @@ from lmcollect.weight_sync.version import PushVersion
 from lmcollect.collectors.trajectories import id_base
 from lmcollect.engines.protocol import EngineProtocol, WorkerRpcEngine, engine_of, worker_rpc_engine_of
 from lmcollect.weight_sync.base import resolve_updater
+from lmcollect.weight_sync.buckets import LOAD_PACKED_WEIGHTS, packed_weights
 from lmcollect.weight_sync.delta import WeightDelta, check_delta_base, prepare_delta
 from lmcollect.weight_sync.weights import (
     expected_metadata,
@@ -56,6 +58,9 @@ class WeightReceiverMixin:
         self._held_push: PushVersion | None = None  # the push whose weights the model holds (delta base)
         self._shared_models: set[int] = set()  # id() of models whose tensors map a push (zero_copy)
         self._engine_rpc_thread: ThreadPoolExecutor | None = None  # submit_policy_engine_rpc's
+        # One push at a time, its version checked, loaded and taken inside: a late push N can
+        # never land after N+1 (it is refused as older), whatever the actor's max_concurrency.
+        self._push_lock = threading.RLock()
         if weight_updater is not None:
             self.weight_updater = weight_updater
 
@@ -114,12 +119,45 @@ class WeightReceiverMixin:
         engine = self._engine_holding(model_id, target)
         return engine.weight_metadata() if engine is not None else expected_metadata(target)
 
+    def _weights_for_state(self) -> Any:
+        """The policy's weights for a ``state_dict``: its model's ``state_dict()``, or for an engine
+        that holds its own weights, the state of the engine's torch module (``TransformersEngine``,
+        ``ScriptedEngine``); None when neither is in this process (vLLM's workers)."""
+        model = self.get_policy_model()
+        engine = self._engine_holding("policy", model)
+        source = getattr(engine, "model", None) if engine is not None else model
+        state_dict = getattr(source, "state_dict", None)
+        return state_dict() if callable(state_dict) else None
+
     def _engine_holding(self, model_id: str, target: Any) -> EngineProtocol | None:
         """The engine behind the policy when it holds the weights itself (no torch module here to
         load into, e.g. an EnginePolicy or a continuous collector over vLLM); else None."""
         if model_id != "policy" or isinstance(target, torch.nn.Module):
             return None
         return engine_of(self.policy)
+
+    def _workers_holding(self, model_id: str, target: Any) -> WorkerRpcEngine | None:
+        """The worker-process engine behind a lockstep policy with no torch module here (``VLLMPolicy``)."""
+        if model_id != "policy" or isinstance(target, torch.nn.Module):
+            return None
+        return worker_rpc_engine_of(self.policy)
+
+    def _load_into_workers(
+        self, engine: WorkerRpcEngine, weights: Any, *, convert_dtype: bool, version: PushVersion | None
+    ) -> None:
+        """A push without an updater into an engine whose weights live in worker processes (vLLM):
+        sent in the call itself to every worker, which checks every name, shape and dtype against
+        its model before reloading (a refused push changes nothing), then the collector's usual
+        hold, prefix-cache reset and version (see :meth:`policy_engine_rpc`)."""
+        if isinstance(weights, WeightDelta) or convert_dtype:
+            raise TypeError(
+                "a push into vLLM's workers without a weight_updater is a full push in the engine's dtype; "
+                "for delta or convert_dtype pushes give the collector a vLLMUpdater(delta=..., convert_dtype=True)."
+            )
+        layout_json, buffers = packed_weights(to_weight_dict(weights))
+        self.policy_engine_rpc(
+            LOAD_PACKED_WEIGHTS, [(layout_json, buffers)] * engine.num_replicas, finish_update=True, version=version
+        )
 
     def update_policy_weights_(self, policy_or_weights: Any = None, worker_ids: Any = None, **kwargs: Any) -> Any:
         """Push weights through the weight updater, or apply them here when there is none."""
@@ -196,10 +234,21 @@ class WeightReceiverMixin:
             for child in children:
                 child.apply_weights(weights, model_id=model_id, convert_dtype=convert_dtype, version=version, zero_copy=zero_copy)
             return
+        with self._push_lock:
+            self._apply_leaf(weights, model_id=model_id, convert_dtype=convert_dtype, version=version, zero_copy=zero_copy)
+
+    def _apply_leaf(
+        self, weights: Any, *, model_id: str, convert_dtype: bool, version: PushVersion | None, zero_copy: bool
+    ) -> None:
+        """:meth:`apply_weights` into this collector's own model (under the push lock)."""
         target = self.get_model(model_id)
         engine = self._engine_holding(model_id, target)
         if engine is not None:
             self._load_into_engine(engine, weights, convert_dtype=convert_dtype, version=version)
+            return
+        workers = self._workers_holding(model_id, target)
+        if workers is not None:
+            self._load_into_workers(workers, weights, convert_dtype=convert_dtype, version=version)
             return
         if isinstance(weights, WeightDelta):
             self._apply_delta(target, weights, version)
@@ -338,15 +387,16 @@ class WeightReceiverMixin:
         stale cache or version; a continuous engine labels its next tokens with it.
         """
         engine = self._worker_engine()
-        if finish_update:
-            self._check_version(version)
-        with self._engine_held():
-            results = engine.collective_rpc_each(method, args_per_replica, kwargs)
+        with self._push_lock:
             if finish_update:
-                self._finish_update(version)
-                if self._policy_version is None and isinstance(engine, EngineProtocol):
-                    engine.set_version(self._loaded_version_index(engine))  # untracked: count the load
-            return results
+                self._check_version(version)  # a push older than the weights held is refused before it loads
+            with self._engine_held():
+                results = engine.collective_rpc_each(method, args_per_replica, kwargs)
+                if finish_update:
+                    self._finish_update(version)
+                    if self._policy_version is None and isinstance(engine, EngineProtocol):
+                        engine.set_version(self._loaded_version_index(engine))  # untracked: count the load
+                return results
 
     def submit_policy_engine_rpc(
         self,

@@ -9,7 +9,6 @@ same prompts and the same turn layout; only the barrier differs.
 """
 from __future__ import annotations
 
-import random
 from collections.abc import Collection
 from typing import Any
 
@@ -17,11 +16,9 @@ from tensordict import TensorDictBase
 
 from lmcollect.engines.protocol import EngineProtocol, EngineRequest
 from lmcollect.policies.outputs import Generation, answer_prompts
-from lmcollect.policies.sampling import SamplingConfig
+from lmcollect.policies.sampling import RequestSeeds, SamplingConfig
 
 __all__ = ["EnginePolicy"]
-
-MAX_REQUEST_SEED = 2**31 - 1
 
 
 class EnginePolicy:
@@ -57,13 +54,19 @@ class EnginePolicy:
         self.sampling = sampling or SamplingConfig()
         self.stop_token_ids = list(stop_token_ids) if stop_token_ids is not None else [tokenizer.eos_token_id]
         self.timeout_s = timeout_s
-        self._seeds: random.Random | None = None
-        if seed is not None:
-            self.set_seed(seed)
+        self._request_seeds = RequestSeeds(seed)
 
     def set_seed(self, seed: int) -> None:
         """Seed the requests' seeds (the same seed and weights give the same batches)."""
-        self._seeds = random.Random(seed)
+        self._request_seeds.seed(seed)
+
+    def rng_state(self) -> list | None:
+        """The per-request seed stream's state (saved by a collector's ``state_dict``)."""
+        return self._request_seeds.state()
+
+    def set_rng_state(self, state: list | None) -> None:
+        """Restore :meth:`rng_state` (None: unseeded)."""
+        self._request_seeds.set_state(state)
 
     def reset_prefix_cache(self) -> None:
         """Forget the engine's cached prefixes (the collector calls it after every weight load)."""
@@ -71,25 +74,21 @@ class EnginePolicy:
 
     def generate_responses(self, prompt_ids: list[list[int]]) -> list[Generation]:
         """Submit every prompt at once, then wait for all of them (the batch barrier)."""
+        seeds = self._request_seeds.draw(len(prompt_ids), greedy=self.sampling.greedy) or [None] * len(prompt_ids)
         futures = [
             self.engine.submit(
                 EngineRequest(
                     prompt_ids=ids,
                     sampling=self.sampling,
                     stop_token_ids=tuple(self.stop_token_ids),
-                    seed=self._next_seed(),
+                    seed=seeds[row],
                     request_id=f"row-{row}",
                 )
             )
             for row, ids in enumerate(prompt_ids)
         ]
         results = [future.result(timeout=self.timeout_s) for future in futures]
-        return [Generation(r.tokens, r.log_probs, r.sampled_log_probs) for r in results]
-
-    def _next_seed(self) -> int | None:
-        if self._seeds is None or self.sampling.greedy:
-            return None
-        return self._seeds.randrange(MAX_REQUEST_SEED)
+        return [Generation(r.tokens, r.log_probs, r.sampled_log_probs, r.token_versions) for r in results]
 
     def __call__(self, td: TensorDictBase) -> TensorDictBase:
         return answer_prompts(

@@ -19,6 +19,7 @@ from typing import Any
 import ray
 import torch
 
+from lmcollect.distributed.bounded import DEFAULT_CALL_TIMEOUT_S, get_within
 from lmcollect.distributed.ray_cluster import actor_options, init_ray
 from lmcollect.engines.protocol import EngineProtocol, EngineRequest, EngineResult, WorkerRpcEngine
 from lmcollect.engines.router import EngineRouter
@@ -66,6 +67,10 @@ class RayEngine:
             model loaded there, or a ``VLLMAsyncEngine``); pickled by Ray.
         remote_config: actor options (default: 1 CPU, 1000 concurrent calls).
         ray_init_config: ``ray.init`` arguments if Ray is not running yet.
+        start_timeout_s: longest the actor and its engine may take to start.
+        call_timeout_s: longest any other call into the actor (pause, a weight load, a worker
+            RPC) waits; a hung actor raises :class:`~lmcollect.distributed.bounded.CallTimeoutError`
+            naming the knob. Generation requests are futures: their callers bound them.
     """
 
     def __init__(
@@ -74,12 +79,18 @@ class RayEngine:
         *,
         remote_config: dict[str, Any] | None = None,
         ray_init_config: dict[str, Any] | None = None,
+        start_timeout_s: float = 900.0,
+        call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
     ) -> None:
         init_ray(ray_init_config)
         options = actor_options(remote_config, defaults=_ACTOR_DEFAULTS)
+        self.call_timeout_s = call_timeout_s
         self._actor = ray.remote(**options)(_EngineHost).remote(engine_factory)
-        self._version = ray.get(self._actor.version.remote())  # also surfaces start-up errors here
-        self._worker_replicas = ray.get(self._actor.num_replicas.remote())  # None: no worker processes
+        started = get_within(  # also surfaces start-up errors here
+            [self._actor.version.remote(), self._actor.num_replicas.remote()],
+            timeout_s=start_timeout_s, call="RayEngine start-up", knob="start_timeout_s",
+        )
+        self._version, self._worker_replicas = started  # _worker_replicas None: no worker processes
         self._lock = threading.Lock()
         self._in_flight = 0
 
@@ -94,26 +105,29 @@ class RayEngine:
         with self._lock:
             self._in_flight -= 1
 
+    def _get(self, ref: Any, call: str) -> Any:
+        return get_within(ref, timeout_s=self.call_timeout_s, call=f"RayEngine.{call}", knob="call_timeout_s")
+
     def pause(self) -> None:
-        ray.get(self._actor.call.remote("pause"))
+        self._get(self._actor.call.remote("pause"), "pause")
 
     def resume(self) -> None:
-        ray.get(self._actor.call.remote("resume"))
+        self._get(self._actor.call.remote("resume"), "resume")
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
         weights = dict(named_tensors)  # one object-store copy, checked by the engine before it writes
-        ray.get(self._actor.load_weights.remote(weights, version))
+        self._get(self._actor.load_weights.remote(weights, version), "load_weights")
         self._version = version
 
     def weight_metadata(self) -> tuple[dict[str, tuple[torch.dtype, torch.Size]], dict[str, str]]:
-        return ray.get(self._actor.call.remote("weight_metadata"))
+        return self._get(self._actor.call.remote("weight_metadata"), "weight_metadata")
 
     def set_version(self, version: int) -> None:
-        ray.get(self._actor.call.remote("set_version", version))
+        self._get(self._actor.call.remote("set_version", version), "set_version")
         self._version = version
 
     def reset_prefix_cache(self) -> None:
-        ray.get(self._actor.call.remote("reset_prefix_cache"))
+        self._get(self._actor.call.remote("reset_prefix_cache"), "reset_prefix_cache")
 
     @property
     def num_replicas(self) -> int:
@@ -128,7 +142,7 @@ class RayEngine:
         self, method: str, args_per_replica: list[tuple], kwargs: dict[str, Any] | None = None
     ) -> list[Any]:
         """``collective_rpc_each`` on the actor's engine (vLLM's workers; see ``WorkerRpcEngine``)."""
-        return ray.get(self._actor.collective_rpc_each.remote(method, args_per_replica, kwargs))
+        return self._get(self._actor.collective_rpc_each.remote(method, args_per_replica, kwargs), f"collective_rpc_each({method!r})")
 
     @property
     def version(self) -> int:
@@ -145,7 +159,7 @@ class RayEngine:
 
     def close(self) -> None:
         try:
-            ray.get(self._actor.close.remote())
+            self._get(self._actor.close.remote(), "close")
         finally:
             ray.kill(self._actor)
 

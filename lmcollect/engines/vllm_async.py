@@ -14,7 +14,7 @@ import torch
 
 from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult
 from lmcollect.policies.vllm_policy import _completion, _import_vllm, engine_kwargs_for, sampling_params_kwargs
-from lmcollect.weight_sync.buckets import layout_to_json, pack_buckets
+from lmcollect.weight_sync.buckets import LOAD_PACKED_WEIGHTS, packed_weights
 from lmcollect.weight_sync.vllm_worker_ext import checkpoint_metadata
 from lmcollect.weight_sync.weights import check_weights
 
@@ -29,7 +29,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 INITIAL_VERSION = -1  # the protocol's version before any load
-LOAD_METHOD = "load_packed_weights"  # VLLMWeightReceiverExtension's method, run in every worker
 
 
 class VersionSpan(Protocol):
@@ -161,8 +160,8 @@ class VLLMAsyncEngine:
             raise TypeError(f"version must be an int (the push's weight version), got {version!r}.")
         weights = dict(named_tensors)
         check_weights(weights, self._metadata, aliases=self._aliases)  # before anything is sent or written
-        buckets = pack_buckets(weights, device="cpu")
-        payload = (layout_to_json(buckets.layout), [memoryview(b.numpy()) for b in buckets.buffers])
+        layout_json, buffers = packed_weights(weights)
+        payload = (layout_json, [memoryview(buffer) for buffer in buffers])  # sent without a copy
         with self._control:
             was_paused = self._paused
             if not was_paused:
@@ -280,7 +279,7 @@ class VLLMAsyncEngine:
     @staticmethod
     async def _load(llm: AsyncLLM, payload: tuple[str, list[memoryview]], version: int) -> None:
         """Reload in every worker (which checks again), then label the next steps with ``version``."""
-        await llm.collective_rpc(LOAD_METHOD, args=payload)
+        await llm.collective_rpc(LOAD_PACKED_WEIGHTS, args=payload)
         await llm.update_weight_version(str(version))
 
     async def _shutdown(self) -> None:

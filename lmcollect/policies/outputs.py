@@ -34,6 +34,9 @@ class Generation(NamedTuple):
     """float32 ``[n]``: raw log-probs (the model's softmax at temperature 1, before top-k / top-p)."""
     sampled_log_probs: torch.Tensor | None = None
     """float32 ``[n]``: log-probs under the distribution sampled, if ``SamplingConfig.sampled_log_probs``."""
+    token_versions: torch.Tensor | None = None
+    """int64 ``[n]``: the weight version of each token, from engines that record it (else the
+    collector writes the turn's version for every token)."""
 
 
 # prompt token ids -> one Generation per prompt, in order
@@ -92,6 +95,14 @@ def record_sampling(out: TensorDictBase, sampling: SamplingConfig, sampled_log_p
         out.set(keys.LOG_PROBS_SAMPLED, sampled_log_probs)
 
 
+def record_token_versions(out: TensorDictBase, token_versions: torch.Tensor | None) -> None:
+    """Write ``("collector", "token_versions")`` as an engine reported them: an engine that never got
+    a push (-1) holds the initial weights, version 0. The collector fills the key for policies that
+    report none, and writes -1 everywhere when it does not track versions."""
+    if token_versions is not None:
+        out.set(keys.TOKEN_VERSIONS, token_versions.to(torch.int64).clamp(min=0))
+
+
 def prompts_of(td: TensorDictBase) -> list[History]:
     """The ``("history", "prompt")`` of every element, with a clear error if missing."""
     if keys.HISTORY_PROMPT not in td.keys(include_nested=True):
@@ -142,6 +153,7 @@ def answer_prompts(
             log_probs=generation.log_probs,
         )
         record_sampling(out, sampling, generation.sampled_log_probs)
+        record_token_versions(out, generation.token_versions)
         outputs.append(out)
     return stack_outputs(outputs)
 

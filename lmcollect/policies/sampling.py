@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -124,3 +125,42 @@ def sampling_from_kwargs(sampling: SamplingConfig | None, options: Mapping[str, 
     elif do_sample is True and values.get("temperature", 1.0) == 0:
         raise ValueError("do_sample=True needs temperature > 0 (temperature 0 means greedy); pass e.g. temperature=1.0.")
     return SamplingConfig(**values)
+
+
+MAX_REQUEST_SEED = 2**63
+"""Request seeds are drawn from ``[0, 2**63)``: they fit an int64 in torch, vLLM and JSON alike."""
+
+
+class RequestSeeds:
+    """The per-request sampling seeds of a policy, drawn from one seeded stream.
+
+    Each request gets its own seed, so repeated prompts still get different samples, and a result
+    does not depend on how requests are batched or spread over replicas. Unseeded (the default),
+    requests carry no seed. A collector saves and restores the stream (``state`` / ``set_state``).
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._stream: random.Random | None = None if seed is None else random.Random(seed)
+
+    def seed(self, seed: int) -> None:
+        """Draw from ``seed`` from now on."""
+        self._stream = random.Random(seed)
+
+    def draw(self, num_requests: int, *, greedy: bool) -> list[int] | None:
+        """One seed per request (None when unseeded, or greedy: nothing to seed)."""
+        if self._stream is None or greedy:
+            return None
+        return [self._stream.randrange(MAX_REQUEST_SEED) for _ in range(num_requests)]
+
+    def state(self) -> list | None:
+        """The stream's state (None: unseeded)."""
+        return None if self._stream is None else list(self._stream.getstate())
+
+    def set_state(self, state: list | None) -> None:
+        """Restore :meth:`state`."""
+        if state is None:
+            self._stream = None
+            return
+        version, internal, gauss = state
+        self._stream = random.Random()
+        self._stream.setstate((version, tuple(internal), gauss))

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,7 +13,7 @@ from tensordict import TensorDictBase
 from transformers import AutoTokenizer
 
 from lmcollect.policies.outputs import Generation, answer_prompts, generate_triples
-from lmcollect.policies.sampling import SamplingConfig, sampling_from_kwargs
+from lmcollect.policies.sampling import RequestSeeds, SamplingConfig, sampling_from_kwargs
 
 if TYPE_CHECKING:  # vllm is an optional extra and slow to import; VLLMEngine imports it when built
     from vllm import LLM, SamplingParams
@@ -25,7 +24,6 @@ logger = logging.getLogger(__name__)
 # Log-probs of the raw model (before temperature / top-p / top-k), as TransformersPolicy returns
 # and as trainers need for importance ratios. vLLM's other modes would silently differ.
 LOGPROBS_MODE = "raw_logprobs"
-MAX_REQUEST_SEED = 2**63
 T = TypeVar("T")
 
 
@@ -282,35 +280,20 @@ class VLLMPolicy:
         if engine is None:
             engine = VLLMEngine(model_path, engine_kwargs=engine_kwargs)
         self.engine: BatchEngineProtocol = engine
-        self._request_seeds: random.Random | None = None
-        if self.sampling.seed is not None:
-            self.set_seed(self.sampling.seed)
+        self._request_seeds = RequestSeeds(self.sampling.seed)
 
     def set_seed(self, seed: int) -> None:
-        """Draw the per-request sampling seeds from ``seed`` from now on (reproducible sampling).
-
-        Each request gets its own seed, so repeated prompts still get different samples, and the
-        result does not depend on how requests are batched or spread over replicas.
-        """
-        self._request_seeds = random.Random(seed)
+        """Draw the per-request sampling seeds from ``seed`` from now on (reproducible sampling;
+        see :class:`~lmcollect.policies.sampling.RequestSeeds`)."""
+        self._request_seeds.seed(seed)
 
     def rng_state(self) -> list | None:
-        """The per-request seed generator's state (saved by a collector's ``state_dict``)."""
-        return None if self._request_seeds is None else list(self._request_seeds.getstate())
+        """The per-request seed stream's state (saved by a collector's ``state_dict``)."""
+        return self._request_seeds.state()
 
     def set_rng_state(self, state: list | None) -> None:
         """Restore :meth:`rng_state` (None: unseeded, as before)."""
-        if state is None:
-            self._request_seeds = None
-            return
-        version, internal, gauss = state
-        self._request_seeds = random.Random()
-        self._request_seeds.setstate((version, tuple(internal), gauss))
-
-    def _seeds_for(self, num_requests: int) -> list[int] | None:
-        if self._request_seeds is None or self.sampling.greedy:
-            return None
-        return [self._request_seeds.randrange(MAX_REQUEST_SEED) for _ in range(num_requests)]
+        self._request_seeds.set_state(state)
 
     def reset_prefix_cache(self) -> None:
         """Drop the engine's cached prefixes (call after every weight update)."""
@@ -325,7 +308,7 @@ class VLLMPolicy:
 
     def generate_responses(self, prompt_ids: list[list[int]]) -> list[Generation]:
         """One response per prompt (token ids), in order."""
-        seeds = self._seeds_for(len(prompt_ids))
+        seeds = self._request_seeds.draw(len(prompt_ids), greedy=self.sampling.greedy)
         if self._extra_stop_ids:  # only then: engines without the option (a server) keep working
             completions = self.engine.generate_tokens(prompt_ids, self.sampling, seeds, stop_token_ids=self._extra_stop_ids)
         else:

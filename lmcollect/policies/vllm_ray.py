@@ -9,6 +9,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
+from lmcollect.distributed.bounded import get_within
 from lmcollect.distributed.ray_cluster import actor_options
 from lmcollect.policies.sampling import SamplingConfig
 from lmcollect.policies.vllm_policy import Completion, VLLMEngine
@@ -53,6 +54,9 @@ class VLLMReplicas:
             ``max_concurrency``...); default ``num_cpus=1``.
         env_vars: environment of the actors, over :data:`DEFAULT_ENV_VARS` and ``runtime_env``'s
             (vLLM reads its settings there, e.g. ``VLLM_CPU_KVCACHE_SPACE``).
+        start_timeout_s: longest the replicas may take to start.
+        call_timeout_s: longest one call into the replicas (a batch's generation, a worker RPC)
+            waits; a hung actor raises :class:`~lmcollect.distributed.bounded.CallTimeoutError`.
     """
 
     def __init__(
@@ -63,13 +67,19 @@ class VLLMReplicas:
         engine_kwargs: dict[str, Any] | None = None,
         remote_config: dict[str, Any] | None = None,
         env_vars: dict[str, str] | None = None,
+        start_timeout_s: float = 900.0,
+        call_timeout_s: float = 600.0,
     ) -> None:
         if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
             raise ValueError(f"num_replicas must be a positive int, got {num_replicas!r}.")
         options = _with_env_vars(actor_options(remote_config, defaults=_ACTOR_DEFAULTS), env_vars)
         actor_cls = ray.remote(**options)(VLLMEngine)
         self.actors = [actor_cls.remote(model_path, engine_kwargs=engine_kwargs) for _ in range(num_replicas)]
-        ray.get([actor.ready.remote() for actor in self.actors])  # surface start-up errors here
+        self.call_timeout_s = call_timeout_s
+        get_within(  # surface start-up errors here
+            [actor.ready.remote() for actor in self.actors],
+            timeout_s=start_timeout_s, call="VLLMReplicas start-up", knob="start_timeout_s",
+        )
         logger.info("started %d vLLM replica(s) of %s", num_replicas, model_path)
 
     @property
@@ -92,11 +102,11 @@ class VLLMReplicas:
                 futures.append(actor.generate_tokens.remote(
                     prompts[part.start : part.stop], sampling, part_seeds, stop_token_ids=list(stop_token_ids)
                 ))
-        return [completion for chunk in ray.get(futures) for completion in chunk]
+        return [completion for chunk in self._get(futures, "generate_tokens") for completion in chunk]
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
         """``method`` on every worker of every replica, all at once; results replica by replica."""
-        results = ray.get([actor.collective_rpc.remote(method, args, kwargs) for actor in self.actors])
+        results = self._get([actor.collective_rpc.remote(method, args, kwargs) for actor in self.actors], f"collective_rpc({method!r})")
         return [result for replica in results for result in replica]
 
     def collective_rpc_each(
@@ -109,13 +119,16 @@ class VLLMReplicas:
         results = []
         for index, ref in enumerate(refs):
             try:
-                results += ray.get(ref)
+                results += self._get(ref, f"collective_rpc({method!r}) on replica {index}")
             except RayActorError as exc:  # name the replica: the caller reports which engine died
                 raise RuntimeError(f"vLLM replica {index} died during {method}: {exc}") from exc
         return results
 
     def reset_prefix_cache(self) -> None:
-        ray.get([actor.reset_prefix_cache.remote() for actor in self.actors])
+        self._get([actor.reset_prefix_cache.remote() for actor in self.actors], "reset_prefix_cache")
+
+    def _get(self, refs: Any, call: str) -> Any:
+        return get_within(refs, timeout_s=self.call_timeout_s, call=f"VLLMReplicas.{call}", knob="call_timeout_s")
 
     def shutdown(self) -> None:
         """Kill the actors (their engines go with them)."""

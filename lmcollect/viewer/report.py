@@ -16,6 +16,7 @@ from typing import Any
 
 from lmcollect.viewer.dialogs import Dialog, TokenDecoder, Turn, check_columns, group_dialogs, read_rollout_records
 from lmcollect.viewer.page import PAGE_SCRIPT, PAGE_STYLE, PAGE_TEMPLATE
+from lmcollect.files import write_text_atomically
 
 DATA_ELEMENT_ID = "rollout-data"
 """Id of the ``<script type="application/json">`` element that holds the report's data (as in the page's script)."""
@@ -50,7 +51,7 @@ def write_rollout_report(
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     page = render_report(dialogs, title=title or source, source=source, max_dialogs=max_dialogs)
-    out_path.write_text(page, encoding="utf-8")
+    write_text_atomically(out_path, page)
     return out_path
 
 

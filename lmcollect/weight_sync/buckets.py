@@ -11,7 +11,9 @@ shape and byte offset of every tensor) and the byte buffers it points into. Two 
   first would only add a copy.
 
 Receivers get zero-copy views with :meth:`WeightBuckets.tensors` and validate
-:meth:`BucketLayout.metadata` against their model before loading anything.
+:meth:`BucketLayout.metadata` against their model before loading anything; a layout that comes
+from another process is checked with :func:`layout_problems` and :func:`max_layout_nbytes`
+before any buffer is allocated for it.
 """
 from __future__ import annotations
 
@@ -256,6 +258,50 @@ def _common_device(weights: Mapping[str, torch.Tensor]) -> torch.device:
     return devices.pop() if devices else torch.device("cpu")
 
 
+def layout_problems(layout: BucketLayout) -> list[str]:
+    """Every way ``layout`` (e.g. parsed from an untrusted header) is not a layout :func:`plan_layout`
+    or :func:`view_buckets` could have made: sizes that are not non-negative integers, slots outside
+    their buffer or off the ``ALIGN_BYTES`` grid, repeated names, buffers no slot uses. Empty: sound."""
+    sizes = layout.buffer_nbytes
+    problems = [f"buffer {i} has size {n!r}, not a non-negative integer" for i, n in enumerate(sizes) if not _is_count(n)]
+    if problems:
+        return problems
+    names: set[str] = set()
+    used: set[int] = set()
+    for slot in layout.slots:
+        problems += _slot_problems(slot, sizes, names)
+        names.add(slot.name)
+        used.add(slot.buffer_index)
+    problems += [f"buffer {i} holds no tensor" for i in range(len(sizes)) if i not in used]
+    return problems
+
+
+def _slot_problems(slot: TensorSlot, sizes: tuple[int, ...], names: set[str]) -> list[str]:
+    if slot.name in names:
+        return [f"{slot.name!r} appears twice"]
+    if not all(_is_count(d) for d in slot.shape) or not _is_count(slot.offset_bytes) or not _is_count(slot.buffer_index):
+        return [f"{slot.name!r} has a shape, offset or buffer index that is not a non-negative integer"]
+    if slot.buffer_index >= len(sizes):
+        return [f"{slot.name!r} is in buffer {slot.buffer_index}, of {len(sizes)} buffers"]
+    if slot.offset_bytes % ALIGN_BYTES:
+        return [f"{slot.name!r} starts at byte {slot.offset_bytes}, not a multiple of {ALIGN_BYTES}"]
+    if slot.offset_bytes + slot.nbytes > sizes[slot.buffer_index]:
+        return [f"{slot.name!r} ends past its buffer of {sizes[slot.buffer_index]} bytes"]
+    return []
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def max_layout_nbytes(metadata: Mapping[str, tuple[torch.dtype, torch.Size]], aliases: Mapping[str, str]) -> int:
+    """The most bytes a sound full push of a model with this metadata (and tied ``aliases``) can
+    take: every name, aliases too (a trainer may not tie what the model ties), in its own range,
+    plus the alignment padding before it."""
+    targets = [*metadata, *(name for name in aliases.values() if name in metadata)]
+    return sum(math.prod(metadata[name][1]) * metadata[name][0].itemsize + ALIGN_BYTES for name in targets)
+
+
 def layout_to_json(layout: BucketLayout) -> str:
     """The layout as JSON (what travels ahead of the buffers; no pickle on the wire)."""
     slots = [[s.name, str(s.dtype).removeprefix("torch."), list(s.shape), s.buffer_index, s.offset_bytes] for s in layout.slots]
@@ -286,3 +332,14 @@ def dtype_from_name(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype name {name!r} in weight metadata.")
     return dtype
+
+
+LOAD_PACKED_WEIGHTS = "load_packed_weights"
+"""The vLLM worker extension's method that checks and reloads :func:`packed_weights`."""
+
+
+def packed_weights(weights: Mapping[str, torch.Tensor]) -> tuple[str, list[np.ndarray]]:
+    """``weights`` as a bucket layout (JSON) and its byte buffers (numpy, in this process's memory):
+    what a vLLM worker's ``load_packed_weights`` takes, in the call itself (no process group)."""
+    buckets = pack_buckets(weights, device="cpu")
+    return layout_to_json(buckets.layout), [buffer.numpy() for buffer in buckets.buffers]

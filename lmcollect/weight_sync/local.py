@@ -6,7 +6,13 @@ from typing import Any
 
 from lmcollect.weight_sync.base import WeightUpdaterBase
 from lmcollect.weight_sync.version import PushVersion
-from lmcollect.weight_sync.weights import WeightDict, non_finite_problems, raise_if_problems, to_weight_dict
+from lmcollect.weight_sync.weights import (
+    WeightDict,
+    narrowest_held_dtypes,
+    non_finite_problems,
+    raise_if_problems,
+    to_weight_dict,
+)
 
 
 class LocalWeightUpdater(WeightUpdaterBase):
@@ -50,9 +56,14 @@ class LocalWeightUpdater(WeightUpdaterBase):
         return None if self._policy_weights is None else to_weight_dict(self._policy_weights)
 
     def _validate(self, weights: WeightDict, worker_ids: list[Hashable]) -> None:
-        """Refuse NaN/Inf here; names, shapes and dtypes are checked by the collector as it loads."""
-        if not self.allow_non_finite:
-            raise_if_problems(non_finite_problems(weights))
+        """Refuse NaN/Inf here (as the model will hold the values, with ``convert_dtype``); names,
+        shapes and dtypes are checked by the collector as it loads."""
+        if self.allow_non_finite:
+            return
+        held = None
+        if self.convert_dtype and self.collector is not None:
+            held = narrowest_held_dtypes(weights, [self.collector.weight_metadata()])
+        raise_if_problems(non_finite_problems(weights, dtypes=held))
 
     def _sync_weights_with_worker(self, *, worker_id: Hashable, server_weights: WeightDict, version: PushVersion) -> None:
         collector = self.collector

@@ -27,6 +27,7 @@ from lmcollect.weight_sync.version import PushVersion
 from lmcollect.weight_sync.weights import (
     WeightDict,
     align_names,
+    narrowest_held_dtypes,
     non_finite_problems,
     raise_if_problems,
     tensor_metadata,
@@ -184,14 +185,19 @@ class RayRemoteWeightUpdater(WeightUpdaterBase):
 
     def _validate(self, weights: WeightDict, worker_ids: list[Hashable]) -> None:
         """Check against what every targeted worker reported, so a bad push reaches none of them."""
-        if not self.config.allow_non_finite and self._delta_base is None:  # with delta: on what is sent
+        convert = self.config.convert_dtype
+        check_finite = not self.config.allow_non_finite and self._delta_base is None  # with delta: on what is sent
+        if check_finite and not convert:
             raise_if_problems(non_finite_problems(weights))
         metadata = self._fetch_metadata()
+        if check_finite and convert:  # on the values the workers will hold
+            held = narrowest_held_dtypes(weights, (metadata[worker_id] for worker_id in worker_ids))
+            raise_if_problems(non_finite_problems(weights, dtypes=held))
         sent = tensor_metadata(weights)
         groups: dict[tuple[str, ...], list[Hashable]] = {}  # the same problems -> the workers that have them
         for worker_id in worker_ids:
             expected, aliases = metadata[worker_id]
-            found = weight_problems(sent, expected, aliases=aliases, convert_dtype=self.config.convert_dtype)
+            found = weight_problems(sent, expected, aliases=aliases, convert_dtype=convert)
             if found:
                 groups.setdefault(tuple(found), []).append(worker_id)
         problems = [p if len(groups) == 1 else f"worker(s) {workers}: {p}" for found, workers in groups.items() for p in found]
@@ -301,7 +307,7 @@ class RayRemoteWeightUpdater(WeightUpdaterBase):
         eligible = [i for i in targets if base.version is not None and self._held[i] == base.version]
         encoded = base.encode(weights, dtypes) if eligible else None
         if not self.config.allow_non_finite:
-            raise_if_problems(non_finite_problems(encoded.values if encoded is not None else weights))
+            raise_if_problems(non_finite_problems(encoded.values if encoded is not None else weights, dtypes=dtypes))
         delta_targets = eligible if encoded is not None else []
         return _DeltaPlan(weights, dtypes, encoded, delta_targets, [i for i in targets if i not in delta_targets])
 

@@ -272,7 +272,8 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
     # ------------------------------------------------------------------ one push
     def _validate(self, weights: WeightDict, worker_ids: list[Hashable]) -> None:
         self._prepared = None
-        if not self.allow_non_finite and self.delta is None:  # before the group forms: nothing reaches the engine
+        convert = self.convert_dtype
+        if not self.allow_non_finite and self.delta is None and not convert:  # before the group forms
             raise_if_problems(non_finite_problems(weights))
         if self._sender is None:
             first = next(iter(weights.values()), None)
@@ -281,8 +282,8 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
             raise_if_problems(weight_problems(tensor_metadata(weights), self.model_metadata), where=" (model_metadata)")
         assert self._sender is not None
         prepared = self._sender.prepare(weights)  # checks; with delta also encodes (nothing sent yet)
-        if not self.allow_non_finite and self.delta is not None:  # what travels: the changed values, or all
-            raise_if_problems(non_finite_problems(prepared.sent_values()))
+        if not self.allow_non_finite and (self.delta is not None or convert):  # what travels, as the engine holds it
+            raise_if_problems(non_finite_problems(prepared.sent_values(), dtypes=prepared.dtypes))
         self._prepared = prepared
 
     def _sync_weights_with_worker(self, *, worker_id: Hashable, server_weights: WeightDict, version: PushVersion) -> None:

@@ -1,7 +1,7 @@
 """Weights as flat name -> tensor dicts: extraction from any source, checks, and in-place loading."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -144,18 +144,46 @@ def weight_problems(
     return problems
 
 
-def non_finite_problems(weights: Mapping[str, torch.Tensor]) -> list[str]:
+def non_finite_problems(
+    weights: Mapping[str, torch.Tensor], *, dtypes: Mapping[str, torch.dtype] | None = None
+) -> list[str]:
     """A problem for every floating tensor holding a NaN or an infinity (pushed only with
     ``allow_non_finite=True``). One min/max pass per tensor: NaN propagates through both, so min
-    and max are finite exactly when every element is (much cheaper than ``isfinite(t).all()``)."""
+    and max are finite exactly when every element is (much cheaper than ``isfinite(t).all()``).
+
+    ``dtypes``: name -> the dtype a receiver holds the tensor in (``convert_dtype``). The check is
+    then on the converted values: a cast is monotonic, so the extremes overflow first (fp32 1e5
+    becomes fp16 inf: a problem, though finite as pushed)."""
     problems = []
     for name, tensor in weights.items():
         if not tensor.is_floating_point() or tensor.numel() == 0:
             continue
         low, high = torch.aminmax(tensor.detach())
+        held = (dtypes or {}).get(name, tensor.dtype)
+        if held != tensor.dtype and held.is_floating_point:
+            low, high = low.to(held), high.to(held)
         if not bool(torch.isfinite(low) & torch.isfinite(high)):
-            problems.append(f"{name!r} holds NaN or infinite values (allow_non_finite=True pushes it anyway)")
+            where = "" if held == tensor.dtype else f" once cast to {held}"
+            problems.append(f"{name!r} holds NaN or infinite values{where} (allow_non_finite=True pushes it anyway)")
     return problems
+
+
+def narrowest_held_dtypes(
+    weights: Mapping[str, torch.Tensor], receivers: Iterable[tuple[Mapping[str, tuple[torch.dtype, Any]], Mapping[str, str]]]
+) -> dict[str, torch.dtype]:
+    """name -> the floating dtype of least range that any receiver holds the tensor in, where it
+    differs from the pushed one (``receivers``: each one's ``(metadata, aliases)``); for
+    :func:`non_finite_problems` on a ``convert_dtype`` push."""
+    receivers = list(receivers)
+    narrowest: dict[str, torch.dtype] = {}
+    for name, tensor in weights.items():
+        if not tensor.is_floating_point():
+            continue
+        held = [meta[aliases.get(name, name)][0] for meta, aliases in receivers if aliases.get(name, name) in meta]
+        floating = [dtype for dtype in held if dtype.is_floating_point and dtype != tensor.dtype]
+        if floating:
+            narrowest[name] = min(floating, key=lambda dtype: torch.finfo(dtype).max)
+    return narrowest
 
 
 def raise_if_problems(problems: list[str], *, where: str = "") -> None:

@@ -130,6 +130,29 @@ def test_push_matches_transformers_resets_cache_and_bumps_version(
     collector.shutdown()
 
 
+def test_update_policy_weights_without_an_updater_loads_into_the_workers(
+    local_engine: VLLMPolicy,
+    new_model: torch.nn.Module,
+    old_reference: TransformersPolicy,
+    new_reference: TransformersPolicy,
+) -> None:
+    """As on a ContinuousLLMCollector over VLLMAsyncEngine: the weights travel in the call, checked by the workers."""
+    collector = LLMCollector(make_env(), policy=local_engine, dialog_turns_per_batch=4, track_policy_version=True)
+    td = chat_batch(QUESTIONS)
+    collector.update_policy_weights_(new_model.state_dict())
+    assert collector.policy_version == 1
+    assert_same_answers(local_engine(td), new_reference(td))
+    wrong_shape = {**new_model.state_dict(), "model.norm.weight": torch.zeros(3)}
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        collector.update_policy_weights_(wrong_shape)
+    assert collector.policy_version == 1
+    assert_same_answers(local_engine(td), new_reference(td))  # the refused push changed nothing
+    collector.update_policy_weights_(old_reference.model.state_dict())
+    assert collector.policy_version == 2
+    assert_same_answers(local_engine(td), old_reference(td))
+    collector.shutdown()
+
+
 def test_bad_pushes_change_nothing(
     local_engine: VLLMPolicy, new_model: torch.nn.Module, old_reference: TransformersPolicy
 ) -> None:

@@ -70,3 +70,31 @@ def test_a_non_finite_flag_is_refused_naming_it(capsys) -> None:
         main(["collect", "--task", "arithmetic", "--num-turns", "4", "--cpus-per-collector", "nan", "--print-config"])
     assert exc.value.code == 2
     assert "--cpus-per-collector must be positive, got nan" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- attribute paths (cascade_execute)
+@pytest.mark.parametrize(
+    "path",
+    [
+        "cascade_execute.__globals__",
+        "__class__.__init__",
+        "policy.__dict__",
+        "_halt",
+        "_receiver_schemes['policy']._store",
+        "__import__('os').system('true')",
+    ],
+)
+def test_a_path_through_dunders_or_private_names_is_refused_before_any_lookup(path: str) -> None:
+    collector = LLMCollector(ChatEnv(guessing_game_dataset(2, seed=0), batch_size=1, seed=0), policy=ScriptedPolicy("7"), dialog_turns_per_batch=1)
+    touched: list[str] = []
+    collector._receiver_schemes["policy"] = type("Scheme", (), {"__getattr__": lambda self, name: touched.append(name)})()
+    with pytest.raises(ValueError, match="private attribute|cannot parse"):
+        collector.cascade_execute(path)
+    assert touched == []  # refused while parsing: nothing was looked up, nothing ran
+
+
+def test_the_documented_private_path_still_works() -> None:
+    collector = LLMCollector(ChatEnv(guessing_game_dataset(2, seed=0), batch_size=1, seed=0), policy=ScriptedPolicy("7"), dialog_turns_per_batch=1)
+    scheme = type("Scheme", (), {"_set_dist_connection_info": lambda self, info, worker_idx=0: (info, worker_idx)})()
+    collector._receiver_schemes["policy"] = scheme
+    assert collector.cascade_execute("_receiver_schemes['policy']._set_dist_connection_info", {"a": 1}, worker_idx=2) == ({"a": 1}, 2)

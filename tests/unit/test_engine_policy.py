@@ -41,7 +41,7 @@ def first_batch(collector) -> list:
 def assert_same_turns(got: list, expected: list) -> None:
     assert len(got) == len(expected)
     for mine, theirs in zip(got, expected):
-        for key in (keys.TOKENS_PROMPT, keys.TOKENS_RESPONSE, keys.TOKENS_FULL):
+        for key in (keys.TOKENS_PROMPT, keys.TOKENS_RESPONSE, keys.TOKENS_FULL, keys.TOKEN_VERSIONS):
             assert torch.equal(mine.get(key), theirs.get(key)), key
         torch.testing.assert_close(mine.get(keys.LOG_PROBS_RESPONSE), theirs.get(keys.LOG_PROBS_RESPONSE), atol=1e-4, rtol=0)
         assert non_tensor_values(mine, keys.HISTORY_FULL) == non_tensor_values(theirs, keys.HISTORY_FULL)
@@ -87,7 +87,47 @@ def test_a_push_goes_through_the_engine_and_labels_its_version(engine, tiny_mode
         with pytest.raises(ValueError, match=dropped):
             collector.apply_weights(bad)
     assert all(int(turn.get(keys.POLICY_VERSION)) == 1 for turn in batch)
+    assert all(set(turn.get(keys.TOKEN_VERSIONS).tolist()) == {1} for turn in batch)  # the engine's record, kept
     assert engine.version == 1 and all(torch.equal(engine.model.state_dict()[k], v) for k, v in before.items())
+
+
+def test_the_lockstep_and_continuous_turns_carry_the_same_token_versions_when_tracked(engine, tokenizer) -> None:
+    lockstep = LLMCollector(
+        guessing_env(0), policy=EnginePolicy(engine, tokenizer=tokenizer, sampling=GREEDY), dialog_turns_per_batch=3,
+        flatten_data=True, track_policy_version=True,
+    )
+    continuous = ContinuousLLMCollector(
+        [guessing_env(0)], engine=engine, tokenizer=tokenizer, sampling=GREEDY, dialog_turns_per_batch=3,
+        track_policy_version=True,
+    )
+    got, want = first_batch(lockstep), first_batch(continuous)
+    assert_same_turns(got, want)
+    assert all(set(t.get(keys.TOKEN_VERSIONS).tolist()) == {0} for t in got)  # the initial weights: version 0
+
+
+def test_state_dict_over_an_engine_keeps_the_weights_and_the_seed_stream(tiny_model_path, tokenizer) -> None:
+    """A collector restored into a fresh engine (other weights, other seed) yields what the saved one would have."""
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=8)
+
+    def collector_over(seed: int) -> LLMCollector:
+        engine = TransformersEngine(perturbed_model(tiny_model_path, seed=seed), tokenizer)
+        policy = EnginePolicy(engine, tokenizer=tokenizer, sampling=sampling, seed=seed)
+        return LLMCollector(guessing_env(0, 2), policy=policy, dialog_turns_per_batch=2, track_policy_version=True)
+
+    saved = collector_over(1)
+    saved.update_policy_weights_(perturbed_model(tiny_model_path, seed=3))
+    flatten_turns(saved.next())
+    state = saved.state_dict()
+    assert state["policy_state_dict"] is not None and state["rng"]["policy"] is not None
+    expected = flatten_turns(saved.next())
+    fresh = collector_over(2)
+    fresh.load_state_dict(state)
+    assert fresh.policy.engine.version == fresh.version_index() == 1
+    got = flatten_turns(fresh.next())
+    assert_same_turns(got, expected)
+    for collector in (saved, fresh):
+        collector.shutdown()
+        collector.policy.engine.close()
 
 
 def test_seeded_sampling_repeats(engine, tokenizer) -> None:

@@ -107,9 +107,9 @@ def test_vllm_policy_request_seeds_resume(tiny_model_path: Path) -> None:
     from lmcollect.policies.vllm_policy import VLLMPolicy
 
     policy = VLLMPolicy(tiny_model_path, engine=_NoEngine(), temperature=1.0, seed=3)
-    policy._seeds_for(5)
+    policy._request_seeds.draw(5, greedy=False)
     saved = policy.rng_state()
-    expected = policy._seeds_for(4)
+    expected = policy._request_seeds.draw(4, greedy=False)
     fresh = VLLMPolicy(tiny_model_path, engine=_NoEngine(), temperature=1.0, seed=99)
     fresh.set_rng_state(json.loads(json.dumps(saved)))  # survives a JSON round trip (checkpoints)
-    assert fresh._seeds_for(4) == expected
+    assert fresh._request_seeds.draw(4, greedy=False) == expected

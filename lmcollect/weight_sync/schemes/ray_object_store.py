@@ -7,6 +7,7 @@ import ray
 
 from lmcollect.weight_sync.buckets import view_buckets
 from lmcollect.weight_sync.schemes.base import WeightReceiver, WeightSender
+from lmcollect.distributed.bounded import get_within
 from lmcollect.weight_sync.weights import WeightDict, to_weight_dict
 
 
@@ -42,17 +43,21 @@ class RayObjectStoreSender(WeightSender):
 
     Args:
         actor_options: options of the mailbox actor (default: no CPU reserved).
+        call_timeout_s: longest a call into the mailbox waits (a hung mailbox raises
+            :class:`~lmcollect.distributed.bounded.CallTimeoutError` naming this knob).
     """
 
-    def __init__(self, *, actor_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, *, actor_options: dict[str, Any] | None = None, call_timeout_s: float = 60.0) -> None:
         options = {"num_cpus": 0, **(actor_options or {})}
         self._mailbox = ray.remote(**options)(WeightMailbox).remote()
         self._version = 0
+        self.call_timeout_s = call_timeout_s
 
     def send(self, weights: object) -> None:
         ref = ray.put(view_buckets(to_weight_dict(weights)).to_numpy())
         self._version += 1
-        ray.get(self._mailbox.publish.remote(self._version, [ref]))
+        get_within(self._mailbox.publish.remote(self._version, [ref]), timeout_s=self.call_timeout_s,
+                   call="RayObjectStoreSender.send (publish)", knob="RayObjectStoreSender(call_timeout_s=...)")
 
     def make_receiver(self, *, call_timeout_s: float = 60.0) -> RayObjectStoreReceiver:
         return RayObjectStoreReceiver(self._mailbox, call_timeout_s=call_timeout_s)
@@ -72,10 +77,12 @@ class RayObjectStoreReceiver(WeightReceiver):
 
     def receive(self, timeout_s: float | None = None) -> WeightDict | None:
         """Views of the newest push's tensors (valid while the caller holds them), or None."""
-        found = ray.get(self._mailbox.latest.remote(self._seen), timeout=self.call_timeout_s)
+        knob = "make_receiver(call_timeout_s=...)"
+        found = get_within(self._mailbox.latest.remote(self._seen), timeout_s=self.call_timeout_s,
+                           call="RayObjectStoreReceiver.receive (latest)", knob=knob)
         if found is None:
             return None
         version, (ref,) = found
-        buckets = ray.get(ref, timeout=self.call_timeout_s)
+        buckets = get_within(ref, timeout_s=self.call_timeout_s, call="RayObjectStoreReceiver.receive (the weights)", knob=knob)
         self._seen = version
         return buckets.tensors()
