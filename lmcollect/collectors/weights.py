@@ -19,6 +19,7 @@ from lmcollect.weight_sync.base import resolve_updater
 from lmcollect.weight_sync.buckets import LOAD_PACKED_WEIGHTS, packed_weights
 from lmcollect.weight_sync.delta import WeightDelta, check_delta_base, prepare_delta
 from lmcollect.weight_sync.weights import (
+    cast_to_held,
     expected_metadata,
     load_weights_,
     share_weights_,
@@ -279,13 +280,13 @@ class WeightReceiverMixin:
         exposes; same checks as an in-place delta: a rejected one changes nothing), then loads as a
         full push. An engine without a model refuses deltas, naming the fix.
         """
-        if convert_dtype:
-            raise TypeError(f"convert_dtype is not supported by {type(engine).__name__}: push the engine's dtype.")
         delta = weights if isinstance(weights, WeightDelta) else None
         if delta is not None and version is None:
             raise TypeError("a delta push needs the version it brings (version=PushVersion(...)).")
         self._check_version(version)
         weights = _decode_delta(engine, delta, self._held_push) if delta is not None else to_weight_dict(weights)
+        if convert_dtype:  # cast here to what the engine holds: every engine then checks dtypes strictly
+            weights = cast_to_held(weights, *engine.weight_metadata())
         index = version.index if version is not None else self._loaded_version_index(engine)
         self._held_push = None  # until the load succeeded
         with self._engine_held():

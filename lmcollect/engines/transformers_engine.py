@@ -16,6 +16,7 @@ from transformers import DynamicCache
 from lmcollect.engines.kv_batch import LeftPaddedKVCache
 from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult
 from lmcollect.engines.running_request import RunningRequest
+from lmcollect.policies.prompt_tokens import eos_token_ids
 from lmcollect.weight_sync.weights import (
     align_names,
     expected_metadata,
@@ -93,7 +94,7 @@ class TransformersEngine:
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self._version = version
-        self._eos_ids = _eos_token_ids(model, tokenizer)
+        self._eos_ids = eos_token_ids(model.generation_config.eos_token_id, tokenizer)
         self._vocab_size = model.get_input_embeddings().num_embeddings
         self._device = next(model.parameters()).device
         self._step_lock = threading.Lock()  # held for one whole step; loads and pauses wait for it
@@ -377,10 +378,3 @@ def _check_model(model: PreTrainedModel) -> None:
         )
 
 
-def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """The model's eos ids (generation config) and the tokenizer's, as TransformersPolicy stops on."""
-    ids = model.generation_config.eos_token_id
-    ids = [ids] if isinstance(ids, int) else list(ids or [])
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(tokenizer.eos_token_id)
-    return ids

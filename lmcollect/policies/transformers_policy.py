@@ -9,6 +9,8 @@ from tensordict import TensorDictBase
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from lmcollect.policies.outputs import Generation, answer_prompts, generate_triples
+from lmcollect.engines.running_request import StopStringWatch
+from lmcollect.policies.prompt_tokens import eos_token_ids
 from lmcollect.policies.sampling import SamplingConfig, sampling_from_kwargs
 from lmcollect.policies.step_log_probs import StepLogProbs, no_generate_warpers
 
@@ -66,10 +68,7 @@ class TransformersPolicy:
             self.set_seed(self.sampling.seed)
 
     def _eos_token_ids(self) -> list[int]:
-        ids = self.model.generation_config.eos_token_id
-        ids = [ids] if isinstance(ids, int) else list(ids or [])
-        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in ids:
-            ids.append(self.tokenizer.eos_token_id)
+        ids = eos_token_ids(self.model.generation_config.eos_token_id, self.tokenizer)
         if not ids:
             raise ValueError("neither the model's generation_config nor the tokenizer defines an eos token.")
         return ids
@@ -163,21 +162,18 @@ class TransformersPolicy:
 class StopStrings(StoppingCriteria):
     """Ends a row once the text it generated contains one of ``sampling.stop_strings``.
 
-    Each step decodes the rows' generated tokens (the prompt's text never counts) and looks for a
-    stop string in the text added since the previous step, plus the characters before it that a
-    stop string may start in; ``min_new_tokens`` holds the check off, as it holds eos off.
-    :attr:`lengths` gives each row's response length: up to the token completing the string
-    (generate pads the row after it), or ``max_new_tokens`` for rows that never matched.
+    One :class:`~lmcollect.engines.running_request.StopStringWatch` per row (the matcher every
+    engine uses) looks at the text each step added; ``min_new_tokens`` holds the check off, as it
+    holds eos off. :attr:`lengths` gives each row's response length: up to the token completing
+    the string (generate pads the row after it), or ``max_new_tokens`` for rows that never matched.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, sampling: SamplingConfig, *, prompt_width: int) -> None:
         self.tokenizer, self.stop_strings = tokenizer, sampling.stop_strings
         self.min_new_tokens, self.max_new_tokens = sampling.min_new_tokens, sampling.max_new_tokens
         self.prompt_width = prompt_width
-        # one character more than a stop string: a byte-level token can complete the previous character
-        self._window = max((len(s) for s in self.stop_strings), default=0)
         self._stopped: list[bool] = []
-        self._checked_chars: list[int] = []
+        self._watches: list[StopStringWatch] = []
         self._lengths: list[int] = []
 
     @property
@@ -188,18 +184,11 @@ class StopStrings(StoppingCriteria):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
         num_rows, num_new = input_ids.shape[0], input_ids.shape[1] - self.prompt_width
         if not self._stopped:  # first step: the batch size is known now
-            self._stopped, self._checked_chars = [False] * num_rows, [0] * num_rows
-            self._lengths = [self.max_new_tokens] * num_rows
-        if self.stop_strings:
-            texts = self.tokenizer.batch_decode(input_ids[:, self.prompt_width :].tolist(), skip_special_tokens=True)
-            for row, text in enumerate(texts):
-                if not self._stopped[row]:
-                    self._check_row(row, text, num_new)
+            self._stopped, self._lengths = [False] * num_rows, [self.max_new_tokens] * num_rows
+            self._watches = [StopStringWatch(self.tokenizer, self.stop_strings) for _ in range(num_rows)] if self.stop_strings else []
+        for row, watch in enumerate(self._watches):
+            if not self._stopped[row]:
+                generated = input_ids[row, self.prompt_width :].tolist()
+                if watch.matched(generated, check=num_new >= self.min_new_tokens):
+                    self._stopped[row], self._lengths[row] = True, num_new
         return torch.tensor(self._stopped, dtype=torch.bool, device=input_ids.device)
-
-    def _check_row(self, row: int, text: str, num_new: int) -> None:
-        start = max(0, self._checked_chars[row] - self._window)
-        self._checked_chars[row] = len(text)
-        if num_new >= self.min_new_tokens and any(s in text[start:] for s in self.stop_strings):
-            self._stopped[row] = True
-            self._lengths[row] = num_new

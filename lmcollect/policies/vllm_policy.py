@@ -13,6 +13,7 @@ from tensordict import TensorDictBase
 from transformers import AutoTokenizer
 
 from lmcollect.policies.outputs import Generation, answer_prompts, generate_triples
+from lmcollect.policies.prompt_tokens import eos_token_ids
 from lmcollect.policies.sampling import RequestSeeds, SamplingConfig, sampling_from_kwargs
 
 if TYPE_CHECKING:  # vllm is an optional extra and slow to import; VLLMEngine imports it when built
@@ -327,10 +328,5 @@ class VLLMPolicy:
 def engine_stop_token_ids(model_path: str | Path, tokenizer: Any) -> list[int]:
     """The ids vLLM stops at: the generation config's eos ids plus the tokenizer's eos."""
     config_file = Path(model_path) / "generation_config.json"
-    ids: list[int] = []
-    if config_file.is_file():
-        eos = json.loads(config_file.read_text(encoding="utf-8")).get("eos_token_id")
-        ids = [eos] if isinstance(eos, int) else list(eos or [])
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(tokenizer.eos_token_id)
-    return ids
+    config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+    return eos_token_ids(config.get("eos_token_id"), tokenizer)

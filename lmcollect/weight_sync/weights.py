@@ -168,6 +168,21 @@ def non_finite_problems(
     return problems
 
 
+def cast_to_held(
+    weights: Mapping[str, torch.Tensor], metadata: Mapping[str, tuple[torch.dtype, Any]], aliases: Mapping[str, str]
+) -> dict[str, torch.Tensor]:
+    """``weights`` with every floating tensor cast to the floating dtype the receiver holds it in
+    (``metadata`` / ``aliases`` as :func:`expected_metadata` gives them): a ``convert_dtype`` push
+    into an engine that checks dtypes strictly. Names the receiver does not know are left for its check."""
+    cast = {}
+    for name, tensor in weights.items():
+        held = metadata.get(aliases.get(name, name))
+        dtype = held[0] if held is not None else tensor.dtype
+        floating = tensor.is_floating_point() and dtype.is_floating_point
+        cast[name] = tensor.to(dtype) if floating and dtype != tensor.dtype else tensor
+    return cast
+
+
 def narrowest_held_dtypes(
     weights: Mapping[str, torch.Tensor], receivers: Iterable[tuple[Mapping[str, tuple[torch.dtype, Any]], Mapping[str, str]]]
 ) -> dict[str, torch.dtype]:

@@ -130,6 +130,22 @@ def test_state_dict_over_an_engine_keeps_the_weights_and_the_seed_stream(tiny_mo
         collector.policy.engine.close()
 
 
+def test_convert_dtype_casts_a_push_to_the_engines_dtype(engine, tiny_model_path, tokenizer) -> None:
+    collector = LLMCollector(guessing_env(0), policy=EnginePolicy(engine, tokenizer=tokenizer, sampling=GREEDY),
+                             dialog_turns_per_batch=2, track_policy_version=True)
+    bf16 = {name: t.to(torch.bfloat16) for name, t in to_weight_dict(perturbed_model(tiny_model_path, seed=2)).items()}
+    before = {name: t.clone() for name, t in engine.model.state_dict().items()}
+    with pytest.raises(ValueError, match="pass convert_dtype=True"):
+        collector.apply_weights(bf16)
+    assert all(torch.equal(engine.model.state_dict()[k], v) for k, v in before.items())
+    collector.apply_weights(bf16, convert_dtype=True)
+    for name, tensor in bf16.items():
+        held = engine.model.state_dict()[name]
+        assert held.dtype == torch.float32 and torch.equal(held, tensor.float()), name
+    assert engine.version == collector.version_index() == 1
+    collector.shutdown()
+
+
 def test_seeded_sampling_repeats(engine, tokenizer) -> None:
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=8)
     runs = []
