@@ -14,7 +14,7 @@ from lmcollect.collectors.common import CollectorVersionMixin
 from lmcollect.collectors.config import resolve_batching
 from lmcollect.collectors.continuous_state import ContinuousStateMixin
 from lmcollect.collectors.dialog_tasks import DialogTasks, EngineSide, Slot
-from lmcollect.collectors.llm_collector import _instantiate_env
+from lmcollect.collectors.llm_collector import instantiate_env
 from lmcollect.collectors.trajectories import TrajectoryTracker, id_base, random_namespace
 from lmcollect.collectors.turn_flow import TurnFlow
 from lmcollect.collectors.versioning import PolicyVersion, make_policy_version
@@ -450,9 +450,9 @@ def _build_slot_envs(env: Any, max_dialogs_in_flight: int | None) -> list[Any]:
                 f"max_dialogs_in_flight={max_dialogs_in_flight} but env lists {len(env)} envs (one per slot); "
                 "drop max_dialogs_in_flight or pass that many envs."
             )
-        envs = [_instantiate_env(e) for e in env]
+        envs = [instantiate_env(e) for e in env]
     elif callable(env) and not hasattr(env, "batch_size"):
-        envs = [_instantiate_env(env) for _ in range(max_dialogs_in_flight or DEFAULT_DIALOGS_IN_FLIGHT)]
+        envs = [instantiate_env(env) for _ in range(max_dialogs_in_flight or DEFAULT_DIALOGS_IN_FLIGHT)]
     else:
         raise TypeError(
             "env must be a list of batch-1 envs (one per slot) or a callable building one, got "

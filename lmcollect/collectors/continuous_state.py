@@ -8,7 +8,7 @@ from typing import Any
 
 
 from lmcollect.collectors.dialog_tasks import DialogTasks
-from lmcollect.collectors.llm_collector import _state_of
+from lmcollect.collectors.llm_collector import state_of
 from lmcollect.collectors.trajectories import TrajectoryTracker
 from lmcollect.collectors.turn_flow import TurnFlow
 from lmcollect.weight_sync.version import PushVersion
@@ -79,7 +79,7 @@ class ContinuousStateMixin:
     async def _snapshot(self) -> OrderedDict:
         state: OrderedDict = OrderedDict()
         state["layout"] = self.layout()
-        state["env_state_dict"] = [_state_of(env) for env in self.envs]
+        state["env_state_dict"] = [state_of(env) for env in self.envs]
         state["policy_state_dict"] = self._weights_for_state()
         state["turns_run"] = self._tasks.turns_run
         state["batches"] = self._batches

@@ -21,7 +21,7 @@ from tensordict import TensorDict, TensorDictBase, lazy_stack
 
 from lmcollect.collectors.batcher import CollectedTurn
 from lmcollect.collectors.engine_turns import prompt_of, request_of, turn_from_result
-from lmcollect.collectors.env_runner import _next_observation, _stamp, check_turn, env_next
+from lmcollect.collectors.env_runner import next_observation, stamp_turn, check_turn, env_next
 from lmcollect.collectors.trajectories import TrajectoryTracker
 from lmcollect.collectors.turn_flow import TurnFlow
 from lmcollect.data import keys
@@ -266,10 +266,10 @@ class DialogTasks:
         nxt = await self._step_env(i, slot.env, turn)
         done = bool(nxt.get(keys.DONE).any())
         traj_id, step_count, min_version = self.tracker.stamp(i, index)
-        _stamp(turn, version, index, traj_id, step_count, min_version, i, self._group_id(i, turn))
+        stamp_turn(turn, version, index, traj_id, step_count, min_version, i, self._group_id(i, turn))
         if done:
             self.tracker.end(i, index)
-        slot.obs = None if done else _next_observation(turn, nxt)
+        slot.obs = None if done else next_observation(turn, nxt)
         return CollectedTurn(slot=i, traj_id=traj_id, done=done, td=turn)
 
     async def _new_dialog(self, i: int, slot: Slot, index: int) -> TensorDictBase:

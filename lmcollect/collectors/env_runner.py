@@ -151,13 +151,13 @@ class EnvRunner:
             turn.set("next", nxt_i)
             done = bool(nxt_i.get(keys.DONE).any())
             traj_id, step_count, min_version = self.tracker.stamp(slot, version_index)
-            _stamp(turn, version, version_index, traj_id, step_count, min_version, slot, self._group_id(turn))
+            stamp_turn(turn, version, version_index, traj_id, step_count, min_version, slot, self._group_id(turn))
             turns.append(CollectedTurn(slot=slot, traj_id=traj_id, done=done, td=turn))
             if done:
                 done_rows.append(i)
                 self.tracker.end(slot, version_index)
             else:
-                next_obs[i] = _next_observation(turn, nxt_i)
+                next_obs[i] = next_observation(turn, nxt_i)
         self._obs = next_obs
         if done_rows:
             self._reset_rows(done_rows)
@@ -180,7 +180,7 @@ class EnvRunner:
         return self.tracker.group_id(self.env_number, self.num_env_runners, int(prompt_id))
 
 
-def _next_observation(turn: TensorDictBase, nxt: TensorDictBase) -> TensorDictBase:
+def next_observation(turn: TensorDictBase, nxt: TensorDictBase) -> TensorDictBase:
     """The env's next observation plus the dialog's tokens so far (token-exact multi-turn)."""
     obs = nxt.exclude(keys.REWARD)
     if keys.TOKENS_FULL in turn.keys(include_nested=True):
@@ -189,7 +189,7 @@ def _next_observation(turn: TensorDictBase, nxt: TensorDictBase) -> TensorDictBa
     return obs
 
 
-def _stamp(
+def stamp_turn(
     turn: TensorDictBase,
     version: int | str,
     version_index: int,

@@ -439,7 +439,7 @@ class LLMCollector(CollectorVersionMixin, WeightReceiverMixin):
             self._halt()
             state: OrderedDict = OrderedDict()
             state["layout"] = self.layout()
-            state["env_state_dict"] = [_state_of(env) for env in self.envs]
+            state["env_state_dict"] = [state_of(env) for env in self.envs]
             state["policy_state_dict"] = self._weights_for_state()
             state["turns_run"] = self._turns_run
             state["turns_yielded"] = self._turns_yielded
@@ -554,7 +554,7 @@ def _rng_of(policy: Any) -> Any:
     return rng_state() if callable(rng_state) else None
 
 
-def _state_of(obj: Any) -> Any:
+def state_of(obj: Any) -> Any:
     state_dict = getattr(obj, "state_dict", None)
     return state_dict() if callable(state_dict) else None
 
@@ -575,17 +575,17 @@ def _build_envs(env: Any, async_envs: bool) -> list[Any]:
         if hasattr(env, "envs") and hasattr(env, "num_envs"):  # an AsyncEnvPool
             return list(env.envs)
         if isinstance(env, (list, tuple)):
-            return [_instantiate_env(e) for e in env]
+            return [instantiate_env(e) for e in env]
         raise TypeError(
             "with async_envs=True, env must be an AsyncEnvPool or a list of envs / env constructors, "
             f"got {type(env).__name__}."
         )
     if isinstance(env, (list, tuple)):
         raise TypeError("a list of envs needs async_envs=True (each env then steps in its own thread).")
-    return [_instantiate_env(env)]
+    return [instantiate_env(env)]
 
 
-def _instantiate_env(env: Any) -> Any:
+def instantiate_env(env: Any) -> Any:
     if isinstance(env, type) or (callable(env) and not hasattr(env, "batch_size")):
         env = env()  # a constructor
     if not (hasattr(env, "step") and hasattr(env, "reset") and hasattr(env, "batch_size")):

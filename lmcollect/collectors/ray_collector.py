@@ -580,7 +580,7 @@ class _RayCollectorWorker(CollectorWorker):
         super().__init__(*args, restarted=_was_reconstructed(), **kwargs)
 
 
-class _RayContinuousWorker(ContinuousCollectorWorker):
+class RayContinuousWorker(ContinuousCollectorWorker):
     """The continuous collector's actor body (see :class:`_RayCollectorWorker`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

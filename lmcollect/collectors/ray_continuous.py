@@ -6,7 +6,7 @@ from typing import Any
 
 from tensordict import TensorDictBase
 
-from lmcollect.collectors.ray_collector import RayActorConfig, RayLLMCollector, _RayContinuousWorker
+from lmcollect.collectors.ray_collector import RayActorConfig, RayLLMCollector, RayContinuousWorker
 from lmcollect.collectors.versioning import PolicyVersion
 from lmcollect.engines.protocol import EngineProtocol
 from lmcollect.policies.sampling import SamplingConfig
@@ -99,4 +99,4 @@ class RayContinuousLLMCollector(RayLLMCollector):
 
     @classmethod
     def _actor_body(cls) -> type:
-        return _RayContinuousWorker
+        return RayContinuousWorker

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 
 from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult
-from lmcollect.policies.vllm_policy import _completion, _import_vllm, engine_kwargs_for, sampling_params_kwargs
+from lmcollect.policies.vllm_policy import completion_of, import_vllm, engine_kwargs_for, sampling_params_kwargs
 from lmcollect.weight_sync.buckets import LOAD_PACKED_WEIGHTS, packed_weights
 from lmcollect.weight_sync.vllm_worker_ext import checkpoint_metadata
 from lmcollect.weight_sync.weights import check_weights
@@ -86,7 +86,7 @@ class VLLMAsyncEngine:
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive (seconds for start-up and control calls), got {timeout_s}.")
-        _import_vllm()  # a clear ImportError before any thread starts
+        import_vllm()  # a clear ImportError before any thread starts
         _import_async_llm()  # here, not in the loop's coroutine (see _import_async_llm)
         self.model_path = str(model_path)
         self.timeout_s = timeout_s
@@ -362,7 +362,7 @@ def result_of(output: RequestOutput) -> EngineResult:
     completion = output.outputs[0]
     if completion.finish_reason not in ("stop", "length"):
         raise RuntimeError(f"vLLM ended request {output.request_id!r} with finish_reason={completion.finish_reason!r}.")
-    tokens, log_probs = _completion(completion)
+    tokens, log_probs = completion_of(completion)
     return EngineResult(
         tokens=torch.tensor(tokens, dtype=torch.long),
         log_probs=torch.tensor(log_probs, dtype=torch.float32),

@@ -116,7 +116,7 @@ def engine_kwargs_for(model_path: str | Path, engine_kwargs: dict[str, Any] | No
     return kwargs
 
 
-def _import_vllm() -> Any:
+def import_vllm() -> Any:
     try:
         import vllm
     except ImportError as err:
@@ -126,7 +126,7 @@ def _import_vllm() -> Any:
     return vllm
 
 
-def _completion(output: CompletionOutput) -> Completion:
+def completion_of(output: CompletionOutput) -> Completion:
     tokens = list(output.token_ids)
     if output.logprobs is None or len(output.logprobs) != len(tokens):
         raise RuntimeError(f"vLLM returned {len(output.logprobs or [])} log-probs for {len(tokens)} tokens.")
@@ -160,7 +160,7 @@ class VLLMEngine:
     """
 
     def __init__(self, model_path: str | Path, *, engine_kwargs: dict[str, Any] | None = None) -> None:
-        vllm = _import_vllm()
+        vllm = import_vllm()
         self.model_path = str(model_path)
         kwargs = engine_kwargs_for(model_path, engine_kwargs)
         self._engine_thread = ThreadPoolExecutor(1, thread_name_prefix="lmcollect-vllm-engine")
@@ -194,7 +194,7 @@ class VLLMEngine:
             params = [SamplingParams(**sampling_params_kwargs(sampling, seed=s), **stops) for s in seeds]
         requests = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
         outputs = self._on_engine_thread(self.llm.generate, requests, params, use_tqdm=False)
-        return [_completion(out.outputs[0]) for out in outputs]
+        return [completion_of(out.outputs[0]) for out in outputs]
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
         """Call ``method`` on every worker of the engine (see ``vllm.LLM.collective_rpc``)."""

@@ -116,7 +116,7 @@ def _align(offset: int) -> int:
     return -(-offset // ALIGN_BYTES) * ALIGN_BYTES
 
 
-def _tie_key(tensor: torch.Tensor) -> tuple:
+def tie_key(tensor: torch.Tensor) -> tuple:
     """Tensors with equal keys are the same memory (tied weights): sent once."""
     return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.dtype, tuple(tensor.shape), tensor.stride())
 
@@ -140,7 +140,7 @@ def plan_layout(
     seen: dict[tuple, tuple[int, int]] = {}
     slots = []
     for name, tensor in weights.items():
-        key = _tie_key(tensor)
+        key = tie_key(tensor)
         dtype = tensor.dtype if dtypes is None else dtypes.get(name, tensor.dtype)
         if key not in seen:
             nbytes = tensor.numel() * dtype.itemsize
@@ -199,7 +199,7 @@ def pack_buckets(
     copied: set[tuple] = set()
     with torch.no_grad():
         for position, (slot, tensor) in enumerate(zip(layout.slots, weights.values())):
-            key = _tie_key(tensor)
+            key = tie_key(tensor)
             if key not in copied and slot.buffer_index not in views:  # else a tied alias, or sent as it is
                 copied.add(key)
                 _slot_view(buffers[slot.buffer_index], slot).copy_(tensor)
@@ -236,7 +236,7 @@ def view_buckets(weights: Mapping[str, torch.Tensor]) -> WeightBuckets:
     seen: dict[tuple, int] = {}
     slots = []
     for name, tensor in weights.items():
-        key = _tie_key(tensor)
+        key = tie_key(tensor)
         if key not in seen:
             seen[key] = len(buffers)
             buffers.append(_bytes_of(tensor))

@@ -34,7 +34,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from lmcollect.weight_sync.buckets import WeightBuckets, _tie_key, view_buckets
+from lmcollect.weight_sync.buckets import WeightBuckets, tie_key, view_buckets
 from lmcollect.weight_sync.version import PushVersion
 
 Encoding = Literal["indices", "bitmask", "dense"]
@@ -276,7 +276,7 @@ def distinct_tensors(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
     seen: set[tuple] = set()
     out: dict[str, torch.Tensor] = {}
     for name, tensor in weights.items():
-        key = _tie_key(tensor)
+        key = tie_key(tensor)
         if key not in seen:
             seen.add(key)
             out[name] = tensor
