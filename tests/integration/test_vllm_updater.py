@@ -5,9 +5,7 @@ in-process engine is the session's (conftest); it gets its original weights back
 """
 from __future__ import annotations
 
-import copy
 import functools
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -235,44 +233,44 @@ def test_ray_collector_with_vllm_policy_collects_in_the_background_through_a_pus
 
 
 def test_convert_dtype_pushes_an_fp32_trainer_into_a_bf16_engine(
-    ray_cluster: Any, model_dir: Path, new_model: torch.nn.Module, tmp_path: Path
+    ray_cluster: Any, model_dir: Path, new_model: torch.nn.Module, old_reference: TransformersPolicy
 ) -> None:
-    """Refused without convert_dtype; with it, the engine answers like a fresh bf16 engine built from
-    the pushed weights. Both engines are actors (one in-process engine per process)."""
+    """Refused without convert_dtype; with it, new fp32 weights go out as bf16 (half the bytes) and
+    take effect, and pushing the checkpoint's own fp32 weights back gives the engine's start-up
+    answers exactly (the same bf16 rounding as vLLM's own load). One engine, an actor (one
+    in-process engine per process)."""
     from lmcollect.policies.vllm_ray import VLLMReplicas
 
-    pushed_dir = tmp_path / "pushed-bf16"
-    shutil.copytree(model_dir, pushed_dir)
-    copy.deepcopy(new_model).to(torch.bfloat16).save_pretrained(pushed_dir)
-    shutil.copy(model_dir / "generation_config.json", pushed_dir)  # the same stop tokens
     bf16_kwargs = {**EXT_ENGINE_KWARGS, "dtype": "bfloat16"}
-    engines = [VLLMReplicas(path, engine_kwargs=bf16_kwargs, remote_config={"num_cpus": 0.5}) for path in (model_dir, pushed_dir)]
-    pushed, fresh = (VLLMPolicy(model_dir, engine=engine, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS) for engine in engines)
+    engine = VLLMReplicas(model_dir, engine_kwargs=bf16_kwargs, remote_config={"num_cpus": 0.5})
+    pushed = VLLMPolicy(model_dir, engine=engine, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
     updater = vLLMUpdater(timeout_s=60, verify=True, convert_dtype=True)
     collector = LLMCollector(
         make_env(), policy=pushed, dialog_turns_per_batch=4, weight_updater=updater, track_policy_version=True
     )
     td = chat_batch(QUESTIONS)
-    want = fresh(td)
     try:
-        before = pushed(td)  # the checkpoint's weights answer otherwise
-        assert any(not torch.equal(before[i][keys.TOKENS_FULL], want[i][keys.TOKENS_FULL]) for i in range(len(QUESTIONS)))
+        at_start = pushed(td)
         refused = vLLMUpdater.from_policy(pushed)
         with pytest.raises(ValueError, match=r"has dtype torch.float32, the model expects torch.bfloat16 \(pass convert_dtype=True"):
             refused.push_weights(new_model)
         refused.close()
+        assert_same_answers(pushed(td), at_start)  # the refused push changed nothing
         collector.update_policy_weights_(new_model)
         assert collector.policy_version == 1
         sent_bytes = sum(buffer.numel() for buffer in updater._sender._sent)  # bf16 on the wire: half of fp32
         assert sent_bytes < 0.6 * sum(t.numel() * 4 for t in unique_targets(new_model)[0].values())
-        got = pushed(td)
+        changed = pushed(td)
+        assert any(not torch.equal(changed[i][keys.TOKENS_FULL], at_start[i][keys.TOKENS_FULL]) for i in range(len(QUESTIONS)))
+        collector.update_policy_weights_(old_reference.model)  # the checkpoint's fp32 weights, cast again
+        assert collector.policy_version == 2
+        back = pushed(td)
         for i in range(len(QUESTIONS)):
-            assert torch.equal(got[i][keys.TOKENS_FULL], want[i][keys.TOKENS_FULL]), f"element {i}"
-            torch.testing.assert_close(got[i][keys.LOG_PROBS_RESPONSE], want[i][keys.LOG_PROBS_RESPONSE], atol=1e-3, rtol=0)
+            assert torch.equal(back[i][keys.TOKENS_FULL], at_start[i][keys.TOKENS_FULL]), f"element {i}"
+            torch.testing.assert_close(back[i][keys.LOG_PROBS_RESPONSE], at_start[i][keys.LOG_PROBS_RESPONSE], atol=1e-3, rtol=0)
     finally:
         collector.shutdown()
-        for engine in engines:
-            engine.shutdown()
+        engine.shutdown()
 
 
 def test_engine_actor_push_and_killed_engine_fails_within_timeout(
