@@ -2,8 +2,9 @@
 
 Run with a Python that has vLLM: ``python -m pytest tests/integration/test_vllm_server.py``. One
 server for the module (started on a free loopback port, about a minute here: three processes
-import vLLM; stopped at the end, its whole process group). The tests run in file order: the push
-test changes the server's weights and the last test stops the server.
+import vLLM; stopped at the end, its whole process group), with its control endpoints on behind a
+generated token and a short pause lease. The tests run in file order: the push test changes the
+server's weights and the last test stops the server.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -38,8 +40,10 @@ from lmcollect.policies.vllm_server import (  # noqa: E402
     VLLMServerPolicy,
     free_port,
     master_address_for,
+    request_json,
     serve_command,
 )
+from lmcollect.policies.vllm_control import CONTROL_TOKEN_HEADER  # noqa: E402
 from lmcollect.weight_sync.vllm_updater import vLLMUpdater  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -47,6 +51,7 @@ pytestmark = pytest.mark.integration
 # conftest's CPU_ENGINE_KWARGS as flags: a KV cache that fits, no torch.compile
 SERVE_ARGS = ["--kv-cache-memory-bytes", str(1 << 30), "--enforce-eager"]
 START_TIMEOUT_S = 240.0
+PAUSE_LEASE_S = 5.0  # short, so an abandoned pause ends within a test; pushes renew it every third
 ROWS = [{"prompt": q} for q in QUESTIONS]
 NUM_DIALOG_TURNS = 16
 IM_START = 1
@@ -67,7 +72,14 @@ print(json.dumps(answers))
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     log_path = tmp_path_factory.mktemp("vllm-serve") / "server.log"
-    with VLLMServer(model_dir, serve_args=SERVE_ARGS, start_timeout_s=START_TIMEOUT_S, log_path=log_path) as served:
+    with VLLMServer(
+        model_dir,
+        serve_args=SERVE_ARGS,
+        control_endpoints=True,
+        pause_lease_s=PAUSE_LEASE_S,
+        start_timeout_s=START_TIMEOUT_S,
+        log_path=log_path,
+    ) as served:
         yield served
     assert not served.running
 
@@ -110,7 +122,10 @@ def make_env() -> ChatEnv:
 
 # ------------------------------------------------------------------------------------ generation
 def test_answers_exactly_like_the_in_process_engine(server: VLLMServer, greedy_policy: VLLMPolicy) -> None:
-    policy = VLLMServerPolicy(server.url, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
+    # with the token, the policy reads the server's configuration (/server_info) and checks its log-probs mode
+    policy = VLLMServerPolicy(
+        server.url, control_token=server.control_token, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS
+    )
     assert policy.engine.model == str(policy.model_path) and policy.base_url == server.url
     td = chat_batch(QUESTIONS)
     got, want = policy(td), greedy_policy(td)
@@ -167,7 +182,7 @@ def test_errors_name_the_server(server: VLLMServer) -> None:
         VLLMServerPolicy(server.url, model="other")
     with pytest.raises(ValueError, match="no /v1 path"):
         VLLMServerPolicy(server.url + "/v1")
-    engine = VLLMServerEngine(server.url)
+    engine = VLLMServerEngine(server.url, control_token=server.control_token)
     too_long = [1] * 5000  # over the model's 4096 positions
     with pytest.raises(VLLMServerError, match=f"{server.url}/v1/completions failed with HTTP 400"):
         engine.generate_tokens([[1, 2, 3], too_long], SamplingConfig(max_new_tokens=4))
@@ -179,12 +194,50 @@ def test_errors_name_the_server(server: VLLMServer) -> None:
     assert command[-2:] == ["--dtype", "bfloat16"] and "--logprobs-mode" in command  # the caller's flags come last
 
 
+# ------------------------------------------------------------------------------------ control endpoints
+def test_control_requests_without_the_token_are_refused_and_the_server_keeps_serving(server: VLLMServer) -> None:
+    assert server.control_token and server.control_token not in " ".join(server.command)
+    cmdline = Path(f"/proc/{server.process.pid}/cmdline")
+    if cmdline.exists():  # what `ps` shows other users
+        assert server.control_token.encode() not in cmdline.read_bytes()
+    wrong = {CONTROL_TOKEN_HEADER: "wrong-token-0123456789abcdef"}
+    for path in ["/pause?mode=abort", "/collective_rpc", "/reset_prefix_cache", "/sleep", "/server_info"]:
+        for headers, status in [({}, 401), (wrong, 403)]:
+            with pytest.raises(VLLMServerError) as refused:
+                request_json("POST", server.url + path, {"method": "load_weights"}, timeout_s=30, headers=headers)
+            assert refused.value.status == status, (path, headers)
+    with pytest.raises(VLLMServerError, match="pass control_token"):
+        VLLMServerEngine(server.url).collective_rpc("load_weights")
+    engine = VLLMServerEngine(server.url, control_token=server.control_token)
+    assert engine.call("GET", "/is_paused") == {"is_paused": False}
+    policy = VLLMServerPolicy(server.url, temperature=0.0, max_new_tokens=4)  # generation needs no token
+    assert policy(chat_batch(QUESTIONS[:1]))[0][keys.TOKENS_RESPONSE].numel() > 0
+
+
+def test_a_pause_nobody_renews_ends_after_the_lease(server: VLLMServer) -> None:
+    engine = VLLMServerEngine(server.url, control_token=server.control_token)
+    engine.call("POST", "/pause?mode=wait&clear_cache=false")  # and this client never resumes
+    started = time.monotonic()
+    assert engine.call("GET", "/is_paused") == {"is_paused": True}
+    limit_s = PAUSE_LEASE_S + 30.0
+    while engine.call("GET", "/is_paused")["is_paused"]:
+        assert time.monotonic() - started < limit_s, f"still paused {limit_s} s after an abandoned pause"
+        time.sleep(0.2)
+    assert time.monotonic() - started > PAUSE_LEASE_S * 0.5
+    log = server.log_path.read_text(encoding="utf-8", errors="replace")
+    assert "nobody renewed the pause" in log  # the guard resumed it, not something else
+    policy = VLLMServerPolicy(server.url, temperature=0.0, max_new_tokens=4)
+    assert policy(chat_batch(QUESTIONS[:1]))[0][keys.TOKENS_RESPONSE].numel() > 0
+
+
 # ------------------------------------------------------------------------------------ weight sync
 def test_push_into_the_server_matches_a_fresh_engine_with_the_pushed_weights(
     server: VLLMServer, new_model_dir: Path
 ) -> None:
     want_new = fresh_engine_answers(new_model_dir)
-    policy = VLLMServerPolicy(server.url, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
+    policy = VLLMServerPolicy(
+        server.url, control_token=server.control_token, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS
+    )
     updater = vLLMUpdater(verify=True, timeout_s=60)
     collector = LLMCollector(
         make_env(), policy=policy, dialog_turns_per_batch=4, weight_updater=updater, track_policy_version=True

@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import secrets
 import zlib
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -14,8 +15,9 @@ import torch.distributed as dist
 from lmcollect.weight_sync.buckets import (
     BucketLayout,
     WeightBuckets,
-    layout_from_json,
+    layout_problems,
     layout_to_json,
+    max_layout_nbytes,
     metadata_from_json,
     metadata_to_json,
     pack_buckets,
@@ -32,6 +34,15 @@ from lmcollect.weight_sync.delta import (
     prepare_delta,
 )
 from lmcollect.weight_sync.schemes.base import WeightReceiver, WeightSender
+from lmcollect.weight_sync.schemes.rendezvous import (
+    GroupStore,
+    check_secret,
+    parse_header,
+    parse_layout,
+    raise_if_layout_problems,
+    version_from_json,
+    version_json,
+)
 from lmcollect.weight_sync.version import PushVersion
 from lmcollect.weight_sync.weights import WeightDict, raise_if_problems, tensor_metadata, to_weight_dict, weight_problems
 
@@ -43,12 +54,23 @@ DIRECT_SEND_MIN_BYTES = 1 << 20  # full pushes without delta send tensors this l
 
 @dataclass(frozen=True, kw_only=True)
 class ProcessGroupConfig:
-    """Where and how the sender and its receivers meet."""
+    """Where and how the sender and its receivers meet.
+
+    What listens where: the sender's rendezvous store (a ``torch.distributed.TCPStore``) on
+    ``master_port`` on *all* interfaces, whatever ``master_address`` says (that is only where
+    receivers connect to); then every rank of the group opens the backend's own ports: gloo
+    listens on ephemeral TCP ports of the address its host name resolves to (or of
+    ``GLOO_SOCKET_IFNAME``), NCCL on ephemeral ports of ``NCCL_SOCKET_IFNAME`` (plus NVLink /
+    InfiniBand). Firewall ``master_port`` and the ephemeral range so that only the trainer and
+    engine hosts reach them, or keep the group on a private network: see :class:`ProcessGroupSender`
+    for what the group's secret protects and what it does not.
+    """
 
     master_address: str = "127.0.0.1"
-    """Address of the sender (rank 0); receivers connect to it. Use a routable address across nodes."""
+    """Address of the sender (rank 0); receivers connect to it. Use a routable address across nodes.
+    The store listens on every interface regardless: firewall ``master_port``."""
     master_port: int = 0
-    """TCP port of the rendezvous store (0: pick a free one; see ``connection_info()``)."""
+    """TCP port of the rendezvous store, on all interfaces (0: pick a free one; see ``connection_info()``)."""
     num_receivers: int = 1
     """Receivers in the group (ranks 1..num_receivers)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -89,6 +111,20 @@ class ProcessGroupSender(WeightSender):
     changed elements; every receiver patches its buffers of the last push, verifies, posts an
     acknowledgement, and the sender posts a verdict: "ok", or "full" followed by a full push.
 
+    Security: the store listens on ``master_port`` on all interfaces (see
+    :class:`ProcessGroupConfig`), and any host that reaches it can read, write, delete and list
+    its keys. So each group has a secret (``secrets.token_hex(16)``) that travels in
+    ``connection_info()`` over the channel that carries it (the driver, Ray, ``collective_rpc``),
+    never through the store and never in a log. Every key lmcollect uses (``meta/``, ``push/``,
+    ``ack/``, ``verdict/``, and the gloo/NCCL rendezvous) lives under a prefix derived from it,
+    and every lmcollect value is signed with it (HMAC-SHA256), so a value written by a host
+    without the secret is never read or is refused (listing the keys reveals the prefix, not the
+    secret). Receivers also check each header against their own model before allocating (layout,
+    buffer sizes). What the secret does not stop: a host reaching the store can delete keys or
+    tamper with the gloo/NCCL rendezvous entries (a failed or hijacked group), and the broadcast
+    bytes are neither signed nor encrypted. Firewall ``master_port`` and the backend's ports to
+    the trainer and engine hosts.
+
     Example (a collector in a Ray actor)::
 
         sender = ProcessGroupSender(ProcessGroupConfig(num_receivers=1))
@@ -105,7 +141,8 @@ class ProcessGroupSender(WeightSender):
         self.config = config or ProcessGroupConfig()
         self.backend = _resolve_backend(self.config.backend)
         self._timeout = datetime.timedelta(seconds=self.config.timeout_s)
-        self._store = dist.TCPStore(
+        self._secret = secrets.token_hex(16)  # travels only in connection_info(): never log it
+        tcp_store = dist.TCPStore(
             self.config.master_address,
             self.config.master_port,
             self.config.num_receivers + 1,
@@ -113,6 +150,7 @@ class ProcessGroupSender(WeightSender):
             timeout=self._timeout,
             wait_for_workers=False,
         )
+        self._store = GroupStore(tcp_store, self._secret)
         self._group: Any = None
         self._receiver_metadata: list[tuple[dict, dict]] = []
         self._num_pushes = 0
@@ -123,13 +161,16 @@ class ProcessGroupSender(WeightSender):
         """What the last push moved: full or delta, bytes, changed elements, receivers repaired."""
 
     def connection_info(self) -> dict[str, Any]:
-        """What receivers need to join (plain data: picklable, JSON-able)."""
+        """What receivers need to join (plain data: picklable, JSON-able), the group's secret
+        included: hand it over a trusted channel only (the driver, Ray, ``collective_rpc``), and
+        never log or print it."""
         return {
             "master_address": self.config.master_address,
-            "master_port": self._store.port,
+            "master_port": self._store.store.port,
             "world_size": self.config.num_receivers + 1,
             "backend": self.backend,
             "timeout_s": self.config.timeout_s,
+            "secret": self._secret,
         }
 
     @property
@@ -177,7 +218,7 @@ class ProcessGroupSender(WeightSender):
         self._group = _make_group(self.backend, self._store, _SENDER_RANK, self.config.num_receivers + 1, self._timeout)
         self._receiver_metadata = [
             metadata_from_json(self._store.get(f"meta/{rank}")) for rank in range(1, self.config.num_receivers + 1)
-        ]
+        ]  # signed by the receivers: a forged "meta/" value raises here
         logger.info("process group formed: %d receiver(s), backend %s", self.config.num_receivers, self.backend)
 
     def prepare(self, weights: object) -> PreparedPush:
@@ -219,7 +260,7 @@ class ProcessGroupSender(WeightSender):
         direct = self._delta_base is None  # a delta base must own its bytes: it copies
         if self._delta_base is not None:
             self._delta_base.reset()  # the buffers change now; they are the base again once sent
-        self._post_header({"kind": "full", "version": _version_json(version), "layout": layout_to_json(layout)})
+        self._post_header({"kind": "full", "version": version_json(version), "layout": layout_to_json(layout)})
         sending: list[Any] = []  # buffer i goes on the wire while later buffers are being packed
         buckets = pack_buckets(
             prepared.weights,
@@ -251,21 +292,35 @@ class ProcessGroupSender(WeightSender):
         delta = encoded.delta
         buckets = pack_buckets(delta.arrays.tensors(), bucket_size_bytes=self.config.bucket_size_bytes, device=self._device())
         n = self._num_pushes
-        self._post_header({"kind": "delta", "version": _version_json(version), "layout": layout_to_json(buckets.layout), **delta.header()})
+        self._post_header({"kind": "delta", "version": version_json(version), "layout": layout_to_json(buckets.layout), **delta.header()})
         for buffer in buckets.buffers:
             self._group.broadcast(buffer, _SENDER_RANK).wait()
         self._num_pushes += 1
         ranks = range(1, self.config.num_receivers + 1)
         keys = [f"ack/{n}/{rank}" for rank in ranks]
         self._store.wait(keys, self._timeout)
-        answers = {rank: self._store.get(key).decode() for rank, key in zip(ranks, keys)}
+        answers = {rank: self._read_ack(key) for rank, key in zip(ranks, keys)}
         for key in keys:
-            self._store.delete_key(key)
+            self._store.delete(key)
         refused = [rank for rank, answer in answers.items() if answer != "ok"]
         for rank in refused:
             logger.info("receiver %d refused delta push %d: %s", rank, n, answers[rank])
-        self._store.set(f"verdict/{n}", "full" if refused else "ok")
+        self._post_verdict(n, "full" if refused else "ok")
         return refused
+
+    def _read_ack(self, key: str) -> str:
+        """A receiver's answer to a delta: "ok" or "refused: why". Anything else (unsigned,
+        unknown) counts as a refusal: the safe side, a full push follows."""
+        try:
+            answer = self._store.get(key)
+        except ValueError as exc:  # designed: a forged or corrupt value in the store
+            return f"refused: {exc}"
+        if answer == "ok" or answer.startswith("refused: "):
+            return answer
+        return f"refused: unknown acknowledgement {answer[:40]!r}"
+
+    def _post_verdict(self, n: int, verdict: str) -> None:
+        self._store.set(f"verdict/{n}", verdict)
 
     def _post_header(self, header: dict) -> None:
         n = self._num_pushes
@@ -274,9 +329,9 @@ class ProcessGroupSender(WeightSender):
         # verdict may still be unread when the next header goes up (a repair follows at once),
         # but it was read before push n-1's broadcasts could complete: delete it one push later.
         if n > 0:
-            self._store.delete_key(f"push/{n - 1}")
+            self._store.delete(f"push/{n - 1}")
         if n > 1:
-            self._store.delete_key(f"verdict/{n - 2}")
+            self._store.delete(f"verdict/{n - 2}")
 
     def _device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
@@ -289,6 +344,12 @@ class ProcessGroupSender(WeightSender):
 class ProcessGroupReceiver(WeightReceiver):
     """One receiving rank of a :class:`ProcessGroupSender` 's group (see the sender).
 
+    Every header is checked before anything is allocated for it: its signature (the group's
+    secret), its kind, a full push's layout against this receiver's model metadata (names,
+    dtypes, shapes: the sender already cast to this side's dtypes) and its buffer sizes against
+    what those tensors need, a delta's buffer sizes against the full push held. A refused header
+    raises ValueError and changes nothing.
+
     Args:
         timeout_s: how long ``receive_weights()`` waits for the next push (None: the group's
             ``timeout_s``); with no push by then it returns without loading anything.
@@ -299,8 +360,9 @@ class ProcessGroupReceiver(WeightReceiver):
         self.timeout_s = timeout_s
         self._info: dict[str, Any] | None = None
         self._rank = -1
-        self._store: Any = None
+        self._store: GroupStore | None = None
         self._group: Any = None
+        self._expected: tuple[dict, dict] = ({}, {})  # this model's metadata and aliases, as posted at connect
         self._num_pushes = 0
         self._buffers: list[torch.Tensor] | None = None
         self._layout: BucketLayout | None = None  # of the full push the buffers hold
@@ -315,14 +377,17 @@ class ProcessGroupReceiver(WeightReceiver):
         return state
 
     def set_connection_info(self, connection_info: dict[str, Any], worker_idx: int = 0) -> None:
-        """Where the sender is (its ``connection_info()``); this receiver becomes rank ``worker_idx + 1``."""
-        self._info = dict(connection_info)
-        self._rank = worker_idx + 1
-        if not 1 <= self._rank < self._info["world_size"]:
+        """Where the sender is (its ``connection_info()``, secret included); this receiver becomes
+        rank ``worker_idx + 1``. A refused ``connection_info`` changes nothing."""
+        info = dict(connection_info)
+        check_secret(info.get("secret"))
+        rank = worker_idx + 1
+        if not 1 <= rank < info["world_size"]:
             raise ValueError(
-                f"worker_idx={worker_idx} is out of range: the group has {self._info['world_size'] - 1} receivers "
+                f"worker_idx={worker_idx} is out of range: the group has {info['world_size'] - 1} receivers "
                 "(worker_idx 0..num_receivers-1)."
             )
+        self._info, self._rank = info, rank
 
     def connect(self) -> None:
         """Post this collector's model metadata and join the group (blocks until all have joined)."""
@@ -331,9 +396,10 @@ class ProcessGroupReceiver(WeightReceiver):
                 "register this receiver with a collector and call set_connection_info(...) before connect()."
             )
         timeout = datetime.timedelta(seconds=self._info["timeout_s"])
-        self._store = dist.TCPStore(self._info["master_address"], self._info["master_port"], is_master=False, timeout=timeout)
-        expected, aliases = self.context.weight_metadata(self.model_id or "policy")
-        self._store.set(f"meta/{self._rank}", metadata_to_json(expected, aliases))
+        tcp_store = dist.TCPStore(self._info["master_address"], self._info["master_port"], is_master=False, timeout=timeout)
+        self._store = GroupStore(tcp_store, self._info["secret"])
+        self._expected = self.context.weight_metadata(self.model_id or "policy")
+        self._store.set(f"meta/{self._rank}", metadata_to_json(*self._expected))
         self._group = _make_group(self._info["backend"], self._store, self._rank, self._info["world_size"], timeout)
 
     def receive(self, timeout_s: float | None = None) -> WeightDict | None:
@@ -366,10 +432,39 @@ class ProcessGroupReceiver(WeightReceiver):
             self._store.wait([key], datetime.timedelta(seconds=wait_s))
         except dist.DistStoreError:
             return None
-        return json.loads(self._store.get(key))
+        return parse_header(self._store.get(key), key)
+
+    def _check_full_layout(self, header: dict) -> BucketLayout:
+        """The layout of a full push, if it is exactly this model's (ValueError otherwise)."""
+        layout = parse_layout(header)
+        raise_if_layout_problems(layout_problems(layout), self._rank)
+        expected, aliases = self._expected
+        problems = weight_problems(layout.metadata(), expected, aliases=aliases)
+        limit = max_layout_nbytes(expected, aliases)
+        if layout.total_nbytes > limit:
+            problems.append(f"its buffers hold {layout.total_nbytes} bytes, more than this model's tensors need ({limit})")
+        raise_if_layout_problems(problems, self._rank)
+        return layout
+
+    def _check_delta_layout(self, header: dict) -> BucketLayout:
+        """The layout of a delta push, if it is sound and no larger than the full push held.
+
+        The sender never sends a delta above ``DeltaConfig.max_fraction`` (at most 1) of the
+        bytes of its last full push, which this receiver holds: so that size bounds a delta."""
+        layout = parse_layout(header)
+        problems = layout_problems(layout)
+        limit = self._layout.total_nbytes if self._layout is not None else max_layout_nbytes(*self._expected)
+        if not problems and layout.total_nbytes > limit:
+            problems.append(f"its buffers hold {layout.total_nbytes} bytes, more than the full push it patches ({limit})")
+        raise_if_layout_problems(problems, self._rank)
+        try:
+            WeightDelta.from_header(header, WeightBuckets(layout, []))  # its entries parse; nothing is read yet
+        except (KeyError, TypeError, ValueError) as exc:  # designed: an untrusted header
+            raise ValueError(f"delta header refused by receiver {self._rank}: malformed entries ({exc!r}).") from None
+        return layout
 
     def _receive_full(self, header: dict) -> None:
-        layout = layout_from_json(header["layout"])
+        layout = self._check_full_layout(header)
         self._held = None  # the buffers are being overwritten
         if self._buffers is None or [b.numel() for b in self._buffers] != list(layout.buffer_nbytes):
             self._buffers = [torch.empty(n, dtype=torch.uint8, device=self._device()) for n in layout.buffer_nbytes]
@@ -378,13 +473,13 @@ class ProcessGroupReceiver(WeightReceiver):
         for work in [self._group.broadcast(buffer, _SENDER_RANK) for buffer in self._buffers]:
             work.wait()
         self._num_pushes += 1
-        self._layout, self._held = layout, _version_from_json(header["version"])
+        self._layout, self._held = layout, version_from_json(header["version"])
         self.last_receive_info = {"kind": "full", "nbytes": layout.total_nbytes, "refused": None}
 
     def _receive_delta(self, header: dict) -> bool:
         """Take a delta's broadcasts, patch the buffers (or refuse), acknowledge, and return
         whether the sender's verdict is "ok" (False: a full push follows)."""
-        layout = layout_from_json(header["layout"])
+        layout = self._check_delta_layout(header)
         buffers = [torch.empty(n, dtype=torch.uint8, device=self._device()) for n in layout.buffer_nbytes]
         for buffer in buffers:
             self._group.broadcast(buffer, _SENDER_RANK).wait()
@@ -400,11 +495,22 @@ class ProcessGroupReceiver(WeightReceiver):
             refused = str(exc)
             logger.warning("refusing delta push %d: %s", n, exc)
         self._store.set(f"ack/{n}/{self._rank}", "ok" if refused is None else f"refused: {refused}")
-        self._store.wait([f"verdict/{n}"], datetime.timedelta(seconds=self._info["timeout_s"]))
-        accepted = self._store.get(f"verdict/{n}").decode() == "ok"
-        self._held = _version_from_json(header["version"]) if accepted else None
+        self._held = None  # the buffers are the new version only once the sender says so
+        accepted = self._read_verdict(n)
+        self._held = version_from_json(header["version"]) if accepted else None
         self.last_receive_info = {"kind": "delta", "nbytes": layout.total_nbytes, "refused": refused}
         return accepted
+
+    def _read_verdict(self, n: int) -> bool:
+        """The sender's verdict on delta push ``n``: True for "ok", False for "full"; ValueError
+        for any other value or an unsigned one (this receiver then holds no base: the next
+        delta is refused and a full push repairs it)."""
+        key = f"verdict/{n}"
+        self._store.wait([key], datetime.timedelta(seconds=self._info["timeout_s"]))
+        verdict = self._store.get(key)
+        if verdict not in ("ok", "full"):
+            raise ValueError(f"the verdict on delta push {n} is {verdict[:40]!r}, neither 'ok' nor 'full': refused.")
+        return verdict == "ok"
 
     def _weights(self) -> WeightDict:
         assert self._layout is not None and self._buffers is not None
@@ -444,14 +550,6 @@ class PreparedPush:
         return self.encoded.values if self.encoded is not None else self.weights
 
 
-def _version_json(version: PushVersion) -> list:
-    return [version.index, version.uuid]
-
-
-def _version_from_json(data: list) -> PushVersion:
-    return PushVersion(int(data[0]), str(data[1]))
-
-
 def buffer_checksums(buffers: list[torch.Tensor]) -> list[int]:
     """CRC32 of each 1-D uint8 buffer (GPU buffers are copied to the CPU first: a debugging aid)."""
     return [zlib.crc32(b.detach().cpu().contiguous().numpy()) for b in buffers]
@@ -465,9 +563,9 @@ def _resolve_backend(backend: str) -> str:
     return backend
 
 
-def _make_group(backend: str, store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> Any:
+def _make_group(backend: str, store: GroupStore, rank: int, world_size: int, timeout: datetime.timedelta) -> Any:
     # A standalone group: the trainer's default process group (if any) is left alone.
-    prefixed = dist.PrefixStore("lmcollect/weights/", store)
+    prefixed = store.backend_store()
     if backend == "gloo":
         return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
     options = dist.ProcessGroupNCCL.Options()
