@@ -123,10 +123,7 @@ class ContinuousLLMCollector(CollectorVersionMixin, ContinuousStateMixin, Weight
                 "ContinuousLLMCollector batches are flat (N,) turns in finish order: dialogs do not advance in "
                 "lockstep, so there is no (num_envs, T) shape. Leave flatten_data=None."
             )
-        if not isinstance(engine, EngineProtocol) and callable(engine):
-            engine = engine()  # a factory: the engine is built here (inside a Ray actor, no model travels)
-        if not isinstance(engine, EngineProtocol):
-            raise TypeError(f"engine must implement lmcollect.engines.EngineProtocol, got {type(engine).__name__}.")
+        engine = _built_engine(engine)
         self._mode, self._flatten = resolve_batching(
             dialog_turns_per_batch=dialog_turns_per_batch,
             total_dialog_turns=total_dialog_turns,
@@ -134,9 +131,7 @@ class ContinuousLLMCollector(CollectorVersionMixin, ContinuousStateMixin, Weight
             yield_completed_trajectories=yield_completed_trajectories,
             flatten_data=True,
         )
-        _check_optional_int("max_policy_lag", max_policy_lag, minimum=0, hint="e.g. max_policy_lag=1")
-        _check_optional_int("max_dialogs_in_flight", max_dialogs_in_flight, minimum=1, hint="e.g. 16")
-        _check_optional_int("max_buffered_turns", max_buffered_turns, minimum=1, hint="e.g. 2 * dialog_turns_per_batch")
+        _check_limits(max_policy_lag, max_dialogs_in_flight, max_buffered_turns)
         self._dialog_turns_per_batch = dialog_turns_per_batch
         self._total_dialog_turns = total_dialog_turns
         self.engine = engine
@@ -146,35 +141,23 @@ class ContinuousLLMCollector(CollectorVersionMixin, ContinuousStateMixin, Weight
         self.replay_buffer = replay_buffer
         self.verbose = verbose
         self.max_policy_lag = max_policy_lag
-        self._policy_version = make_policy_version(track_policy_version)
-        if max_policy_lag is not None and self._policy_version is None:
-            raise ValueError(
-                "max_policy_lag counts policy versions: pass track_policy_version=True with it (or drop max_policy_lag)."
-            )
-        if self._policy_version is not None and engine.version > self._policy_version.index:
-            # the engine already holds pushed weights (an earlier collector's): count on from them,
-            # so turns and their tokens carry one consistent version
-            self._policy_version.adopt_index(engine.version)
+        self._policy_version = _policy_version_for(engine, track_policy_version, max_policy_lag)
         self._tracker = TrajectoryTracker(len(self.envs), first_id=id_base(random_namespace()))
         self._flow = TurnFlow(
-            mode=self._mode,
-            num_slots=len(self.envs),
-            turns_per_batch=dialog_turns_per_batch,
+            mode=self._mode, num_slots=len(self.envs), turns_per_batch=dialog_turns_per_batch,
             capacity=_capacity(dialog_turns_per_batch, len(self.envs), max_policy_lag, max_buffered_turns),
-            max_policy_lag=max_policy_lag,
-            max_turns=None if total_dialog_turns == -1 else total_dialog_turns,
+            max_policy_lag=max_policy_lag, max_turns=None if total_dialog_turns == -1 else total_dialog_turns,
             base_version=self.version_index(),
         )
         stop_ids = list(stop_token_ids) if stop_token_ids is not None else [tokenizer.eos_token_id]
+        side = EngineSide(engine=engine, tokenizer=tokenizer, sampling=sampling or SamplingConfig(), stop_token_ids=stop_ids)
         self._tasks = DialogTasks(
-            [Slot(env) for env in self.envs],
-            engine_side=EngineSide(
-                engine=engine, tokenizer=tokenizer, sampling=sampling or SamplingConfig(), stop_token_ids=stop_ids
-            ),
-            flow=self._flow,
-            tracker=self._tracker,
-            version_fn=self._version,
+            [Slot(env) for env in self.envs], engine_side=side, flow=self._flow, tracker=self._tracker, version_fn=self._version
         )
+        self._init_output_state()
+        self._init_weight_sync(weight_updater)
+
+    def _init_output_state(self) -> None:
         self._batches = 0
         self._writer: threading.Thread | None = None
         self._unwritten = 0  # batches start()'s writer took and has not written yet
@@ -183,7 +166,6 @@ class ContinuousLLMCollector(CollectorVersionMixin, ContinuousStateMixin, Weight
         self._shut_down = False
         self.leftover_turns: TensorDictBase | None = None
         """After :meth:`shutdown` without a replay buffer: the finished turns no batch took."""
-        self._init_weight_sync(weight_updater)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -468,3 +450,33 @@ def _build_slot_envs(env: Any, max_dialogs_in_flight: int | None) -> list[Any]:
     if not envs:
         raise ValueError("env is an empty list; pass one env per slot.")
     return envs
+
+
+def _built_engine(engine: EngineProtocol | Callable[[], EngineProtocol]) -> EngineProtocol:
+    """The engine, built first when a factory was given (inside a Ray actor: no model travels)."""
+    if not isinstance(engine, EngineProtocol) and callable(engine):
+        engine = engine()
+    if not isinstance(engine, EngineProtocol):
+        raise TypeError(f"engine must implement lmcollect.engines.EngineProtocol, got {type(engine).__name__}.")
+    return engine
+
+
+def _policy_version_for(
+    engine: EngineProtocol, track_policy_version: bool | PolicyVersion, max_policy_lag: int | None
+) -> PolicyVersion | None:
+    version = make_policy_version(track_policy_version)
+    if max_policy_lag is not None and version is None:
+        raise ValueError(
+            "max_policy_lag counts policy versions: pass track_policy_version=True with it (or drop max_policy_lag)."
+        )
+    if version is not None and engine.version > version.index:
+        # the engine already holds pushed weights (an earlier collector's): count on from them,
+        # so turns and their tokens carry one consistent version
+        version.adopt_index(engine.version)
+    return version
+
+
+def _check_limits(max_policy_lag: int | None, max_dialogs_in_flight: int | None, max_buffered_turns: int | None) -> None:
+    _check_optional_int("max_policy_lag", max_policy_lag, minimum=0, hint="e.g. max_policy_lag=1")
+    _check_optional_int("max_dialogs_in_flight", max_dialogs_in_flight, minimum=1, hint="e.g. 16")
+    _check_optional_int("max_buffered_turns", max_buffered_turns, minimum=1, hint="e.g. 2 * dialog_turns_per_batch")

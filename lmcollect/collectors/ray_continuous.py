@@ -87,13 +87,8 @@ class RayContinuousLLMCollector(RayLLMCollector):
             verbose=verbose,
         )
         ray_config = RayActorConfig(
-            ray_init_config=ray_init_config,
-            remote_config=remote_config,
-            num_cpus=num_cpus,
-            num_gpus=num_gpus,
-            sync_iter=sync_iter,
-            call_timeout_s=call_timeout_s,
-            collect_timeout_s=collect_timeout_s,
+            ray_init_config=ray_init_config, remote_config=remote_config, num_cpus=num_cpus, num_gpus=num_gpus,
+            sync_iter=sync_iter, call_timeout_s=call_timeout_s, collect_timeout_s=collect_timeout_s,
         )
         self._launch(env, collector_kwargs, weight_updater=weight_updater, ray_config=ray_config)
 

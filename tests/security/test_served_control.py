@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from lmcollect.policies import vllm_server
+from lmcollect.policies import vllm_launcher
 from lmcollect.policies.vllm_control import (
     CONTROL_TOKEN_ENV,
     CONTROL_TOKEN_HEADER,
@@ -31,8 +31,8 @@ from lmcollect.policies.vllm_control import (
     is_loopback_host,
     is_public_path,
 )
+from lmcollect.policies.served_http import MAX_ERROR_BODY_BYTES
 from lmcollect.policies.vllm_server import (
-    MAX_ERROR_BODY_BYTES,
     VLLMServer,
     VLLMServerEngine,
     VLLMServerError,
@@ -224,7 +224,7 @@ def no_process(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise AssertionError(f"VLLMServer started a process: {args}")
 
-    monkeypatch.setattr(vllm_server.subprocess, "Popen", refuse)
+    monkeypatch.setattr(vllm_launcher.subprocess, "Popen", refuse)
 
 
 @pytest.mark.parametrize(

