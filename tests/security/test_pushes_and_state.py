@@ -207,3 +207,23 @@ def test_a_hung_engine_actor_raises_naming_call_timeout_s(ray_cluster) -> None:
             engine.pause()
     finally:
         ray_cluster.kill(engine.actor)
+
+
+def test_a_hung_weight_mailbox_raises_naming_its_knob(ray_cluster) -> None:
+    from lmcollect.distributed.bounded import CallTimeoutError
+    from lmcollect.weight_sync.schemes.ray_object_store import RayObjectStoreReceiver
+
+    class HungMailbox:
+        def __init__(self) -> None:
+            self._never = threading.Event()
+
+        def latest(self, *args, **kwargs):
+            self._never.wait()
+
+    mailbox = ray_cluster.remote(num_cpus=0.05, max_concurrency=2)(HungMailbox).remote()
+    try:
+        receiver = RayObjectStoreReceiver(mailbox, call_timeout_s=0.5)
+        with pytest.raises(CallTimeoutError, match=r"RayObjectStoreReceiver.receive \(latest\) got no answer within make_receiver\(call_timeout_s=...\)=0.5"):
+            receiver.receive()
+    finally:
+        ray_cluster.kill(mailbox)

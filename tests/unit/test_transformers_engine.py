@@ -10,6 +10,7 @@ import torch
 
 from lmcollect.engines import EngineClosedError, EngineProtocol, EngineRequest, EngineResult, TransformersEngine
 from lmcollect.policies import SamplingConfig
+from tests.engine_contract import forward_log_probs, generate_greedy
 from tests.factories import perturbed_model
 
 TIMEOUT_S = 60
@@ -55,22 +56,6 @@ def prompts(lengths=PROMPT_LENGTHS, seed: int = 0) -> list[list[int]]:
 
 def greedy(max_new_tokens: int, **options) -> SamplingConfig:
     return SamplingConfig(temperature=0, max_new_tokens=max_new_tokens, **options)
-
-
-@torch.inference_mode()
-def generate_greedy(model, prompt: list[int], max_new_tokens: int, **options) -> list[int]:
-    """What ``model.generate`` answers greedily (stopping on the model's eos)."""
-    out = model.generate(
-        torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, **options
-    )
-    return out[0, len(prompt) :].tolist()
-
-
-@torch.inference_mode()
-def forward_log_probs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """Raw log-probs of ``tokens`` after ``prompt`` from one plain forward pass."""
-    logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0].float()
-    return logits[len(prompt) - 1 : -1].log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
 
 
 def result_of(future: Future) -> EngineResult:

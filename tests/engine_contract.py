@@ -1,0 +1,181 @@
+"""The engine contract: what every :class:`~lmcollect.engines.EngineProtocol` engine must do.
+
+Each check takes an :class:`EngineCase` (an engine plus the oracle it is held against: plain
+generation and forward passes of the weights it starts with and of the weights a push brings) and
+uses only the protocol. An engine is done when every check passes for it; its test module builds
+the case (``tests/unit/test_engine_contract.py`` for the in-process engines) and runs
+``CHECKS`` over it.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from threading import Event
+
+import pytest
+import torch
+
+from lmcollect.engines import EngineClosedError, EngineProtocol, EngineRequest, EngineResult
+from lmcollect.policies import SamplingConfig
+
+TIMEOUT_S = 60.0
+PAUSED_WAIT_S = 0.3  # how long a paused engine is watched for (wrongly) finishing a request
+
+
+@dataclass(frozen=True)
+class Reference:
+    """One set of weights as plain torch computes with them."""
+
+    greedy: Callable[[list[int], int], list[int]]
+    """prompt, max_new_tokens -> the greedy tokens (no eos stop: ``ignore_eos``)."""
+    log_probs: Callable[[list[int], list[int]], torch.Tensor]
+    """prompt, tokens -> each token's raw log-prob under one forward pass."""
+
+
+@dataclass
+class EngineCase:
+    """An engine under test and its oracle."""
+
+    engine: EngineProtocol
+    prompts: list[list[int]]
+    old: Reference
+    """The weights the engine starts with."""
+    new: Reference
+    """The weights :attr:`new_weights` bring."""
+    new_weights: dict[str, torch.Tensor]
+    old_weights: dict[str, torch.Tensor]
+    bad_weights: dict[str, torch.Tensor]
+    """A push the engine must refuse (a wrong shape)."""
+    hold_step: Callable[[int], AbstractContextManager[Event]]
+    """``with case.hold_step(k) as reached:`` holds the engine inside its ``k``-th decoding step
+    (``reached`` set once there) until the block ends: how a push lands mid-generation on cue."""
+    log_prob_atol: float = 1e-5
+
+
+def greedy(max_new_tokens: int) -> SamplingConfig:
+    return SamplingConfig(temperature=0, max_new_tokens=max_new_tokens, ignore_eos=True)
+
+
+def run(engine: EngineProtocol, prompt: list[int], sampling: SamplingConfig, seed: int | None = None) -> EngineResult:
+    return engine.submit(EngineRequest(prompt_ids=prompt, sampling=sampling, seed=seed)).result(timeout=TIMEOUT_S)
+
+
+def assert_answers_like(result: EngineResult, prompt: list[int], reference: Reference, atol: float) -> None:
+    tokens = result.tokens.tolist()
+    assert tokens == reference.greedy(prompt, len(tokens)), "greedy tokens differ from a plain generation"
+    torch.testing.assert_close(result.log_probs, reference.log_probs(prompt, tokens), atol=atol, rtol=0)
+
+
+# ---------------------------------------------------------------------- the checks
+def check_greedy_equals_plain_generation_and_log_probs_a_forward_pass(case: EngineCase) -> None:
+    futures = [case.engine.submit(EngineRequest(prompt_ids=p, sampling=greedy(8))) for p in case.prompts]
+    for prompt, future in zip(case.prompts, futures):
+        result = future.result(timeout=TIMEOUT_S)
+        assert result.finish_reason == "length" and result.tokens.numel() == 8
+        assert_answers_like(result, prompt, case.old, case.log_prob_atol)
+
+
+def check_a_seeded_request_repeats(case: EngineCase) -> None:
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=12, ignore_eos=True)
+    prompt = case.prompts[0]
+    first, again = (run(case.engine, prompt, sampling, seed=1234) for _ in range(2))
+    assert torch.equal(first.tokens, again.tokens)
+    torch.testing.assert_close(first.log_probs, again.log_probs, atol=case.log_prob_atol, rtol=0)
+
+
+def check_pause_and_resume_keep_requests(case: EngineCase) -> None:
+    case.engine.pause()
+    futures = [case.engine.submit(EngineRequest(prompt_ids=p, sampling=greedy(6))) for p in case.prompts[:2]]
+    time.sleep(PAUSED_WAIT_S)
+    assert not any(f.done() for f in futures), "a paused engine finished a request"
+    assert case.engine.num_in_flight == 2
+    case.engine.resume()
+    for prompt, future in zip(case.prompts, futures):
+        assert_answers_like(future.result(timeout=TIMEOUT_S), prompt, case.old, case.log_prob_atol)
+    assert case.engine.num_in_flight == 0
+
+
+def check_a_push_mid_generation_is_recorded_per_token(case: EngineCase) -> None:
+    prompt, num_tokens = case.prompts[1], 12
+    version = case.engine.version
+    with case.hold_step(4) as reached:
+        future = case.engine.submit(EngineRequest(prompt_ids=prompt, sampling=greedy(num_tokens)))
+        assert reached.wait(TIMEOUT_S), "the engine never reached its 4th decoding step"
+        case.engine.pause()  # returns once the held step ends
+    case.engine.load_weights(case.new_weights.items(), version=version + 1)
+    case.engine.reset_prefix_cache()
+    case.engine.resume()
+    result = future.result(timeout=TIMEOUT_S)
+    versions = result.token_versions.tolist()
+    assert set(versions) == {version, version + 1} and versions == sorted(versions), versions
+    switch = versions.index(version + 1)
+    tokens = result.tokens.tolist()
+    assert tokens[:switch] == case.old.greedy(prompt, switch)
+    assert tokens[switch:] == case.new.greedy(prompt + tokens[:switch], num_tokens - switch)
+    expected = torch.cat([case.old.log_probs(prompt, tokens)[:switch], case.new.log_probs(prompt, tokens)[switch:]])
+    torch.testing.assert_close(result.log_probs, expected, atol=case.log_prob_atol, rtol=0)
+    case.engine.load_weights(case.old_weights.items(), version=version + 2)  # back to the start weights
+    case.engine.reset_prefix_cache()
+
+
+def check_a_bad_push_changes_nothing(case: EngineCase) -> None:
+    version = case.engine.version
+    with pytest.raises(ValueError, match="no weight was changed"):
+        case.engine.load_weights(case.bad_weights.items(), version=version + 1)
+    assert case.engine.version == version
+    prompt = case.prompts[2]
+    assert_answers_like(run(case.engine, prompt, greedy(6)), prompt, case.old, case.log_prob_atol)
+
+
+def check_close_fails_pending_futures(case: EngineCase) -> None:
+    """Last: the engine is closed afterwards."""
+    case.engine.pause()
+    futures = [case.engine.submit(EngineRequest(prompt_ids=p, sampling=greedy(4), request_id=f"r{i}")) for i, p in enumerate(case.prompts)]
+    case.engine.close()
+    for future in futures:
+        with pytest.raises(EngineClosedError):
+            future.result(timeout=TIMEOUT_S)
+    with pytest.raises(EngineClosedError, match="closed"):
+        case.engine.submit(EngineRequest(prompt_ids=case.prompts[0]))
+
+
+CHECKS: dict[str, Callable[[EngineCase], None]] = {
+    "greedy_and_log_probs": check_greedy_equals_plain_generation_and_log_probs_a_forward_pass,
+    "seeded_repeats": check_a_seeded_request_repeats,
+    "pause_resume": check_pause_and_resume_keep_requests,
+    "push_mid_generation": check_a_push_mid_generation_is_recorded_per_token,
+    "bad_push": check_a_bad_push_changes_nothing,
+    "close": check_close_fails_pending_futures,
+}
+
+
+# ---------------------------------------------------------------------- oracles
+def prompts_of_lengths(lengths: tuple[int, ...], seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 1000, (n,), generator=generator).tolist() for n in lengths]
+
+
+@torch.inference_mode()
+def generate_greedy(model, prompt: list[int], max_new_tokens: int, **options) -> list[int]:
+    """What ``model.generate`` answers greedily (stopping on the model's eos)."""
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, **options
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@torch.inference_mode()
+def forward_log_probs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """Raw log-probs of ``tokens`` after ``prompt`` from one plain forward pass."""
+    logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0].float()
+    return logits[len(prompt) - 1 : -1].log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+
+
+def hf_reference(model) -> Reference:
+    """A transformers model as the oracle (the test models never write their eos this early)."""
+    return Reference(
+        greedy=lambda prompt, n: generate_greedy(model, prompt, n),
+        log_probs=lambda prompt, tokens: forward_log_probs(model, prompt, tokens),
+    )

@@ -1,0 +1,76 @@
+"""The engine contract (tests/engine_contract.py) for the in-process engines: ``TransformersEngine``
+and an ``EngineRouter`` of two. The vLLM engines, an engine in a Ray actor and the served vLLM run
+the same checks in their own modules (they start once per session there)."""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from lmcollect.engines import EngineRouter, TransformersEngine
+from tests.engine_contract import CHECKS, EngineCase, hf_reference, prompts_of_lengths
+from tests.factories import perturbed_model
+
+HOLD_S = 1.0  # how long a held decoding step lasts: the test thread pauses the engine meanwhile
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_and_tokenizer):
+    return tiny_model_and_tokenizer[1]
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model_path):
+    old, new = perturbed_model(tiny_model_path, seed=1), perturbed_model(tiny_model_path, seed=2)
+    return old, new
+
+
+@contextlib.contextmanager
+def held_step(models: list[torch.nn.Module], step: int) -> Iterator[threading.Event]:
+    """Hold the ``step``-th forward pass of whichever model runs it (a request's prefill is step 1)."""
+    reached, calls, hooks = threading.Event(), {}, []
+
+    def hook(module, *_args) -> None:
+        calls[id(module)] = calls.get(id(module), 0) + 1
+        if calls[id(module)] == step and not reached.is_set():
+            reached.set()
+            time.sleep(HOLD_S)
+
+    hooks = [model.register_forward_hook(hook) for model in models]
+    try:
+        yield reached
+    finally:
+        for handle in hooks:
+            handle.remove()
+
+
+def build_case(kind: str, tiny_model_path, tokenizer, references) -> EngineCase:
+    old, new = references
+    replicas = [TransformersEngine(perturbed_model(tiny_model_path, seed=1), tokenizer) for _ in range(1 if kind == "hf" else 2)]
+    engine = replicas[0] if kind == "hf" else EngineRouter(replicas)
+    bad = dict(new.state_dict())
+    bad["model.norm.weight"] = torch.zeros(3)
+    return EngineCase(
+        engine=engine,
+        prompts=prompts_of_lengths((3, 9, 5)),
+        old=hf_reference(old),
+        new=hf_reference(new),
+        new_weights=dict(new.state_dict()),
+        old_weights=dict(old.state_dict()),
+        bad_weights=bad,
+        hold_step=lambda step: held_step([r.model for r in replicas], step),
+    )
+
+
+@pytest.mark.parametrize("check", list(CHECKS))
+@pytest.mark.parametrize("kind", ["hf", "router_of_two"])
+def test_engine_contract(kind: str, check: str, tiny_model_path, tokenizer, references) -> None:
+    case = build_case(kind, tiny_model_path, tokenizer, references)
+    try:
+        CHECKS[check](case)
+    finally:
+        case.engine.close()
