@@ -21,7 +21,7 @@ import torch
 from lmcollect.weight_sync.weights import expected_metadata
 
 from lmcollect.data.history import History
-from lmcollect.engines.protocol import EngineRequest, EngineResult
+from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult
 
 __all__ = ["ByteTokenizer", "ScriptedEngine", "ScriptedWeights", "chat_script"]
 
@@ -161,7 +161,7 @@ class ScriptedEngine:
         future.set_running_or_notify_cancel()  # running from now on: a caller's cancel() cannot race our set_result
         with self._wake:
             if self._closed:
-                raise RuntimeError("this ScriptedEngine is closed; build a new one.")
+                raise EngineClosedError("this ScriptedEngine is closed; build a new one.")
             script = None if self.script is None else list(self.script(list(request.prompt_ids)))
             self._queued.append(_Running(request, future, script))
             self._wake.notify_all()
@@ -216,7 +216,7 @@ class ScriptedEngine:
             pending, self._queued, self._running = self._queued + self._running, [], []
             self._wake.notify_all()
         for item in pending:
-            item.future.set_exception(RuntimeError("the ScriptedEngine was closed before this request finished."))
+            item.future.set_exception(EngineClosedError("the ScriptedEngine was closed before this request finished."))
         self._thread.join(timeout=10)
 
     # ------------------------------------------------------------------ decoding
