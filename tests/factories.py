@@ -253,3 +253,28 @@ def make_engine_that_hangs_on_pause():
             threading.Event().wait()
 
     return HangsOnPause()
+
+
+def make_holdable_tiny_engine(model_path: str):
+    """:func:`make_tiny_transformers_engine` whose decoding can be held on cue from another process
+    (for the engine contract through a Ray actor): ``arm_hold(step, hold_s)`` makes the ``step``-th
+    forward pass from then on wait ``hold_s`` seconds, and ``hold_reached()`` tells whether it began."""
+    import threading
+    import time as time_module
+
+    engine = make_tiny_transformers_engine(model_path)
+    state = {"calls": 0, "step": 0, "hold_s": 0.0, "reached": threading.Event()}
+
+    def hook(*_args) -> None:
+        state["calls"] += 1
+        if state["calls"] == state["step"]:
+            state["reached"].set()
+            time_module.sleep(state["hold_s"])
+
+    def arm_hold(step: int, hold_s: float) -> None:
+        state.update(calls=0, step=step, hold_s=hold_s, reached=threading.Event())
+
+    engine.model.register_forward_hook(hook)
+    engine.arm_hold = arm_hold
+    engine.hold_reached = lambda: state["reached"].is_set()
+    return engine

@@ -21,7 +21,7 @@ import torch
 
 from lmcollect.distributed.bounded import DEFAULT_CALL_TIMEOUT_S, get_within
 from lmcollect.distributed.ray_cluster import actor_options, init_ray
-from lmcollect.engines.protocol import EngineProtocol, EngineRequest, EngineResult, WorkerRpcEngine
+from lmcollect.engines.protocol import EngineClosedError, EngineProtocol, EngineRequest, EngineResult, WorkerRpcEngine
 from lmcollect.engines.router import EngineRouter
 
 __all__ = ["RayEngine", "ray_engine_replicas"]
@@ -93,8 +93,11 @@ class RayEngine:
         self._version, self._worker_replicas = started  # _worker_replicas None: no worker processes
         self._lock = threading.Lock()
         self._in_flight = 0
+        self._closed = False
 
     def submit(self, request: EngineRequest) -> Future[EngineResult]:
+        if self._closed:
+            raise EngineClosedError("this RayEngine is closed (its actor is gone); build a new one.")
         future = self._actor.generate.remote(request).future()
         with self._lock:
             self._in_flight += 1
@@ -158,6 +161,10 @@ class RayEngine:
         return self._actor
 
     def close(self) -> None:
+        """Close the engine (its pending futures fail with ``EngineClosedError``) and end the actor. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self._get(self._actor.close.remote(), "close")
         finally:

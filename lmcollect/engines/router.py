@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from lmcollect.engines.protocol import EngineProtocol, EngineRequest, EngineResult, WorkerRpcEngine
+from lmcollect.engines.protocol import EngineClosedError, EngineProtocol, EngineRequest, EngineResult, WorkerRpcEngine
 
 __all__ = ["EngineRouter", "ReplicaLoadError"]
 
@@ -67,6 +67,8 @@ class EngineRouter:
     def submit(self, request: EngineRequest) -> Future[EngineResult]:
         """Send ``request`` to its replica (see the class docstring) and return that replica's future."""
         with self._lock:  # the next pick sees this request in its replica's load
+            if self._closed:
+                raise EngineClosedError("this EngineRouter is closed; build a new one.")
             index = self._pick(request.affinity)
             return self.engines[index].submit(request)
 

@@ -1,7 +1,10 @@
 """Engines in Ray actors: RayEngine proxies behind an EngineRouter, driven by a ContinuousLLMCollector."""
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
+import time
 
 import pytest
 import torch
@@ -14,7 +17,8 @@ from lmcollect.engines.ray_engine import ray_engine_replicas
 from lmcollect.envs import ChatEnv, GuessingGameTask, guessing_game_dataset
 from lmcollect.models import load_model_and_tokenizer
 from lmcollect.policies.sampling import SamplingConfig
-from tests.factories import make_tiny_transformers_engine, perturbed_model
+from tests.engine_contract import CHECKS, EngineCase, hf_reference, prompts_of_lengths
+from tests.factories import make_holdable_tiny_engine, make_tiny_transformers_engine, perturbed_model
 
 pytestmark = pytest.mark.integration
 
@@ -67,3 +71,52 @@ def test_replicas_in_actors_answer_like_one_engine_and_keep_dialogs_on_one_repli
         assert all(int(t[keys.POLICY_VERSION]) == collector.version_index() for t in after[-1:])
     finally:
         router.close()
+
+
+# ---------------------------------------------------------------------- the engine contract, through actors
+HOLD_S = 2.0  # a held decoding step (in the actor) lasts this long: the driver pauses the engine meanwhile
+
+
+@pytest.fixture(scope="module")
+def actor_case(ray_cluster, tiny_model_path):
+    """A router of two engines in Ray actors (started once for every check; ``close`` runs last)."""
+    import ray
+
+    model, _ = load_model_and_tokenizer(tiny_model_path)
+    new = perturbed_model(tiny_model_path, seed=2)
+    router = ray_engine_replicas(
+        functools.partial(make_holdable_tiny_engine, str(tiny_model_path)), num_replicas=2, remote_config={"num_cpus": 0.25}
+    )
+
+    @contextlib.contextmanager
+    def hold_step(step: int):
+        ray.get([e.actor.call.remote("arm_hold", step, HOLD_S) for e in router.engines], timeout=30)
+        reached, done = threading.Event(), threading.Event()
+
+        def watch() -> None:  # the driver learns that a replica entered the held step
+            while not done.is_set() and not reached.is_set():
+                if any(ray.get([e.actor.call.remote("hold_reached") for e in router.engines], timeout=30)):
+                    reached.set()
+                time.sleep(0.02)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        try:
+            yield reached
+        finally:
+            done.set()
+            watcher.join(timeout=30)
+
+    bad = dict(new.state_dict())
+    bad["model.norm.weight"] = torch.zeros(3)
+    yield EngineCase(
+        engine=router, prompts=prompts_of_lengths((3, 9, 5)), old=hf_reference(model), new=hf_reference(new),
+        new_weights=dict(new.state_dict()), old_weights=dict(model.state_dict()), bad_weights=bad,
+        hold_step=hold_step, log_prob_atol=1e-5,
+    )
+    router.close()
+
+
+@pytest.mark.parametrize("check", list(CHECKS))  # in order: "close" is the last check
+def test_engine_contract_through_actors(actor_case: EngineCase, check: str) -> None:
+    CHECKS[check](actor_case)
