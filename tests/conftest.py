@@ -27,29 +27,28 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             terminalreporter.write_line(line)
 
 
-# The slowest test files, slowest first (summed test seconds of a `make test` run on 2 busy cores,
-# 2026-12-02): `make test` hands whole files to two pytest workers in this order (longest first, so
-# the short files fill the gaps at the end and both workers finish together).
+# The slowest test files, slowest first (seconds on 2 busy cores): `make test` hands whole files to two
+# pytest workers in collection order, so these start first and the short ones fill the gaps at the end.
 SLOWEST_FIRST = (
-    "integration/test_ray_collector.py",  # ~280 (many Ray actors)
-    "integration/test_collector_contract.py",  # ~170
-    "integration/test_vllm_server.py",  # ~150
-    "integration/test_vllm_updater.py",  # ~140
-    "integration/test_vllm_policy.py",  # ~110
-    "integration/test_cli_demo.py",  # ~110
-    "integration/test_data_contract_ray.py",  # ~105
-    "integration/test_vllm_async_engine.py",  # ~95
-    "integration/test_soak.py",  # ~95
-    "integration/test_continuous_ray_engines.py",  # ~95
-    "integration/test_ray_engines.py",  # ~90 (the engine contract through actors)
-    "integration/test_weight_sync_ray.py",  # ~75
-    "faults/test_fault_vllm.py",  # ~55
-    "faults/test_fault_ray_head.py",  # ~45
-    "faults/test_fault_collector_actor.py",  # ~45
-    "integration/test_resume_ray.py",  # ~45
-    "integration/test_vllm_multinode.py",  # ~45
-    "integration/test_cli_collect.py",  # ~40
-    "integration/test_multinode.py",  # ~40
+    "integration/test_soak.py",  # ~90
+    "integration/test_vllm_server.py",  # ~90
+    "integration/test_vllm_updater.py",  # ~85
+    "integration/test_ray_collector.py",  # ~120, many short tests
+    "integration/test_multinode.py",  # ~80, two Ray clusters of their own
+    "integration/test_collector_contract.py",  # ~80, many short tests
+    "integration/test_data_contract_ray.py",  # ~75
+    "integration/test_vllm_async_engine.py",  # ~65
+    "integration/test_continuous_ray_engines.py",  # ~60
+    "integration/test_ray_engines.py",  # ~60 (the engine contract through actors)
+    "integration/test_resume_ray.py",  # ~55
+    "integration/test_cli_demo.py",  # ~55
+    "integration/test_vllm_policy.py",  # ~55
+    "faults/test_fault_vllm.py",  # ~45
+    "integration/test_weight_sync_ray.py",  # ~40
+    "integration/test_cli_collect.py",  # ~35
+    "faults/test_fault_ray_head.py",  # ~35
+    "faults/test_fault_collector_actor.py",  # ~30
+    "integration/test_delta_sync_ray.py",  # ~25
 )
 
 

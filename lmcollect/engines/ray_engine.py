@@ -11,6 +11,7 @@ as its engine.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
@@ -92,7 +93,7 @@ class RayEngine:
         )
         self._version, self._worker_replicas = started  # _worker_replicas None: no worker processes
         self._lock = threading.Lock()
-        self._in_flight = 0
+        self._pending: set[Future] = set()  # submitted through this proxy, not answered yet
         self._closed = False
 
     def submit(self, request: EngineRequest) -> Future[EngineResult]:
@@ -100,13 +101,13 @@ class RayEngine:
             raise EngineClosedError("this RayEngine is closed (its actor is gone); build a new one.")
         future = self._actor.generate.remote(request).future()
         with self._lock:
-            self._in_flight += 1
+            self._pending.add(future)
         future.add_done_callback(self._finished)
         return future
 
-    def _finished(self, _: Future) -> None:
+    def _finished(self, future: Future) -> None:
         with self._lock:
-            self._in_flight -= 1
+            self._pending.discard(future)
 
     def _get(self, ref: Any, call: str) -> Any:
         return get_within(ref, timeout_s=self.call_timeout_s, call=f"RayEngine.{call}", knob="call_timeout_s")
@@ -154,7 +155,7 @@ class RayEngine:
     @property
     def num_in_flight(self) -> int:
         """Requests submitted through this proxy and not answered yet (counted here: no round trip)."""
-        return self._in_flight
+        return len(self._pending)
 
     @property
     def actor(self) -> Any:
@@ -167,6 +168,11 @@ class RayEngine:
         self._closed = True
         try:
             self._get(self._actor.close.remote(), "close")
+            with self._lock:
+                pending = list(self._pending)
+            # the engine failed them; their answers (EngineClosedError) are on the way: let them
+            # arrive before the actor goes, or they would fail as "actor died" instead
+            concurrent.futures.wait(pending, timeout=self.call_timeout_s)
         finally:
             ray.kill(self._actor)
 
