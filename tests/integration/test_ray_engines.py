@@ -37,27 +37,22 @@ def collect(engine, tokenizer, *, slots: int, turns: int, **kwargs) -> list:
         return flatten_turns(collector.next())
 
 
-def by_dialog(turns) -> dict:
-    """(slot, step) -> response tokens: the same dialogs whichever replica served them."""
-    return {(int(t[keys.ENV_INDEX]), int(t[keys.STEP_COUNT])): t[keys.TOKENS_RESPONSE] for t in turns}
-
-
 def test_replicas_in_actors_answer_like_one_engine_and_keep_dialogs_on_one_replica(ray_cluster, tiny_model_path) -> None:
     model, tokenizer = load_model_and_tokenizer(tiny_model_path)
     router = ray_engine_replicas(
         functools.partial(make_tiny_transformers_engine, str(tiny_model_path)), num_replicas=2, remote_config={"num_cpus": 0.25}
     )
     try:
-        routed = collect(router, tokenizer, slots=4, turns=12, track_policy_version=True)
+        # one slot: its dialogs run one after another, so both runs yield the same turns in the same
+        # order whatever the timing (with several slots, which turns finish first is a race)
+        routed = collect(router, tokenizer, slots=1, turns=12, track_policy_version=True)
         local = TransformersEngine(model, tokenizer)
-        alone = collect(local, tokenizer, slots=4, turns=12)
+        alone = collect(local, tokenizer, slots=1, turns=12)
         local.close()
-        mine, theirs = by_dialog(routed), by_dialog(alone)
-        common = set(mine) & set(theirs)
-        assert len(common) >= 8
-        assert all(torch.equal(mine[k], theirs[k]) for k in common)
+        assert len(routed) == len(alone) == 12
+        assert all(torch.equal(a[keys.TOKENS_RESPONSE], b[keys.TOKENS_RESPONSE]) for a, b in zip(routed, alone))
         replicas = {router.replica_of(str(int(t[keys.TRAJ_IDS]))) for t in routed}
-        assert replicas == {0, 1}  # both replicas served; each dialog's turns stayed on one (affinity)
+        assert replicas == {0, 1}  # successive dialogs went to both replicas; each dialog's turns stayed on one (affinity)
         # a push reaches every replica, between two decoding steps
         trainer = perturbed_model(tiny_model_path, seed=2)
         collector = ContinuousLLMCollector(
