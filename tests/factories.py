@@ -242,6 +242,20 @@ def make_uneven_guessing_env(seed: int, batch_size: int = 1) -> UnevenEnv:
 
 
 # ---------------------------------------------------------------------- security: bounded calls
+class HungActor:
+    """A deadlocked actor body: the calls the replay-buffer and weight-mailbox clients make never return."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._never = threading.Event()
+
+    def _hang(self, *args, **kwargs) -> None:
+        self._never.wait()
+
+    sample = extend = latest = _hang
+
+
 def make_engine_that_hangs_on_pause():
     """A scripted engine whose ``pause`` never returns (a deadlocked engine, for bounded-call tests)."""
     import threading

@@ -6,7 +6,6 @@ asserts the refusal and that nothing changed.
 from __future__ import annotations
 
 import json
-import threading
 import time
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from lmcollect.collectors.rwlock import LockTimeoutError
 from lmcollect.files import write_text_atomically
 from lmcollect.weight_sync.local import LocalWeightUpdater
 from lmcollect.weight_sync.version import PushVersion
-from tests.factories import SmallModelPolicy, make_arithmetic_env, make_engine_that_hangs_on_pause, run_in_thread
+from tests.factories import HungActor, SmallModelPolicy, make_arithmetic_env, make_engine_that_hangs_on_pause, run_in_thread
 
 WAIT_S = 20.0
 
@@ -176,17 +175,7 @@ def test_a_hung_replay_buffer_actor_raises_naming_call_timeout_s(ray_cluster) ->
     from lmcollect.buffers.ray_buffer import RayReplayBuffer
     from lmcollect.distributed.bounded import CallTimeoutError
 
-    class HungBuffer:
-        def __init__(self) -> None:
-            self._never = threading.Event()
-
-        def sample(self, *args, **kwargs):
-            self._never.wait()
-
-        def extend(self, *args, **kwargs):
-            self._never.wait()
-
-    actor = ray_cluster.remote(num_cpus=0.05, max_concurrency=4)(HungBuffer).remote()
+    actor = ray_cluster.remote(num_cpus=0.05, max_concurrency=4)(HungActor).remote()
     try:
         buffer = RayReplayBuffer._from_actor(actor, capacity=4, call_timeout_s=0.5)
         started = time.monotonic()
@@ -213,14 +202,7 @@ def test_a_hung_weight_mailbox_raises_naming_its_knob(ray_cluster) -> None:
     from lmcollect.distributed.bounded import CallTimeoutError
     from lmcollect.weight_sync.schemes.ray_object_store import RayObjectStoreReceiver
 
-    class HungMailbox:
-        def __init__(self) -> None:
-            self._never = threading.Event()
-
-        def latest(self, *args, **kwargs):
-            self._never.wait()
-
-    mailbox = ray_cluster.remote(num_cpus=0.05, max_concurrency=2)(HungMailbox).remote()
+    mailbox = ray_cluster.remote(num_cpus=0.05, max_concurrency=2)(HungActor).remote()
     try:
         receiver = RayObjectStoreReceiver(mailbox, call_timeout_s=0.5)
         with pytest.raises(CallTimeoutError, match=r"RayObjectStoreReceiver.receive \(latest\) got no answer within make_receiver\(call_timeout_s=...\)=0.5"):
