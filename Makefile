@@ -26,7 +26,7 @@ demo: $(STAMP)
 
 # two pytest workers (pytest-xdist), each with its own Ray cluster; a test file stays on one worker
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --durations=20
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=20
 
 # unit tests only (no Ray cluster, no vLLM engine): for quick loops; CI runs `make test`
 test-fast: $(STAMP)

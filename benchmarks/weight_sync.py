@@ -159,7 +159,7 @@ def bench_updater(
 def bench_put(trainer: nn.Module, reps: int, memcpy_gb_s: float) -> dict:
     import ray
 
-    from lmcollect.weight_sync.buckets import view_buckets
+    from lmcollect.weights.buckets import view_buckets
 
     weights = trainer.state_dict()
 
@@ -173,7 +173,7 @@ def bench_put(trainer: nn.Module, reps: int, memcpy_gb_s: float) -> dict:
 def bench_process_group(trainer: nn.Module, collector, reps: int, memcpy_gb_s: float) -> dict:
     import ray
 
-    from lmcollect.weight_sync.schemes.process_group import ProcessGroupConfig, ProcessGroupReceiver, ProcessGroupSender
+    from lmcollect.transports.process_group import ProcessGroupConfig, ProcessGroupReceiver, ProcessGroupSender
 
     sender = ProcessGroupSender(ProcessGroupConfig(num_receivers=1, backend="gloo", timeout_s=600))
     collector.register_scheme_receiver({"policy": ProcessGroupReceiver()}, synchronize_weights=False)
@@ -258,8 +258,8 @@ def bench_vllm_push(reps: int, memcpy_gb_s: float) -> list[dict]:
     from lmcollect.models import ModelSpec, get_model_path
     from lmcollect.policies.vllm_policy import VLLMPolicy
     from lmcollect.policies.vllm_ray import VLLMReplicas
-    from lmcollect.weight_sync.buckets import plan_layout
-    from lmcollect.weight_sync.schemes.process_group import DIRECT_SEND_MIN_BYTES
+    from lmcollect.weights.buckets import plan_layout
+    from lmcollect.transports.process_group import DIRECT_SEND_MIN_BYTES
     from lmcollect.weight_sync.vllm_updater import vLLMUpdater
     from lmcollect.weight_sync.vllm_worker_ext import VLLM_EXTENSION
 
@@ -339,9 +339,9 @@ def bench_delta_encodings(lrs: list[float], reps: int) -> list[dict]:
     import copy
 
     from lmcollect.models import ModelSpec, get_model_path
-    from lmcollect.weight_sync.delta import DeltaBase, DeltaConfig, prepare_delta
-    from lmcollect.weight_sync.version import PushVersion
-    from lmcollect.weight_sync.weights import unique_targets
+    from lmcollect.weights.delta import DeltaBase, DeltaConfig, prepare_delta
+    from lmcollect.weights.version import PushVersion
+    from lmcollect.weights.tensors import unique_targets
 
     path = str(get_model_path(ModelSpec(size="medium")))
     encodings = ("indices", "bitmask", "auto")
@@ -427,7 +427,7 @@ def bench_delta_vllm(lrs: list[float], reps: int, memcpy_gb_s: float) -> list[di
     from lmcollect.models import ModelSpec, get_model_path
     from lmcollect.policies.vllm_policy import VLLMPolicy
     from lmcollect.policies.vllm_ray import VLLMReplicas
-    from lmcollect.weight_sync.delta import DeltaConfig
+    from lmcollect.weights.delta import DeltaConfig
     from lmcollect.weight_sync.vllm_updater import vLLMUpdater
     from lmcollect.weight_sync.vllm_worker_ext import VLLM_EXTENSION
 

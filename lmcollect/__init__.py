@@ -41,11 +41,11 @@ _EXPORTS = {
     "RayPushConfig": "lmcollect.weight_sync.ray_updater",
     "vLLMUpdater": "lmcollect.weight_sync.vllm_updater",
     "VLLMUpdater": "lmcollect.weight_sync.vllm_updater",
-    "RayObjectStoreSender": "lmcollect.weight_sync.schemes.ray_object_store",
-    "RayObjectStoreReceiver": "lmcollect.weight_sync.schemes.ray_object_store",
-    "ProcessGroupConfig": "lmcollect.weight_sync.schemes.process_group",
-    "ProcessGroupSender": "lmcollect.weight_sync.schemes.process_group",
-    "ProcessGroupReceiver": "lmcollect.weight_sync.schemes.process_group",
+    "RayObjectStoreSender": "lmcollect.transports.ray_object_store",
+    "RayObjectStoreReceiver": "lmcollect.transports.ray_object_store",
+    "ProcessGroupConfig": "lmcollect.transports.process_group",
+    "ProcessGroupSender": "lmcollect.transports.process_group",
+    "ProcessGroupReceiver": "lmcollect.transports.process_group",
 }
 
 __all__ = sorted(_EXPORTS)

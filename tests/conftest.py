@@ -28,27 +28,32 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 
 # The slowest test files, slowest first (seconds on 2 busy cores): `make test` hands whole files to two
-# pytest workers in collection order, so these start first and the short ones fill the gaps at the end.
-SLOWEST_FIRST = (
-    "integration/test_soak.py",  # ~90
-    "integration/test_vllm_server.py",  # ~90
-    "integration/test_vllm_updater.py",  # ~85
-    "integration/test_ray_collector.py",  # ~120, many short tests
-    "integration/test_multinode.py",  # ~80, two Ray clusters of their own
-    "integration/test_collector_contract.py",  # ~80, many short tests
-    "integration/test_data_contract_ray.py",  # ~75
-    "integration/test_vllm_async_engine.py",  # ~65
-    "integration/test_continuous_ray_engines.py",  # ~60
-    "integration/test_ray_engines.py",  # ~60 (the engine contract through actors)
-    "integration/test_resume_ray.py",  # ~55
-    "integration/test_cli_demo.py",  # ~55
-    "integration/test_vllm_policy.py",  # ~55
-    "faults/test_fault_vllm.py",  # ~45
-    "integration/test_weight_sync_ray.py",  # ~40
-    "integration/test_cli_collect.py",  # ~35
-    "faults/test_fault_ray_head.py",  # ~35
-    "faults/test_fault_collector_actor.py",  # ~30
-    "integration/test_delta_sync_ray.py",  # ~25
+# pytest workers in collection order (`--no-loadscope-reorder`: by default xdist orders files by their
+# number of tests, which left the one-test soak and demo files to the end), so these start first and the
+# short ones fill the gaps at the end.
+SLOWEST_FIRST = (  # summed seconds of each file in a `make test` run of 2026-12-02
+    "integration/test_ray_collector.py",  # ~212, many short tests
+    "integration/test_vllm_server.py",  # ~179
+    "integration/test_collector_contract.py",  # ~164, many short tests
+    "integration/test_vllm_async_engine.py",  # ~140
+    "integration/test_vllm_updater.py",  # ~138
+    "integration/test_data_contract_ray.py",  # ~129
+    "faults/test_fault_vllm.py",  # ~114
+    "integration/test_vllm_policy.py",  # ~104
+    "integration/test_cli_demo.py",  # ~103
+    "integration/test_continuous_ray_engines.py",  # ~102
+    "integration/test_soak.py",  # ~98
+    "integration/test_weight_sync_ray.py",  # ~72
+    "integration/test_ray_engines.py",  # ~69
+    "integration/test_cli_collect.py",  # ~65
+    "integration/test_multinode.py",  # ~52, two Ray clusters of its own
+    "faults/test_fault_ray_head.py",  # ~48
+    "faults/test_fault_collector_actor.py",  # ~47
+    "integration/test_resume_ray.py",  # ~47
+    "integration/test_vllm_multinode.py",  # ~45
+    "integration/test_delta_sync_ray.py",  # ~35
+    "unit/test_resume.py",  # ~31
+    "integration/test_continuous_ray.py",  # ~31
 )
 
 

@@ -12,7 +12,7 @@ from tensordict import TensorDictBase
 from lmcollect.collectors.continuous import ContinuousLLMCollector
 from lmcollect.collectors.llm_collector import LLMCollector
 from lmcollect.data.transport import pack
-from lmcollect.weight_sync.version import PushVersion
+from lmcollect.weights.version import PushVersion
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from lmcollect.collectors.versioning import PolicyVersion, make_policy_version
 from lmcollect.collectors.weights import WeightReceiverMixin
 from lmcollect.engines.protocol import EngineProtocol
 from lmcollect.policies.sampling import SamplingConfig
-from lmcollect.weight_sync.version import PushVersion
+from lmcollect.weights.version import PushVersion
 
 
 logger = logging.getLogger(__name__)
@@ -379,10 +379,10 @@ class ContinuousLLMCollector(CollectorVersionMixin, ContinuousStateMixin, Weight
         decoded from then on carry the new version in ``("collector", "token_versions")``.
         ``zero_copy`` is accepted and ignored: the engine copies the weights into its own.
 
-        A :class:`~lmcollect.weight_sync.delta.WeightDelta` (with ``version``) is first decoded
+        A :class:`~lmcollect.weights.delta.WeightDelta` (with ``version``) is first decoded
         against a copy of the engine's current weights (its ``.model`` module, as
         :class:`~lmcollect.engines.TransformersEngine` exposes): wrong base version, names, dtypes
-        or sizes raise :class:`~lmcollect.weight_sync.delta.DeltaRejectedError` with nothing
+        or sizes raise :class:`~lmcollect.weights.delta.DeltaRejectedError` with nothing
         changed; then the result loads as a full push. An engine without ``.model`` refuses deltas.
         """
         if model_id != "policy":

@@ -11,7 +11,7 @@ from lmcollect.collectors.dialog_tasks import DialogTasks
 from lmcollect.collectors.llm_collector import state_of
 from lmcollect.collectors.trajectories import TrajectoryTracker
 from lmcollect.collectors.turn_flow import TurnFlow
-from lmcollect.weight_sync.version import PushVersion
+from lmcollect.weights.version import PushVersion
 
 
 class ContinuousStateMixin:

@@ -20,7 +20,7 @@ from lmcollect.collectors.rwlock import ReadWriteLock
 from lmcollect.collectors.trajectories import TrajectoryTracker, id_base, random_namespace
 from lmcollect.collectors.versioning import PolicyVersion, make_policy_version
 from lmcollect.collectors.weights import WeightReceiverMixin
-from lmcollect.weight_sync.version import PushVersion
+from lmcollect.weights.version import PushVersion
 
 logger = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from lmcollect.collectors.config import resolve_batching
 from lmcollect.collectors.versioning import PolicyVersion
 from lmcollect.collectors.weights import attach_updater
 from lmcollect.distributed.ray_cluster import actor_options, init_ray, torch_threads_for, with_thread_env
-from lmcollect.weight_sync.buckets import view_buckets
-from lmcollect.weight_sync.version import PushVersion
-from lmcollect.weight_sync.weights import to_weight_dict
+from lmcollect.weights.buckets import view_buckets
+from lmcollect.weights.version import PushVersion
+from lmcollect.weights.tensors import to_weight_dict
 
 logger = logging.getLogger(__name__)
 

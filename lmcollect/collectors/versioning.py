@@ -5,7 +5,7 @@ import threading
 import uuid
 from typing import Literal
 
-from lmcollect.weight_sync.version import PushVersion
+from lmcollect.weights.version import PushVersion
 
 
 class PolicyVersion:

@@ -12,13 +12,13 @@ from typing import Any
 import torch
 
 from lmcollect.collectors.attr_path import resolve_attr_path
-from lmcollect.weight_sync.version import PushVersion
+from lmcollect.weights.version import PushVersion
 from lmcollect.collectors.trajectories import id_base
 from lmcollect.engines.protocol import EngineProtocol, WorkerRpcEngine, engine_of, worker_rpc_engine_of
 from lmcollect.weight_sync.base import resolve_updater
-from lmcollect.weight_sync.buckets import LOAD_PACKED_WEIGHTS, packed_weights
-from lmcollect.weight_sync.delta import WeightDelta, check_delta_base, prepare_delta
-from lmcollect.weight_sync.weights import (
+from lmcollect.weights.buckets import LOAD_PACKED_WEIGHTS, packed_weights
+from lmcollect.weights.delta import WeightDelta, check_delta_base, prepare_delta
+from lmcollect.weights.tensors import (
     cast_to_held,
     expected_metadata,
     load_weights_,
@@ -219,13 +219,13 @@ class WeightReceiverMixin:
         push's version (None: one more than now). This is what weight updaters call; it bypasses
         receiver schemes.
 
-        ``weights`` may be a :class:`~lmcollect.weight_sync.delta.WeightDelta` (a delta push, with
+        ``weights`` may be a :class:`~lmcollect.weights.delta.WeightDelta` (a delta push, with
         its ``version``): applied only onto the push it was made from, and its checksums verified
         after writing; otherwise it raises ``DeltaRejectedError`` with the old weights and version
         kept, and the updater sends a full push.
 
         ``zero_copy=True``: the model's tensors are pointed at ``weights`` instead of copied (see
-        :func:`~lmcollect.weight_sync.weights.share_weights_`; a Ray push maps the object store's
+        :func:`~lmcollect.weights.tensors.share_weights_`; a Ray push maps the object store's
         shared memory, so collectors on one node share one copy). A later copying or delta load
         first gives the model private tensors again.
         """
@@ -275,7 +275,7 @@ class WeightReceiverMixin:
         """A push into an engine that holds its own weights: checked by the engine, loaded while no
         token is generated (see :meth:`_engine_held`), then the cache reset and the version taken.
 
-        A :class:`~lmcollect.weight_sync.delta.WeightDelta` (with ``version``) is first decoded
+        A :class:`~lmcollect.weights.delta.WeightDelta` (with ``version``) is first decoded
         against a copy of the engine's current weights (its ``.model``, as ``TransformersEngine``
         exposes; same checks as an in-place delta: a rejected one changes nothing), then loads as a
         full push. An engine without a model refuses deltas, naming the fix.
@@ -450,7 +450,7 @@ def _decode_delta(engine: EngineProtocol, delta: WeightDelta, held: PushVersion 
     """The full weights ``delta`` makes of the engine's current ones (a copy: the engine is untouched).
 
     Same checks as an in-place delta (base version, names, dtypes, sizes, checksums): a
-    :class:`~lmcollect.weight_sync.delta.DeltaRejectedError` leaves everything as it was.
+    :class:`~lmcollect.weights.delta.DeltaRejectedError` leaves everything as it was.
     """
     model = getattr(engine, "model", None)  # the weights of an engine that runs in this process
     if not isinstance(model, torch.nn.Module):

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from lmcollect.weight_sync.weights import expected_metadata
+from lmcollect.weights.tensors import expected_metadata
 
 from lmcollect.data.history import History
 from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult

@@ -17,7 +17,7 @@ from lmcollect.engines.kv_batch import LeftPaddedKVCache
 from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult
 from lmcollect.engines.running_request import RunningRequest
 from lmcollect.policies.prompt_tokens import eos_token_ids
-from lmcollect.weight_sync.weights import (
+from lmcollect.weights.tensors import (
     align_names,
     expected_metadata,
     raise_if_problems,

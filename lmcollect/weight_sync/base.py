@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from lmcollect.weight_sync.version import PushVersion
-from lmcollect.weight_sync.weights import WeightDict, expected_metadata, to_weight_dict
+from lmcollect.weights.version import PushVersion
+from lmcollect.weights.tensors import WeightDict, expected_metadata, to_weight_dict
 
 logger = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ from collections.abc import Hashable
 from typing import Any
 
 from lmcollect.weight_sync.base import WeightUpdaterBase
-from lmcollect.weight_sync.version import PushVersion
-from lmcollect.weight_sync.weights import (
+from lmcollect.weights.version import PushVersion
+from lmcollect.weights.tensors import (
     WeightDict,
     narrowest_held_dtypes,
     non_finite_problems,

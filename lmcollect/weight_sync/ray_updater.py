@@ -12,8 +12,8 @@ from ray.actor import ActorHandle
 from ray.exceptions import RayActorError, RayTaskError
 
 from lmcollect.weight_sync.base import WeightPushError, WeightUpdaterBase, WorkerIds
-from lmcollect.weight_sync.buckets import WeightBuckets, pack_buckets, view_buckets
-from lmcollect.weight_sync.delta import (
+from lmcollect.weights.buckets import WeightBuckets, pack_buckets, view_buckets
+from lmcollect.weights.delta import (
     DeltaBase,
     DeltaConfig,
     DeltaRejectedError,
@@ -23,10 +23,11 @@ from lmcollect.weight_sync.delta import (
     distinct_tensors,
     resolve_delta,
 )
-from lmcollect.weight_sync.version import PushVersion
-from lmcollect.weight_sync.weights import (
+from lmcollect.weights.version import PushVersion
+from lmcollect.weights.tensors import (
     WeightDict,
     align_names,
+    agreed_held_dtypes,
     narrowest_held_dtypes,
     non_finite_problems,
     raise_if_problems,
@@ -303,7 +304,10 @@ class RayRemoteWeightUpdater(WeightUpdaterBase):
         sent for NaN/Inf: the changed values, or the whole weights for a full push."""
         base = self._delta_base
         assert base is not None
-        dtypes = self._receiver_dtypes(weights)
+        dtypes = agreed_held_dtypes(  # the base is kept, and compared, in the workers' dtypes
+            distinct_tensors(weights), self._fetch_metadata(),
+            why_one="a delta base needs one: give every collector the same dtype, or push with RayPushConfig(delta=False).",
+        )
         eligible = [i for i in targets if base.version is not None and self._held[i] == base.version]
         encoded = base.encode(weights, dtypes) if eligible else None
         if not self.config.allow_non_finite:
@@ -349,22 +353,6 @@ class RayRemoteWeightUpdater(WeightUpdaterBase):
         stats = self.last_push_stats
         if repaired and stats is not None:
             self.last_push_stats = replace(stats, num_full=stats.num_full + len(repaired), num_repaired=len(repaired))
-
-    def _receiver_dtypes(self, weights: WeightDict) -> dict[str, Any]:
-        """name -> the dtype every worker holds it in, where that differs from the pushed one
-        (``convert_dtype``): the base is kept, and compared, in the workers' dtypes."""
-        dtypes: dict[str, Any] = {}
-        for name, tensor in distinct_tensors(weights).items():
-            held = {expected[aliases.get(name, name)][0] for expected, aliases in self._fetch_metadata()}
-            if len(held) > 1:
-                raise ValueError(
-                    f"workers hold {name!r} in different dtypes {sorted(map(str, held))}; a delta base needs one: "
-                    "give every collector the same dtype, or push with RayPushConfig(delta=False)."
-                )
-            dtype = held.pop()
-            if dtype != tensor.dtype:
-                dtypes[name] = dtype
-        return dtypes
 
 
 RayWeightUpdater = RayRemoteWeightUpdater

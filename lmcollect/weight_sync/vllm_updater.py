@@ -11,11 +11,11 @@ import torch
 
 from lmcollect.engines.protocol import EngineProtocol, WorkerRpcEngine, worker_rpc_engine_of
 from lmcollect.weight_sync.base import WeightPushError, WeightUpdaterBase
-from lmcollect.weight_sync.delta import DeltaConfig, PushStats, resolve_delta
-from lmcollect.weight_sync.version import PushVersion
-from lmcollect.weight_sync.schemes.process_group import PreparedPush, ProcessGroupConfig, ProcessGroupSender
+from lmcollect.weights.delta import DeltaConfig, PushStats, resolve_delta
+from lmcollect.weights.version import PushVersion
+from lmcollect.transports.process_group import PreparedPush, ProcessGroupConfig, ProcessGroupSender
 from lmcollect.weight_sync.vllm_worker_ext import RayNode, current_ray_node
-from lmcollect.weight_sync.weights import (
+from lmcollect.weights.tensors import (
     WeightDict,
     non_finite_problems,
     raise_if_problems,
@@ -90,7 +90,7 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
         allow_non_finite: push weights holding NaN or infinite values; False: such a push is
             refused before anything is sent (one min/max pass per floating tensor; with delta,
             over the changed values only).
-        delta: True or a :class:`~lmcollect.weight_sync.delta.DeltaConfig`: send only the elements
+        delta: True or a :class:`~lmcollect.weights.delta.DeltaConfig`: send only the elements
             that changed since the last push (positions, values, per-tensor checksums; a full
             push when the delta would exceed ``max_fraction`` of it). The trainer side keeps its
             packed buffers of the last push (one copy of the weights in the engine's dtype), each

@@ -5,8 +5,8 @@ Give the engine ``worker_extension_cls=VLLM_EXTENSION`` (a ``vllm.LLM`` argument
 ``/collective_rpc`` development endpoint passes JSON arguments and results); vLLM then mixes
 :class:`VLLMWeightReceiverExtension` into every worker, and its methods become ``collective_rpc``
 targets. The trainer side is the plain
-:class:`~lmcollect.weight_sync.schemes.process_group.ProcessGroupSender` (rank 0); each worker
-is a :class:`~lmcollect.weight_sync.schemes.process_group.ProcessGroupReceiver` (rank >= 1).
+:class:`~lmcollect.transports.process_group.ProcessGroupSender` (rank 0); each worker
+is a :class:`~lmcollect.transports.process_group.ProcessGroupReceiver` (rank >= 1).
 
 Steps, in order:
 
@@ -55,9 +55,9 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from lmcollect.weight_sync.buckets import WeightBuckets, layout_from_json
-from lmcollect.weight_sync.schemes.process_group import ProcessGroupReceiver
-from lmcollect.weight_sync.weights import raise_if_problems, weight_problems
+from lmcollect.weights.buckets import WeightBuckets, layout_from_json
+from lmcollect.transports.process_group import ProcessGroupReceiver
+from lmcollect.weights.tensors import raise_if_problems, weight_problems
 
 logger = logging.getLogger(__name__)
 

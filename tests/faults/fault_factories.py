@@ -105,7 +105,7 @@ class DyingSender:
     """A ProcessGroupSender in a process of its own (a Ray actor), which can die in the middle of a push."""
 
     def __init__(self, num_receivers: int, *, timeout_s: float, bucket_size_bytes: int) -> None:
-        from lmcollect.weight_sync.schemes.process_group import ProcessGroupConfig, ProcessGroupSender
+        from lmcollect.transports.process_group import ProcessGroupConfig, ProcessGroupSender
 
         config = ProcessGroupConfig(num_receivers=num_receivers, timeout_s=timeout_s, bucket_size_bytes=bucket_size_bytes)
         self.sender = ProcessGroupSender(config)

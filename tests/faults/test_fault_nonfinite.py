@@ -12,7 +12,7 @@ import torch
 from lmcollect import LLMCollector
 from lmcollect.collectors.ray_collector import RayLLMCollector
 from lmcollect.weight_sync import LocalWeightUpdater, RayPushConfig, RayRemoteWeightUpdater
-from lmcollect.weight_sync.weights import non_finite_problems
+from lmcollect.weights.tensors import non_finite_problems
 from tests.factories import SmallModelPolicy, SmallNet, make_arithmetic_env
 
 

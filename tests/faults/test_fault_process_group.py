@@ -16,7 +16,7 @@ import torch
 
 from lmcollect import LLMCollector
 from lmcollect.collectors.ray_collector import RayLLMCollector
-from lmcollect.weight_sync.schemes.process_group import ProcessGroupConfig, ProcessGroupReceiver, ProcessGroupSender
+from lmcollect.transports.process_group import ProcessGroupConfig, ProcessGroupReceiver, ProcessGroupSender
 from tests.factories import SmallModelPolicy, SmallNet, make_arithmetic_env
 from tests.faults.fault_factories import DyingSender
 

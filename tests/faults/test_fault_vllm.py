@@ -21,7 +21,7 @@ from lmcollect.data import keys
 from lmcollect.models import ModelSpec, get_model_path, load_model_and_tokenizer
 from lmcollect.policies import TransformersPolicy
 from lmcollect.weight_sync import WeightPushError
-from lmcollect.weight_sync.version import PushVersion
+from lmcollect.weights.version import PushVersion
 from tests.factories import make_arithmetic_env
 from tests.faults.fault_factories import DIE_MID_PUSH_ENV, DyingSender
 from tests.integration.conftest import CPU_ENGINE_KWARGS, QUESTIONS, chat_batch

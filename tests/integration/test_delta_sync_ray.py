@@ -18,8 +18,8 @@ from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
 from lmcollect.models import load_model_and_tokenizer
 from lmcollect.policies import TransformersPolicy
-from lmcollect.weight_sync.buckets import WeightBuckets
-from lmcollect.weight_sync.delta import EncodedDelta, WeightDelta
+from lmcollect.weights.buckets import WeightBuckets
+from lmcollect.weights.delta import EncodedDelta, WeightDelta
 from lmcollect.weight_sync.ray_updater import RayPushConfig, RayRemoteWeightUpdater
 from tests.factories import make_arithmetic_env, perturbed_model
 

@@ -18,8 +18,8 @@ from lmcollect.data import keys
 from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
 from lmcollect.models import load_model_and_tokenizer
 from lmcollect.policies import TransformersPolicy
-from lmcollect.weight_sync.buckets import WeightBuckets
-from lmcollect.weight_sync.delta import EncodedDelta, WeightDelta
+from lmcollect.weights.buckets import WeightBuckets
+from lmcollect.weights.delta import EncodedDelta, WeightDelta
 from tests.factories import perturbed_model
 from tests.integration.conftest import MAX_NEW_TOKENS, QUESTIONS, chat_batch
 

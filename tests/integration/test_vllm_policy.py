@@ -201,9 +201,9 @@ def test_pushed_weights_match_transformers(ray_cluster: Any, vllm_env: None, tin
     then vLLM never sees the lm_head name and the tied module must be rebuilt by the extension.
     """
     from lmcollect.policies.vllm_ray import VLLMReplicas
-    from lmcollect.weight_sync.schemes.process_group import ProcessGroupConfig, ProcessGroupSender
+    from lmcollect.transports.process_group import ProcessGroupConfig, ProcessGroupSender
     from lmcollect.weight_sync.vllm_worker_ext import VLLM_EXTENSION
-    from lmcollect.weight_sync.weights import unique_targets
+    from lmcollect.weights.tensors import unique_targets
 
     path = tiny_model_path  # seed 0
     engine_kwargs = {**CPU_ENGINE_KWARGS, "worker_extension_cls": VLLM_EXTENSION}

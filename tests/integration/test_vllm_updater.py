@@ -21,7 +21,7 @@ from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
 from lmcollect.models import ModelSpec, get_model_path, load_model_and_tokenizer
 from lmcollect.policies import ScriptedPolicy, TransformersPolicy
 from lmcollect.weight_sync import WeightPushError
-from lmcollect.weight_sync.weights import unique_targets
+from lmcollect.weights.tensors import unique_targets
 from tests.integration.conftest import CPU_ENGINE_KWARGS, MAX_NEW_TOKENS, QUESTIONS, chat_batch
 
 pytest.importorskip("vllm")

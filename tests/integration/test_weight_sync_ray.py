@@ -17,8 +17,8 @@ from lmcollect.models import load_model_and_tokenizer
 from lmcollect.policies import TransformersPolicy
 from lmcollect.weight_sync import WeightPushError
 from lmcollect.weight_sync.ray_updater import PushHandle, RayPushConfig, RayRemoteWeightUpdater, RayWeightUpdater
-from lmcollect.weight_sync.schemes.process_group import ProcessGroupConfig, ProcessGroupReceiver, ProcessGroupSender
-from lmcollect.weight_sync.schemes.ray_object_store import RayObjectStoreSender
+from lmcollect.transports.process_group import ProcessGroupConfig, ProcessGroupReceiver, ProcessGroupSender
+from lmcollect.transports.ray_object_store import RayObjectStoreSender
 from tests.factories import SmallModelPolicy, SmallNet, make_arithmetic_env, make_greedy_tiny_policy, perturbed_model
 
 pytestmark = pytest.mark.integration

@@ -18,7 +18,7 @@ from lmcollect.collectors import LLMCollector
 from lmcollect.collectors.rwlock import LockTimeoutError
 from lmcollect.files import write_text_atomically
 from lmcollect.weight_sync.local import LocalWeightUpdater
-from lmcollect.weight_sync.version import PushVersion
+from lmcollect.weights.version import PushVersion
 from tests.factories import HungActor, SmallModelPolicy, make_arithmetic_env, make_engine_that_hangs_on_pause, run_in_thread
 
 WAIT_S = 20.0
@@ -200,7 +200,7 @@ def test_a_hung_engine_actor_raises_naming_call_timeout_s(ray_cluster) -> None:
 
 def test_a_hung_weight_mailbox_raises_naming_its_knob(ray_cluster) -> None:
     from lmcollect.distributed.bounded import CallTimeoutError
-    from lmcollect.weight_sync.schemes.ray_object_store import RayObjectStoreReceiver
+    from lmcollect.transports.ray_object_store import RayObjectStoreReceiver
 
     mailbox = ray_cluster.remote(num_cpus=0.05, max_concurrency=2)(HungActor).remote()
     try:

@@ -19,17 +19,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lmcollect.weight_sync.buckets import BucketLayout, WeightBuckets, layout_to_json
-from lmcollect.weight_sync.delta import DeltaConfig, WeightDelta
-from lmcollect.weight_sync.schemes.process_group import (
+from lmcollect.weights.buckets import BucketLayout, WeightBuckets, layout_to_json
+from lmcollect.weights.delta import DeltaConfig, WeightDelta
+from lmcollect.transports.process_group import (
     PreparedPush,
     ProcessGroupConfig,
     ProcessGroupReceiver,
     ProcessGroupSender,
 )
-from lmcollect.weight_sync.schemes.rendezvous import GroupStore
+from lmcollect.transports.rendezvous import GroupStore
 from lmcollect.weight_sync.vllm_worker_ext import EngineWeights
-from lmcollect.weight_sync.weights import tensor_metadata
+from lmcollect.weights.tensors import tensor_metadata
 
 TIMEOUT_S = 10.0
 HUGE = 1 << 40  # bytes: a receiver that allocated this would die (or raise something else than ValueError)

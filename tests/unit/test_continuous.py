@@ -20,7 +20,7 @@ from lmcollect.envs import ChatEnv, SingleTurnTask, arithmetic_dataset
 from lmcollect.envs.tasks.tool_calc import ToolCalcTask, tool_calc_dataset, tool_calc_player
 from lmcollect.policies import SamplingConfig
 from lmcollect.policies.outputs import Generation, answer_prompts
-from lmcollect.weight_sync.delta import WeightDelta
+from lmcollect.weights.delta import WeightDelta
 from tests.factories import run_in_thread
 
 ROWS = tool_calc_dataset(256, seed=0)
@@ -527,8 +527,8 @@ def test_a_collector_over_an_engine_that_holds_a_push_counts_on_from_its_version
 
 def test_a_delta_push_over_the_transformers_engine_equals_the_full_push(tiny_parts) -> None:
     from lmcollect.engines import TransformersEngine
-    from lmcollect.weight_sync.delta import DeltaBase, DeltaConfig, DeltaRejectedError
-    from lmcollect.weight_sync.version import PushVersion
+    from lmcollect.weights.delta import DeltaBase, DeltaConfig, DeltaRejectedError
+    from lmcollect.weights.version import PushVersion
 
     tokenizer, make_model = tiny_parts
     trainer = make_model(2)
@@ -567,7 +567,7 @@ def test_a_delta_push_over_the_transformers_engine_equals_the_full_push(tiny_par
 
 
 def test_a_delta_push_into_an_engine_without_a_model_names_the_fix() -> None:
-    from lmcollect.weight_sync.version import PushVersion
+    from lmcollect.weights.version import PushVersion
 
     env = ChatEnv(arithmetic_dataset(8, seed=0), task=SingleTurnTask(), batch_size=1, seed=0)
     engine = ScriptedEngine()

@@ -70,7 +70,7 @@ def test_a_receiver_refuses_an_older_version_before_loading_anything() -> None:
     collector = make_collector(weight_updater=LocalWeightUpdater())
     collector.weight_updater.push_weights(trained(), version=4)
     before = state(collector)
-    from lmcollect.weight_sync.version import PushVersion
+    from lmcollect.weights.version import PushVersion
 
     with pytest.raises(ValueError, match="older than this collector's version 4"):
         collector.apply_weights(TinyNet().state_dict(), version=PushVersion(2))

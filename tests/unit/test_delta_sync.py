@@ -16,8 +16,8 @@ from lmcollect.collectors import LLMCollector
 from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
 from lmcollect.models import load_model_and_tokenizer
 from lmcollect.policies import ScriptedPolicy
-from lmcollect.weight_sync.buckets import WeightBuckets
-from lmcollect.weight_sync.delta import (
+from lmcollect.weights.buckets import WeightBuckets
+from lmcollect.weights.delta import (
     DeltaBase,
     DeltaConfig,
     DeltaRejectedError,
@@ -26,9 +26,9 @@ from lmcollect.weight_sync.delta import (
     prepare_delta,
     resolve_delta,
 )
-from lmcollect.weight_sync.schemes.process_group import PreparedPush, ProcessGroupConfig, ProcessGroupReceiver, ProcessGroupSender
-from lmcollect.weight_sync.version import PushVersion
-from lmcollect.weight_sync.weights import unique_targets
+from lmcollect.transports.process_group import PreparedPush, ProcessGroupConfig, ProcessGroupReceiver, ProcessGroupSender
+from lmcollect.weights.version import PushVersion
+from lmcollect.weights.tensors import unique_targets
 
 
 @pytest.fixture()

@@ -10,7 +10,7 @@ from lmcollect.data.turns import flatten_turns, non_tensor_values
 from lmcollect.engines import EnginePolicy, TransformersEngine
 from lmcollect.envs import ChatEnv, GuessingGameTask, guessing_game_dataset
 from lmcollect.policies import SamplingConfig, TransformersPolicy
-from lmcollect.weight_sync.weights import to_weight_dict
+from lmcollect.weights.tensors import to_weight_dict
 from tests.factories import perturbed_model
 
 GREEDY = SamplingConfig(temperature=0, max_new_tokens=12)

@@ -18,7 +18,7 @@ from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
 from lmcollect.policies import ScriptedPolicy
 from lmcollect.weight_sync import LocalWeightUpdater, SharedMemorySender, WeightUpdaterBase, pack_buckets
 from tests.factories import run_in_thread
-from lmcollect.weight_sync.schemes.process_group import ProcessGroupConfig, ProcessGroupReceiver, ProcessGroupSender
+from lmcollect.transports.process_group import ProcessGroupConfig, ProcessGroupReceiver, ProcessGroupSender
 
 
 class TinyNet(nn.Module):
@@ -392,3 +392,14 @@ def test_zero_copy_and_delta_cannot_be_combined() -> None:
 
     with pytest.raises(ValueError, match="zero_copy=True and delta"):
         RayPushConfig(zero_copy=True, delta=True)
+
+
+def test_the_held_dtypes_of_receivers_that_must_agree() -> None:
+    from lmcollect.weights.tensors import agreed_held_dtypes
+
+    weights = {"w": torch.zeros(2, dtype=torch.float32), "b": torch.zeros(2, dtype=torch.bfloat16), "tied": torch.zeros(1)}
+    bf16 = ({"w": (torch.bfloat16, (2,)), "b": (torch.bfloat16, (2,)), "emb": (torch.float32, (1,))}, {"tied": "emb"})
+    assert agreed_held_dtypes(weights, [bf16, bf16], why_one="-") == {"w": torch.bfloat16}  # only what differs
+    fp16 = ({**bf16[0], "w": (torch.float16, (2,))}, bf16[1])
+    with pytest.raises(ValueError, match=r"receivers hold 'w' in different dtypes \['torch.bfloat16', 'torch.float16'\]; give"):
+        agreed_held_dtypes(weights, [bf16, fp16], why_one="give every engine the same dtype.")

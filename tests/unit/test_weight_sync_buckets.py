@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from lmcollect.weight_sync.buckets import (
+from lmcollect.weights.buckets import (
     ALIGN_BYTES,
     layout_from_json,
     layout_to_json,
@@ -15,7 +15,7 @@ from lmcollect.weight_sync.buckets import (
     plan_layout,
     view_buckets,
 )
-from lmcollect.weight_sync.weights import expected_metadata, load_weights_, to_weight_dict, weight_problems
+from lmcollect.weights.tensors import expected_metadata, load_weights_, to_weight_dict, weight_problems
 
 
 class TiedNet(nn.Module):

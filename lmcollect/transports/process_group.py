@@ -12,7 +12,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from lmcollect.weight_sync.buckets import (
+from lmcollect.weights.buckets import (
     BucketLayout,
     WeightBuckets,
     layout_problems,
@@ -23,7 +23,7 @@ from lmcollect.weight_sync.buckets import (
     pack_buckets,
     plan_layout,
 )
-from lmcollect.weight_sync.delta import (
+from lmcollect.weights.delta import (
     DeltaBase,
     DeltaConfig,
     DeltaRejectedError,
@@ -33,8 +33,8 @@ from lmcollect.weight_sync.delta import (
     distinct_tensors,
     prepare_delta,
 )
-from lmcollect.weight_sync.schemes.base import WeightReceiver, WeightSender
-from lmcollect.weight_sync.schemes.rendezvous import (
+from lmcollect.transports.base import WeightReceiver, WeightSender
+from lmcollect.transports.rendezvous import (
     GroupStore,
     check_secret,
     parse_header,
@@ -43,8 +43,15 @@ from lmcollect.weight_sync.schemes.rendezvous import (
     version_from_json,
     version_json,
 )
-from lmcollect.weight_sync.version import PushVersion
-from lmcollect.weight_sync.weights import WeightDict, raise_if_problems, tensor_metadata, to_weight_dict, weight_problems
+from lmcollect.weights.version import PushVersion
+from lmcollect.weights.tensors import (
+    WeightDict,
+    agreed_held_dtypes,
+    raise_if_problems,
+    tensor_metadata,
+    to_weight_dict,
+    weight_problems,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -193,22 +200,6 @@ class ProcessGroupSender(WeightSender):
             ]
         raise_if_problems(problems, where=" on every receiver")
 
-    def receiver_dtypes(self, weights: WeightDict) -> dict[str, torch.dtype]:
-        """name -> the dtype the receivers hold it in, for every floating tensor sent in another one
-        (call after :meth:`check`). Every receiver gets the same broadcast buffers, so all must agree."""
-        dtypes: dict[str, torch.dtype] = {}
-        for name, tensor in weights.items():
-            held = {expected[aliases.get(name, name)][0] for expected, aliases in self._receiver_metadata}
-            if len(held) > 1:
-                raise ValueError(
-                    f"receivers hold {name!r} in different dtypes {sorted(map(str, held))}; one broadcast "
-                    "cannot feed them all: give every engine the same dtype."
-                )
-            dtype = held.pop()
-            if tensor.is_floating_point() and dtype != tensor.dtype:
-                dtypes[name] = dtype
-        return dtypes
-
     def last_checksums(self) -> list[int]:
         """CRC32 of each buffer of the last push (compare with the receivers' :meth:`last_checksums`)."""
         return buffer_checksums(self._sent)
@@ -226,7 +217,10 @@ class ProcessGroupSender(WeightSender):
         last push. Nothing is sent and nothing changes: a caller may still refuse the push."""
         weights = to_weight_dict(weights)
         self.check(weights)
-        dtypes = self.receiver_dtypes(weights) if self.config.convert_dtype else None
+        dtypes = None
+        if self.config.convert_dtype:
+            dtypes = agreed_held_dtypes(weights, self._receiver_metadata,
+                                        why_one="one broadcast cannot feed them all: give every engine the same dtype.")
         encoded = self._delta_base.encode(weights, dtypes) if self._delta_base is not None else None
         return PreparedPush(weights, dtypes, encoded)
 

@@ -34,8 +34,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from lmcollect.weight_sync.buckets import WeightBuckets, tie_key, view_buckets
-from lmcollect.weight_sync.version import PushVersion
+from lmcollect.weights.buckets import WeightBuckets, tie_key, view_buckets
+from lmcollect.weights.version import PushVersion
 
 Encoding = Literal["indices", "bitmask", "dense"]
 BLOCK_BITS = 16  # "indices" positions: uint16 offsets inside blocks of 2**16 elements

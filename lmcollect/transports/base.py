@@ -6,7 +6,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from lmcollect.weight_sync.weights import WeightDict
+from lmcollect.weights.tensors import WeightDict
 
 
 class WeightSender(abc.ABC):

@@ -5,10 +5,10 @@ from typing import Any
 
 import ray
 
-from lmcollect.weight_sync.buckets import view_buckets
-from lmcollect.weight_sync.schemes.base import WeightReceiver, WeightSender
+from lmcollect.weights.buckets import view_buckets
+from lmcollect.transports.base import WeightReceiver, WeightSender
 from lmcollect.distributed.bounded import get_within
-from lmcollect.weight_sync.weights import WeightDict, to_weight_dict
+from lmcollect.weights.tensors import WeightDict, to_weight_dict
 
 
 class WeightMailbox:

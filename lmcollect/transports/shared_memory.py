@@ -4,9 +4,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from lmcollect.weight_sync.buckets import WeightBuckets, pack_buckets
-from lmcollect.weight_sync.schemes.base import WeightReceiver, WeightSender
-from lmcollect.weight_sync.weights import WeightDict, to_weight_dict
+from lmcollect.weights.buckets import WeightBuckets, pack_buckets
+from lmcollect.transports.base import WeightReceiver, WeightSender
+from lmcollect.weights.tensors import WeightDict, to_weight_dict
 
 
 class SharedMemorySender(WeightSender):

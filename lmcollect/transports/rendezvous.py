@@ -16,9 +16,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lmcollect.weight_sync.buckets import BucketLayout, layout_from_json
-from lmcollect.weight_sync.version import PushVersion
-from lmcollect.weight_sync.weights import raise_if_problems
+from lmcollect.weights.buckets import BucketLayout, layout_from_json
+from lmcollect.weights.version import PushVersion
+from lmcollect.weights.tensors import raise_if_problems
 
 SECRET_PATTERN = re.compile(r"[0-9a-f]{32}")  # secrets.token_hex(16)
 _MAC_CHARS = 64  # hex SHA-256

@@ -8,7 +8,7 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModule
 
-from lmcollect.weight_sync.buckets import WeightBuckets
+from lmcollect.weights.buckets import WeightBuckets
 
 WeightDict = dict[str, torch.Tensor]
 Metadata = Mapping[str, tuple[torch.dtype, torch.Size]]
@@ -199,6 +199,30 @@ def narrowest_held_dtypes(
         if floating:
             narrowest[name] = min(floating, key=lambda dtype: torch.finfo(dtype).max)
     return narrowest
+
+
+def agreed_held_dtypes(
+    weights: Mapping[str, torch.Tensor],
+    receivers: Iterable[tuple[Mapping[str, tuple[torch.dtype, Any]], Mapping[str, str]]],
+    *,
+    why_one: str,
+) -> dict[str, torch.dtype]:
+    """name -> the one dtype every receiver holds the tensor in, where it differs from the pushed one
+    (``receivers``: each one's ``(metadata, aliases)``; call after the names were checked).
+
+    Receivers that disagree raise ``ValueError``; ``why_one`` says why the push needs them to agree
+    and how to fix it.
+    """
+    receivers = list(receivers)
+    dtypes: dict[str, torch.dtype] = {}
+    for name, tensor in weights.items():
+        held = {meta[aliases.get(name, name)][0] for meta, aliases in receivers}
+        if len(held) > 1:
+            raise ValueError(f"receivers hold {name!r} in different dtypes {sorted(map(str, held))}; {why_one}")
+        dtype = held.pop()
+        if dtype != tensor.dtype:
+            dtypes[name] = dtype
+    return dtypes
 
 
 def raise_if_problems(problems: list[str], *, where: str = "") -> None:

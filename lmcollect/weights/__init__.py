@@ -1,0 +1,7 @@
+"""Weights as named tensors, in pure torch (the bottom layer: it imports nothing else of lmcollect).
+
+``tensors``: extracting ``name -> tensor`` from a model or state dict, checking names, shapes and
+dtypes against what a receiver holds, and loading into a module; ``buckets``: packing tensors into
+a few flat buffers and back; ``delta``: encoding a push as the change from a held base;
+``version``: the version a push carries.
+"""
