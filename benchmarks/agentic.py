@@ -65,7 +65,7 @@ from lmcollect.envs import ChatEnv, ToolCalcTask, tool_calc_dataset
 from lmcollect.envs.datasets import PromptDataset, row_to_history
 from lmcollect.envs.tasks.base import TaskReply
 from lmcollect.envs.tasks.tool_calc import ToolCalcState
-from lmcollect.policies.sampling import SamplingConfig
+from lmcollect.engines.sampling import SamplingConfig
 
 ENGINE_KWARGS = {"kv_cache_memory_bytes": 1 << 30, "enforce_eager": True}
 GPU_ENGINE_KWARGS = {"kv_cache_memory_bytes": 4 << 30}
@@ -406,7 +406,7 @@ async def plain_scheduler(path: str, slots: int, w: Workload) -> Sample:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from lmcollect.policies.prompt_tokens import extend_prefix
-    from lmcollect.policies.vllm_policy import engine_kwargs_for, sampling_params_kwargs
+    from lmcollect.engines.vllm_common import engine_kwargs_for, sampling_params_kwargs
 
     kwargs = {**engine_kwargs_for(path, _engine_kwargs(w)), "disable_log_stats": True}
     llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=path, **kwargs))

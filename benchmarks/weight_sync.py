@@ -261,7 +261,7 @@ def bench_vllm_push(reps: int, memcpy_gb_s: float) -> list[dict]:
     from lmcollect.weights.buckets import plan_layout
     from lmcollect.transports.process_group import DIRECT_SEND_MIN_BYTES
     from lmcollect.weight_sync.vllm_updater import vLLMUpdater
-    from lmcollect.weight_sync.vllm_worker_ext import VLLM_EXTENSION
+    from lmcollect.engines.vllm_worker_ext import VLLM_EXTENSION
 
     path = str(get_model_path(ModelSpec(size="medium")))
     trainer = medium_model(path)
@@ -429,7 +429,7 @@ def bench_delta_vllm(lrs: list[float], reps: int, memcpy_gb_s: float) -> list[di
     from lmcollect.policies.vllm_ray import VLLMReplicas
     from lmcollect.weights.delta import DeltaConfig
     from lmcollect.weight_sync.vllm_updater import vLLMUpdater
-    from lmcollect.weight_sync.vllm_worker_ext import VLLM_EXTENSION
+    from lmcollect.engines.vllm_worker_ext import VLLM_EXTENSION
 
     path = str(get_model_path(ModelSpec(size="medium")))
     engine_kwargs = {"kv_cache_memory_bytes": 1 << 30, "enforce_eager": True, "worker_extension_cls": VLLM_EXTENSION, "dtype": "bfloat16"}

@@ -20,7 +20,7 @@ from lmcollect.collectors.turn_flow import TurnFlow
 from lmcollect.collectors.versioning import PolicyVersion, make_policy_version
 from lmcollect.collectors.weights import WeightReceiverMixin
 from lmcollect.engines.protocol import EngineProtocol
-from lmcollect.policies.sampling import SamplingConfig
+from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.weights.version import PushVersion
 
 

@@ -27,7 +27,7 @@ from lmcollect.collectors.turn_flow import TurnFlow
 from lmcollect.data import keys
 from lmcollect.engines.protocol import EngineProtocol
 from lmcollect.envs.protocol import AsyncEnvProtocol
-from lmcollect.policies.sampling import SamplingConfig
+from lmcollect.engines.sampling import SamplingConfig
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from lmcollect.data.history import History
 from lmcollect.engines.protocol import EngineRequest, EngineResult
 from lmcollect.policies.outputs import prompts_of, record_sampling, record_token_versions, turn_output
 from lmcollect.policies.prompt_tokens import dialog_prompt_ids
-from lmcollect.policies.sampling import SamplingConfig
+from lmcollect.engines.sampling import SamplingConfig
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from tensordict import TensorDictBase
 from lmcollect.collectors.ray_collector import RayActorConfig, RayLLMCollector, RayContinuousWorker
 from lmcollect.collectors.versioning import PolicyVersion
 from lmcollect.engines.protocol import EngineProtocol
-from lmcollect.policies.sampling import SamplingConfig
+from lmcollect.engines.sampling import SamplingConfig
 
 
 class RayContinuousLLMCollector(RayLLMCollector):

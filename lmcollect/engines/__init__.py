@@ -13,7 +13,6 @@ from lmcollect.engines.protocol import (
     engine_of,
     worker_rpc_engine_of,
 )
-from lmcollect.engines.engine_policy import EnginePolicy
 from lmcollect.engines.router import EngineRouter
 
 # vLLM is an optional extra and slow to import, Ray and transformers too: their modules are imported
@@ -27,7 +26,6 @@ _LAZY = {
 
 __all__ = [
     "EngineClosedError",
-    "EnginePolicy",
     "EngineProtocol",
     "EngineRequest",
     "EngineResult",

@@ -24,7 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from lmcollect.policies.sampling import SamplingConfig
+from lmcollect.engines.sampling import SamplingConfig
 
 __all__ = ["EngineClosedError", "EngineProtocol", "EngineRequest", "EngineResult", "WorkerRpcEngine", "engine_of", "worker_rpc_engine_of"]
 
@@ -151,7 +151,7 @@ class WorkerRpcEngine(Protocol):
 
 def engine_of(policy: Any) -> EngineProtocol | None:
     """The :class:`EngineProtocol` engine behind ``policy``: the policy itself (a continuous
-    collector's engine) or its ``engine`` (an :class:`~lmcollect.engines.EnginePolicy`); else None."""
+    collector's engine) or its ``engine`` (an :class:`~lmcollect.policies.EnginePolicy`); else None."""
     for candidate in (policy, getattr(policy, "engine", None)):
         if isinstance(candidate, EngineProtocol):
             return candidate

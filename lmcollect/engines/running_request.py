@@ -8,7 +8,7 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from lmcollect.engines.protocol import EngineRequest, EngineResult
-from lmcollect.policies.step_log_probs import sampling_warpers
+from lmcollect.engines.step_log_probs import sampling_warpers
 
 if TYPE_CHECKING:  # only for annotations; the engine passes the tokenizer it was built with
     from transformers import PreTrainedTokenizerBase

@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import DynamicCache
 
+from lmcollect.engines.sampling import eos_token_ids
 from lmcollect.engines.kv_batch import LeftPaddedKVCache
 from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult
 from lmcollect.engines.running_request import RunningRequest
-from lmcollect.policies.prompt_tokens import eos_token_ids
 from lmcollect.weights.tensors import (
     align_names,
     expected_metadata,

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 
 from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult
-from lmcollect.policies.vllm_policy import completion_of, import_vllm, engine_kwargs_for, sampling_params_kwargs
+from lmcollect.engines.vllm_common import completion_of, engine_kwargs_for, import_vllm, sampling_params_kwargs
 from lmcollect.weights.buckets import LOAD_PACKED_WEIGHTS, packed_weights
-from lmcollect.weight_sync.vllm_worker_ext import checkpoint_metadata
+from lmcollect.engines.vllm_worker_ext import checkpoint_metadata
 from lmcollect.weights.tensors import check_weights
 
 if TYPE_CHECKING:  # vllm is an optional extra and slow to import; the engine imports it when built

@@ -1,11 +1,12 @@
-"""Inference backends: callables that answer a batch of chat prompts."""
+"""Lockstep policies: callables that answer a batch of chat prompts (``EnginePolicy`` over any engine)."""
 from __future__ import annotations
 
 from importlib import import_module
 from typing import Any
 
+from lmcollect.engines.sampling import RequestSeeds, SamplingConfig
+from lmcollect.policies.engine_policy import EnginePolicy
 from lmcollect.policies.protocol import PolicyProtocol
-from lmcollect.policies.sampling import SamplingConfig
 from lmcollect.policies.scripted import ScriptedPolicy
 
 # transformers (and the HTTP client of the served engine) are slow to import: a process that never
@@ -17,7 +18,7 @@ _LAZY = {
     "VLLMServerPolicy": "lmcollect.policies.vllm_server",
 }
 
-__all__ = ["PolicyProtocol", "SamplingConfig", "ScriptedPolicy", *_LAZY]
+__all__ = ["EnginePolicy", "PolicyProtocol", "RequestSeeds", "SamplingConfig", "ScriptedPolicy", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

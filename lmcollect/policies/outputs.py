@@ -11,7 +11,7 @@ from lmcollect.data import keys
 from lmcollect.data.history import History
 from lmcollect.data.turns import non_tensor_values
 from lmcollect.policies.prompt_tokens import dialog_prompt_ids, tokenize_texts
-from lmcollect.policies.sampling import SamplingConfig
+from lmcollect.engines.sampling import SamplingConfig
 
 __all__ = [
     "GenerateFn",

@@ -129,12 +129,3 @@ def _warn_fallback(tokenizer: Any) -> None:
             "turn's tokens exactly.",
             name,
         )
-
-
-def eos_token_ids(generation_eos: int | Sequence[int] | None, tokenizer: Any) -> list[int]:
-    """The ids that end a response: the generation config's ``eos_token_id`` (one id or several)
-    plus the tokenizer's eos. Every backend stops on these (HF, vLLM, the served engine)."""
-    ids = [generation_eos] if isinstance(generation_eos, int) else [int(i) for i in generation_eos or ()]
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(tokenizer.eos_token_id)
-    return ids

@@ -10,9 +10,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 from lmcollect.policies.outputs import Generation, answer_prompts, generate_triples
 from lmcollect.engines.running_request import StopStringWatch
-from lmcollect.policies.prompt_tokens import eos_token_ids
-from lmcollect.policies.sampling import SamplingConfig, sampling_from_kwargs
-from lmcollect.policies.step_log_probs import StepLogProbs, no_generate_warpers
+from lmcollect.engines.sampling import SamplingConfig, eos_token_ids, sampling_from_kwargs
+from lmcollect.engines.step_log_probs import StepLogProbs, no_generate_warpers
 
 if TYPE_CHECKING:  # transformers is imported by the caller who built the model
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -27,7 +26,7 @@ class TransformersPolicy:
 
     Log-probs are those of the raw model (before temperature / top-p / top-k), so they equal a
     plain forward pass on the same tokens, as trainers need for importance ratios. They are
-    gathered one decoding step at a time (:class:`~lmcollect.policies.step_log_probs.StepLogProbs`),
+    gathered one decoding step at a time (:class:`~lmcollect.engines.step_log_probs.StepLogProbs`),
     so memory does not grow with batch x length x vocabulary. With
     ``SamplingConfig(sampled_log_probs=True)`` the log-probs of the distribution actually sampled
     are stored too, under ``("log_probs", "sampled")``.

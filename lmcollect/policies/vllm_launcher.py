@@ -29,7 +29,7 @@ from lmcollect.policies.vllm_control import (
     check_control_token,
     is_loopback_host,
 )
-from lmcollect.policies.vllm_policy import engine_kwargs_for
+from lmcollect.engines.vllm_common import engine_kwargs_for
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,9 @@ from ray.exceptions import RayActorError
 
 from lmcollect.distributed.bounded import get_within
 from lmcollect.distributed.ray_cluster import actor_options
-from lmcollect.policies.sampling import SamplingConfig
-from lmcollect.policies.vllm_policy import Completion, VLLMEngine
+from lmcollect.engines.sampling import SamplingConfig
+from lmcollect.engines.vllm_common import Completion
+from lmcollect.policies.vllm_policy import VLLMEngine
 
 logger = logging.getLogger(__name__)
 

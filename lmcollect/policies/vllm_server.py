@@ -28,17 +28,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from lmcollect.policies.sampling import SamplingConfig
+from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.policies.served_http import MAX_RESPONSE_BYTES, VLLMServerError, request_json
 from lmcollect.policies.vllm_control import CONTROL_TOKEN_HEADER, RENEW_PAUSE_PATH, is_public_path
 from lmcollect.policies.vllm_launcher import SERVE_MODULE, VLLMServer, free_port, serve_command
-from lmcollect.policies.vllm_policy import (
-    LOGPROBS_MODE,
-    Completion,
-    VLLMPolicy,
-    checkpoint_dtype,
-    sampling_params_kwargs,
-)
+from lmcollect.engines.vllm_common import LOGPROBS_MODE, Completion, checkpoint_dtype, sampling_params_kwargs
+from lmcollect.policies.vllm_policy import VLLMPolicy
 
 __all__ = [  # the launcher and the HTTP client live in their own modules; their public names are here too
     "MAX_RESPONSE_BYTES", "SERVE_MODULE", "VLLMServer", "VLLMServerEngine", "VLLMServerError", "VLLMServerPolicy",

@@ -14,7 +14,7 @@ from lmcollect.weight_sync.base import WeightPushError, WeightUpdaterBase
 from lmcollect.weights.delta import DeltaConfig, PushStats, resolve_delta
 from lmcollect.weights.version import PushVersion
 from lmcollect.transports.process_group import PreparedPush, ProcessGroupConfig, ProcessGroupSender
-from lmcollect.weight_sync.vllm_worker_ext import RayNode, current_ray_node
+from lmcollect.engines.vllm_worker_ext import RayNode, current_ray_node
 from lmcollect.weights.tensors import (
     WeightDict,
     non_finite_problems,
@@ -48,7 +48,7 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
 
     The trainer is rank 0 of a process group whose other ranks are the engine's workers (ranks
     ``1..tp`` per replica; gloo when the weights are on the CPU, NCCL when on CUDA). The engine
-    needs ``worker_extension_cls=VLLM_EXTENSION`` (``lmcollect.weight_sync.vllm_worker_ext``).
+    needs ``worker_extension_cls=VLLM_EXTENSION`` (``lmcollect.engines.vllm_worker_ext``).
     The engine may be in this process (a local ``LLMCollector``), in a ``RayLLMCollector``'s
     actor, in engine actors (``VLLMReplicas``), or a vLLM server (``VLLMServerPolicy``, through its
     development endpoints, which also pause the server's generation for the call); the updater
@@ -172,8 +172,8 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
         if isinstance(model, torch.nn.Module) or isinstance(getattr(model, "model", None), torch.nn.Module):
             return super().get_model_metadata(model)
         if isinstance(getattr(model, "model_path", None), str) and worker_rpc_engine_of(model) is not None:
-            from lmcollect.policies.vllm_policy import checkpoint_dtype  # plain helpers: no vllm import
-            from lmcollect.weight_sync.vllm_worker_ext import checkpoint_metadata
+            from lmcollect.engines.vllm_common import checkpoint_dtype  # plain helpers: no vllm import
+            from lmcollect.engines.vllm_worker_ext import checkpoint_metadata
 
             name = checkpoint_dtype(model.model_path)
             return checkpoint_metadata(model.model_path, dtype=getattr(torch, name) if name else None)[0]

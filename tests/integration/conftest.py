@@ -78,7 +78,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -
 def greedy_policy(vllm_env: None, model_dir: Path) -> Any:
     """The session's one in-process engine, built by the policy; other policies share it."""
     from lmcollect.policies.vllm_policy import VLLMPolicy
-    from lmcollect.weight_sync.vllm_worker_ext import VLLM_EXTENSION
+    from lmcollect.engines.vllm_worker_ext import VLLM_EXTENSION
 
     # with the weight-receiver extension, so test_vllm_updater can push into this engine too
     engine_kwargs = {**CPU_ENGINE_KWARGS, "worker_extension_cls": VLLM_EXTENSION}

@@ -25,7 +25,7 @@ from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
 from lmcollect.engines.protocol import EngineProtocol
 from lmcollect.models import load_model_and_tokenizer
-from lmcollect.policies.sampling import SamplingConfig
+from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.weight_sync.ray_updater import RayRemoteWeightUpdater
 from tests.factories import make_guessing_slot_env, make_tiny_transformers_engine, make_tiny_vllm_async_engine, perturbed_model
 from tests.integration.conftest import CPU_ENGINE_KWARGS

@@ -16,7 +16,7 @@ from lmcollect.engines import TransformersEngine
 from lmcollect.engines.ray_engine import ray_engine_replicas
 from lmcollect.envs import ChatEnv, GuessingGameTask, guessing_game_dataset
 from lmcollect.models import load_model_and_tokenizer
-from lmcollect.policies.sampling import SamplingConfig
+from lmcollect.engines.sampling import SamplingConfig
 from tests.engine_contract import CHECKS, EngineCase, hf_reference, prompts_of_lengths
 from tests.factories import make_holdable_tiny_engine, make_tiny_transformers_engine, perturbed_model
 

@@ -22,7 +22,7 @@ from lmcollect.data.turns import flatten_turns, non_tensor_values
 from lmcollect.envs import ChatEnv, GuessingGameTask, SingleTurnTask, arithmetic_dataset, guessing_game_dataset
 from lmcollect.engines import EngineClosedError, EngineProtocol, EngineRequest, EngineResult
 from lmcollect.models import load_model_and_tokenizer
-from lmcollect.policies.sampling import SamplingConfig
+from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.weight_sync import vLLMUpdater
 from tests.factories import perturbed_model, run_in_thread
 from tests.processes import is_alive, live_descendants

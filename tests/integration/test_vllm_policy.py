@@ -22,8 +22,9 @@ from lmcollect.data import keys
 from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
 from lmcollect.models import ModelSpec, get_model_path, load_model_and_tokenizer
 from lmcollect.policies import TransformersPolicy
-from lmcollect.policies.vllm_policy import VLLMEngine, VLLMPolicy, engine_kwargs_for, sampling_params_kwargs
-from lmcollect.policies.sampling import SamplingConfig
+from lmcollect.engines.vllm_common import engine_kwargs_for, sampling_params_kwargs
+from lmcollect.policies.vllm_policy import VLLMEngine, VLLMPolicy
+from lmcollect.engines.sampling import SamplingConfig
 from tests.integration.conftest import CPU_ENGINE_KWARGS, MAX_NEW_TOKENS, QUESTIONS, chat_batch
 
 pytestmark = pytest.mark.integration
@@ -63,7 +64,7 @@ def test_engine_kwargs_defaults_and_errors(tmp_path: Path) -> None:
         "seed": 1,
         "logprobs_mode": "raw_logprobs",
         "dtype": "float32",
-        "worker_extension_cls": "lmcollect.weight_sync.vllm_worker_ext.VLLMWeightReceiverExtension",
+        "worker_extension_cls": "lmcollect.engines.vllm_worker_ext.VLLMWeightReceiverExtension",
     }
     assert engine_kwargs_for(tmp_path, {"worker_extension_cls": None})["worker_extension_cls"] is None
     assert engine_kwargs_for(tmp_path, {"dtype": "bfloat16"})["dtype"] == "bfloat16"
@@ -202,7 +203,7 @@ def test_pushed_weights_match_transformers(ray_cluster: Any, vllm_env: None, tin
     """
     from lmcollect.policies.vllm_ray import VLLMReplicas
     from lmcollect.transports.process_group import ProcessGroupConfig, ProcessGroupSender
-    from lmcollect.weight_sync.vllm_worker_ext import VLLM_EXTENSION
+    from lmcollect.engines.vllm_worker_ext import VLLM_EXTENSION
     from lmcollect.weights.tensors import unique_targets
 
     path = tiny_model_path  # seed 0

@@ -27,7 +27,7 @@ from tests.integration.conftest import CPU_ENGINE_KWARGS, MAX_NEW_TOKENS, QUESTI
 pytest.importorskip("vllm")
 from lmcollect.policies.vllm_policy import VLLMPolicy  # noqa: E402
 from lmcollect.weight_sync.vllm_updater import VLLMUpdater, vLLMUpdater  # noqa: E402
-from lmcollect.weight_sync.vllm_worker_ext import VLLM_EXTENSION  # noqa: E402
+from lmcollect.engines.vllm_worker_ext import VLLM_EXTENSION  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

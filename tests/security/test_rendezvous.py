@@ -28,7 +28,7 @@ from lmcollect.transports.process_group import (
     ProcessGroupSender,
 )
 from lmcollect.transports.rendezvous import GroupStore
-from lmcollect.weight_sync.vllm_worker_ext import EngineWeights
+from lmcollect.engines.vllm_worker_ext import EngineWeights
 from lmcollect.weights.tensors import tensor_metadata
 
 TIMEOUT_S = 10.0

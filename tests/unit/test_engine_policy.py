@@ -7,7 +7,8 @@ import torch
 from lmcollect.collectors import ContinuousLLMCollector, LLMCollector
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns, non_tensor_values
-from lmcollect.engines import EnginePolicy, TransformersEngine
+from lmcollect.engines import TransformersEngine
+from lmcollect.policies import EnginePolicy
 from lmcollect.envs import ChatEnv, GuessingGameTask, guessing_game_dataset
 from lmcollect.policies import SamplingConfig, TransformersPolicy
 from lmcollect.weights.tensors import to_weight_dict

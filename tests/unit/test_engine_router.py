@@ -18,7 +18,7 @@ from lmcollect.engines import (
     worker_rpc_engine_of,
 )
 from lmcollect.engines.router import EngineRouter, ReplicaLoadError
-from lmcollect.policies.sampling import SamplingConfig
+from lmcollect.engines.sampling import SamplingConfig
 
 
 class HeldEngine:

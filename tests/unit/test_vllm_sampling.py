@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from lmcollect.policies.sampling import SamplingConfig
-from lmcollect.policies.vllm_policy import sampling_params_kwargs
+from lmcollect.engines.sampling import SamplingConfig
+from lmcollect.engines.vllm_common import sampling_params_kwargs
 
 
 def test_generation_options_reach_vllm() -> None:
@@ -32,7 +32,8 @@ def test_vllm_policy_takes_generate_style_options(tiny_model_path) -> None:
 
 
 def test_vllm_policy_sends_extra_stop_token_ids(tiny_model_path) -> None:
-    from lmcollect.policies.vllm_policy import Completion, VLLMPolicy
+    from lmcollect.engines.vllm_common import Completion
+    from lmcollect.policies.vllm_policy import VLLMPolicy
 
     class _RecordingEngine:
         """Answers every prompt with one token and records the stop ids it was asked to honour."""

@@ -61,7 +61,7 @@ from lmcollect.weights.tensors import raise_if_problems, weight_problems
 
 logger = logging.getLogger(__name__)
 
-VLLM_EXTENSION = "lmcollect.weight_sync.vllm_worker_ext.VLLMWeightReceiverExtension"
+VLLM_EXTENSION = "lmcollect.engines.vllm_worker_ext.VLLMWeightReceiverExtension"
 
 # safetensors header dtype names -> torch dtypes
 _SAFETENSORS_DTYPES = {

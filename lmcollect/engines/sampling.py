@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,3 +164,12 @@ class RequestSeeds:
         version, internal, gauss = state
         self._stream = random.Random()
         self._stream.setstate((version, tuple(internal), gauss))
+
+
+def eos_token_ids(generation_eos: int | Sequence[int] | None, tokenizer: Any) -> list[int]:
+    """The ids that end a response: the generation config's ``eos_token_id`` (one id or several)
+    plus the tokenizer's eos. Every backend stops on these (HF, vLLM, the served engine)."""
+    ids = [generation_eos] if isinstance(generation_eos, int) else [int(i) for i in generation_eos or ()]
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids

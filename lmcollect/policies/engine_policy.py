@@ -16,7 +16,7 @@ from tensordict import TensorDictBase
 
 from lmcollect.engines.protocol import EngineProtocol, EngineRequest
 from lmcollect.policies.outputs import Generation, answer_prompts
-from lmcollect.policies.sampling import RequestSeeds, SamplingConfig
+from lmcollect.engines.sampling import RequestSeeds, SamplingConfig
 
 __all__ = ["EnginePolicy"]
 

@@ -17,7 +17,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from lmcollect.policies.sampling import SamplingConfig
+from lmcollect.engines.sampling import SamplingConfig
 
 
 def no_generate_warpers(sampling: SamplingConfig) -> dict[str, Any]:
