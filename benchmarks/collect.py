@@ -99,8 +99,8 @@ def bench_local(size: str, batch_size: int, sampling: SamplingConfig, reps: int)
 def bench_ray(size: str, batch_size: int, sampling: SamplingConfig, reps: int) -> tuple[dict, dict]:
     import ray
 
-    from lmcollect.collectors.ray_collector import RayLLMCollector
-    from lmcollect.distributed.ray_cluster import init_ray
+    from lmcollect.ray.collector import RayLLMCollector
+    from lmcollect.ray.cluster import init_ray
 
     start = time.perf_counter()
     init_ray({"num_cpus": 2})
@@ -161,7 +161,7 @@ def bench_overlap(policy_factory, batch_size: int, reps: int, num_batches: int =
     """
     import itertools
 
-    from lmcollect.collectors.ray_collector import RayLLMCollector
+    from lmcollect.ray.collector import RayLLMCollector
 
     collector = RayLLMCollector(
         lambda: make_env(batch_size), policy_factory=policy_factory, dialog_turns_per_batch=batch_size, sync_iter=False, num_cpus=1

@@ -42,15 +42,15 @@ import ray
 import torch
 from tensordict import TensorDictBase
 
-from lmcollect.buffers import RayReplayBuffer
-from lmcollect.collectors.ray_group import RayCollectorGroup
+from lmcollect.ray import RayReplayBuffer
+from lmcollect.ray.group import RayCollectorGroup
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
 from lmcollect.envs import ChatEnv, GuessingGameTask, guessing_game_dataset
 from lmcollect.models import ModelSpec, get_model_path, load_model_and_tokenizer
 from lmcollect.policies import SamplingConfig, TransformersPolicy
 from lmcollect.training.grpo import pack_turns, policy_gradient_loss, token_log_probs
-from lmcollect.weight_sync import RayPushConfig, RayRemoteWeightUpdater
+from lmcollect.ray import RayPushConfig, RayRemoteWeightUpdater
 
 logger = logging.getLogger("soak")
 

@@ -126,7 +126,7 @@ def bench_memcpy(gb: float, reps: int) -> dict:
 
 
 def start_collectors(build_model: Callable[[], nn.Module], num_collectors: int = 2) -> list:
-    from lmcollect.collectors.ray_collector import RayLLMCollector
+    from lmcollect.ray.collector import RayLLMCollector
 
     return [
         RayLLMCollector(
@@ -144,7 +144,7 @@ def start_collectors(build_model: Callable[[], nn.Module], num_collectors: int =
 def bench_updater(
     name: str, trainer: nn.Module, collectors: list, packing: str, reps: int, memcpy_gb_s: float, *, zero_copy: bool = False
 ) -> dict:
-    from lmcollect.weight_sync.ray_updater import RayPushConfig, RayRemoteWeightUpdater
+    from lmcollect.ray.updater import RayPushConfig, RayRemoteWeightUpdater
 
     config = RayPushConfig(packing=packing, timeout_s=600, zero_copy=zero_copy)
     updater = RayRemoteWeightUpdater(trainer, collectors, config=config)
@@ -257,7 +257,7 @@ def bench_vllm_push(reps: int, memcpy_gb_s: float) -> list[dict]:
     ``reload_weights`` of the same tensors already in the worker's memory."""
     from lmcollect.models import ModelSpec, get_model_path
     from lmcollect.policies.vllm_policy import VLLMPolicy
-    from lmcollect.policies.vllm_ray import VLLMReplicas
+    from lmcollect.ray.vllm_replicas import VLLMReplicas
     from lmcollect.weights.buckets import plan_layout
     from lmcollect.transports.process_group import DIRECT_SEND_MIN_BYTES
     from lmcollect.weight_sync.vllm_updater import vLLMUpdater
@@ -385,7 +385,7 @@ def bench_delta_encodings(lrs: list[float], reps: int) -> list[dict]:
 def bench_delta_ray(lrs: list[float], reps: int, memcpy_gb_s: float) -> list[dict]:
     """RayRemoteWeightUpdater, medium bf16 into 2 collectors: plain full, delta-mode full, delta."""
     from lmcollect.models import ModelSpec, get_model_path
-    from lmcollect.weight_sync.ray_updater import RayPushConfig, RayRemoteWeightUpdater
+    from lmcollect.ray.updater import RayPushConfig, RayRemoteWeightUpdater
 
     path = str(get_model_path(ModelSpec(size="medium")))
     collectors = start_collectors(functools.partial(bf16_medium_model, path))
@@ -426,7 +426,7 @@ def bench_delta_vllm(lrs: list[float], reps: int, memcpy_gb_s: float) -> list[di
     pushes, each with verify off and on."""
     from lmcollect.models import ModelSpec, get_model_path
     from lmcollect.policies.vllm_policy import VLLMPolicy
-    from lmcollect.policies.vllm_ray import VLLMReplicas
+    from lmcollect.ray.vllm_replicas import VLLMReplicas
     from lmcollect.weights.delta import DeltaConfig
     from lmcollect.weight_sync.vllm_updater import vLLMUpdater
     from lmcollect.engines.vllm_worker_ext import VLLM_EXTENSION
@@ -484,7 +484,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     load_before = [round(x, 2) for x in os.getloadavg()]
 
-    from lmcollect.distributed.ray_cluster import init_ray
+    from lmcollect.ray.cluster import init_ray
 
     results = [bench_memcpy(args.gb, args.reps)]
     memcpy_gb_s = results[0]["s_per_gb"]

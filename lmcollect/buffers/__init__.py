@@ -1,12 +1,4 @@
-"""Replay buffers that collectors fill and trainers sample from."""
+"""Replay buffers that collectors fill and trainers sample from (the Ray actor: ``lmcollect.ray.RayReplayBuffer``)."""
 from lmcollect.buffers.replay_buffer import ReplayBuffer
 
-__all__ = ["RayReplayBuffer", "ReplayBuffer"]
-
-
-def __getattr__(name: str):
-    if name == "RayReplayBuffer":  # imports ray only when asked for
-        from lmcollect.buffers.ray_buffer import RayReplayBuffer
-
-        return RayReplayBuffer
-    raise AttributeError(name)
+__all__ = ["ReplayBuffer"]

@@ -83,7 +83,7 @@ def _load(name: str) -> ModuleType | None:
 
 
 def _load_path(path: Path) -> ModuleType:
-    from lmcollect.cli.cluster import pickle_by_value  # imports Ray: only when a script is loaded
+    from lmcollect.ray.cluster import pickle_by_value  # imports Ray: only when a script is loaded
 
     spec = importlib.util.spec_from_file_location(f"lmcollect_benchmarks_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)

@@ -25,11 +25,11 @@ from lmcollect.cli.builders import (
     resolve_model_path,
     resolve_task,
 )
-from lmcollect.cli.cluster import ray_session
+from lmcollect.ray.cluster import ray_session
 from lmcollect.cli.configs import CollectConfig, UsageError
 from lmcollect.cli.progress import turns_progress
 from lmcollect.cli.rollouts import batch_records, write_records
-from lmcollect.collectors.ray_group import RayCollectorGroup
+from lmcollect.ray.group import RayCollectorGroup
 from lmcollect.policies import SamplingConfig
 
 DEFAULT_TASK = "arithmetic"

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from lmcollect.buffers.ray_buffer import RayReplayBuffer
+from lmcollect.ray.buffer import RayReplayBuffer
 from lmcollect.cli.builders import (
     EnvFactory,
     PolicyFactory,
@@ -39,7 +39,8 @@ from lmcollect.cli.builders import (
     resolve_model_path,
     resolve_task,
 )
-from lmcollect.cli.cluster import interrupt_on_sigint, ray_session
+from lmcollect.cli.cluster import interrupt_on_sigint
+from lmcollect.ray.cluster import ray_session
 from lmcollect.cli.collection import Collection, background_collection
 from lmcollect.cli.configs import DemoConfig, UsageError
 from lmcollect.cli.progress import training_progress
@@ -53,7 +54,7 @@ from lmcollect.cli.report import (
     write_summary,
 )
 from lmcollect.cli.weight_push import make_weight_pusher
-from lmcollect.collectors.ray_group import RayCollectorGroup
+from lmcollect.ray.group import RayCollectorGroup
 from lmcollect.envs import ShippedTask
 from lmcollect.loggers import JsonlLogger, MissingLoggerPackage, MultiLogger, check_available, make_logger
 from lmcollect.loggers.jsonl import METRICS_FILE

@@ -29,7 +29,7 @@ def remote_config(gpu_share: float) -> dict[str, Any]:
 
 def gpu_share_per_collector(num_collectors: int) -> float:
     """The GPUs of the Ray cluster split evenly over the collectors (at most one each; 0 without GPUs)."""
-    import ray  # imported here: the caller has started or attached to Ray
+    from lmcollect.ray.cluster import cluster_resource  # imports ray: the caller has started or attached to it
 
-    num_gpus = ray.cluster_resources().get("GPU", 0.0)
+    num_gpus = cluster_resource("GPU")
     return min(1.0, num_gpus / num_collectors) if num_gpus else 0.0

@@ -5,13 +5,13 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from lmcollect.cli.configs import Backend
-from lmcollect.weight_sync.ray_updater import RayRemoteWeightUpdater
+from lmcollect.ray.updater import RayRemoteWeightUpdater
 from lmcollect.weight_sync.vllm_updater import vLLMUpdater
 
 if TYPE_CHECKING:  # torch and Ray are imported by the caller that built these objects
     import torch
 
-    from lmcollect.collectors.ray_collector import RayLLMCollector
+    from lmcollect.ray.collector import RayLLMCollector
 
 
 def make_weight_pusher(

@@ -87,16 +87,13 @@ class WorkerMethods:
         return True
 
     def process_info(self) -> dict[str, Any]:
-        """Where this collector runs: process id and host (for placement checks and debugging)."""
-        info: dict[str, Any] = {"pid": os.getpid(), "hostname": socket.gethostname(), "node_id": None}
-        try:  # only meaningful inside a Ray worker; imported here so the class stays Ray-free
-            import ray
+        """Where this collector runs: process id, host and (in a Ray actor) Ray node id, for
+        placement checks and debugging."""
+        return {"pid": os.getpid(), "hostname": socket.gethostname(), "node_id": self.node_id()}
 
-            if ray.is_initialized():
-                info["node_id"] = ray.get_runtime_context().get_node_id()
-        except ImportError:
-            pass
-        return info
+    def node_id(self) -> str | None:
+        """The Ray node this collector runs on (None here: the Ray actor bodies say)."""
+        return None
 
     def get_attribute(self, name: str) -> Any:
         """Read a property (properties are not reachable through an actor handle)."""

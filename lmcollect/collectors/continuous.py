@@ -1,10 +1,9 @@
 """The continuous collector: every dialog advances on its own against an engine, with bounded policy lag."""
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -15,6 +14,7 @@ from lmcollect.collectors.config import resolve_batching
 from lmcollect.collectors.continuous_state import ContinuousStateMixin
 from lmcollect.collectors.dialog_tasks import DialogTasks, EngineSide, Slot
 from lmcollect.collectors.llm_collector import instantiate_env
+from lmcollect.collectors.shell import CollectorShell
 from lmcollect.collectors.trajectories import TrajectoryTracker, id_base, random_namespace
 from lmcollect.collectors.turn_flow import TurnFlow
 from lmcollect.collectors.versioning import PolicyVersion, make_policy_version
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_DIALOGS_IN_FLIGHT = 8
 
 
-class ContinuousLLMCollector(CollectorVersionMixin, ContinuousStateMixin, WeightReceiverMixin):
+class ContinuousLLMCollector(CollectorShell, CollectorVersionMixin, ContinuousStateMixin, WeightReceiverMixin):
     """Collects dialog turns with every dialog as its own task: no barrier between dialogs.
 
     Each env slot runs one dialog at a time on a background asyncio loop: build the turn's
@@ -159,11 +159,9 @@ class ContinuousLLMCollector(CollectorVersionMixin, ContinuousStateMixin, Weight
 
     def _init_output_state(self) -> None:
         self._batches = 0
-        self._writer: threading.Thread | None = None
         self._unwritten = 0  # batches start()'s writer took and has not written yet
         self._written = threading.Condition()
-        self._writer_error: BaseException | None = None
-        self._shut_down = False
+        self._init_shell(thread_name="lmcollect-continuous-writer")
         self.leftover_turns: TensorDictBase | None = None
         """After :meth:`shutdown` without a replay buffer: the finished turns no batch took."""
 
@@ -240,47 +238,18 @@ class ContinuousLLMCollector(CollectorVersionMixin, ContinuousStateMixin, Weight
     def _postprocess(self, batch: TensorDictBase) -> TensorDictBase | None:
         return self.postproc(batch) if self.postproc is not None else batch
 
-    def iterator(self) -> Iterator[TensorDictBase | None]:
-        """Yields batches until total_dialog_turns have run."""
-        while True:
-            try:
-                yield self.next()
-            except StopIteration:
-                return
-
-    def __iter__(self) -> Iterator[TensorDictBase | None]:
-        return self.iterator()
-
-    def _raise_if_unusable(self) -> None:
-        if self._shut_down:
-            raise RuntimeError("this collector was shut down; build a new one to collect again.")
-        if self._writer is not None and self._writer.is_alive():
-            raise RuntimeError("the collector is writing into its replay buffer (start()); call shutdown() first.")
-
     # ------------------------------------------------------------------ background writing
-    def start(self) -> None:
-        """Collect into the replay buffer until total_dialog_turns, writing each batch as it is ready."""
-        if self.replay_buffer is None:
-            raise ValueError("start() writes into a replay buffer: pass replay_buffer=... to the collector.")
-        self._raise_if_unusable()
-        self._writer = threading.Thread(target=self._write_batches, name="lmcollect-continuous-writer", daemon=True)
-        self._writer.start()
-
-    def _write_batches(self) -> None:
-        try:
-            while True:
-                batch = self._next_raw_batch(background=True, on_pop=self._taking_batch)
-                if batch is None:
-                    return
-                try:
-                    batch = self._postprocess(batch)
-                    if batch is not None:
-                        self.replay_buffer.extend(batch)
-                finally:
-                    self._batch_written()
-        except BaseException as exc:  # designed: surfaced by is_running()/pause()
-            logger.exception("continuous collection failed")
-            self._writer_error = exc
+    def _run_in_background(self) -> None:
+        while True:
+            batch = self._next_raw_batch(background=True, on_pop=self._taking_batch)
+            if batch is None:
+                return
+            try:
+                batch = self._postprocess(batch)
+                if batch is not None:
+                    self.replay_buffer.extend(batch)
+            finally:
+                self._batch_written()
 
     def _taking_batch(self) -> None:
         with self._written:
@@ -291,32 +260,13 @@ class ContinuousLLMCollector(CollectorVersionMixin, ContinuousStateMixin, Weight
             self._unwritten = max(0, self._unwritten - 1)
             self._written.notify_all()
 
-    def is_running(self) -> bool:
-        """True while start()'s writer runs; re-raises the error that stopped it, if any."""
-        self._raise_writer_error()
-        return self._writer is not None and self._writer.is_alive()
-
-    def _raise_writer_error(self) -> None:
-        if self._writer_error is not None:
-            error, self._writer_error = self._writer_error, None
-            raise RuntimeError(f"background collection failed: {error!r}") from error
-
-    @contextlib.contextmanager
-    def pause(self, timeout_s: float = 600.0) -> Iterator[None]:
-        """Context manager: no turn starts inside it; turns under way finish first and are kept."""
-        try:
-            self.pause_begin(timeout_s)
-            yield
-        finally:
-            self.pause_end()
-
     def pause_begin(self, timeout_s: float = 600.0) -> None:
         """Stop admitting turns, wait for the turns under way, and for a batch being written."""
         self._tasks.call(self._tasks.pause(), timeout_s)
         with self._written:  # a batch taken before the pause is in the buffer when we return
             if not self._written.wait_for(lambda: self._unwritten == 0, timeout_s):
                 raise TimeoutError(f"the batch being written did not reach the replay buffer within timeout_s={timeout_s}.")
-        self._raise_writer_error()
+        self._raise_background_error()
 
     def pause_end(self) -> None:
         if not self._shut_down:
@@ -330,20 +280,13 @@ class ContinuousLLMCollector(CollectorVersionMixin, ContinuousStateMixin, Weight
         No dialog is left half-written: a turn either finished (env stepped, turn kept) or never ran.
         Safe to call twice.
         """
-        if self._shut_down:
-            return
+        super().shutdown(timeout)
+
+    def _stop_scheduler(self, timeout: float | None) -> None:
         self._tasks.call(self._tasks.stop(timeout))
-        if self._writer is not None:
-            self._writer.join(timeout)
+        self._join_background(timeout)
         self._keep_leftovers(self._tasks.call(_drain(self._flow)))
         self._tasks.close()
-        for env in self.envs:
-            close = getattr(env, "close", None)
-            if callable(close):
-                close()
-        self._shut_down = True
-        if self._writer_error is not None:
-            logger.warning("background collection had failed: %r", self._writer_error)
 
     def _keep_leftovers(self, turns: TensorDictBase | None) -> None:
         if turns is None:
@@ -354,12 +297,6 @@ class ContinuousLLMCollector(CollectorVersionMixin, ContinuousStateMixin, Weight
         batch = self._postprocess(turns)
         if batch is not None:
             self.replay_buffer.extend(batch)
-
-    def __enter__(self) -> ContinuousLLMCollector:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
 
     # ------------------------------------------------------------------ weights
     def apply_weights(
@@ -398,12 +335,6 @@ class ContinuousLLMCollector(CollectorVersionMixin, ContinuousStateMixin, Weight
 
     def getattr_policy(self, attr: str) -> Any:
         return getattr(self.engine, attr)
-
-    def getattr_rb(self, attr: str) -> Any:
-        if self.replay_buffer is None:
-            raise AttributeError("this collector has no replay_buffer; pass replay_buffer=... to use getattr_rb.")
-        return getattr(self.replay_buffer, attr)
-
 
 async def _exhausted(flow: TurnFlow) -> bool:
     return flow.exhausted()

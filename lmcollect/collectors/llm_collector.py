@@ -1,12 +1,11 @@
 """The local LLM collector: runs chat envs against a policy and yields batches of dialog turns."""
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from tensordict import TensorDictBase
@@ -16,6 +15,7 @@ from lmcollect.collectors.common import CollectorVersionMixin
 from lmcollect.collectors.config import resolve_batching
 from lmcollect.collectors.env_runner import EnvRunner
 from lmcollect.collectors.runners import AsyncRunners, SyncRunners
+from lmcollect.collectors.shell import CollectorShell
 from lmcollect.collectors.rwlock import ReadWriteLock
 from lmcollect.collectors.trajectories import TrajectoryTracker, id_base, random_namespace
 from lmcollect.collectors.versioning import PolicyVersion, make_policy_version
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 Policy = Callable[[TensorDictBase], TensorDictBase]
 
 
-class LLMCollector(CollectorVersionMixin, WeightReceiverMixin):
+class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin):
     """Collects dialog turns from chat envs with an LLM policy, in this process.
 
     Iterate over it for batches (a lazy-stacked TensorDict per batch; see ``lmcollect.data.keys``
@@ -100,12 +100,10 @@ class LLMCollector(CollectorVersionMixin, WeightReceiverMixin):
         self._turns_yielded = 0
         self._batches = 0
         self._lock = threading.RLock()  # one batch at a time (iterator vs start() thread)
-        self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._pause_requested = threading.Event()
         self._paused = threading.Event()
-        self._thread_error: BaseException | None = None
-        self._shut_down = False
+        self._init_shell(thread_name="lmcollect-collector")
         self._init_weight_sync(weight_updater)
 
     # ------------------------------------------------------------------ construction
@@ -267,31 +265,11 @@ class LLMCollector(CollectorVersionMixin, WeightReceiverMixin):
             raise StopIteration(f"postproc held back every turn of the last batches ({self._turns_run} turns run).")
         return batch
 
-    def iterator(self) -> Iterator[TensorDictBase | None]:
-        """Yields batches until total_dialog_turns have run."""
-        while not self._finished():
-            yield self.next()
-
-    def __iter__(self) -> Iterator[TensorDictBase | None]:
-        return self.iterator()
-
-    def _raise_if_unusable(self) -> None:
-        if self._shut_down:
-            raise RuntimeError("this collector was shut down; build a new one to collect again.")
-        if self._thread is not None and self._thread.is_alive():
-            raise RuntimeError("the collector is running in the background (start()); call shutdown() first.")
-
     # ------------------------------------------------------------------ background collection
-    def start(self) -> None:
-        """Collect into the replay buffer from a background thread until total_dialog_turns."""
-        if self.replay_buffer is None:
-            raise ValueError("start() writes into a replay buffer: pass replay_buffer=... to the collector.")
-        self._raise_if_unusable()
+    def _before_start(self) -> None:
         self._stop.clear()
-        self._thread = threading.Thread(target=self._run_free, name="lmcollect-collector", daemon=True)
-        self._thread.start()
 
-    def _run_free(self) -> None:
+    def _run_in_background(self) -> None:
         try:
             while not self._stop.is_set() and not self._finished():
                 batch = self._collect_output()
@@ -299,20 +277,12 @@ class LLMCollector(CollectorVersionMixin, WeightReceiverMixin):
                     self.replay_buffer.extend(batch)
         except _Stopped:
             pass
-        except BaseException as exc:  # designed: surfaced by is_running()/shutdown()
-            logger.exception("background collection failed")
-            self._thread_error = exc
         finally:
             with self._lock:
                 self._halt()
 
-    def is_running(self) -> bool:
-        """True while start()'s thread collects; re-raises the error that stopped it, if any."""
-        self._raise_thread_error()
-        return self._thread is not None and self._thread.is_alive()
-
     def _wait_if_paused(self) -> None:
-        if self._thread is None or threading.current_thread() is not self._thread:
+        if self._background is None or threading.current_thread() is not self._background:
             return  # only start()'s thread pauses; the iterating caller is never inside pause()
         if self._stop.is_set():
             raise _Stopped
@@ -327,15 +297,6 @@ class LLMCollector(CollectorVersionMixin, WeightReceiverMixin):
         if self._stop.is_set():
             raise _Stopped
 
-    @contextlib.contextmanager
-    def pause(self, timeout_s: float = 600.0) -> Iterator[None]:
-        """Context manager: no turn is collected inside it (the turn under way finishes first)."""
-        try:
-            self.pause_begin(timeout_s)
-            yield
-        finally:
-            self.pause_end()
-
     def pause_begin(self, timeout_s: float = 600.0) -> None:
         """First half of :meth:`pause` (for callers that cannot use a context manager, e.g. Ray).
 
@@ -345,48 +306,31 @@ class LLMCollector(CollectorVersionMixin, WeightReceiverMixin):
         self._pause_requested.set()
         deadline = time.monotonic() + timeout_s
         while not self._paused.wait(0.05):
-            if self._thread is None or not self._thread.is_alive():
-                self._raise_thread_error()
+            if self._background is None or not self._background.is_alive():
+                self._raise_background_error()
                 return
             if time.monotonic() > deadline:
                 self._pause_requested.clear()
                 raise TimeoutError(f"the collector did not pause within timeout_s={timeout_s}.")
 
-    def _raise_thread_error(self) -> None:
-        if self._thread_error is not None:
+    def _raise_background_error(self) -> None:
+        if self._background_error is not None:
             self._pause_requested.clear()
-            error, self._thread_error = self._thread_error, None
-            raise RuntimeError(f"background collection failed: {error!r}") from error
+        super()._raise_background_error()
 
     def pause_end(self) -> None:
         self._pause_requested.clear()
 
     def shutdown(self, timeout: float | None = None) -> None:
-        """Stop background collection and close the envs. Safe to call twice."""
-        if self._shut_down:
-            return
+        """Stop background collection (waiting for the batch under way, at most ``timeout`` s) and
+        close the envs. Safe to call twice."""
+        super().shutdown(timeout)
+
+    def _stop_scheduler(self, timeout: float | None) -> None:
         self._stop.set()
         self._pause_requested.clear()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        self._join_background(timeout)
         self._runners.close()
-        for env in self.envs:
-            close = getattr(env, "close", None)
-            if callable(close):
-                close()
-        self._shut_down = True
-        if self._thread_error is not None:
-            logger.warning("background collection had failed: %r", self._thread_error)
-
-    def async_shutdown(self, timeout: float | None = None) -> None:
-        """Shut down; waits at most ``timeout`` seconds for the background thread."""
-        self.shutdown(timeout=timeout)
-
-    def __enter__(self) -> LLMCollector:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
 
     # ------------------------------------------------------------------ envs, seeds, state
     def reset(self, index: list[int] | int | None = None, **kwargs: Any) -> None:
@@ -526,12 +470,6 @@ class LLMCollector(CollectorVersionMixin, WeightReceiverMixin):
 
     def getattr_policy(self, attr: str) -> Any:
         return getattr(self.policy, attr)
-
-    def getattr_rb(self, attr: str) -> Any:
-        if self.replay_buffer is None:
-            raise AttributeError("this collector has no replay_buffer; pass replay_buffer=... to use getattr_rb.")
-        return getattr(self.replay_buffer, attr)
-
 
 # async_envs, steps mode: an env thread runs at most this many batches ahead of the one being taken
 _RUN_AHEAD_BATCHES = 2

@@ -1,8 +1,8 @@
 """Inference engines behind one interface (:class:`EngineProtocol`): submit, pause, resume, load weights."""
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from lmcollect.lazy import lazy_attributes
+
 
 from lmcollect.engines.protocol import (
     EngineClosedError,
@@ -15,13 +15,11 @@ from lmcollect.engines.protocol import (
 )
 from lmcollect.engines.router import EngineRouter
 
-# vLLM is an optional extra and slow to import, Ray and transformers too: their modules are imported
-# when first used
+# vLLM and transformers are slow to import: their modules are imported when first used (an engine in
+# a Ray actor: lmcollect.ray.RayEngine)
 _LAZY = {
     "TransformersEngine": "lmcollect.engines.transformers_engine",
     "VLLMAsyncEngine": "lmcollect.engines.vllm_async",
-    "RayEngine": "lmcollect.engines.ray_engine",
-    "ray_engine_replicas": "lmcollect.engines.ray_engine",
 }
 
 __all__ = [
@@ -37,7 +35,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'lmcollect.engines' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)

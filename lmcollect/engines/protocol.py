@@ -8,7 +8,7 @@ records the version of the weights that produced it.
 
 Implementations: :class:`~lmcollect.engines.transformers_engine.TransformersEngine` (our own
 continuous batching over a ``transformers`` causal LM), :class:`~lmcollect.engines.vllm_async.VLLMAsyncEngine`
-(vLLM's ``AsyncLLM`` in this process), :class:`~lmcollect.engines.ray_engine.RayEngine` (any of them
+(vLLM's ``AsyncLLM`` in this process), :class:`~lmcollect.ray.engine.RayEngine` (any of them
 in a Ray actor) and :class:`~lmcollect.engines.router.EngineRouter` (replicas behind one engine).
 
 Engines whose weights live in worker processes (vLLM's) also implement :class:`WorkerRpcEngine`:

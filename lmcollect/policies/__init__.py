@@ -1,8 +1,8 @@
 """Lockstep policies: callables that answer a batch of chat prompts (``EnginePolicy`` over any engine)."""
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from lmcollect.lazy import lazy_attributes
+
 
 from lmcollect.engines.sampling import RequestSeeds, SamplingConfig
 from lmcollect.policies.engine_policy import EnginePolicy
@@ -21,7 +21,4 @@ _LAZY = {
 __all__ = ["EnginePolicy", "PolicyProtocol", "RequestSeeds", "SamplingConfig", "ScriptedPolicy", *_LAZY]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'lmcollect.policies' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)

@@ -76,7 +76,7 @@ class VLLMEngine:
     Keep at most one in-process engine per process: vLLM holds its parallel state in module
     globals, and tearing one engine down breaks any other. It also initialises torch.distributed's
     default group (world size 1, gloo) in this process. For several engines use Ray replicas
-    (``lmcollect.policies.vllm_ray``).
+    (``lmcollect.ray.vllm_replicas``).
 
     Args:
         model_path: a local Hugging Face model folder (or anything ``vllm.LLM(model=...)`` takes).
@@ -164,7 +164,7 @@ class VLLMPolicy:
         model_path: a local Hugging Face model folder (weights, config and tokenizer).
         sampling: sampling parameters; keyword arguments override its fields.
         engine_kwargs: ``vllm.LLM`` arguments for the in-process engine (see :class:`VLLMEngine`).
-        engine: an already built engine instead (e.g. ``lmcollect.policies.vllm_ray.VLLMReplicas``);
+        engine: an already built engine instead (e.g. ``lmcollect.ray.vllm_replicas.VLLMReplicas``);
             exclusive with ``engine_kwargs``.
         stop_token_ids: more ids that end a response (kept as its last token), on top of the
             model's eos ids; e.g. to give a random model responses of varied length.

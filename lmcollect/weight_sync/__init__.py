@@ -1,15 +1,15 @@
 """Weight synchronisation between a trainer and the collectors' inference engines.
 
-Updaters push (``LocalWeightUpdater`` in-process, ``RayRemoteWeightUpdater`` to collector
-actors, ``vLLMUpdater`` into vLLM workers). They build on :mod:`lmcollect.weights` (named tensors,
-checks, buckets, deltas, versions) and :mod:`lmcollect.transports` (sender/receiver pairs that
-collectors pull from); the names of both that users reach for are re-exported here. Ray and torch.distributed
-are imported only when their classes are first used.
+Updaters push (``LocalWeightUpdater`` in-process, ``vLLMUpdater`` into vLLM workers; the Ray one,
+``RayRemoteWeightUpdater``, lives in :mod:`lmcollect.ray` with everything that imports Ray). They
+build on :mod:`lmcollect.weights` (named tensors, checks, buckets, deltas, versions) and
+:mod:`lmcollect.transports` (sender/receiver pairs that collectors pull from); the names of both
+that users reach for are re-exported here. torch.distributed is imported only when first used.
 """
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from lmcollect.lazy import lazy_attributes
+
 
 from lmcollect.weight_sync.base import WeightPushError, WeightUpdaterBase
 from lmcollect.weights.buckets import BucketLayout, TensorSlot, WeightBuckets, pack_buckets, view_buckets
@@ -20,12 +20,6 @@ from lmcollect.transports.shared_memory import SharedMemoryReceiver, SharedMemor
 from lmcollect.weights.tensors import check_weights, load_weights_, to_weight_dict
 
 _LAZY = {
-    "RayRemoteWeightUpdater": "lmcollect.weight_sync.ray_updater",
-    "RayWeightUpdater": "lmcollect.weight_sync.ray_updater",
-    "RayPushConfig": "lmcollect.weight_sync.ray_updater",
-    "PushHandle": "lmcollect.weight_sync.ray_updater",
-    "RayObjectStoreSender": "lmcollect.transports.ray_object_store",
-    "RayObjectStoreReceiver": "lmcollect.transports.ray_object_store",
     "ProcessGroupConfig": "lmcollect.transports.process_group",
     "ProcessGroupSender": "lmcollect.transports.process_group",
     "ProcessGroupReceiver": "lmcollect.transports.process_group",
@@ -59,7 +53,4 @@ __all__ = sorted(
 )
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'lmcollect.weight_sync' has no attribute {name!r}")
+__getattr__ = lazy_attributes(__name__, _LAZY)

@@ -18,9 +18,9 @@ import time
 
 import ray
 
-from lmcollect.buffers import RayReplayBuffer
+from lmcollect.ray import RayReplayBuffer
 from lmcollect.checkpoint import save_checkpoint
-from lmcollect.collectors.ray_collector import RayLLMCollector
+from lmcollect.ray.collector import RayLLMCollector
 from tests.faults.fault_factories import GuessingEnv, GuessingPolicy
 
 BATCH = 4

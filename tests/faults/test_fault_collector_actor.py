@@ -16,8 +16,8 @@ import time
 import pytest
 
 from benchmarks.soak import account_turns
-from lmcollect.buffers import RayReplayBuffer
-from lmcollect.collectors.ray_collector import CollectorActorError, RayLLMCollector
+from lmcollect.ray import RayReplayBuffer
+from lmcollect.ray.collector import CollectorActorError, RayLLMCollector
 from lmcollect.collectors.trajectories import ID_BLOCK_BITS, RESTART_BITS
 from lmcollect.data import keys
 from tests.faults.fault_factories import GuessingEnv, GuessingPolicy

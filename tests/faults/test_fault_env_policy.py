@@ -16,8 +16,8 @@ import pytest
 
 from benchmarks.soak import account_turns
 from lmcollect import LLMCollector
-from lmcollect.buffers import RayReplayBuffer
-from lmcollect.collectors.ray_collector import RayLLMCollector
+from lmcollect.ray import RayReplayBuffer
+from lmcollect.ray.collector import RayLLMCollector
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
 from lmcollect.envs.chat_env import RewardError

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from lmcollect import LLMCollector
-from lmcollect.collectors.ray_collector import RayLLMCollector
-from lmcollect.weight_sync import LocalWeightUpdater, RayPushConfig, RayRemoteWeightUpdater
+from lmcollect.ray.collector import RayLLMCollector
+from lmcollect.ray import RayPushConfig, RayRemoteWeightUpdater
+from lmcollect.weight_sync import LocalWeightUpdater
 from lmcollect.weights.tensors import non_finite_problems
 from tests.factories import SmallModelPolicy, SmallNet, make_arithmetic_env
 

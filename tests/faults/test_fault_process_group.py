@@ -15,7 +15,7 @@ import ray
 import torch
 
 from lmcollect import LLMCollector
-from lmcollect.collectors.ray_collector import RayLLMCollector
+from lmcollect.ray.collector import RayLLMCollector
 from lmcollect.transports.process_group import ProcessGroupConfig, ProcessGroupReceiver, ProcessGroupSender
 from tests.factories import SmallModelPolicy, SmallNet, make_arithmetic_env
 from tests.faults.fault_factories import DyingSender

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.soak import account_turns
-from lmcollect.buffers import RayReplayBuffer
+from lmcollect.ray import RayReplayBuffer
 from lmcollect.checkpoint import load_checkpoint
 from tests.faults.head_loss_driver import BATCH, build
 

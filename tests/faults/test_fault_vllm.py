@@ -28,7 +28,7 @@ from tests.integration.conftest import CPU_ENGINE_KWARGS, QUESTIONS, chat_batch
 
 pytest.importorskip("vllm")
 from lmcollect.policies.vllm_policy import VLLMPolicy  # noqa: E402
-from lmcollect.policies.vllm_ray import VLLMReplicas  # noqa: E402
+from lmcollect.ray.vllm_replicas import VLLMReplicas  # noqa: E402
 from lmcollect.weight_sync.vllm_updater import vLLMUpdater  # noqa: E402
 
 pytestmark = pytest.mark.integration

@@ -12,8 +12,8 @@ import time
 import ray
 from ray.cluster_utils import Cluster
 
-from lmcollect.buffers import RayReplayBuffer
-from lmcollect.collectors.ray_group import RayCollectorGroup
+from lmcollect.ray import RayReplayBuffer
+from lmcollect.ray.group import RayCollectorGroup
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
 from lmcollect.envs import ChatEnv, GuessingGameTask, binary_search_player, guessing_game_dataset

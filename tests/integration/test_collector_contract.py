@@ -29,7 +29,7 @@ def make_collector(request):
             collector = LLMCollector(make_env, policy_factory=make_policy, **kwargs)
         else:
             request.getfixturevalue("ray_cluster")
-            from lmcollect.collectors.ray_collector import RayLLMCollector
+            from lmcollect.ray.collector import RayLLMCollector
 
             collector = RayLLMCollector(make_env, policy_factory=make_policy, num_cpus=0.25, **kwargs)
         created.append(collector)
@@ -158,7 +158,7 @@ def test_start_pause_shutdown(make_collector) -> None:
 
 
 def test_a_torchrl_shaped_env_passes_through_both_collectors(make_collector, request) -> None:
-    from lmcollect.collectors.ray_collector import RayLLMCollector
+    from lmcollect.ray.collector import RayLLMCollector
     from tests.factories import TorchrlShapedEnv, make_ok_policy
 
     kwargs = {"policy_factory": make_ok_policy, "dialog_turns_per_batch": 4, "yield_completed_trajectories": True}

@@ -7,8 +7,8 @@ from collections import defaultdict
 import pytest
 import torch
 
-from lmcollect.buffers import RayReplayBuffer
-from lmcollect.collectors.ray_continuous import RayContinuousLLMCollector
+from lmcollect.ray import RayReplayBuffer
+from lmcollect.ray.continuous import RayContinuousLLMCollector
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
 from lmcollect.engines.scripted import ByteTokenizer

@@ -19,14 +19,14 @@ import pytest
 import torch
 from tensordict import TensorDictBase
 
-from lmcollect.buffers import RayReplayBuffer
-from lmcollect.collectors.ray_continuous import RayContinuousLLMCollector
+from lmcollect.ray import RayReplayBuffer
+from lmcollect.ray.continuous import RayContinuousLLMCollector
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
 from lmcollect.engines.protocol import EngineProtocol
 from lmcollect.models import load_model_and_tokenizer
 from lmcollect.engines.sampling import SamplingConfig
-from lmcollect.weight_sync.ray_updater import RayRemoteWeightUpdater
+from lmcollect.ray.updater import RayRemoteWeightUpdater
 from tests.factories import make_guessing_slot_env, make_tiny_transformers_engine, make_tiny_vllm_async_engine, perturbed_model
 from tests.integration.conftest import CPU_ENGINE_KWARGS
 

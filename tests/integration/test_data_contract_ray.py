@@ -12,15 +12,15 @@ import ray
 import torch
 from ray.exceptions import RayTaskError
 
-from lmcollect.buffers import RayReplayBuffer
+from lmcollect.ray import RayReplayBuffer
 from lmcollect.collectors.collector_worker import CollectorRestartedError
-from lmcollect.collectors.ray_collector import CollectorActorError, RayLLMCollector
-from lmcollect.collectors.ray_group import RayCollectorGroup
+from lmcollect.ray.collector import CollectorActorError, RayLLMCollector
+from lmcollect.ray.group import RayCollectorGroup
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
 from lmcollect.models import load_model_and_tokenizer
 from lmcollect.policies import ScriptedPolicy
-from lmcollect.weight_sync.ray_updater import RayPushConfig, RayRemoteWeightUpdater
+from lmcollect.ray.updater import RayPushConfig, RayRemoteWeightUpdater
 from tests.factories import (
     perturbed_model,
     make_arithmetic_env,

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from lmcollect.collectors.ray_collector import CollectorActorError, RayLLMCollector
+from lmcollect.ray.collector import CollectorActorError, RayLLMCollector
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
 from lmcollect.models import load_model_and_tokenizer
 from lmcollect.policies import TransformersPolicy
 from lmcollect.weights.buckets import WeightBuckets
 from lmcollect.weights.delta import EncodedDelta, WeightDelta
-from lmcollect.weight_sync.ray_updater import RayPushConfig, RayRemoteWeightUpdater
+from lmcollect.ray.updater import RayPushConfig, RayRemoteWeightUpdater
 from tests.factories import make_arithmetic_env, perturbed_model
 
 pytestmark = pytest.mark.integration

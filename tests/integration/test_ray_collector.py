@@ -10,9 +10,9 @@ import pytest
 import ray
 import torch
 
-from lmcollect.buffers import RayReplayBuffer
-from lmcollect.collectors.ray_collector import CollectorActorError, RayLLMCollector
-from lmcollect.collectors.ray_group import RayCollectorGroup
+from lmcollect.ray import RayReplayBuffer
+from lmcollect.ray.collector import CollectorActorError, RayLLMCollector
+from lmcollect.ray.group import RayCollectorGroup
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
 

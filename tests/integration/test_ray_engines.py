@@ -13,7 +13,7 @@ from lmcollect.collectors import ContinuousLLMCollector
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
 from lmcollect.engines import TransformersEngine
-from lmcollect.engines.ray_engine import ray_engine_replicas
+from lmcollect.ray.engine import ray_engine_replicas
 from lmcollect.envs import ChatEnv, GuessingGameTask, guessing_game_dataset
 from lmcollect.models import load_model_and_tokenizer
 from lmcollect.engines.sampling import SamplingConfig

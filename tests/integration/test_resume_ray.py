@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from lmcollect.buffers import RayReplayBuffer
+from lmcollect.ray import RayReplayBuffer
 from lmcollect.checkpoint import load_checkpoint, save_checkpoint
-from lmcollect.collectors.ray_collector import RayLLMCollector
+from lmcollect.ray.collector import RayLLMCollector
 from tests.factories import make_guesser, make_guessing_env
 from tests.unit.test_resume import assert_same
 

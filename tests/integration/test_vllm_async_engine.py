@@ -24,9 +24,11 @@ from lmcollect.engines import EngineClosedError, EngineProtocol, EngineRequest, 
 from lmcollect.models import load_model_and_tokenizer
 from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.weight_sync import vLLMUpdater
+from tests.engine_contract import CHECKS, EngineCase, hf_reference, prompts_of_lengths
 from tests.factories import perturbed_model, run_in_thread
 from tests.processes import is_alive, live_descendants
 from tests.integration.conftest import CPU_ENGINE_KWARGS, MAX_NEW_TOKENS, QUESTIONS, chat_batch
+from tests.vllm_hold import HOLDING_EXTENSION, held_step
 
 pytest.importorskip("vllm")
 from lmcollect.engines.vllm_async import VLLMAsyncEngine  # noqa: E402
@@ -53,7 +55,9 @@ def child_pids() -> set[int]:
 @pytest.fixture(scope="module")
 def started(model_dir: Path) -> Iterator[Started]:
     before = child_pids()
-    engine = VLLMAsyncEngine(model_dir, engine_kwargs=CPU_ENGINE_KWARGS, timeout_s=120.0)
+    # our worker extension plus the contract's hold hook (tests/vllm_hold.py)
+    engine_kwargs = {**CPU_ENGINE_KWARGS, "worker_extension_cls": HOLDING_EXTENSION}
+    engine = VLLMAsyncEngine(model_dir, engine_kwargs=engine_kwargs, timeout_s=120.0)
     yield Started(engine, child_pids() - before)
     engine.close()
 
@@ -309,20 +313,44 @@ def test_a_bare_engine_takes_process_group_pushes(async_engine, model_dir, hf_mo
         async_engine.load_weights(hf_model.state_dict().items(), version=async_engine.version + 1)
 
 
-def test_close_fails_pending_futures_and_stops_the_engine_processes(started: Started) -> None:
+# ---------------------------------------------------------------------- the engine contract (tests/engine_contract.py)
+def eos_free(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` generating to its length limit: model_dir's extra eos would end a reference early
+    (the contract's requests ignore eos)."""
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.fixture(scope="module")
+def contract_case(started: Started, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> EngineCase:
+    old = eos_free(load_model_and_tokenizer(model_dir)[0].eval())
+    new = eos_free(perturbed_model(model_dir, seed=1).eval())
+    bad = dict(new.state_dict())
+    bad["model.norm.weight"] = torch.zeros(3)
+    folder = tmp_path_factory.mktemp("held-steps")
+    return EngineCase(
+        engine=started.engine,
+        prompts=prompts_of_lengths((3, 9, 5)),
+        old=hf_reference(old),
+        new=hf_reference(new),
+        new_weights=dict(new.state_dict()),
+        old_weights=dict(old.state_dict()),
+        bad_weights=bad,
+        hold_step=lambda step: held_step(started.engine, step, folder),
+        log_prob_atol=ATOL,
+    )
+
+
+@pytest.mark.parametrize("check", [name for name in CHECKS if name != "close"])
+def test_engine_contract(contract_case: EngineCase, check: str) -> None:
+    CHECKS[check](contract_case)
+
+
+def test_close_fails_pending_futures_and_stops_the_engine_processes(started: Started, contract_case: EngineCase) -> None:
     engine = started.engine
     assert started.child_pids, "the engine core runs in a subprocess"
-    engine.pause()
-    requests = [EngineRequest(prompt_ids=[1, 2, 3], sampling=greedy(), request_id=f"p{i}") for i in range(3)]
-    pending = [engine.submit(r) for r in requests]
-    assert engine.num_in_flight == 3
-    engine.close()
-    for i, future in enumerate(pending):
-        error = future.exception(timeout=10)
-        assert isinstance(error, EngineClosedError) and f"p{i}" in str(error)
+    CHECKS["close"](contract_case)  # pending futures fail with EngineClosedError, new requests are refused
     assert engine.num_in_flight == 0
-    with pytest.raises(EngineClosedError):
-        engine.submit(EngineRequest(prompt_ids=[1], sampling=greedy()))
     with pytest.raises(EngineClosedError):
         engine.resume()
     engine.close()  # idempotent

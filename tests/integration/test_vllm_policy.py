@@ -183,7 +183,7 @@ def test_async_envs_share_one_policy(greedy_policy: VLLMPolicy, reference: Trans
 def test_ray_replicas_answer_like_the_local_engine(
     ray_cluster: Any, vllm_env: None, model_dir: Path, greedy_policy: VLLMPolicy
 ) -> None:
-    from lmcollect.policies.vllm_ray import VLLMReplicas
+    from lmcollect.ray.vllm_replicas import VLLMReplicas
 
     replicas = VLLMReplicas(model_dir, num_replicas=2, engine_kwargs=CPU_ENGINE_KWARGS, remote_config={"num_cpus": 0.5})
     try:
@@ -201,7 +201,7 @@ def test_pushed_weights_match_transformers(ray_cluster: Any, vllm_env: None, tin
     Push 1 sends a whole state_dict (the tied lm_head named too), push 2 only distinct tensors:
     then vLLM never sees the lm_head name and the tied module must be rebuilt by the extension.
     """
-    from lmcollect.policies.vllm_ray import VLLMReplicas
+    from lmcollect.ray.vllm_replicas import VLLMReplicas
     from lmcollect.transports.process_group import ProcessGroupConfig, ProcessGroupSender
     from lmcollect.engines.vllm_worker_ext import VLLM_EXTENSION
     from lmcollect.weights.tensors import unique_targets

@@ -198,8 +198,8 @@ def test_ray_collector_with_vllm_policy_collects_in_the_background_through_a_pus
 ) -> None:
     """The engine in the collector's actor, the actor's default concurrency: start() collects on the
     actor's collection thread while the push arrives on a control thread; both reach the engine."""
-    from lmcollect.buffers import RayReplayBuffer
-    from lmcollect.collectors.ray_collector import RayLLMCollector
+    from lmcollect.ray import RayReplayBuffer
+    from lmcollect.ray.collector import RayLLMCollector
 
     policy_factory = functools.partial(
         VLLMPolicy, str(model_dir), engine_kwargs=EXT_ENGINE_KWARGS, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS
@@ -239,7 +239,7 @@ def test_convert_dtype_pushes_an_fp32_trainer_into_a_bf16_engine(
     take effect, and pushing the checkpoint's own fp32 weights back gives the engine's start-up
     answers exactly (the same bf16 rounding as vLLM's own load). One engine, an actor (one
     in-process engine per process)."""
-    from lmcollect.policies.vllm_ray import VLLMReplicas
+    from lmcollect.ray.vllm_replicas import VLLMReplicas
 
     bf16_kwargs = {**EXT_ENGINE_KWARGS, "dtype": "bfloat16"}
     engine = VLLMReplicas(model_dir, engine_kwargs=bf16_kwargs, remote_config={"num_cpus": 0.5})
@@ -279,7 +279,7 @@ def test_engine_actor_push_and_killed_engine_fails_within_timeout(
     """The engine in its own actor (VLLMReplicas) behind a local collector; then it is killed."""
     import ray
 
-    from lmcollect.policies.vllm_ray import VLLMReplicas
+    from lmcollect.ray.vllm_replicas import VLLMReplicas
 
     replicas = VLLMReplicas(model_dir, engine_kwargs=EXT_ENGINE_KWARGS, remote_config={"num_cpus": 0.5})
     policy = VLLMPolicy(model_dir, engine=replicas, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
@@ -309,7 +309,7 @@ def test_nccl_push_into_tensor_parallel_engine(ray_cluster: Any, model_dir: Path
     """NCCL from a CUDA trainer into a tp=2 engine actor: the trainer and each worker need a GPU of their own."""
     if torch.cuda.device_count() < 3:
         pytest.skip("NCCL into a tp=2 engine needs 3 GPUs (trainer + 2 workers; NCCL refuses shared devices)")
-    from lmcollect.policies.vllm_ray import VLLMReplicas
+    from lmcollect.ray.vllm_replicas import VLLMReplicas
 
     gpu_kwargs = {"worker_extension_cls": VLLM_EXTENSION, "tensor_parallel_size": 2, "enforce_eager": True}
     replicas = VLLMReplicas(model_dir, engine_kwargs=gpu_kwargs, remote_config={"num_cpus": 0.5, "num_gpus": 2})

@@ -10,15 +10,15 @@ import ray
 import torch
 from torch import nn
 
-from lmcollect.collectors.ray_collector import RayLLMCollector
+from lmcollect.ray.collector import RayLLMCollector
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
 from lmcollect.models import load_model_and_tokenizer
 from lmcollect.policies import TransformersPolicy
 from lmcollect.weight_sync import WeightPushError
-from lmcollect.weight_sync.ray_updater import PushHandle, RayPushConfig, RayRemoteWeightUpdater, RayWeightUpdater
+from lmcollect.ray.updater import PushHandle, RayPushConfig, RayRemoteWeightUpdater, RayWeightUpdater
 from lmcollect.transports.process_group import ProcessGroupConfig, ProcessGroupReceiver, ProcessGroupSender
-from lmcollect.transports.ray_object_store import RayObjectStoreSender
+from lmcollect.ray.object_store import RayObjectStoreSender
 from tests.factories import SmallModelPolicy, SmallNet, make_arithmetic_env, make_greedy_tiny_policy, perturbed_model
 
 pytestmark = pytest.mark.integration

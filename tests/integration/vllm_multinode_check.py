@@ -14,7 +14,7 @@ import tempfile
 import ray
 from ray.cluster_utils import Cluster
 
-from lmcollect.collectors.ray_collector import RayLLMCollector
+from lmcollect.ray.collector import RayLLMCollector
 from lmcollect.data import keys
 from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
 from lmcollect.models import ModelSpec, get_model_path, load_model_and_tokenizer

@@ -172,8 +172,8 @@ def test_a_failed_html_write_leaves_the_earlier_page(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------- a hung actor (every Ray surface)
 def test_a_hung_replay_buffer_actor_raises_naming_call_timeout_s(ray_cluster) -> None:
-    from lmcollect.buffers.ray_buffer import RayReplayBuffer
-    from lmcollect.distributed.bounded import CallTimeoutError
+    from lmcollect.ray.buffer import RayReplayBuffer
+    from lmcollect.ray.bounded import CallTimeoutError
 
     actor = ray_cluster.remote(num_cpus=0.05, max_concurrency=4)(HungActor).remote()
     try:
@@ -187,8 +187,8 @@ def test_a_hung_replay_buffer_actor_raises_naming_call_timeout_s(ray_cluster) ->
 
 
 def test_a_hung_engine_actor_raises_naming_call_timeout_s(ray_cluster) -> None:
-    from lmcollect.distributed.bounded import CallTimeoutError
-    from lmcollect.engines.ray_engine import RayEngine
+    from lmcollect.ray.bounded import CallTimeoutError
+    from lmcollect.ray.engine import RayEngine
 
     engine = RayEngine(make_engine_that_hangs_on_pause, remote_config={"num_cpus": 0.05}, call_timeout_s=0.5)
     try:
@@ -199,8 +199,8 @@ def test_a_hung_engine_actor_raises_naming_call_timeout_s(ray_cluster) -> None:
 
 
 def test_a_hung_weight_mailbox_raises_naming_its_knob(ray_cluster) -> None:
-    from lmcollect.distributed.bounded import CallTimeoutError
-    from lmcollect.transports.ray_object_store import RayObjectStoreReceiver
+    from lmcollect.ray.bounded import CallTimeoutError
+    from lmcollect.ray.object_store import RayObjectStoreReceiver
 
     mailbox = ray_cluster.remote(num_cpus=0.05, max_concurrency=2)(HungActor).remote()
     try:

@@ -221,8 +221,8 @@ def test_pause_returns_at_once_when_the_thread_finished_and_raises_its_error() -
         arithmetic_env(2), policy=ScriptedPolicy("1"), dialog_turns_per_batch=2, total_dialog_turns=4, replay_buffer=buffer
     )
     done.start()
-    done._thread.join(60)
-    assert not done._thread.is_alive(), "the collector did not finish its 4 turns within 60 s"
+    done._background.join(60)
+    assert not done._background.is_alive(), "the collector did not finish its 4 turns within 60 s"
     start = time.monotonic()
     with done.pause(timeout_s=120):
         pass
@@ -238,8 +238,8 @@ def test_pause_returns_at_once_when_the_thread_finished_and_raises_its_error() -
         replay_buffer=ReplayBuffer(capacity=10),
     )
     crashed.start()
-    crashed._thread.join(60)
-    assert not crashed._thread.is_alive(), "the crashed collector's thread did not end within 60 s"
+    crashed._background.join(60)
+    assert not crashed._background.is_alive(), "the crashed collector's thread did not end within 60 s"
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="the judge is down"):
         with crashed.pause(timeout_s=120):

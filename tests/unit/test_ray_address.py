@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from lmcollect.distributed.ray_cluster import check_reachable
+from lmcollect.ray.cluster import check_reachable
 
 
 def _closed_port() -> int:

@@ -123,7 +123,7 @@ def test_start_writes_the_promised_turns_into_the_buffer(async_envs: bool) -> No
         dialog_turns_per_batch=12, total_dialog_turns=50, replay_buffer=buffer,
     )
     collector.start()
-    collector._thread.join(60)
+    collector._background.join(60)
     assert not collector.is_running(), "start() did not finish its budget within 60 s"
     collector.shutdown()
     assert len(buffer) == collector.turns_yielded == 60  # ceil(50 / 12) = 5 batches of 12

@@ -388,7 +388,7 @@ def test_zero_copy_refuses_a_bad_push_without_changing_anything() -> None:
 
 
 def test_zero_copy_and_delta_cannot_be_combined() -> None:
-    from lmcollect.weight_sync.ray_updater import RayPushConfig
+    from lmcollect.ray.updater import RayPushConfig
 
     with pytest.raises(ValueError, match="zero_copy=True and delta"):
         RayPushConfig(zero_copy=True, delta=True)

@@ -7,7 +7,7 @@ import ray
 
 from lmcollect.weights.buckets import view_buckets
 from lmcollect.transports.base import WeightReceiver, WeightSender
-from lmcollect.distributed.bounded import get_within
+from lmcollect.ray.bounded import get_within
 from lmcollect.weights.tensors import WeightDict, to_weight_dict
 
 
@@ -44,7 +44,7 @@ class RayObjectStoreSender(WeightSender):
     Args:
         actor_options: options of the mailbox actor (default: no CPU reserved).
         call_timeout_s: longest a call into the mailbox waits (a hung mailbox raises
-            :class:`~lmcollect.distributed.bounded.CallTimeoutError` naming this knob).
+            :class:`~lmcollect.ray.bounded.CallTimeoutError` naming this knob).
     """
 
     def __init__(self, *, actor_options: dict[str, Any] | None = None, call_timeout_s: float = 60.0) -> None:

@@ -1,9 +1,13 @@
-"""Starting or attaching to Ray, and building actor options without mutating the caller's dicts."""
+"""Starting or attaching to Ray (and shutting down only what we started), building actor options
+without mutating the caller's dicts, and what the cluster holds."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
+from collections.abc import Iterator
+from types import ModuleType
 from typing import Any
 
 import ray
@@ -87,3 +91,31 @@ def with_thread_env(options: dict[str, Any], num_threads: int) -> dict[str, Any]
     env_vars.setdefault("OMP_NUM_THREADS", str(num_threads))
     runtime_env["env_vars"] = env_vars
     return {**options, "runtime_env": runtime_env}
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None) -> Iterator[None]:
+    """Ray is running inside the block: attached to ``address``, already running, or started here.
+
+    A cluster started here is shut down on exit; one that was attached to or already running
+    (e.g. a test session's) is left as it was.
+    """
+    started_here = not ray.is_initialized()
+    init_ray({"address": address} if address else None)
+    try:
+        yield
+    finally:
+        if started_here:
+            logger.info("shutting the local Ray session down")
+            ray.shutdown()
+
+
+def pickle_by_value(module: ModuleType) -> None:
+    """Ship ``module``'s functions and classes to Ray workers by value (it is not importable there,
+    e.g. a script loaded from a file path)."""
+    ray.cloudpickle.register_pickle_by_value(module)
+
+
+def cluster_resource(name: str) -> float:
+    """How much of resource ``name`` (e.g. "GPU") the Ray cluster this process is attached to has."""
+    return float(ray.cluster_resources().get(name, 0.0))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterator, Sequence
 
-from lmcollect.collectors.ray_collector import RayLLMCollector
+from lmcollect.ray.collector import RayLLMCollector
 
 logger = logging.getLogger(__name__)
 

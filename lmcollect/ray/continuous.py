@@ -6,7 +6,7 @@ from typing import Any
 
 from tensordict import TensorDictBase
 
-from lmcollect.collectors.ray_collector import RayActorConfig, RayLLMCollector, RayContinuousWorker
+from lmcollect.ray.collector import RayActorConfig, RayLLMCollector, RayContinuousWorker
 from lmcollect.collectors.versioning import PolicyVersion
 from lmcollect.engines.protocol import EngineProtocol
 from lmcollect.engines.sampling import SamplingConfig
@@ -19,7 +19,7 @@ class RayContinuousLLMCollector(RayLLMCollector):
     (called inside the actor, so no model travels through the driver; the env list or env
     factory and the tokenizer are pickled into it), plus the Ray arguments of every Ray collector
     (``ray_init_config``, ``remote_config``, ``num_cpus`` / ``num_gpus``, ``sync_iter``,
-    ``call_timeout_s``, ``collect_timeout_s``; see :class:`~lmcollect.collectors.ray_collector.RayActorConfig`).
+    ``call_timeout_s``, ``collect_timeout_s``; see :class:`~lmcollect.ray.collector.RayActorConfig`).
     Every method works as on ``RayLLMCollector``: iteration, ``start()`` into a
     :class:`~lmcollect.buffers.RayReplayBuffer`, ``pause()``, weight pushes (they land between two
     decoding steps of the actor's engine), restarts.

@@ -18,7 +18,7 @@ from lmcollect.collectors.collector_worker import CollectorRestartedError, Colle
 from lmcollect.collectors.config import resolve_batching
 from lmcollect.collectors.versioning import PolicyVersion
 from lmcollect.collectors.weights import attach_updater
-from lmcollect.distributed.ray_cluster import actor_options, init_ray, torch_threads_for, with_thread_env
+from lmcollect.ray.cluster import actor_options, init_ray, torch_threads_for, with_thread_env
 from lmcollect.weights.buckets import view_buckets
 from lmcollect.weights.version import PushVersion
 from lmcollect.weights.tensors import to_weight_dict
@@ -573,11 +573,18 @@ def _was_reconstructed() -> bool:
         return ray.get_runtime_context().was_current_actor_reconstructed
 
 
+def _node_id() -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
 class _RayCollectorWorker(CollectorWorker):
-    """The actor body: knows whether Ray reconstructed it after a crash (Ray stays at this edge)."""
+    """The actor body: knows whether Ray reconstructed it after a crash, and its node (Ray stays at this edge)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, restarted=_was_reconstructed(), **kwargs)
+
+    def node_id(self) -> str:
+        return _node_id()
 
 
 class RayContinuousWorker(ContinuousCollectorWorker):
@@ -585,6 +592,9 @@ class RayContinuousWorker(ContinuousCollectorWorker):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, restarted=_was_reconstructed(), **kwargs)
+
+    def node_id(self) -> str:
+        return _node_id()
 
 
 class _NeedsRestore(Exception):

@@ -20,8 +20,8 @@ from typing import Any
 import ray
 import torch
 
-from lmcollect.distributed.bounded import DEFAULT_CALL_TIMEOUT_S, get_within
-from lmcollect.distributed.ray_cluster import actor_options, init_ray
+from lmcollect.ray.bounded import DEFAULT_CALL_TIMEOUT_S, get_within
+from lmcollect.ray.cluster import actor_options, init_ray
 from lmcollect.engines.protocol import EngineClosedError, EngineProtocol, EngineRequest, EngineResult, WorkerRpcEngine
 from lmcollect.engines.router import EngineRouter
 
@@ -70,7 +70,7 @@ class RayEngine:
         ray_init_config: ``ray.init`` arguments if Ray is not running yet.
         start_timeout_s: longest the actor and its engine may take to start.
         call_timeout_s: longest any other call into the actor (pause, a weight load, a worker
-            RPC) waits; a hung actor raises :class:`~lmcollect.distributed.bounded.CallTimeoutError`
+            RPC) waits; a hung actor raises :class:`~lmcollect.ray.bounded.CallTimeoutError`
             naming the knob. Generation requests are futures: their callers bound them.
     """
 

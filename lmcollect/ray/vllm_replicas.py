@@ -9,8 +9,8 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from lmcollect.distributed.bounded import get_within
-from lmcollect.distributed.ray_cluster import actor_options
+from lmcollect.ray.bounded import get_within
+from lmcollect.ray.cluster import actor_options
 from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.engines.vllm_common import Completion
 from lmcollect.policies.vllm_policy import VLLMEngine
@@ -45,7 +45,7 @@ class VLLMReplicas:
     """``num_replicas`` :class:`VLLMEngine` actors; each batch is split evenly over them.
 
     Pass it as ``VLLMPolicy(model_path, engine=VLLMReplicas(model_path, num_replicas=2, ...))``.
-    Ray must be running (see ``lmcollect.distributed.ray_cluster.init_ray``).
+    Ray must be running (see ``lmcollect.ray.cluster.init_ray``).
 
     Args:
         model_path: a model folder every actor can read.
@@ -57,7 +57,7 @@ class VLLMReplicas:
             (vLLM reads its settings there, e.g. ``VLLM_CPU_KVCACHE_SPACE``).
         start_timeout_s: longest the replicas may take to start.
         call_timeout_s: longest one call into the replicas (a batch's generation, a worker RPC)
-            waits; a hung actor raises :class:`~lmcollect.distributed.bounded.CallTimeoutError`.
+            waits; a hung actor raises :class:`~lmcollect.ray.bounded.CallTimeoutError`.
     """
 
     def __init__(

@@ -7,8 +7,8 @@ import ray
 from tensordict import TensorDictBase
 
 from lmcollect.buffers.replay_buffer import ReplayBuffer
-from lmcollect.distributed.bounded import DEFAULT_CALL_TIMEOUT_S, get_within
-from lmcollect.distributed.ray_cluster import actor_options, init_ray
+from lmcollect.ray.bounded import DEFAULT_CALL_TIMEOUT_S, get_within
+from lmcollect.ray.cluster import actor_options, init_ray
 
 
 class RayReplayBuffer:
@@ -24,7 +24,7 @@ class RayReplayBuffer:
         remote_config: actor options (default: a tenth of a CPU).
         ray_init_config: ``ray.init`` arguments if Ray is not running yet.
         call_timeout_s: longest any call into the actor waits for its answer (a hung actor
-            raises :class:`~lmcollect.distributed.bounded.CallTimeoutError` naming this knob).
+            raises :class:`~lmcollect.ray.bounded.CallTimeoutError` naming this knob).
     """
 
     def __init__(

@@ -1,1 +1,0 @@
-"""Ray plumbing shared by the Ray collector, the Ray replay buffer and the Ray weight updater."""
