@@ -61,7 +61,7 @@ class WorkerMethods:
         """Give a restarted actor back what it held: worker index (ids continue in a fresh
         sub-block of its range), seed, and the last weights pushed to it with their version."""
         if weights is not None:
-            self.apply_weights(weights, convert_dtype=convert_dtype, version=version)
+            self._apply_weights(weights, convert_dtype=convert_dtype, version=version)
         if worker_idx is not None:
             self.set_worker_idx(worker_idx, restarts=restarts)
         if seed is not None:
@@ -71,10 +71,10 @@ class WorkerMethods:
     def is_awaiting_restore(self) -> bool:
         return self._awaiting_restore
 
-    def apply_weights(self, weights: Any, **kwargs: Any) -> Any:
-        """Apply a push (see :meth:`LLMCollector.apply_weights`); returns the version now held
-        (a :class:`PushVersion`, None when versions are not tracked), so the driver can re-send it."""
-        super().apply_weights(weights, **kwargs)
+    def receive_weights(self, *args: Any, **kwargs: Any) -> Any:
+        """:meth:`LLMCollector.receive_weights`; returns the version now held (a :class:`PushVersion`,
+        None when versions are not tracked), so the driver can re-send a push to a restarted actor."""
+        super().receive_weights(*args, **kwargs)
         if self._policy_version is None:
             return None
         return PushVersion(self._policy_version.index, self._policy_version.version_uuid)

@@ -299,7 +299,7 @@ class ContinuousLLMCollector(CollectorShell, CollectorVersionMixin, ContinuousSt
             self.replay_buffer.extend(batch)
 
     # ------------------------------------------------------------------ weights
-    def apply_weights(
+    def _apply_weights(
         self,
         weights: Any,
         *,

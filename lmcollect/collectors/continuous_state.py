@@ -107,7 +107,7 @@ class ContinuousStateMixin:
         version = state_dict.get("policy_version")
         pushed = None if version is None else PushVersion(int(version["index"]), str(version["uuid"]))
         if state_dict.get("policy_state_dict") is not None:
-            self.apply_weights(state_dict["policy_state_dict"], version=pushed)
+            self._apply_weights(state_dict["policy_state_dict"], version=pushed)
         elif pushed is not None and self._policy_version is not None:
             self._check_version(pushed)
             self._policy_version.set(pushed)

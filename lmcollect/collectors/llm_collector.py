@@ -433,7 +433,7 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin):
         policy_state = state_dict.get("policy_state_dict")
         model = self.get_policy_model()
         if policy_state is not None and (hasattr(model, "load_state_dict") or self._engine_holding("policy", model)):
-            self.apply_weights(policy_state, convert_dtype=bool(kwargs.get("convert_dtype", False)), version=pushed)
+            self._apply_weights(policy_state, convert_dtype=bool(kwargs.get("convert_dtype", False)), version=pushed)
         elif pushed is not None and self._policy_version is not None:
             with self._push_lock:
                 self._check_version(pushed)

@@ -43,7 +43,7 @@ def attach_updater(collector: Any, updater: Any, policy: Any) -> None:
 class WeightReceiverMixin:
     """Weight-update methods shared by the local collector (and, through it, the Ray one).
 
-    Every applied update goes through :meth:`apply_weights` (or, for a vLLM engine,
+    Every applied update goes through :meth:`receive_weights` (or, for a vLLM engine,
     :meth:`policy_engine_rpc`), which sets the policy version exactly once: to the version the
     push carries (assigned by the updater), or one more than before for a push without one.
     """
@@ -180,44 +180,25 @@ class WeightReceiverMixin:
             self.receive_weights()
         return None
 
-    def receive_weights(self, policy_or_weights: Any = None, *, weights: Any = None, policy: Any = None) -> None:
-        """Apply weights to the policy's model, or pull them from the registered receiver schemes."""
-        given = [x for x in (policy_or_weights, weights, policy) if x is not None]
-        if len(given) > 1:
-            raise ValueError("pass only one of policy_or_weights, weights= and policy=.")
-        if given and self._receiver_schemes:
-            raise ValueError(
-                "this collector receives weights from registered schemes; call receive_weights() "
-                "without arguments, or push through the sender side."
-            )
-        if given:
-            self.apply_weights(given[0])
-            return
-        for model_id, scheme in self._receiver_schemes.items():
-            apply = functools.partial(self.apply_weights, model_id=model_id)
-            timeout_s = getattr(scheme, "timeout_s", None)
-            if hasattr(scheme, "receive_into"):
-                scheme.receive_into(apply, timeout_s=timeout_s)
-            else:
-                received = scheme.receive(timeout_s=timeout_s)
-                if received is not None:
-                    apply(received)
-
-    def apply_weights(
+    def receive_weights(
         self,
-        weights: Any,
+        policy_or_weights: Any = None,
         *,
+        weights: Any = None,
+        policy: Any = None,
         model_id: str = "policy",
         convert_dtype: bool = False,
         version: PushVersion | None = None,
         zero_copy: bool = False,
     ) -> None:
-        """Check ``weights`` against the model, load them in place, reset the cache, take the version.
+        """The collector side of every push: load the weights given, or pull them from the
+        registered receiver schemes (no weights given).
 
-        All or nothing: a missing, extra, misshapen or wrongly typed tensor (or a ``version`` older
-        than the collector's) raises one ValueError before anything changes. ``version``: the
-        push's version (None: one more than now). This is what weight updaters call; it bypasses
-        receiver schemes.
+        Given weights are checked against the model and loaded in place, all or nothing: a
+        missing, extra, misshapen or wrongly typed tensor (or a ``version`` older than the
+        collector's) raises one ValueError before anything changes. Then the cache is reset and
+        the version taken. ``version``: the push's version (None: one more than now); updaters
+        pass theirs. ``convert_dtype``: cast floating tensors to the model's dtypes.
 
         ``weights`` may be a :class:`~lmcollect.weights.delta.WeightDelta` (a delta push, with
         its ``version``): applied only onto the push it was made from, and its checksums verified
@@ -229,11 +210,37 @@ class WeightReceiverMixin:
         shared memory, so collectors on one node share one copy). A later copying or delta load
         first gives the model private tensors again.
         """
+        given = [x for x in (policy_or_weights, weights, policy) if x is not None]
+        if len(given) > 1:
+            raise ValueError("pass only one of policy_or_weights, weights= and policy=.")
+        if given:
+            self._apply_weights(given[0], model_id=model_id, convert_dtype=convert_dtype, version=version, zero_copy=zero_copy)
+            return
+        for scheme_model_id, scheme in self._receiver_schemes.items():
+            apply = functools.partial(self._apply_weights, model_id=scheme_model_id)
+            timeout_s = getattr(scheme, "timeout_s", None)
+            if hasattr(scheme, "receive_into"):
+                scheme.receive_into(apply, timeout_s=timeout_s)
+            else:
+                received = scheme.receive(timeout_s=timeout_s)
+                if received is not None:
+                    apply(received)
+
+    def _apply_weights(
+        self,
+        weights: Any,
+        *,
+        model_id: str = "policy",
+        convert_dtype: bool = False,
+        version: PushVersion | None = None,
+        zero_copy: bool = False,
+    ) -> None:
+        """:meth:`receive_weights` of given weights (see there)."""
         children = getattr(self, "_sub_collectors", None)
         if children:  # a collector holding collectors passes weights down; each leaf takes the version
             weights = weights if isinstance(weights, WeightDelta) else to_weight_dict(weights)
             for child in children:
-                child.apply_weights(weights, model_id=model_id, convert_dtype=convert_dtype, version=version, zero_copy=zero_copy)
+                child._apply_weights(weights, model_id=model_id, convert_dtype=convert_dtype, version=version, zero_copy=zero_copy)
             return
         with self._push_lock:
             self._apply_leaf(weights, model_id=model_id, convert_dtype=convert_dtype, version=version, zero_copy=zero_copy)
@@ -241,7 +248,7 @@ class WeightReceiverMixin:
     def _apply_leaf(
         self, weights: Any, *, model_id: str, convert_dtype: bool, version: PushVersion | None, zero_copy: bool
     ) -> None:
-        """:meth:`apply_weights` into this collector's own model (under the push lock)."""
+        """:meth:`_apply_weights` into this collector's own model (under the push lock)."""
         target = self.get_model(model_id)
         engine = self._engine_holding(model_id, target)
         if engine is not None:
@@ -341,7 +348,7 @@ class WeightReceiverMixin:
 
     # ------------------------------------------------------------------ an engine with worker processes
     # A vLLM engine holds its weights in its workers: a vLLMUpdater reaches them with these calls
-    # (through the actor for a Ray collector) instead of apply_weights. The engine is a
+    # (through the actor for a Ray collector) instead of receive_weights. The engine is a
     # WorkerRpcEngine: a lockstep VLLMPolicy's engine, or a continuous collector's VLLMAsyncEngine.
     def _worker_engine(self) -> WorkerRpcEngine:
         engine = worker_rpc_engine_of(self.policy)

@@ -513,17 +513,21 @@ class RayLLMCollector:
             self._call("update_policy_weights_")  # the actor's receiver schemes, or a clear error
         else:
             ref = _put_weights(policy_or_weights)
-            self.remember_push(ref, version=self._call("apply_weights", ref))
+            self.remember_push(ref, version=self._call("receive_weights", ref))
         return None
 
-    def receive_weights(self, policy_or_weights: Any = None, *, weights: Any = None, policy: Any = None) -> None:
-        """Apply weights in the actor (one object-store copy), or let it pull from its receiver schemes."""
+    def receive_weights(
+        self, policy_or_weights: Any = None, *, weights: Any = None, policy: Any = None, **push: Any
+    ) -> None:
+        """Load weights in the actor (one object-store copy; ``push``: ``model_id``, ``convert_dtype``,
+        ``version``, ``zero_copy`` as for :meth:`LLMCollector.receive_weights`), or let it pull from
+        its receiver schemes."""
         given = [x for x in (policy_or_weights, weights, policy) if x is not None]
         if len(given) > 1:
             raise ValueError("pass only one of policy_or_weights, weights= and policy=.")
         if given:
             ref = _put_weights(given[0])
-            self.remember_push(ref, version=self._call("apply_weights", ref))
+            self.remember_push(ref, version=self._call("receive_weights", ref, **push))
         else:
             self._call("receive_weights")
 

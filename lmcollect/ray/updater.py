@@ -232,7 +232,7 @@ class RayRemoteWeightUpdater(WeightUpdaterBase):
         if callable(remember):  # a RayLLMCollector re-sends it to its actor if the actor restarts
             remember(server_weights, version=version, convert_dtype=convert_dtype)
         extra = {"zero_copy": True} if self.config.zero_copy else {}  # actors of other kinds need not know it
-        return self._actors[worker_id].apply_weights.remote(
+        return self._actors[worker_id].receive_weights.remote(
             server_weights, convert_dtype=convert_dtype, version=version, **extra
         )
 
@@ -337,7 +337,7 @@ class RayRemoteWeightUpdater(WeightUpdaterBase):
             delta_ref = ray.put(WeightDelta(delta.base_version, delta.entries, delta.arrays.to_numpy()))
             convert_dtype = self.config.convert_dtype
             for i in plan.delta_targets:  # not remembered for restarts: a restarted worker gets a full push
-                refs[i] = self._actors[i].apply_weights.remote(delta_ref, convert_dtype=convert_dtype, version=pushed)
+                refs[i] = self._actors[i].receive_weights.remote(delta_ref, convert_dtype=convert_dtype, version=pushed)
         refs.update(send_full(plan.full_targets) if plan.full_targets else {})
         full_nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         if plan.encoded is not None and plan.delta_targets:

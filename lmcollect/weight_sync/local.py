@@ -72,4 +72,4 @@ class LocalWeightUpdater(WeightUpdaterBase):
                 "this LocalWeightUpdater has no live collector: pass it as weight_updater=... to a "
                 "collector (or set collector.weight_updater) before pushing."
             )
-        collector.apply_weights(server_weights, convert_dtype=self.convert_dtype, version=version)
+        collector.receive_weights(server_weights, convert_dtype=self.convert_dtype, version=version)

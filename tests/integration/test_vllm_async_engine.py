@@ -261,7 +261,7 @@ def _forward_log_probs(model, full: torch.Tensor, num_prompt: int) -> torch.Tens
 
 @pytest.mark.parametrize("push", ["object store", "process group"])
 def test_a_push_mid_turn_is_recorded_per_token(async_engine, model_dir, greedy_policy, push) -> None:
-    """Either updater lands mid-turn: apply_weights (load_weights), or vLLMUpdater broadcasting
+    """Either updater lands mid-turn: receive_weights (load_weights), or vLLMUpdater broadcasting
     straight into the engine's workers through the WorkerRpcEngine interface while it is paused."""
     old, _ = load_model_and_tokenizer(model_dir)
     new = perturbed_model(model_dir, seed=5)

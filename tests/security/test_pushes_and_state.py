@@ -51,9 +51,9 @@ def test_a_late_push_lands_after_a_newer_one_is_refused_and_the_newer_weights_ke
     turn_under_way = collector._policy_lock.read()  # a policy call under way: loads wait for it
     turn_under_way.__enter__()
     try:
-        newer = run_in_thread(lambda: collector.apply_weights(_weights(2.0), version=PushVersion(2)))
+        newer = run_in_thread(lambda: collector.receive_weights(_weights(2.0), version=PushVersion(2)))
         _wait_for(lambda: collector._policy_lock.num_writers_waiting == 1, "push 2 to wait for the turn")
-        late = run_in_thread(lambda: collector.apply_weights(_weights(1.0), version=PushVersion(1)))
+        late = run_in_thread(lambda: collector.receive_weights(_weights(1.0), version=PushVersion(1)))
         time.sleep(0.2)  # let the late push reach the locks (before the fix it queued for the write lock)
     finally:
         turn_under_way.__exit__(None, None, None)
@@ -67,12 +67,12 @@ def test_a_late_push_lands_after_a_newer_one_is_refused_and_the_newer_weights_ke
 def test_a_second_push_under_the_same_index_is_refused_and_the_same_push_again_is_taken() -> None:
     collector = _collector()
     first = PushVersion(3, "first-push")
-    collector.apply_weights(_weights(1.0), version=first)
+    collector.receive_weights(_weights(1.0), version=first)
     before = _held(collector)
     with pytest.raises(ValueError, match="already holds version 3 of another push"):
-        collector.apply_weights(_weights(9.0), version=PushVersion(3, "forged"))
+        collector.receive_weights(_weights(9.0), version=PushVersion(3, "forged"))
     assert all(torch.equal(before[k], v) for k, v in _held(collector).items())
-    collector.apply_weights(_weights(1.0), version=first)  # a retry of the same push is idempotent
+    collector.receive_weights(_weights(1.0), version=first)  # a retry of the same push is idempotent
     assert collector.policy_version == 3
 
 
@@ -99,10 +99,10 @@ def test_a_weight_load_that_cannot_get_the_lock_gives_up_naming_the_knob() -> No
     before = _held(collector)
     with collector._policy_lock.read():  # a turn that never ends
         with pytest.raises(LockTimeoutError, match="collector.weight_lock_timeout_s=0.3"):
-            collector.apply_weights(_weights(4.0), version=PushVersion(1))
+            collector.receive_weights(_weights(4.0), version=PushVersion(1))
     assert all(torch.equal(before[k], v) for k, v in _held(collector).items())
     assert collector.policy_version == 0
-    collector.apply_weights(_weights(4.0), version=PushVersion(1))  # the lock is usable again
+    collector.receive_weights(_weights(4.0), version=PushVersion(1))  # the lock is usable again
     assert collector.policy_version == 1
 
 

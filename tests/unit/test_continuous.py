@@ -549,13 +549,13 @@ def test_a_delta_push_over_the_transformers_engine_equals_the_full_push(tiny_par
             [env], engine=engine, tokenizer=tokenizer, dialog_turns_per_batch=2, track_policy_version=True,
             sampling=SamplingConfig(max_new_tokens=6, temperature=0),
         )
-        collector.apply_weights(first, version=v1)
+        collector.receive_weights(first, version=v1)
         if use_delta:
             before = {k: v.clone() for k, v in engine.model.state_dict().items()}
             with pytest.raises(DeltaRejectedError):  # applies to version 1, not to a version 7
-                collector.apply_weights(WeightDelta(PushVersion(7), delta.entries, delta.arrays), version=v2)
+                collector.receive_weights(WeightDelta(PushVersion(7), delta.entries, delta.arrays), version=v2)
             assert all(torch.equal(before[k], v) for k, v in engine.model.state_dict().items())
-        collector.apply_weights(delta if use_delta else second, version=v2)
+        collector.receive_weights(delta if use_delta else second, version=v2)
         with collector:
             turns = turns_of(collector.next())
         engine.close()
@@ -575,5 +575,5 @@ def test_a_delta_push_into_an_engine_without_a_model_names_the_fix() -> None:
     collector = ContinuousLLMCollector([env], engine=engine, tokenizer=ByteTokenizer(), dialog_turns_per_batch=1)
     delta = WeightDelta(PushVersion(1), (), None)
     with pytest.raises(TypeError, match="delta=False"):
-        collector.apply_weights(delta, version=PushVersion(2))
+        collector.receive_weights(delta, version=PushVersion(2))
     collector.shutdown()

@@ -56,7 +56,7 @@ def test_collectors_holding_the_same_push_report_the_same_version() -> None:
     # two collectors, two updaters whose counters differ: the version comes with the weights
     a, b = make_collector(), make_collector()
     weights = trained().state_dict()
-    a.apply_weights(weights)  # a direct load counts up locally: 1
+    a.receive_weights(weights)  # a direct load counts up locally: 1
     pushed = LocalWeightUpdater()
     b.weight_updater = pushed
     pushed.push_weights(weights, version=5)
@@ -73,7 +73,7 @@ def test_a_receiver_refuses_an_older_version_before_loading_anything() -> None:
     from lmcollect.weights.version import PushVersion
 
     with pytest.raises(ValueError, match="older than this collector's version 4"):
-        collector.apply_weights(TinyNet().state_dict(), version=PushVersion(2))
+        collector.receive_weights(TinyNet().state_dict(), version=PushVersion(2))
     assert all(torch.equal(before[k], v) for k, v in state(collector).items())
 
 

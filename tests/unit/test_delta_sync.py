@@ -138,7 +138,7 @@ def test_a_collector_applies_only_good_deltas_onto_their_base(bf16_model, tiny_m
     policy = collector.policy
     base = DeltaBase(DeltaConfig())
     v1 = PushVersion(1)
-    collector.apply_weights(bf16_model, version=v1)
+    collector.receive_weights(bf16_model, version=v1)
     base.snapshot(bf16_model.state_dict(), v1)
     optimizer = torch.optim.AdamW(bf16_model.parameters(), lr=1e-5)
     adamw_step(bf16_model, optimizer, seed=0)
@@ -148,7 +148,7 @@ def test_a_collector_applies_only_good_deltas_onto_their_base(bf16_model, tiny_m
     def refused(delta: WeightDelta, version: PushVersion, match: str) -> None:
         held = collector.policy_version
         with pytest.raises(DeltaRejectedError, match=match):
-            collector.apply_weights(delta, version=version)
+            collector.receive_weights(delta, version=version)
         assert same_state(clone_state(policy.model), before), "a refused delta changed weights"
         assert collector.policy_version == held and policy.cache_resets == resets
 
@@ -158,12 +158,12 @@ def test_a_collector_applies_only_good_deltas_onto_their_base(bf16_model, tiny_m
     other_base = WeightDelta(PushVersion(1), encoded.delta.entries, encoded.delta.arrays)  # same index, other push
     refused(other_base, PushVersion(2), "applies to version 1")
     with pytest.raises(TypeError, match="version"):
-        collector.apply_weights(encoded.delta)
+        collector.receive_weights(encoded.delta)
 
-    collector.apply_weights(encoded.delta, version=PushVersion(2, "two"))
+    collector.receive_weights(encoded.delta, version=PushVersion(2, "two"))
     assert same_state(clone_state(policy.model), bf16_model.state_dict())
     assert collector.policy_version == 2 and policy.cache_resets == resets + 1
-    collector.apply_weights(bf16_model)  # a push without a version: no delta can follow it
+    collector.receive_weights(bf16_model)  # a push without a version: no delta can follow it
     base.commit(encoded, PushVersion(2, "two"))
     refused_now = base.encode(bf16_model.state_dict())
     before, resets = clone_state(policy.model), policy.cache_resets

@@ -86,7 +86,7 @@ def test_a_push_goes_through_the_engine_and_labels_its_version(engine, tiny_mode
         del bad[dropped]
         before = {name: t.clone() for name, t in engine.model.state_dict().items()}
         with pytest.raises(ValueError, match=dropped):
-            collector.apply_weights(bad)
+            collector.receive_weights(bad)
     assert all(int(turn.get(keys.POLICY_VERSION)) == 1 for turn in batch)
     assert all(set(turn.get(keys.TOKEN_VERSIONS).tolist()) == {1} for turn in batch)  # the engine's record, kept
     assert engine.version == 1 and all(torch.equal(engine.model.state_dict()[k], v) for k, v in before.items())
@@ -137,9 +137,9 @@ def test_convert_dtype_casts_a_push_to_the_engines_dtype(engine, tiny_model_path
     bf16 = {name: t.to(torch.bfloat16) for name, t in to_weight_dict(perturbed_model(tiny_model_path, seed=2)).items()}
     before = {name: t.clone() for name, t in engine.model.state_dict().items()}
     with pytest.raises(ValueError, match="pass convert_dtype=True"):
-        collector.apply_weights(bf16)
+        collector.receive_weights(bf16)
     assert all(torch.equal(engine.model.state_dict()[k], v) for k, v in before.items())
-    collector.apply_weights(bf16, convert_dtype=True)
+    collector.receive_weights(bf16, convert_dtype=True)
     for name, tensor in bf16.items():
         held = engine.model.state_dict()[name]
         assert held.dtype == torch.float32 and torch.equal(held, tensor.float()), name
