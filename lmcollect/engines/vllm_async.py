@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import threading
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from concurrent.futures import Future, InvalidStateError
@@ -249,7 +250,8 @@ class VLLMAsyncEngine:
     async def _start(self, kwargs: dict[str, Any]) -> AsyncLLM:
         """Build the engine inside the loop (its output handler runs on it), version label -1."""
         async_engine_args, async_llm = _import_async_llm()
-        llm = async_llm.from_engine_args(async_engine_args(model=self.model_path, **kwargs))
+        config = _engine_config(async_engine_args(model=self.model_path, **kwargs))
+        llm = async_llm.from_vllm_config(config, disable_log_stats=kwargs["disable_log_stats"])
         await llm.update_weight_version(str(INITIAL_VERSION))
         return llm
 
@@ -324,6 +326,38 @@ def _import_async_llm() -> tuple[type, type]:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     return AsyncEngineArgs, AsyncLLM
+
+
+_ENVIRON_LOCK = threading.Lock()
+
+
+def _engine_config(args: Any) -> Any:
+    """vLLM's engine config; on CPU with one worker, that worker runs inside the engine-core process.
+
+    vLLM's CPU platform turns a one-worker engine's in-process executor into its multiprocess one
+    whenever ``VLLM_ENABLE_V1_MULTIPROCESSING`` is on, which spawns a second Python (~14 s of
+    imports and its own memory) only to run one worker. The setting is read once, while the config
+    is built, so it is off for that moment only; the engine core stays a process of its own either
+    way. ``engine_kwargs={"distributed_executor_backend": "mp"}`` keeps vLLM's layout.
+    """
+    from vllm.platforms import current_platform
+
+    one_worker = args.distributed_executor_backend in (None, "uni") and (
+        args.tensor_parallel_size == args.pipeline_parallel_size == args.data_parallel_size == 1
+    )
+    if not (current_platform.is_cpu() and one_worker):
+        return args.create_engine_config()
+    args.distributed_executor_backend = "uni"
+    with _ENVIRON_LOCK:
+        saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        try:
+            return args.create_engine_config()
+        finally:
+            if saved is None:
+                del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
+            else:
+                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
 
 
 def _async_engine_kwargs(model_path: str | Path, engine_kwargs: dict[str, Any] | None) -> dict[str, Any]:

@@ -210,12 +210,13 @@ class VLLMServer:
             handle, log_path = tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")
             os.close(handle)
         self.log_path = Path(log_path)
-        # The engine core runs in its own process: the server's pause (mode=wait) needs it, and a
-        # caller's in-process setting (VLLM_ENABLE_V1_MULTIPROCESSING=0 for a VLLMPolicy) must not leak in.
+        # The server's engine core is always a process of its own (vLLM's async client); with this
+        # setting off, vLLM's CPU platform keeps a one-worker engine's worker inside that process
+        # instead of spawning a third Python for it (~14 s of imports). GPU engines are unaffected.
         # The control settings come last: a stray LMCOLLECT_CONTROL_TOKEN of this process never reaches the server.
         environment = {
             **os.environ,
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
             **(env or {}),
             "VLLM_SERVER_DEV_MODE": "1" if self.control_endpoints else "0",
             **settings.environ(),
