@@ -216,6 +216,7 @@ class WeightReceiverMixin:
         if given:
             self._apply_weights(given[0], model_id=model_id, convert_dtype=convert_dtype, version=version, zero_copy=zero_copy)
             return
+        _refuse_push_options_without_weights(convert_dtype=convert_dtype, version=version, zero_copy=zero_copy)
         for scheme_model_id, scheme in self._receiver_schemes.items():
             apply = functools.partial(self._apply_weights, model_id=scheme_model_id)
             timeout_s = getattr(scheme, "timeout_s", None)
@@ -471,3 +472,17 @@ def _decode_delta(engine: EngineProtocol, delta: WeightDelta, held: PushVersion 
         copies = {name: tensor.detach().clone() for name, tensor in targets.items()}
     prepare_delta(delta, copies, held_version=held, aliases=aliases).apply_()
     return copies
+
+
+def _refuse_push_options_without_weights(*, convert_dtype: bool, version: Any, zero_copy: bool) -> None:
+    """``receive_weights()`` without weights pulls from the receiver schemes, which carry their own
+    version and layout: options that describe given weights would be silently ignored there."""
+    options = {"version": version is not None, "convert_dtype": convert_dtype, "zero_copy": zero_copy}
+    ignored = [name for name, set_ in options.items() if set_]
+    if ignored:
+        raise TypeError(
+            f"receive_weights() got {', '.join(f'{name}=' for name in ignored)} but no weights: those options describe "
+            "given weights; pass the weights too (receive_weights(weights, ...)), or drop them to pull from the "
+            "registered receiver schemes (each push carries its own version)."
+        )
+

@@ -21,6 +21,7 @@ from lmcollect.envs import (
     guessing_game_dataset,
 )
 from lmcollect.policies import ScriptedPolicy
+from lmcollect.weights.version import PushVersion
 
 
 def guessing_env(batch_size: int = 3, seed: int = 0) -> ChatEnv:
@@ -372,6 +373,17 @@ def test_receive_weights_rejects_conflicting_arguments() -> None:
     collector = LLMCollector(arithmetic_env(), policy=ScriptedPolicy(), dialog_turns_per_batch=2)
     with pytest.raises(ValueError, match="only one"):
         collector.receive_weights({"a": torch.zeros(1)}, weights={"a": torch.zeros(1)})
+
+
+@pytest.mark.parametrize(
+    "options", [{"version": PushVersion(3)}, {"convert_dtype": True}, {"zero_copy": True}], ids=lambda o: next(iter(o))
+)
+def test_receive_weights_without_weights_refuses_options_of_given_weights(options: dict) -> None:
+    collector = LLMCollector(arithmetic_env(), policy=ScriptedPolicy(), dialog_turns_per_batch=2, track_policy_version=True)
+    (name,) = options
+    with pytest.raises(TypeError, match=rf"{name}=.*but no weights.*receive_weights\(weights"):
+        collector.receive_weights(**options)
+    assert collector.policy_version == 0
 
 
 def test_iterating_from_a_second_thread_is_serialised() -> None:
