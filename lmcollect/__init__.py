@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 from lmcollect.lazy import lazy_attributes
+from lmcollect.startup import defer_compiler_marks
+
+defer_compiler_marks()  # tensordict imported from now on does not import torch's compiler (~2 s per process)
 
 __version__ = "0.1.0"
 
