@@ -1,12 +1,13 @@
 """Continuous batching of our own over a ``transformers`` causal LM, behind :class:`EngineProtocol`."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import numbers
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -104,6 +105,7 @@ class TransformersEngine:
         self._batch = LeftPaddedKVCache()
         self._paused = self._closed = self._weights_changed = False
         self._num_in_flight = 0
+        self._between_steps_waiting = 0  # loads and version changes waiting for the step lock
         self._outcomes: list[Outcome] = []  # the current step's ended requests (loop thread only)
         self._thread = threading.Thread(target=self._run, name="TransformersEngine", daemon=True)
         self._thread.start()
@@ -147,7 +149,7 @@ class TransformersEngine:
         """
         _check_int("version", version, minimum=-1, hint="the pushed weights' version")
         targets, writes = self._planned_writes(named_tensors, convert_dtype=convert_dtype)
-        with self._step_lock, torch.no_grad():
+        with self._between_steps(), torch.no_grad():
             if self._closed:
                 raise EngineClosedError("this TransformersEngine is closed; it cannot load weights.")
             for name, tensor in writes.items():
@@ -162,7 +164,7 @@ class TransformersEngine:
     def set_version(self, version: int) -> None:
         """Label tokens decoded from now on with ``version`` (between two decoding steps)."""
         _check_int("version", version, minimum=-1, hint="the loaded weights' version")
-        with self._step_lock:
+        with self._between_steps():
             self._version = version
 
     def reset_prefix_cache(self) -> None:
@@ -228,6 +230,23 @@ class TransformersEngine:
         raise_if_problems(problems, where=" by TransformersEngine.load_weights")
         return targets, {aliases.get(name, name): tensor for name, tensor in weights.items()}
 
+    @contextlib.contextmanager
+    def _between_steps(self) -> Iterator[None]:
+        """The step lock, taken before the loop's next step: the loop waits while anyone waits here.
+
+        A plain lock is not fair: a loop that releases it and takes it again at once could keep a
+        load out for as long as requests run.
+        """
+        with self._state:
+            self._between_steps_waiting += 1
+        try:
+            with self._step_lock:
+                yield
+        finally:
+            with self._state:
+                self._between_steps_waiting -= 1
+                self._state.notify_all()
+
     # ------------------------------------------------------------------ the loop
     def _run(self) -> None:
         try:
@@ -248,9 +267,11 @@ class TransformersEngine:
         self._resolve([(row, _closed_error(row)) for row in left])
 
     def _wait_for_work(self) -> bool:
-        """Sleep while paused or idle; False once closed."""
+        """Sleep while paused, idle or wanted between steps (see :meth:`_between_steps`); False once closed."""
         with self._state:
-            while not self._closed and (self._paused or not (self._rows or self._queue)):
+            while not self._closed and (
+                self._paused or self._between_steps_waiting or not (self._rows or self._queue)
+            ):
                 self._state.wait()
             return not self._closed
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import pytest
@@ -74,18 +75,21 @@ class BatchSizes:
 
 
 class BlockOnCall:
-    """Makes the model's ``call``-th forward pass (1-based) signal :attr:`reached`, then sleep ``hold_s``."""
+    """Makes the model's ``call``-th forward pass (1-based) signal :attr:`reached`, then hold until
+    ``until()`` is true (the test thread's pause, load or close is waiting on the step), at most TIMEOUT_S."""
 
-    def __init__(self, model, call: int, hold_s: float = 1.0) -> None:
+    def __init__(self, model, call: int, until: Callable[[], bool]) -> None:
         self.reached = threading.Event()
-        self.num_calls, self.call, self.hold_s = 0, call, hold_s
+        self.num_calls, self.call, self.until = 0, call, until
         model.register_forward_hook(self._hook)
 
     def _hook(self, *_args) -> None:
         self.num_calls += 1
         if self.num_calls == self.call:
             self.reached.set()
-            time.sleep(self.hold_s)  # long enough for the test thread to pause before this step ends
+            deadline = time.monotonic() + TIMEOUT_S
+            while not self.until() and time.monotonic() < deadline:
+                time.sleep(0.01)
 
 
 # ---------------------------------------------------------------------- batching
@@ -250,7 +254,7 @@ def test_pause_load_resume_switches_versions_exactly_at_the_load(make_engine, ol
     engine.pause()
     futures = [engine.submit(EngineRequest(prompt_ids=p, sampling=greedy(14, ignore_eos=True))) for p in ids]
     # step 1: two prefills (calls 1, 2); steps 2.. one batched decode each: call 5 ends step 4
-    block = BlockOnCall(engine.model, call=5)
+    block = BlockOnCall(engine.model, call=5, until=lambda: engine._paused)
     engine.resume()
     assert block.reached.wait(TIMEOUT_S)
     engine.pause()
@@ -266,12 +270,14 @@ def test_pause_load_resume_switches_versions_exactly_at_the_load(make_engine, ol
 def test_load_while_running_waits_for_the_step_and_switches_cleanly(make_engine, old_model, new_model):
     engine = make_engine()
     prompt = prompts()[3]
-    block = BlockOnCall(engine.model, call=3)
+    block = BlockOnCall(engine.model, call=3, until=lambda: engine._between_steps_waiting > 0)
     future = engine.submit(EngineRequest(prompt_ids=prompt, sampling=greedy(12, ignore_eos=True)))
     assert block.reached.wait(TIMEOUT_S)
     engine.load_weights(new_model.state_dict().items(), version=1)  # waits for the held step
     result = result_of(future)
-    switch = result.token_versions.tolist().index(1)
+    versions = result.token_versions.tolist()
+    assert 1 in versions, f"the load waited until the request ended: token versions {versions}"
+    switch = versions.index(1)
     assert 3 <= switch < 12
     segment_checks(result, prompt, switch, old_model, new_model)
 
@@ -332,7 +338,7 @@ def test_a_request_cancelled_while_queued_is_dropped(make_engine):
 
 def test_close_fails_running_requests(make_engine):
     engine = make_engine()
-    block = BlockOnCall(engine.model, call=2)
+    block = BlockOnCall(engine.model, call=2, until=lambda: engine._closed)
     future = engine.submit(EngineRequest(prompt_ids=prompts()[0], sampling=greedy(30, ignore_eos=True)))
     assert block.reached.wait(TIMEOUT_S)
     engine.close()
