@@ -19,7 +19,7 @@ and the object store's use. At the end it pauses the collectors and accounts for
 
 Pass/fail: 0 lost, 0 duplicated, RSS growth of the job's processes (trainer, collectors, buffer)
 under 5% between the end of the warm-up and the end. Prints a table; the last line is JSON.
-``tests/integration/test_soak.py`` runs the same function for 2 minutes in CI.
+``tests/integration/test_soak.py`` runs the same function for 48 s in CI.
 """
 from __future__ import annotations
 

@@ -52,11 +52,10 @@ SLOWEST_FIRST = (  # summed seconds of each file in a `make test` run of 2026-12
     "integration/test_weight_sync_ray.py",  # ~72
     "integration/test_ray_engines.py",  # ~69
     "integration/test_cli_collect.py",  # ~65
-    "integration/test_multinode.py",  # ~52, two Ray clusters of its own
+    "integration/test_multinode.py",  # ~80, a three-node Ray cluster of its own
     "faults/test_fault_ray_head.py",  # ~48
     "faults/test_fault_collector_actor.py",  # ~47
     "integration/test_resume_ray.py",  # ~47
-    "integration/test_vllm_multinode.py",  # ~45
     "integration/test_delta_sync_ray.py",  # ~35
     "unit/test_resume.py",  # ~31
     "integration/test_continuous_ray.py",  # ~31

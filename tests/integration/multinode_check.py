@@ -1,61 +1,118 @@
-"""Two RayLLMCollectors on two nodes and a RayReplayBuffer on a third, all on this machine.
+"""The multi-node paths for real, on one three-node Ray cluster started on this machine.
 
-Run by tests/integration/test_multinode.py in its own process (it starts its own Ray cluster).
-Prints "MULTINODE OK <json>" when every check passes.
+Run by tests/integration/test_multinode.py in its own process (it starts its own cluster, once for
+both checks):
+
+- two RayLLMCollectors on two nodes fill a RayReplayBuffer on a third; prints "MULTINODE OK <json>";
+- with ``--vllm``: a vLLMUpdater built without a master_address pushes into a vLLM engine in a
+  RayLLMCollector on another node. It must pick this node's IP as Ray reports it (not loopback),
+  the engine's worker must join the group there, and collection must go on with the new version;
+  prints "VLLM MULTINODE OK <json>".
 """
 from __future__ import annotations
 
 import functools
 import json
+import sys
+import tempfile
 import time
 
 import ray
 from ray.cluster_utils import Cluster
 
-from lmcollect.ray import RayReplayBuffer
-from lmcollect.ray.group import RayCollectorGroup
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
-from lmcollect.envs import ChatEnv, GuessingGameTask, binary_search_player, guessing_game_dataset
+from lmcollect.envs import ChatEnv, GuessingGameTask, MathAnswerReward, arithmetic_dataset, binary_search_player, guessing_game_dataset
 from lmcollect.policies import ScriptedPolicy
+from lmcollect.ray import RayReplayBuffer
+from lmcollect.ray.collector import RayLLMCollector
+from lmcollect.ray.group import RayCollectorGroup
+
+ENGINE_KWARGS = {"kv_cache_memory_bytes": 1 << 30, "enforce_eager": True}
 
 
-def main() -> None:
+def check_collectors_and_buffer() -> None:
+    buffer = RayReplayBuffer(capacity=1000, remote_config={"resources": {"buffer_node": 0.1}})
+    make_env = functools.partial(
+        ChatEnv, guessing_game_dataset(32, seed=0), task=GuessingGameTask(), batch_size=2, max_turns=5, seed=0
+    )
+    with RayCollectorGroup(
+        2,
+        env=make_env,
+        policy_factory=functools.partial(ScriptedPolicy, binary_search_player),
+        dialog_turns_per_batch=4,
+        total_dialog_turns=16,
+        replay_buffer=buffer,
+        remote_configs=[{"num_cpus": 0.5, "resources": {"node_a": 0.1}}, {"num_cpus": 0.5, "resources": {"node_b": 0.1}}],
+    ) as group:
+        nodes = [c.process_info()["node_id"] for c in group]
+        group.start()
+        deadline = time.monotonic() + 120
+        while len(buffer) < 32 and time.monotonic() < deadline:
+            time.sleep(0.2)
+    buffer_node = ray.get(buffer.actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
+    sample = buffer.sample(32, replace=False)
+    ids = {(int(t[keys.TRAJ_IDS]), int(t[keys.STEP_COUNT])) for t in flatten_turns(sample)}
+    result = {"collector_nodes": nodes, "buffer_node": buffer_node, "turns": len(buffer), "unique": len(ids)}
+    assert len(set(nodes)) == 2 and buffer_node not in nodes, result
+    assert len(buffer) == 32 and len(ids) == 32, result
+    print("MULTINODE OK", json.dumps(result), flush=True)
+
+
+def check_vllm_push_across_nodes() -> None:
+    from lmcollect.models import ModelSpec, get_model_path, load_model_and_tokenizer
+    from lmcollect.policies.vllm_policy import VLLMPolicy
+    from lmcollect.weight_sync.vllm_updater import LOOPBACK, vLLMUpdater
+
+    with tempfile.TemporaryDirectory() as cache_dir:
+        model_path = get_model_path(ModelSpec(size="tiny"), cache_dir=cache_dir)
+        trainer_model = load_model_and_tokenizer(get_model_path(ModelSpec(size="tiny", seed=1), cache_dir=cache_dir))[0]
+        updater = vLLMUpdater(timeout_s=120)
+        collector = RayLLMCollector(
+            ChatEnv(arithmetic_dataset(16, seed=0), reward_fn=MathAnswerReward(), batch_size=2, seed=0),
+            policy_factory=functools.partial(VLLMPolicy, str(model_path), engine_kwargs=ENGINE_KWARGS, max_new_tokens=8),
+            dialog_turns_per_batch=2,
+            weight_updater=updater,
+            track_policy_version=True,
+            remote_config={
+                "num_cpus": 0.5,
+                "resources": {"node_a": 0.1},
+                "runtime_env": {"env_vars": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}},
+            },
+        )
+        try:
+            collector_node = collector.process_info()["node_id"]
+            collector.update_policy_weights_(trainer_model)
+            address = updater._sender.connection_info()["master_address"]
+            batch = collector.next().reshape(-1)
+            result = {
+                "trainer_node": ray.get_runtime_context().get_node_id(),
+                "collector_node": collector_node,
+                "master_address": address,
+                "versions": batch[keys.POLICY_VERSION].tolist(),
+            }
+        finally:
+            collector.shutdown()
+    assert result["collector_node"] != result["trainer_node"], result
+    assert address == ray.util.get_node_ip_address() and address != LOOPBACK, result
+    assert result["versions"] == [1, 1], result
+    print("VLLM MULTINODE OK", json.dumps(result), flush=True)
+
+
+def main(argv: list[str]) -> None:
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"buffer_node": 1}})
     for name in ("node_a", "node_b"):
         cluster.add_node(num_cpus=1, resources={name: 1})
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, include_dashboard=False)
     try:
-        buffer = RayReplayBuffer(capacity=1000, remote_config={"resources": {"buffer_node": 0.1}})
-        make_env = functools.partial(
-            ChatEnv, guessing_game_dataset(32, seed=0), task=GuessingGameTask(), batch_size=2, max_turns=5, seed=0
-        )
-        with RayCollectorGroup(
-            2,
-            env=make_env,
-            policy_factory=functools.partial(ScriptedPolicy, binary_search_player),
-            dialog_turns_per_batch=4,
-            total_dialog_turns=16,
-            replay_buffer=buffer,
-            remote_configs=[{"num_cpus": 0.5, "resources": {"node_a": 0.1}}, {"num_cpus": 0.5, "resources": {"node_b": 0.1}}],
-        ) as group:
-            nodes = [c.process_info()["node_id"] for c in group]
-            group.start()
-            deadline = time.monotonic() + 120
-            while len(buffer) < 32 and time.monotonic() < deadline:
-                time.sleep(0.2)
-        buffer_node = ray.get(buffer.actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
-        sample = buffer.sample(32, replace=False)
-        ids = {(int(t[keys.TRAJ_IDS]), int(t[keys.STEP_COUNT])) for t in flatten_turns(sample)}
-        result = {"collector_nodes": nodes, "buffer_node": buffer_node, "turns": len(buffer), "unique": len(ids)}
-        assert len(set(nodes)) == 2 and buffer_node not in nodes, result
-        assert len(buffer) == 32 and len(ids) == 32, result
-        print("MULTINODE OK", json.dumps(result))
+        check_collectors_and_buffer()
+        if "--vllm" in argv:
+            check_vllm_push_across_nodes()
     finally:
         ray.shutdown()
         cluster.shutdown()
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

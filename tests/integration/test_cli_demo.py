@@ -71,15 +71,15 @@ def test_ctrl_c_shuts_the_collectors_down_and_keeps_the_run_folder(ray_cluster, 
     env = {**os.environ, "WANDB_SILENT": "true"}
     env.pop("WANDB_MODE", None)  # offline by default
     with Child(argv, tmp_path / "demo.log", env=env) as child:
-        # budgets for a loaded 2-core machine: start-up, warm-up and two steps; then the shutdown
-        metrics = _wait_for_steps(tmp_path, child, num_steps=2, timeout_s=300)
+        # budgets for a loaded 2-core machine: start-up, warm-up and a step; then the shutdown
+        metrics = _wait_for_steps(tmp_path, child, num_steps=1, timeout_s=300)
         interrupted = time.monotonic()
         child.proc.send_signal(signal.SIGINT)
         returncode = child.wait(timeout_s=180, what="the demo after Ctrl-C")
         output = child.output(last_chars=100_000)
     assert returncode == 130, f"exit status {returncode} {time.monotonic() - interrupted:.0f} s after Ctrl-C:\n{output}"
     summary = json.loads((metrics.parent / "summary.json").read_text())
-    assert summary["interrupted"] is True and summary["steps"] >= 2
+    assert summary["interrupted"] is True and summary["steps"] >= 1
     assert len(summary["collectors"]) == 2 and all(c["shut_down"] for c in summary["collectors"])
     assert len(metrics.read_text().splitlines()) == summary["steps"]  # every finished step was written
     assert "interrupted" in output
