@@ -37,29 +37,60 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 # pytest workers in collection order (`--no-loadscope-reorder`: by default xdist orders files by their
 # number of tests, which left the one-test soak and demo files to the end), so these start first and the
 # short ones fill the gaps at the end.
-SLOWEST_FIRST = (  # summed seconds of each file in a `make test` run of 2026-12-02
-    "integration/test_ray_collector.py",  # ~212, many short tests
-    "integration/test_vllm_server.py",  # ~179
-    "integration/test_collector_contract.py",  # ~164, many short tests
-    "integration/test_vllm_async_engine.py",  # ~140
-    "integration/test_vllm_updater.py",  # ~138
-    "integration/test_data_contract_ray.py",  # ~129
-    "faults/test_fault_vllm.py",  # ~114
-    "integration/test_vllm_policy.py",  # ~104
-    "integration/test_cli_demo.py",  # ~103
-    "integration/test_continuous_ray_engines.py",  # ~102
-    "integration/test_soak.py",  # ~98
-    "integration/test_weight_sync_ray.py",  # ~72
-    "integration/test_ray_engines.py",  # ~69
-    "integration/test_cli_collect.py",  # ~65
-    "integration/test_multinode.py",  # ~80, a three-node Ray cluster of its own
-    "faults/test_fault_ray_head.py",  # ~48
-    "faults/test_fault_collector_actor.py",  # ~47
-    "integration/test_resume_ray.py",  # ~47
-    "integration/test_delta_sync_ray.py",  # ~35
-    "unit/test_resume.py",  # ~31
-    "integration/test_continuous_ray.py",  # ~31
+SLOWEST_FIRST = (  # summed seconds of each file in a full run of 2026-12-03 (2 workers)
+    "integration/test_vllm_server.py",  # ~122; these six are one unit, see IN_PROCESS_VLLM_FILES
+    "integration/test_vllm_updater.py",  # ~91
+    "integration/test_vllm_policy.py",  # ~73
+    "integration/test_vllm_async_engine.py",  # ~67
+    "integration/test_delta_sync_vllm.py",  # ~8
+    "integration/test_vllm_token_exact.py",  # ~3
+    "integration/test_ray_collector.py",  # ~126, many short tests
+    "integration/test_cli_demo.py",  # ~90
+    "integration/test_soak.py",  # ~87
+    "integration/test_data_contract_ray.py",  # ~83
+    "faults/test_fault_vllm.py",  # ~82
+    "integration/test_collector_contract.py",  # ~80, many short tests
+    "integration/test_multinode.py",  # ~79, a three-node Ray cluster of its own
+    "integration/test_continuous_ray_engines.py",  # ~77
+    "integration/test_weight_sync_ray.py",  # ~64
+    "integration/test_ray_engines.py",  # ~51
+    "faults/test_fault_ray_head.py",  # ~44
+    "integration/test_cli_collect.py",  # ~43
+    "integration/test_resume_ray.py",  # ~43
+    "faults/test_fault_collector_actor.py",  # ~38
+    "integration/test_delta_sync_ray.py",  # ~37
+    "faults/test_fault_process_group.py",  # ~24
+    "unit/test_resume.py",  # ~20
+    "integration/test_continuous_ray.py",  # ~16
 )
+
+
+# Files that use the in-process vLLM engine of tests/integration/conftest.py (one per pytest worker):
+# `make test` hands them to one worker as one unit, so one process imports vLLM and builds that engine
+# (~25 CPU-s) instead of both.
+IN_PROCESS_VLLM_FILES = frozenset({
+    "integration/test_vllm_server.py",
+    "integration/test_vllm_async_engine.py",
+    "integration/test_vllm_updater.py",
+    "integration/test_vllm_policy.py",
+    "integration/test_vllm_token_exact.py",
+    "integration/test_delta_sync_vllm.py",
+})
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """With ``--dist loadfile``: whole files per worker, the in-process vLLM files as one unit."""
+    if config.getoption("dist", None) != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FilesAndVLLMGroup(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            relative = scope[scope.rfind("tests/") + len("tests/") :]
+            return "in-process vLLM files" if relative in IN_PROCESS_VLLM_FILES else scope
+
+    return FilesAndVLLMGroup(config, log)
 
 
 def _relative(item: pytest.Item) -> str:
