@@ -7,7 +7,7 @@ import time
 import torch
 
 from lmcollect.envs import ChatEnv, GuessingGameTask, binary_search_player, guessing_game_dataset
-from lmcollect.policies import ScriptedPolicy
+from lmcollect.testing import ScriptedPolicy
 
 make_guessing_env = functools.partial(
     ChatEnv,
@@ -185,7 +185,7 @@ def make_tool_env():
 
 def make_tool_engine():
     """A scripted engine playing the tool task right (no model; log-probs reveal the pushed tag)."""
-    from lmcollect.engines.scripted import ScriptedEngine, chat_script
+    from lmcollect.testing.scripted_engine import ScriptedEngine, chat_script
     from lmcollect.envs import tool_calc_player
 
     return ScriptedEngine(script=chat_script(tool_calc_player), token_delay_s=0.001)
@@ -260,7 +260,7 @@ def make_engine_that_hangs_on_pause():
     """A scripted engine whose ``pause`` never returns (a deadlocked engine, for bounded-call tests)."""
     import threading
 
-    from lmcollect.engines.scripted import ScriptedEngine
+    from lmcollect.testing.scripted_engine import ScriptedEngine
 
     class HangsOnPause(ScriptedEngine):
         def pause(self) -> None:

@@ -7,7 +7,6 @@ from lmcollect.lazy import lazy_attributes
 from lmcollect.engines.sampling import RequestSeeds, SamplingConfig
 from lmcollect.policies.engine_policy import EnginePolicy
 from lmcollect.policies.protocol import PolicyProtocol
-from lmcollect.policies.scripted import ScriptedPolicy
 
 # transformers (and the HTTP client of the served engine) are slow to import: a process that never
 # builds these policies (a collector actor over a scripted policy, the CLI's --help) never pays for them
@@ -18,7 +17,7 @@ _LAZY = {
     "VLLMServerPolicy": "lmcollect.policies.vllm_server",
 }
 
-__all__ = ["EnginePolicy", "PolicyProtocol", "RequestSeeds", "SamplingConfig", "ScriptedPolicy", *_LAZY]
+__all__ = ["EnginePolicy", "PolicyProtocol", "RequestSeeds", "SamplingConfig", *_LAZY]
 
 
 __getattr__ = lazy_attributes(__name__, _LAZY)

@@ -11,7 +11,7 @@ from tensordict import TensorDictBase
 
 from lmcollect.data import History, keys
 from lmcollect.envs import ChatEnv, GuessingGameTask, binary_search_player, guessing_game_dataset
-from lmcollect.policies import ScriptedPolicy
+from lmcollect.testing import ScriptedPolicy
 from lmcollect.engines.vllm_worker_ext import VLLMWeightReceiverExtension
 
 ENV_FAULTS = ("raise", "task_raises", "no_done", "no_reward")

@@ -23,7 +23,7 @@ from ray.cluster_utils import Cluster
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
 from lmcollect.envs import ChatEnv, GuessingGameTask, MathAnswerReward, arithmetic_dataset, binary_search_player, guessing_game_dataset
-from lmcollect.policies import ScriptedPolicy
+from lmcollect.testing import ScriptedPolicy
 from lmcollect.ray import RayReplayBuffer
 from lmcollect.ray.collector import RayLLMCollector
 from lmcollect.ray.group import RayCollectorGroup

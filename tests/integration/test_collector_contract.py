@@ -10,7 +10,7 @@ from lmcollect.buffers import ReplayBuffer
 from lmcollect.collectors import LLMCollector
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
-from lmcollect.policies import ScriptedPolicy
+from lmcollect.testing import ScriptedPolicy
 
 from tests.factories import make_guesser, make_guessing_env
 

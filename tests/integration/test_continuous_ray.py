@@ -11,7 +11,7 @@ from lmcollect.ray import RayReplayBuffer
 from lmcollect.ray.continuous import RayContinuousLLMCollector
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
-from lmcollect.engines.scripted import ByteTokenizer
+from lmcollect.testing.scripted_engine import ByteTokenizer
 from lmcollect.policies import SamplingConfig
 from tests.factories import make_tool_engine, make_tool_env
 

@@ -19,7 +19,7 @@ from lmcollect.ray.group import RayCollectorGroup
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
 from lmcollect.models import load_model_and_tokenizer
-from lmcollect.policies import ScriptedPolicy
+from lmcollect.testing import ScriptedPolicy
 from lmcollect.ray.updater import RayPushConfig, RayRemoteWeightUpdater
 from tests.factories import (
     perturbed_model,

@@ -19,7 +19,8 @@ from lmcollect.collectors.llm_collector import LLMCollector
 from lmcollect.data import keys
 from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
 from lmcollect.models import ModelSpec, get_model_path, load_model_and_tokenizer
-from lmcollect.policies import ScriptedPolicy, TransformersPolicy
+from lmcollect.policies import TransformersPolicy
+from lmcollect.testing import ScriptedPolicy
 from lmcollect.weight_sync import WeightPushError
 from lmcollect.weights.tensors import unique_targets
 from tests.integration.conftest import CPU_ENGINE_KWARGS, MAX_NEW_TOKENS, QUESTIONS, chat_batch

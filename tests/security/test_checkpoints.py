@@ -10,7 +10,7 @@ from lmcollect.checkpoint import load_checkpoint, save_checkpoint
 from lmcollect.collectors import LLMCollector
 from lmcollect.data import codec, keys
 from lmcollect.data.turns import flatten_turns
-from lmcollect.policies import ScriptedPolicy
+from lmcollect.testing import ScriptedPolicy
 from tests.factories import make_guessing_env
 
 

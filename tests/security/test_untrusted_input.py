@@ -18,7 +18,7 @@ from lmcollect.envs.tasks.tool_calc import ToolCalcTask, tool_calc_dataset
 from lmcollect.collectors import LLMCollector
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
-from lmcollect.policies import ScriptedPolicy
+from lmcollect.testing import ScriptedPolicy
 
 HUGE = "9" * 10_000  # int() refuses strings of over 4300 digits
 

@@ -122,7 +122,7 @@ def test_collected_turns_round_trip_through_parquet_and_jsonl(tmp_path: Path) ->
     from lmcollect.cli.rollouts import COLUMNS, batch_records, write_records
     from lmcollect.collectors import LLMCollector
     from lmcollect.envs import get_shipped_task
-    from lmcollect.policies import ScriptedPolicy
+    from lmcollect.testing import ScriptedPolicy
 
     env = EnvFactory(task_name="comparison", rows=get_shipped_task("comparison").make_rows(16, seed=0), num_envs=4, repeats=2, seed=0)
     collector = LLMCollector(env, policy=ScriptedPolicy("9"), dialog_turns_per_batch=4, total_dialog_turns=8, track_policy_version=True)
@@ -222,7 +222,7 @@ def _local_collector(buffer, respond) -> object:
     from lmcollect.cli.builders import EnvFactory
     from lmcollect.collectors import LLMCollector
     from lmcollect.envs import get_shipped_task
-    from lmcollect.policies import ScriptedPolicy
+    from lmcollect.testing import ScriptedPolicy
 
     env = EnvFactory(task_name="comparison", rows=get_shipped_task("comparison").make_rows(16, seed=0), num_envs=2, repeats=2, seed=0)
     return LLMCollector(env, policy=ScriptedPolicy(respond), dialog_turns_per_batch=2, replay_buffer=buffer)

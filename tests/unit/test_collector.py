@@ -20,7 +20,7 @@ from lmcollect.envs import (
     binary_search_player,
     guessing_game_dataset,
 )
-from lmcollect.policies import ScriptedPolicy
+from lmcollect.testing import ScriptedPolicy
 from lmcollect.weights.version import PushVersion
 
 

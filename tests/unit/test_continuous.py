@@ -15,7 +15,7 @@ from lmcollect.collectors.turn_flow import TurnFlow
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns, leaf_keys, non_tensor_values
 from lmcollect.buffers import ReplayBuffer
-from lmcollect.engines.scripted import ByteTokenizer, ScriptedEngine, chat_script
+from lmcollect.testing.scripted_engine import ByteTokenizer, ScriptedEngine, chat_script
 from lmcollect.envs import ChatEnv, SingleTurnTask, arithmetic_dataset
 from lmcollect.envs.tasks.tool_calc import ToolCalcTask, tool_calc_dataset, tool_calc_player
 from lmcollect.policies import SamplingConfig

@@ -17,7 +17,7 @@ from lmcollect.data import keys
 from lmcollect.data.history import History
 from lmcollect.data.turns import flatten_turns
 from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
-from lmcollect.policies import ScriptedPolicy
+from lmcollect.testing import ScriptedPolicy
 from lmcollect.training.batch import GroupAdvantage
 from lmcollect.training.grpo import ADVANTAGE
 from lmcollect.weight_sync import LocalWeightUpdater

@@ -15,7 +15,7 @@ import torch
 from lmcollect.collectors import LLMCollector
 from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
 from lmcollect.models import load_model_and_tokenizer
-from lmcollect.policies import ScriptedPolicy
+from lmcollect.testing import ScriptedPolicy
 from lmcollect.weights.buckets import WeightBuckets
 from lmcollect.weights.delta import (
     DeltaBase,

@@ -178,7 +178,7 @@ def test_bad_settings_name_the_knob() -> None:
 
 
 def test_a_push_through_the_router_reaches_requests_in_flight_on_every_replica() -> None:
-    from lmcollect.engines.scripted import ScriptedEngine
+    from lmcollect.testing.scripted_engine import ScriptedEngine
 
     engines = [ScriptedEngine(num_tokens=40, token_delay_s=0.005) for _ in range(2)]
     router = EngineRouter(engines)

@@ -18,6 +18,7 @@ LAYERS = [
     {"envs", "buffers", "checkpoint", "diagnostics", "viewer"},
     {"engines"},
     {"policies"},
+    {"testing"},
     {"weight_sync"},
     {"training"},
     {"collectors"},

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from lmcollect.collectors import LLMCollector
 from lmcollect.data import keys
-from lmcollect.policies import ScriptedPolicy
+from lmcollect.testing import ScriptedPolicy
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -13,7 +13,7 @@ import torch
 from lmcollect.checkpoint import load_checkpoint, save_checkpoint
 from lmcollect.collectors import LLMCollector
 from lmcollect.data import codec
-from lmcollect.policies import ScriptedPolicy
+from lmcollect.testing import ScriptedPolicy
 
 from tests.resume_worker import build, collect
 

@@ -11,7 +11,7 @@ from lmcollect.collectors import LLMCollector
 from lmcollect.data.transport import PackedTurns, pack, unpack
 from lmcollect.data.turns import flatten_turns
 from lmcollect.envs import ChatEnv, GuessingGameTask, guessing_game_dataset
-from lmcollect.policies import ScriptedPolicy
+from lmcollect.testing import ScriptedPolicy
 
 
 def collected(**kwargs):

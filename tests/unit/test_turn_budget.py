@@ -17,10 +17,11 @@ from lmcollect.buffers import ReplayBuffer
 from lmcollect.collectors import ContinuousLLMCollector, LLMCollector
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
-from lmcollect.engines.scripted import ByteTokenizer, ScriptedEngine, chat_script
+from lmcollect.testing.scripted_engine import ByteTokenizer, ScriptedEngine, chat_script
 from lmcollect.envs import ChatEnv, GuessingGameTask, MathAnswerReward, arithmetic_dataset, guessing_game_dataset
 from lmcollect.envs.tasks.guessing import binary_search_player
-from lmcollect.policies import SamplingConfig, ScriptedPolicy
+from lmcollect.policies import SamplingConfig
+from lmcollect.testing import ScriptedPolicy
 from tests.factories import UnevenEnv, make_uneven_guessing_env
 
 MODES = {

@@ -15,7 +15,7 @@ from lmcollect.collectors.weights import WeightReceiverMixin
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
 from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
-from lmcollect.policies import ScriptedPolicy
+from lmcollect.testing import ScriptedPolicy
 from lmcollect.weight_sync import LocalWeightUpdater, SharedMemorySender, WeightUpdaterBase, pack_buckets
 from tests.factories import run_in_thread
 from lmcollect.transports.process_group import ProcessGroupConfig, ProcessGroupReceiver, ProcessGroupSender
