@@ -47,13 +47,6 @@ def test_as_remote_works_on_its_own(ray_cluster) -> None:
     ray.kill(actor)
 
 
-def test_policy_is_built_inside_the_actor(ray_cluster) -> None:
-    with collector() as c:
-        assert c.getattr_policy("num_calls") == 0
-        c.next()
-        assert c.getattr_policy("num_calls") == 2  # the actor's own policy did the work
-
-
 def _turns_run_within(c: RayLLMCollector, target: int, timeout_s: float) -> int:
     deadline = time.monotonic() + timeout_s
     while c.turns_run < target and time.monotonic() < deadline:
@@ -103,10 +96,12 @@ def test_two_collectors_fill_one_ray_buffer(ray_cluster) -> None:
     buffer.shutdown()
 
 
-def test_ray_buffer_sampling_returns_versions(ray_cluster) -> None:
+def test_the_policy_is_built_in_the_actor_and_ray_buffer_samples_return_versions(ray_cluster) -> None:
     buffer = RayReplayBuffer(capacity=100)
     with collector(replay_buffer=buffer, track_policy_version=True) as c:
+        assert c.getattr_policy("num_calls") == 0
         c.next()
+        assert c.getattr_policy("num_calls") == 2  # the actor's own policy did the work
         c.increment_version()
         c.next()
     assert set(buffer.sample(50)[keys.POLICY_VERSION].tolist()) == {0, 1}
