@@ -195,26 +195,26 @@ def test_ray_replicas_answer_like_the_local_engine(
         replicas.shutdown()
 
 
-def test_pushed_weights_match_transformers(ray_cluster: Any, vllm_env: None, tiny_model_path: Path) -> None:
-    """ProcessGroupSender pushes other weights into an engine actor; it then answers like them.
+def test_pushed_weights_match_transformers(
+    vllm_env: None, model_dir: Path, tiny_model_path: Path, greedy_policy: VLLMPolicy
+) -> None:
+    """ProcessGroupSender pushes other weights into the session's engine; it then answers like them.
 
     Push 1 sends a whole state_dict (the tied lm_head named too), push 2 only distinct tensors:
     then vLLM never sees the lm_head name and the tied module must be rebuilt by the extension.
+    Push 2 brings the engine's own weights back (the session's other tests share it).
     """
-    from lmcollect.ray.vllm_replicas import VLLMReplicas
     from lmcollect.transports.process_group import ProcessGroupConfig, ProcessGroupSender
-    from lmcollect.engines.vllm_worker_ext import VLLM_EXTENSION
     from lmcollect.weights.tensors import unique_targets
 
-    path = tiny_model_path  # seed 0
-    engine_kwargs = {**CPU_ENGINE_KWARGS, "worker_extension_cls": VLLM_EXTENSION}
-    engine = VLLMReplicas(path, engine_kwargs=engine_kwargs, remote_config={"num_cpus": 0.5})
+    engine = greedy_policy.engine
     sender = ProcessGroupSender(ProcessGroupConfig(num_receivers=1, backend="gloo", timeout_s=60))
     try:
-        policy = VLLMPolicy(path, engine=engine, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
+        policy = VLLMPolicy(model_dir, engine=engine, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
         td = chat_batch(QUESTIONS)
         seed1_path = get_model_path(ModelSpec(size="tiny", seed=1), cache_dir=tiny_model_path.parent)
-        models = [load_model_and_tokenizer(p) for p in (seed1_path, path)]
+        models = [load_model_and_tokenizer(model_dir) for _ in range(2)]  # model_dir's config and extra eos
+        models[0][0].load_state_dict(load_model_and_tokenizer(seed1_path)[0].state_dict())
         wants = [TransformersPolicy(m, t, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)(td) for m, t in models]
         pushes = [models[0][0].state_dict(), unique_targets(models[1][0])[0]]
         policy(td)  # fills the prefix cache under the old weights
@@ -224,13 +224,15 @@ def test_pushed_weights_match_transformers(ray_cluster: Any, vllm_env: None, tin
             joined.result(timeout=60)
             with pytest.raises(ValueError, match="missing 'model.norm.weight'"):  # checked before anything moves
                 sender.send({k: v for k, v in pushes[0].items() if k != "model.norm.weight"})
-            for index, (weights, want) in enumerate(zip(pushes, wants)):
+            counts = []  # the worker's pushes so far (the session's other tests push into it too)
+            for weights, want in zip(pushes, wants):
                 received = pool.submit(engine.collective_rpc, "receive_weights")
                 sender.send(weights)
                 (info,) = received.result(timeout=60)
                 engine.reset_prefix_cache()
-                assert info["num_pushes"] == index + 1 and info["num_tensors"] == len(weights)
+                counts.append(info["num_pushes"])
+                assert info["num_tensors"] == len(weights)
                 assert_same_answers(policy(td), want)
+            assert counts[1] == counts[0] + 1
     finally:
         sender.close()
-        engine.shutdown()
