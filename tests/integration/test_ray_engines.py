@@ -18,7 +18,7 @@ from lmcollect.envs import ChatEnv, GuessingGameTask, guessing_game_dataset
 from lmcollect.models import load_model_and_tokenizer
 from lmcollect.engines.sampling import SamplingConfig
 from tests.engine_contract import CHECKS, EngineCase, hf_reference, prompts_of_lengths
-from tests.factories import make_holdable_tiny_engine, make_tiny_transformers_engine, perturbed_model
+from tests.factories import make_holdable_tiny_engine, perturbed_model
 
 pytestmark = pytest.mark.integration
 
@@ -35,37 +35,6 @@ def collect(engine, tokenizer, *, slots: int, turns: int, **kwargs) -> list:
     collector.set_seed(0)
     with collector:
         return flatten_turns(collector.next())
-
-
-def test_replicas_in_actors_answer_like_one_engine_and_keep_dialogs_on_one_replica(ray_cluster, tiny_model_path) -> None:
-    model, tokenizer = load_model_and_tokenizer(tiny_model_path)
-    router = ray_engine_replicas(
-        functools.partial(make_tiny_transformers_engine, str(tiny_model_path)), num_replicas=2, remote_config={"num_cpus": 0.25}
-    )
-    try:
-        # one slot: its dialogs run one after another, so both runs yield the same turns in the same
-        # order whatever the timing (with several slots, which turns finish first is a race)
-        routed = collect(router, tokenizer, slots=1, turns=12, track_policy_version=True)
-        local = TransformersEngine(model, tokenizer)
-        alone = collect(local, tokenizer, slots=1, turns=12)
-        local.close()
-        assert len(routed) == len(alone) == 12
-        assert all(torch.equal(a[keys.TOKENS_RESPONSE], b[keys.TOKENS_RESPONSE]) for a, b in zip(routed, alone))
-        replicas = {router.replica_of(str(int(t[keys.TRAJ_IDS]))) for t in routed}
-        assert replicas == {0, 1}  # successive dialogs went to both replicas; each dialog's turns stayed on one (affinity)
-        # a push reaches every replica, between two decoding steps
-        trainer = perturbed_model(tiny_model_path, seed=2)
-        collector = ContinuousLLMCollector(
-            [guessing_env()], engine=router, tokenizer=tokenizer, sampling=GREEDY, dialog_turns_per_batch=2, track_policy_version=True
-        )
-        with collector:
-            collector.next()
-            collector.update_policy_weights_(trainer)
-            after = flatten_turns(collector.next())
-        assert [engine.version for engine in router.engines] == [collector.version_index()] * 2
-        assert all(int(t[keys.POLICY_VERSION]) == collector.version_index() for t in after[-1:])
-    finally:
-        router.close()
 
 
 # ---------------------------------------------------------------------- the engine contract, through actors
@@ -110,6 +79,37 @@ def actor_case(ray_cluster, tiny_model_path):
         hold_step=hold_step, log_prob_atol=1e-5,
     )
     router.close()
+
+
+def test_replicas_in_actors_answer_like_one_engine_and_keep_dialogs_on_one_replica(actor_case: EngineCase, tiny_model_path) -> None:
+    """On the contract's router (first, before the contract checks; its start weights are pushed back at the end)."""
+    model, tokenizer = load_model_and_tokenizer(tiny_model_path)
+    router = actor_case.engine
+    try:
+        # one slot: its dialogs run one after another, so both runs yield the same turns in the same
+        # order whatever the timing (with several slots, which turns finish first is a race)
+        routed = collect(router, tokenizer, slots=1, turns=12, track_policy_version=True)
+        local = TransformersEngine(model, tokenizer)
+        alone = collect(local, tokenizer, slots=1, turns=12)
+        local.close()
+        assert len(routed) == len(alone) == 12
+        assert all(torch.equal(a[keys.TOKENS_RESPONSE], b[keys.TOKENS_RESPONSE]) for a, b in zip(routed, alone))
+        replicas = {router.replica_of(str(int(t[keys.TRAJ_IDS]))) for t in routed}
+        assert replicas == {0, 1}  # successive dialogs went to both replicas; each dialog's turns stayed on one (affinity)
+        # a push reaches every replica, between two decoding steps
+        trainer = perturbed_model(tiny_model_path, seed=2)
+        collector = ContinuousLLMCollector(
+            [guessing_env()], engine=router, tokenizer=tokenizer, sampling=GREEDY, dialog_turns_per_batch=2, track_policy_version=True
+        )
+        with collector:
+            collector.next()
+            collector.update_policy_weights_(trainer)
+            after = flatten_turns(collector.next())
+        assert [engine.version for engine in router.engines] == [collector.version_index()] * 2
+        assert all(int(t[keys.POLICY_VERSION]) == collector.version_index() for t in after[-1:])
+    finally:
+        router.load_weights(actor_case.old_weights.items(), version=router.version + 1)  # the contract's start weights
+
 
 
 @pytest.mark.parametrize("check", list(CHECKS))  # in order: "close" is the last check
