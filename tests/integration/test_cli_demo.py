@@ -29,28 +29,28 @@ def _run_dir(output_dir: Path) -> Path:
 
 def test_demo_trains_pushes_every_step_and_shuts_every_collector_down(ray_cluster, tiny_model_path: Path, tmp_path: Path, capsys) -> None:
     """Also: TensorBoard gets the metrics and the plot, and progress goes to a non-terminal as plain lines."""
-    argv = ["demo", "--model", str(tiny_model_path), "--max-steps", "4", "--output-dir", str(tmp_path), "--logger", "tensorboard", *SMALL_RUN]
+    argv = ["demo", "--model", str(tiny_model_path), "--max-steps", "3", "--output-dir", str(tmp_path), "--logger", "tensorboard", *SMALL_RUN]
     assert main(argv) == 0
     run_dir = _run_dir(tmp_path)
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert summary["steps"] == 4 and summary["interrupted"] is False
+    assert summary["steps"] == 3 and summary["interrupted"] is False
     # version 1 is the warmed-up weights; every step pushes once more to every collector
-    assert [r["policy_version"] for r in records] == [2, 3, 4, 5]
-    assert summary["collectors"] == [{"policy_version": 5, "shut_down": True}] * 2
+    assert [r["policy_version"] for r in records] == [2, 3, 4]
+    assert summary["collectors"] == [{"policy_version": 4, "shut_down": True}] * 2
     assert all(0 <= r["staleness/mean"] <= 2 and r["timing/weight_sync/push_s"] > 0 for r in records)
-    assert records[-1]["collect/turns"] >= 4 * 16
+    assert records[-1]["collect/turns"] >= 3 * 16
     assert set(summary["reward"]) == {"initial", "before_rl", "final"}
     assert (run_dir / "training.png").read_bytes()[:8] == PNG_MAGIC
     out = capsys.readouterr().out
     assert "supervised warm-up" in out and "after RL" in out and "collectors shut down" in out
-    assert "step 4/4  " in out and "mean reward" in out  # stdout is not a terminal: plain progress lines
+    assert "step 3/3  " in out and "mean reward" in out  # stdout is not a terminal: plain progress lines
     assert summary["files"]["logger"] == "tensorboard"
     _check_tensorboard(run_dir / "tensorboard", records)
     # the HTML report of the last training steps' turns
     assert summary["files"]["report"] == "rollouts.html"
     page = (run_dir / "rollouts.html").read_text(encoding="utf-8")
-    assert 'id="rollout-data"' in page and "last 4 training steps" in page
+    assert 'id="rollout-data"' in page and "last 3 training steps" in page
     assert "rollouts of the last training steps" in out and "(open it in a browser)" in out
 
 
