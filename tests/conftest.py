@@ -87,15 +87,18 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
     class FilesAndVLLMGroup(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             scope = super()._split_scope(nodeid)
-            relative = scope[scope.rfind("tests/") + len("tests/") :]
-            return "in-process vLLM files" if relative in IN_PROCESS_VLLM_FILES else scope
+            return "in-process vLLM files" if _relative_path(scope) in IN_PROCESS_VLLM_FILES else scope
 
     return FilesAndVLLMGroup(config, log)
 
 
-def _relative(item: pytest.Item) -> str:
-    path = item.path.as_posix()
+def _relative_path(path: str) -> str:
+    """``.../tests/integration/test_x.py`` -> ``integration/test_x.py`` (the form the lists above use)."""
     return path[path.rfind("tests/") + len("tests/") :]
+
+
+def _relative(item: pytest.Item) -> str:
+    return _relative_path(item.path.as_posix())
 
 
 def _slowness_rank(item: pytest.Item) -> int:

@@ -111,7 +111,6 @@ def test_replicas_in_actors_answer_like_one_engine_and_keep_dialogs_on_one_repli
         router.load_weights(actor_case.old_weights.items(), version=router.version + 1)  # the contract's start weights
 
 
-
 @pytest.mark.parametrize("check", list(CHECKS))  # in order: "close" is the last check
 def test_engine_contract_through_actors(actor_case: EngineCase, check: str) -> None:
     CHECKS[check](actor_case)
