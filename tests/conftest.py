@@ -41,9 +41,9 @@ SLOWEST_FIRST = (  # summed seconds of each file in a full run of 2026-12-03 (2 
     "integration/test_vllm_server.py",  # ~122; these six are one unit, see IN_PROCESS_VLLM_FILES
     "integration/test_vllm_updater.py",  # ~91
     "integration/test_vllm_policy.py",  # ~73
-    "integration/test_vllm_async_engine.py",  # ~67
     "integration/test_delta_sync_vllm.py",  # ~8
     "integration/test_vllm_token_exact.py",  # ~3
+    "integration/test_vllm_engine.py",  # last of the six: its last test closes the session's in-process engine
     "integration/test_ray_collector.py",  # ~126, many short tests
     "integration/test_cli_demo.py",  # ~90
     "integration/test_soak.py",  # ~87
@@ -70,11 +70,11 @@ SLOWEST_FIRST = (  # summed seconds of each file in a full run of 2026-12-03 (2 
 # (~25 CPU-s) instead of both.
 IN_PROCESS_VLLM_FILES = frozenset({
     "integration/test_vllm_server.py",
-    "integration/test_vllm_async_engine.py",
     "integration/test_vllm_updater.py",
     "integration/test_vllm_policy.py",
     "integration/test_vllm_token_exact.py",
     "integration/test_delta_sync_vllm.py",
+    "integration/test_vllm_engine.py",
 })
 
 

@@ -208,11 +208,11 @@ def make_guessing_slot_env():
     return ChatEnv(guessing_game_dataset(16, seed=0), task=GuessingGameTask(), batch_size=1, max_turns=4, seed=0)
 
 
-def make_tiny_vllm_async_engine(model_path: str, engine_kwargs: dict):
-    """A VLLMAsyncEngine over the model saved at ``model_path`` (built inside a collector's actor)."""
-    from lmcollect.engines.vllm_async import VLLMAsyncEngine
+def make_tiny_vllm_engine(model_path: str, engine_kwargs: dict):
+    """A VLLMEngine over the model saved at ``model_path`` (built inside a collector's actor)."""
+    from lmcollect.engines.vllm_engine import VLLMEngine
 
-    return VLLMAsyncEngine(model_path, engine_kwargs=engine_kwargs, timeout_s=120.0)
+    return VLLMEngine(model_path, engine_kwargs=engine_kwargs, timeout_s=120.0)
 
 
 # ---------------------------------------------------------------------- turn-budget tests

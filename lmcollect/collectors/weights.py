@@ -16,7 +16,6 @@ from lmcollect.weights.version import PushVersion
 from lmcollect.collectors.trajectories import id_base
 from lmcollect.engines.protocol import EngineProtocol, WorkerRpcEngine, engine_of, worker_rpc_engine_of
 from lmcollect.weight_sync.base import resolve_updater
-from lmcollect.weights.buckets import LOAD_PACKED_WEIGHTS, packed_weights
 from lmcollect.weights.delta import WeightDelta, check_delta_base, prepare_delta
 from lmcollect.weights.tensors import (
     cast_to_held,
@@ -137,29 +136,6 @@ class WeightReceiverMixin:
             return None
         return engine_of(self.policy)
 
-    def _workers_holding(self, model_id: str, target: Any) -> WorkerRpcEngine | None:
-        """The worker-process engine behind a lockstep policy with no torch module here (``VLLMPolicy``)."""
-        if model_id != "policy" or isinstance(target, torch.nn.Module):
-            return None
-        return worker_rpc_engine_of(self.policy)
-
-    def _load_into_workers(
-        self, engine: WorkerRpcEngine, weights: Any, *, convert_dtype: bool, version: PushVersion | None
-    ) -> None:
-        """A push without an updater into an engine whose weights live in worker processes (vLLM):
-        sent in the call itself to every worker, which checks every name, shape and dtype against
-        its model before reloading (a refused push changes nothing), then the collector's usual
-        hold, prefix-cache reset and version (see :meth:`policy_engine_rpc`)."""
-        if isinstance(weights, WeightDelta) or convert_dtype:
-            raise TypeError(
-                "a push into vLLM's workers without a weight_updater is a full push in the engine's dtype; "
-                "for delta or convert_dtype pushes give the collector a vLLMUpdater(delta=..., convert_dtype=True)."
-            )
-        layout_json, buffers = packed_weights(to_weight_dict(weights))
-        self.policy_engine_rpc(
-            LOAD_PACKED_WEIGHTS, [(layout_json, buffers)] * engine.num_replicas, finish_update=True, version=version
-        )
-
     def update_policy_weights_(self, policy_or_weights: Any = None, worker_ids: Any = None, **kwargs: Any) -> Any:
         """Push weights through the weight updater, or apply them here when there is none."""
         if self._weight_updater is not None:
@@ -255,10 +231,6 @@ class WeightReceiverMixin:
         if engine is not None:
             self._load_into_engine(engine, weights, convert_dtype=convert_dtype, version=version)
             return
-        workers = self._workers_holding(model_id, target)
-        if workers is not None:
-            self._load_into_workers(workers, weights, convert_dtype=convert_dtype, version=version)
-            return
         if isinstance(weights, WeightDelta):
             self._apply_delta(target, weights, version)
             return
@@ -350,13 +322,13 @@ class WeightReceiverMixin:
     # ------------------------------------------------------------------ an engine with worker processes
     # A vLLM engine holds its weights in its workers: a vLLMUpdater reaches them with these calls
     # (through the actor for a Ray collector) instead of receive_weights. The engine is a
-    # WorkerRpcEngine: a lockstep VLLMPolicy's engine, or a continuous collector's VLLMAsyncEngine.
+    # WorkerRpcEngine: a lockstep VLLMPolicy's engine, or a continuous collector's VLLMEngine.
     def _worker_engine(self) -> WorkerRpcEngine:
         engine = worker_rpc_engine_of(self.policy)
         if engine is None:
             raise TypeError(
                 f"this collector's policy ({type(self.policy).__name__}) has no engine with worker processes "
-                "(lmcollect.engines.WorkerRpcEngine); a vLLMUpdater needs a VLLMPolicy or a VLLMAsyncEngine. "
+                "(lmcollect.engines.WorkerRpcEngine); a vLLMUpdater needs a VLLMPolicy or a VLLMEngine. "
                 "Push with RayRemoteWeightUpdater instead."
             )
         return engine

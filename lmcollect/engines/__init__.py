@@ -19,7 +19,7 @@ from lmcollect.engines.router import EngineRouter
 # a Ray actor: lmcollect.ray.RayEngine)
 _LAZY = {
     "TransformersEngine": "lmcollect.engines.transformers_engine",
-    "VLLMAsyncEngine": "lmcollect.engines.vllm_async",
+    "VLLMEngine": "lmcollect.engines.vllm_engine",
 }
 
 __all__ = [

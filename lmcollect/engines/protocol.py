@@ -7,9 +7,11 @@ after ``resume``), so weights can be loaded between two decoding steps; every ge
 records the version of the weights that produced it.
 
 Implementations: :class:`~lmcollect.engines.transformers_engine.TransformersEngine` (our own
-continuous batching over a ``transformers`` causal LM), :class:`~lmcollect.engines.vllm_async.VLLMAsyncEngine`
-(vLLM's ``AsyncLLM`` in this process), :class:`~lmcollect.ray.engine.RayEngine` (any of them
-in a Ray actor) and :class:`~lmcollect.engines.router.EngineRouter` (replicas behind one engine).
+continuous batching over a ``transformers`` causal LM), :class:`~lmcollect.engines.vllm_engine.VLLMEngine`
+(vLLM's ``LLMEngine`` stepped by our decoding thread, engine core in this process),
+:class:`~lmcollect.policies.vllm_server.VLLMServerEngine` (a vLLM server),
+:class:`~lmcollect.ray.engine.RayEngine` (any of them in a Ray actor) and
+:class:`~lmcollect.engines.router.EngineRouter` (replicas behind one engine).
 
 Engines whose weights live in worker processes (vLLM's) also implement :class:`WorkerRpcEngine`:
 that is how a :class:`~lmcollect.weight_sync.vLLMUpdater` broadcasts weights straight into the
@@ -126,9 +128,8 @@ class WorkerRpcEngine(Protocol):
 
     What :class:`~lmcollect.weight_sync.vLLMUpdater` needs to push weights straight into vLLM's
     workers (their extension's ``init_weight_group`` / ``receive_weights``). Implemented by the
-    lockstep engines of :class:`~lmcollect.policies.VLLMPolicy` (``VLLMEngine``, ``VLLMReplicas``,
-    a vLLM server) and by the continuous ``VLLMAsyncEngine`` (also in a ``RayEngine`` actor and
-    behind an ``EngineRouter``). The caller keeps generation off the engine during a call that
+    vLLM engines (``VLLMEngine``, a vLLM server), also in a ``RayEngine``
+    actor and behind an ``EngineRouter`` (``VLLMReplicas``). The caller keeps generation off the engine during a call that
     changes weights: a lockstep collector holds its policy lock, a continuous one pauses the engine.
     """
 

@@ -144,7 +144,15 @@ class EngineRouter:
             self._fan_out.submit(engine.collective_rpc_each, method, args_per_replica[s : s + n], kwargs)
             for engine, s, n in zip(self.engines, starts, counts)
         ]
-        return [answer for future in futures for answer in future.result()]
+        answers = []
+        for index, future in enumerate(futures):
+            try:
+                answers += future.result()
+            except (ValueError, TypeError):  # a refusal: the same on every replica, so no name needed
+                raise
+            except Exception as exc:  # name the replica: the caller reports which engine failed (or died)
+                raise RuntimeError(f"replica {index} failed during {method}: {exc}") from exc
+        return answers
 
     def _worker_engine(self, index: int) -> WorkerRpcEngine:
         """Replica ``index`` as a WorkerRpcEngine; AttributeError if it is not one (so that

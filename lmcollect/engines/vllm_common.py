@@ -1,14 +1,25 @@
-"""What every vLLM backend shares: engine arguments, sampling parameters, raw log-probs of a completion."""
+"""What every vLLM backend shares: engine arguments and config, a request's sampling parameters,
+the :class:`~lmcollect.engines.protocol.EngineResult` of a finished request (raw log-probs, per-token versions)."""
 from __future__ import annotations
 
 import json
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+import torch
+
+from lmcollect.engines.protocol import EngineRequest, EngineResult
 from lmcollect.engines.sampling import SamplingConfig
 
 if TYPE_CHECKING:  # vllm is an optional extra and slow to import
-    from vllm.outputs import CompletionOutput
+    from vllm import SamplingParams
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+INITIAL_VERSION = -1  # the protocol's version before any load
 
 # Log-probs of the raw model (before temperature / top-p / top-k), as TransformersPolicy returns
 # and as trainers need for importance ratios. vLLM's other modes would silently differ.
@@ -91,3 +102,103 @@ def completion_of(output: CompletionOutput) -> Completion:
     if output.logprobs is None or len(output.logprobs) != len(tokens):
         raise RuntimeError(f"vLLM returned {len(output.logprobs or [])} log-probs for {len(tokens)} tokens.")
     return Completion(tokens, [position[token].logprob for position, token in zip(output.logprobs, tokens)])
+
+
+class VersionSpan(Protocol):
+    """What :func:`token_versions_of` reads of vLLM's ``WeightVersionSpan``."""
+
+    version: str
+    start: int
+    end: int
+
+
+_ENVIRON_LOCK = threading.Lock()
+
+
+def engine_config(args: Any) -> Any:
+    """vLLM's engine config; on CPU with one worker, that worker runs inside the engine core.
+
+    vLLM's CPU platform turns a one-worker engine's in-process executor into its multiprocess one
+    whenever ``VLLM_ENABLE_V1_MULTIPROCESSING`` is on, which spawns a second Python (~14 s of
+    imports and its own memory) only to run one worker. The setting is read once, while the config
+    is built, so it is off for that moment only (where the engine core itself runs is the engine's
+    choice). ``engine_kwargs={"distributed_executor_backend": "mp"}`` keeps vLLM's layout.
+    """
+    from vllm.platforms import current_platform
+
+    one_worker = args.distributed_executor_backend in (None, "uni") and (
+        args.tensor_parallel_size == args.pipeline_parallel_size == args.data_parallel_size == 1
+    )
+    if not (current_platform.is_cpu() and one_worker):
+        return args.create_engine_config()
+    args.distributed_executor_backend = "uni"
+    with _ENVIRON_LOCK:
+        saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        try:
+            return args.create_engine_config()
+        finally:
+            if saved is None:
+                del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
+            else:
+                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
+
+
+def request_sampling_params(request: EngineRequest) -> SamplingParams:
+    """vLLM sampling parameters of one request: its sampling config, seed and stop ids; final output only."""
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    if not request.prompt_ids:
+        raise ValueError(f"request {request.request_id!r} has no prompt_ids; a prompt needs at least one token.")
+    if request.sampling.sampled_log_probs:
+        raise ValueError(
+            "the vLLM engines cannot return sampled log-probs (SamplingConfig(sampled_log_probs=True)): vLLM sets "
+            "logprobs_mode per engine and lmcollect's return raw log-probs; set sampled_log_probs=False or use "
+            "TransformersEngine."
+        )
+    return SamplingParams(
+        **sampling_params_kwargs(request.sampling, seed=request.seed),
+        stop_token_ids=list(request.stop_token_ids),
+        output_kind=RequestOutputKind.FINAL_ONLY,  # token versions come from vLLM's spans, not from streaming
+    )
+
+
+def result_of(output: RequestOutput) -> EngineResult:
+    """The :class:`EngineResult` of a finished vLLM request (one completion)."""
+    completion = output.outputs[0]
+    if completion.finish_reason not in ("stop", "length"):
+        raise RuntimeError(f"vLLM ended request {output.request_id!r} with finish_reason={completion.finish_reason!r}.")
+    tokens, log_probs = completion_of(completion)
+    return EngineResult(
+        tokens=torch.tensor(tokens, dtype=torch.long),
+        log_probs=torch.tensor(log_probs, dtype=torch.float32),
+        token_versions=token_versions_of(completion.weight_versions, len(tokens)),
+        finish_reason=completion.finish_reason,
+    )
+
+
+def token_versions_of(spans: Sequence[VersionSpan] | None, num_tokens: int) -> torch.Tensor:
+    """int64 ``[num_tokens]``: each token's version, from vLLM's ``[start, end)`` weight-version spans."""
+    if spans is None:
+        raise RuntimeError("vLLM reported no weight versions for a response; the engine's version label is missing.")
+    versions = torch.full((num_tokens,), INITIAL_VERSION, dtype=torch.long)
+    covered = 0
+    for span in spans:
+        if span.start != covered or span.end < span.start:
+            raise RuntimeError(f"vLLM's weight-version spans are not contiguous: {list(spans)!r}.")
+        versions[span.start : span.end] = int(span.version)
+        covered = span.end
+    if covered != num_tokens:
+        raise RuntimeError(f"vLLM's weight-version spans cover {covered} of {num_tokens} tokens: {list(spans)!r}.")
+    return versions
+
+
+def settle(future: Future, *, result: Any = None, error: BaseException | None = None) -> None:
+    """Set ``future``'s outcome unless it already has one (close() fails pending futures first)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:  # designed: close() and the request's end raced; the first outcome stands
+        pass

@@ -1,7 +1,7 @@
 """The vLLM worker side of the process-group weight sync: join a ProcessGroupSender's group, reload pushes.
 
-Give the engine ``worker_extension_cls=VLLM_EXTENSION`` (a ``vllm.LLM`` argument, e.g. through
-``VLLMEngine(engine_kwargs=...)``; for a server ``vllm serve --worker-extension-cls``, whose
+Give the engine ``worker_extension_cls=VLLM_EXTENSION`` (a ``vllm.EngineArgs`` argument, e.g. through
+``VLLMEngine(engine_kwargs=...)``, where it is the default; for a server ``vllm serve --worker-extension-cls``, whose
 ``/collective_rpc`` development endpoint passes JSON arguments and results); vLLM then mixes
 :class:`VLLMWeightReceiverExtension` into every worker, and its methods become ``collective_rpc``
 targets. The trainer side is the plain
@@ -23,19 +23,22 @@ Steps, in order:
 4. the engine's owner calls ``reset_prefix_cache()`` (the cache lives in the scheduler, out of
    the workers' reach), then generation resumes.
 
-Example (trainer process, ``engine`` a ``VLLMEngine`` or ``VLLMReplicas`` with one replica)::
+Example (trainer process, ``engine`` a ``VLLMEngine`` or ``VLLMReplicas`` with one replica; a
+``vLLMUpdater`` does all of this)::
 
     sender = ProcessGroupSender(ProcessGroupConfig(num_receivers=1))
-    pool = ThreadPoolExecutor(1)  # collective_rpc returns only once the trainer's side is done
-    joined = pool.submit(engine.collective_rpc, "init_weight_group", (sender.connection_info(), 1))
+    pool = ThreadPoolExecutor(1)  # a worker RPC returns only once the trainer's side is done
+    joined = pool.submit(engine.collective_rpc_each, "init_weight_group", [(sender.connection_info(), 1)])
     sender.connect()
     joined.result()
     for step in itertools.count():
         ...  # train
-        done = pool.submit(engine.collective_rpc, "receive_weights")
+        engine.pause()
+        done = pool.submit(engine.collective_rpc_each, "receive_weights", [()])
         sender.send(model)
         done.result()
-        engine.reset_prefix_cache()
+        engine.set_version(step)  # also drops the cached prefixes
+        engine.resume()
 
 The engine always reloads the whole model: vLLM's layerwise reload processes a fused layer only
 once all of its checkpoint tensors arrived. A delta push (``ProcessGroupConfig(delta=...)``)
@@ -206,8 +209,8 @@ class VLLMWeightReceiverExtension:
     def load_packed_weights(self, layout_json: str, buffers: list[bytes]) -> dict[str, Any]:
         """Check and reload weights sent in the call itself: a bucket layout and its byte buffers.
 
-        The path of :class:`lmcollect.engines.vllm_async.VLLMAsyncEngine` (engine and caller on
-        one host, no process group): every name, shape and dtype is checked against the
+        The path of :meth:`lmcollect.engines.vllm_engine.VLLMEngine.load_weights` (engine and caller
+        on one host, no process group): every name, shape and dtype is checked against the
         checkpoint before anything is written, so a refused load changes nothing.
         """
         buckets = WeightBuckets(layout_from_json(layout_json), [np.frombuffer(b, dtype=np.uint8) for b in buffers])

@@ -9,13 +9,14 @@ same prompts and the same turn layout; only the barrier differs.
 """
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any
 
+import torch
 from tensordict import TensorDictBase
 
 from lmcollect.engines.protocol import EngineProtocol, EngineRequest
-from lmcollect.policies.outputs import Generation, answer_prompts
+from lmcollect.policies.outputs import Generation, answer_prompts, generate_triples
 from lmcollect.engines.sampling import RequestSeeds, SamplingConfig
 
 __all__ = ["EnginePolicy"]
@@ -89,6 +90,11 @@ class EnginePolicy:
         ]
         results = [future.result(timeout=self.timeout_s) for future in futures]
         return [Generation(r.tokens, r.log_probs, r.sampled_log_probs, r.token_versions) for r in results]
+
+    def generate(self, prompts: Sequence[Sequence[int]] | Sequence[str]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """Prompt tokens, response tokens and raw response log-probs for each prompt (token-id
+        lists, or strings tokenized without special tokens)."""
+        return generate_triples(self.tokenizer, self.generate_responses, prompts)
 
     def __call__(self, td: TensorDictBase) -> TensorDictBase:
         return answer_prompts(

@@ -1,6 +1,6 @@
 """A policy that generates through a vLLM server (``vllm serve``, OpenAI-compatible HTTP), and a launcher for one.
 
-The server is an engine like the in-process one (:class:`~lmcollect.policies.vllm_policy.BatchEngineProtocol`):
+The server is an engine like the in-process one (:class:`~lmcollect.engines.protocol.EngineProtocol`):
 :class:`VLLMServerEngine` sends token-id prompts to ``/v1/completions`` and reaches the workers for
 weight pushes through the server's control endpoints (vLLM's development endpoints
 ``/collective_rpc``, ``/pause``, ``/resume``, ``/reset_prefix_cache``, ...).
@@ -23,16 +23,20 @@ import threading
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult
 from lmcollect.engines.sampling import SamplingConfig
+from lmcollect.engines.vllm_worker_ext import checkpoint_metadata
 from lmcollect.policies.served_http import MAX_RESPONSE_BYTES, VLLMServerError, request_json
 from lmcollect.policies.vllm_control import CONTROL_TOKEN_HEADER, RENEW_PAUSE_PATH, is_public_path
 from lmcollect.policies.vllm_launcher import SERVE_MODULE, VLLMServer, free_port, serve_command
-from lmcollect.engines.vllm_common import LOGPROBS_MODE, Completion, checkpoint_dtype, sampling_params_kwargs
+from lmcollect.engines.vllm_common import INITIAL_VERSION, LOGPROBS_MODE, checkpoint_dtype, sampling_params_kwargs, settle
 from lmcollect.policies.vllm_policy import VLLMPolicy
 
 __all__ = [  # the launcher and the HTTP client live in their own modules; their public names are here too
@@ -94,11 +98,14 @@ def master_address_for(base_url: str) -> str:
 
 
 class VLLMServerEngine:
-    """A vLLM server behind the engine protocol of ``VLLMPolicy`` (one server is one replica).
+    """A vLLM server behind :class:`~lmcollect.engines.protocol.EngineProtocol` (one server is one replica).
 
-    - ``generate_tokens``: one ``/v1/completions`` request per prompt (token ids in; the generated
+    - ``submit``: one ``/v1/completions`` request per engine request (token ids in; the generated
       ids and each one's log-prob out), up to ``max_concurrent_requests`` at a time; the server
       batches them, and each request carries its own seed as in the in-process engine.
+    - ``pause`` / ``resume``: the control endpoints ``/pause?mode=wait`` and ``/resume``.
+    - ``load_weights`` is refused (tensors do not travel as JSON): pushes go through a
+      ``vLLMUpdater``'s broadcast into the server's workers (``collective_rpc_each``).
     - ``collective_rpc``: the control endpoint ``/collective_rpc``, with generation paused on the
       server (``/pause?mode=wait``: running requests of any client finish first, new ones queue)
       and the prefix cache reset before it resumes. The engine cannot tell which calls change
@@ -151,7 +158,7 @@ class VLLMServerEngine:
         self.max_concurrent_requests = max_concurrent_requests
         self.timeout_s = timeout_s
         self.control_token = control_token
-        self._pool = ThreadPoolExecutor(max_concurrent_requests, thread_name_prefix="lmcollect-vllm-http")
+        self._start_threads()
         served = self.served_models()
         if model is None and len(served) != 1:
             raise ValueError(f"the server at {self.base_url} serves {sorted(served)}; pass model=<one of them>.")
@@ -163,12 +170,24 @@ class VLLMServerEngine:
         self.model_root = served[self.model]
         """The path the server loaded the model from (as the server sees it)."""
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {key: value for key, value in self.__dict__.items() if key != "_pool"}  # threads never travel
+    def _start_threads(self) -> None:
+        self._pool = ThreadPoolExecutor(self.max_concurrent_requests, thread_name_prefix="lmcollect-vllm-http")
+        self._lock = threading.Lock()  # guards _pending and _closed
+        self._control = threading.Lock()  # one pause / resume at a time
+        self._pending: set[Future] = set()
+        self._renewer: PauseLeaseRenewer | None = None
+        self._closed = False
+        self._version = INITIAL_VERSION
+
+    def __getstate__(self) -> dict[str, Any]:  # a copy gets threads of its own, no requests and no pause
+        skipped = {"_pool", "_lock", "_control", "_pending", "_renewer", "_closed"}
+        return {key: value for key, value in self.__dict__.items() if key not in skipped}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        version = state.pop("_version", INITIAL_VERSION)
         self.__dict__.update(state)
-        self._pool = ThreadPoolExecutor(self.max_concurrent_requests, thread_name_prefix="lmcollect-vllm-http")
+        self._start_threads()
+        self._version = version
 
     def __repr__(self) -> str:
         return f"VLLMServerEngine({self.base_url!r}, model={self.model!r})"  # never the token
@@ -207,19 +226,22 @@ class VLLMServerEngine:
         return {entry["id"]: entry.get("root") or entry["id"] for entry in listing["data"]}
 
     # ------------------------------------------------------------------ generation
-    def generate_tokens(
-        self, prompts: list[list[int]], sampling: SamplingConfig, seeds: list[int] | None = None
-    ) -> list[Completion]:
-        """One completion per prompt (token ids), in order; ``seeds`` gives each request its own RNG."""
-        if seeds is not None and len(seeds) != len(prompts):
-            raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts; pass one seed per prompt.")
-        requests = [
-            self.completion_request(prompt, sampling, None if seeds is None else seeds[i])
-            for i, prompt in enumerate(prompts)
-        ]
-        return list(self._pool.map(self._complete, requests))
+    def submit(self, request: EngineRequest) -> Future[EngineResult]:
+        """One ``/v1/completions`` request (token ids in; the generated ids and their raw log-probs
+        out), sent from one of ``max_concurrent_requests`` threads; its tokens carry the version
+        this engine held when it was submitted (a collector pushes while no request runs)."""
+        body = self.completion_request(request.prompt_ids, request.sampling, request.seed, request.stop_token_ids)
+        future: Future[EngineResult] = Future()
+        with self._lock:
+            if self._closed:
+                raise EngineClosedError(f"this VLLMServerEngine ({self.base_url}) is closed; build a new one.")
+            self._pending.add(future)
+            self._pool.submit(self._answer, future, body, self._version)
+        return future
 
-    def completion_request(self, prompt: Sequence[int], sampling: SamplingConfig, seed: int | None) -> dict[str, Any]:
+    def completion_request(
+        self, prompt: Sequence[int], sampling: SamplingConfig, seed: int | None, stop_token_ids: Sequence[int] = ()
+    ) -> dict[str, Any]:
         """The ``/v1/completions`` body for one prompt: the in-process engine's sampling parameters."""
         params = sampling_params_kwargs(sampling, seed=seed)
         params.pop("detokenize", None)  # the server always detokenizes; the policy decodes with its own tokenizer
@@ -229,20 +251,34 @@ class VLLMServerEngine:
                 f"the sampling settings {unknown} have no /v1/completions field that VLLMServerPolicy knows; "
                 "use VLLMPolicy for them, or leave them at their defaults."
             )
+        if not prompt:
+            raise ValueError("a request needs at least one prompt token; got an empty prompt.")
+        stops = {"stop_token_ids": [int(token) for token in stop_token_ids]} if stop_token_ids else {}
         return {
             **NEUTRAL_SAMPLING,
             **params,
+            **stops,
             "model": self.model,
             "prompt": [int(token) for token in prompt],
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,  # log-prob entries named by id: no detokenizing
         }
 
-    def _complete(self, request: dict[str, Any]) -> Completion:
+    def _answer(self, future: Future[EngineResult], body: dict[str, Any], version: int) -> None:
+        try:
+            settle(future, result=self._complete(body, version))
+        except Exception as error:  # designed: the request's error goes to its caller's future
+            settle(future, error=error)
+        finally:
+            with self._lock:
+                self._pending.discard(future)
+
+    def _complete(self, request: dict[str, Any], version: int) -> EngineResult:
         (choice,) = self.call("POST", "/v1/completions", request)["choices"]
-        if choice.get("finish_reason") not in FINISHED:
+        reason = choice.get("finish_reason")
+        if reason not in FINISHED:
             raise VLLMServerError(
-                f"{self.base_url}/v1/completions ended a response with finish_reason={choice.get('finish_reason')!r} "
+                f"{self.base_url}/v1/completions ended a response with finish_reason={reason!r} "
                 "(aborted: did a client pause the server with mode=abort?); it is not a whole response."
             )
         tokens = choice.get("token_ids")
@@ -252,30 +288,86 @@ class VLLMServerEngine:
                 f"{self.base_url}/v1/completions returned {len(log_probs or [])} log-probs for "
                 f"{len(tokens or [])} tokens; is it a vLLM server (it must honour return_token_ids and logprobs)?"
             )
-        return Completion([int(token) for token in tokens], [float(value) for value in log_probs])
+        return EngineResult(
+            tokens=torch.tensor([int(token) for token in tokens], dtype=torch.long),
+            log_probs=torch.tensor([float(value) for value in log_probs], dtype=torch.float32),
+            token_versions=torch.full((len(tokens),), version, dtype=torch.long),
+            finish_reason=reason,
+        )
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests submitted through this engine and not answered yet."""
+        with self._lock:
+            return len(self._pending)
+
+    @property
+    def version(self) -> int:
+        """The version this engine labels tokens with (-1 before any push)."""
+        return self._version
+
+    def set_version(self, version: int) -> None:
+        """Label the tokens of requests submitted from now on with ``version`` (after a push into the workers)."""
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise TypeError(f"version must be an int (the weights' version), got {version!r}.")
+        self._version = version
+
+    def weight_metadata(self) -> tuple[dict[str, tuple[torch.dtype, torch.Size]], dict[str, str]]:
+        """The served checkpoint's names, dtypes and shapes (read from its folder, which must be on this machine)."""
+        folder = Path(self.model_root)
+        if not folder.is_dir():
+            raise FileNotFoundError(
+                f"the server at {self.base_url} loaded its model from {self.model_root!r}, which is not a folder here; "
+                "its weight metadata is read from the checkpoint's safetensors headers."
+            )
+        name = checkpoint_dtype(folder)
+        return checkpoint_metadata(folder, dtype=getattr(torch, name) if name else None)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
+        """Refused, before anything is sent: tensors do not travel through the server's JSON endpoints.
+        Push with a ``vLLMUpdater``, which broadcasts into the server's workers."""
+        raise TypeError(
+            f"VLLMServerEngine ({self.base_url}) cannot load weights sent through HTTP; give the collector "
+            "weight_updater=vLLMUpdater() (a process-group broadcast into the server's workers) and push through it."
+        )
 
     # ------------------------------------------------------------------ weight updates (control endpoints)
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """Generation paused on the server: running requests finish first, new ones wait for the resume.
+    def pause(self) -> None:
+        """Pause generation on the server: running requests finish first, new ones wait for :meth:`resume`.
 
-        The pause is a lease that a daemon thread renews while the block runs. A block that outlived
-        its lease (the server resumed itself, so generation ran during part of it) raises
-        :class:`VLLMServerError` at its end.
-        """
-        self.call("POST", "/pause?mode=wait&clear_cache=false")
-        renewer = PauseLeaseRenewer(self)
-        try:
-            yield
-        finally:
-            renewer.stop()
+        The pause is a lease that a daemon thread renews until :meth:`resume`."""
+        with self._control:
+            if self._renewer is not None:
+                return
+            self.call("POST", "/pause?mode=wait&clear_cache=false")
+            self._renewer = PauseLeaseRenewer(self)
+
+    def resume(self) -> None:
+        """Resume generation; raises :class:`VLLMServerError` if the pause's lease ran out before
+        (the server resumed itself, so generation ran during part of the pause)."""
+        with self._control:
+            renewer, self._renewer = self._renewer, None
+            if renewer is not None:
+                renewer.stop()
             self.call("POST", "/resume")
-        if renewer.lost is not None:
+        if renewer is not None and renewer.lost is not None:
             raise VLLMServerError(
-                f"the pause on the vLLM server at {self.base_url} ended before the block did ({renewer.lost}); "
+                f"the pause on the vLLM server at {self.base_url} ended before resume() ({renewer.lost}); "
                 "generation ran during part of it. Did another client resume the server, or did this process "
                 "stall for longer than the server's pause_lease_s?"
             )
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """:meth:`pause` for the block (nested in a pause already held: nothing more)."""
+        if self._renewer is not None:
+            yield
+            return
+        self.pause()
+        try:
+            yield
+        finally:
+            self.resume()
 
     def collective_rpc(self, method: str, args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
         """Call ``method`` on every worker of the server (paused; prefix cache reset before it resumes)."""
@@ -313,8 +405,13 @@ class VLLMServerEngine:
             raise
 
     def close(self) -> None:
-        """Stop the request threads (the server keeps running)."""
-        self._pool.shutdown(wait=False)
+        """Fail pending requests with :class:`EngineClosedError` and stop the request threads (the server keeps running)."""
+        with self._lock:
+            self._closed = True
+            pending = list(self._pending)
+        for future in pending:
+            settle(future, error=EngineClosedError(f"VLLMServerEngine ({self.base_url}) was closed before this request finished."))
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class PauseLeaseRenewer:

@@ -19,13 +19,14 @@ from typing import Any
 
 import ray
 import torch
+from ray.exceptions import RayActorError
 
 from lmcollect.ray.bounded import DEFAULT_CALL_TIMEOUT_S, get_within
 from lmcollect.ray.cluster import actor_options, init_ray
 from lmcollect.engines.protocol import EngineClosedError, EngineProtocol, EngineRequest, EngineResult, WorkerRpcEngine
 from lmcollect.engines.router import EngineRouter
 
-__all__ = ["RayEngine", "ray_engine_replicas"]
+__all__ = ["RayEngine", "ray_engine_replicas", "start_ray_engines"]
 
 _ACTOR_DEFAULTS = {"num_cpus": 1, "max_concurrency": 1000}
 
@@ -65,7 +66,7 @@ class RayEngine:
 
     Args:
         engine_factory: builds the engine inside the actor (e.g. a ``TransformersEngine`` over a
-            model loaded there, or a ``VLLMAsyncEngine``); pickled by Ray.
+            model loaded there, or a ``VLLMEngine``); pickled by Ray.
         remote_config: actor options (default: 1 CPU, 1000 concurrent calls).
         ray_init_config: ``ray.init`` arguments if Ray is not running yet.
         start_timeout_s: longest the actor and its engine may take to start.
@@ -83,15 +84,21 @@ class RayEngine:
         start_timeout_s: float = 900.0,
         call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
     ) -> None:
-        init_ray(ray_init_config)
-        options = actor_options(remote_config, defaults=_ACTOR_DEFAULTS)
-        self.call_timeout_s = call_timeout_s
-        self._actor = ray.remote(**options)(_EngineHost).remote(engine_factory)
-        started = get_within(  # also surfaces start-up errors here
-            [self._actor.version.remote(), self._actor.num_replicas.remote()],
-            timeout_s=start_timeout_s, call="RayEngine start-up", knob="start_timeout_s",
+        ((actor, version, worker_replicas),) = _launch(
+            engine_factory, 1, remote_config=remote_config, ray_init_config=ray_init_config, start_timeout_s=start_timeout_s
         )
-        self._version, self._worker_replicas = started  # _worker_replicas None: no worker processes
+        self._attach(actor, version, worker_replicas, call_timeout_s)
+
+    @classmethod
+    def _of_actor(cls, actor: Any, version: int, worker_replicas: int | None, call_timeout_s: float) -> RayEngine:
+        engine = cls.__new__(cls)
+        engine._attach(actor, version, worker_replicas, call_timeout_s)
+        return engine
+
+    def _attach(self, actor: Any, version: int, worker_replicas: int | None, call_timeout_s: float) -> None:
+        self._actor = actor
+        self._version, self._worker_replicas = version, worker_replicas  # _worker_replicas None: no worker processes
+        self.call_timeout_s = call_timeout_s
         self._lock = threading.Lock()
         self._pending: set[Future] = set()  # submitted through this proxy, not answered yet
         self._closed = False
@@ -167,7 +174,10 @@ class RayEngine:
             return
         self._closed = True
         try:
-            self._get(self._actor.close.remote(), "close")
+            try:
+                self._get(self._actor.close.remote(), "close")
+            except RayActorError:  # the actor died before: nothing left to close
+                return
             with self._lock:
                 pending = list(self._pending)
             # the engine failed them; their answers (EngineClosedError) are on the way: let them
@@ -179,7 +189,7 @@ class RayEngine:
 
 _NO_WORKERS = (
     "this engine has no worker processes to call; process-group pushes (vLLMUpdater) need a vLLM engine "
-    "(VLLMAsyncEngine). Push with RayRemoteWeightUpdater instead."
+    "(VLLMEngine). Push with RayRemoteWeightUpdater instead."
 )
 
 
@@ -187,6 +197,50 @@ def _worker_rpc_engine(engine: EngineProtocol) -> WorkerRpcEngine:
     if not isinstance(engine, WorkerRpcEngine):
         raise TypeError(f"{type(engine).__name__}: {_NO_WORKERS}")
     return engine
+
+
+def start_ray_engines(
+    engine_factory: Callable[[], EngineProtocol],
+    *,
+    num_engines: int,
+    remote_config: dict[str, Any] | None = None,
+    ray_init_config: dict[str, Any] | None = None,
+    start_timeout_s: float = 900.0,
+    call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+) -> list[RayEngine]:
+    """``num_engines`` :class:`RayEngine` actors, started at once (the arguments are RayEngine's).
+
+    If any fails to start within ``start_timeout_s``, all of them are killed and the error names the knob."""
+    if isinstance(num_engines, bool) or not isinstance(num_engines, int) or num_engines < 1:
+        raise ValueError(f"num_engines must be an int >= 1, got {num_engines!r}.")
+    launched = _launch(
+        engine_factory, num_engines, remote_config=remote_config, ray_init_config=ray_init_config, start_timeout_s=start_timeout_s
+    )
+    return [RayEngine._of_actor(actor, version, replicas, call_timeout_s) for actor, version, replicas in launched]
+
+
+def _launch(
+    engine_factory: Callable[[], EngineProtocol],
+    num_engines: int,
+    *,
+    remote_config: dict[str, Any] | None,
+    ray_init_config: dict[str, Any] | None,
+    start_timeout_s: float,
+) -> list[tuple[Any, int, int | None]]:
+    """Start the engine actors at once; each one's (actor, version, worker replicas) once all have started."""
+    init_ray(ray_init_config)
+    actor_cls = ray.remote(**actor_options(remote_config, defaults=_ACTOR_DEFAULTS))(_EngineHost)
+    actors = [actor_cls.remote(engine_factory) for _ in range(num_engines)]
+    try:
+        started = get_within(  # also surfaces start-up errors here
+            [ref for actor in actors for ref in (actor.version.remote(), actor.num_replicas.remote())],
+            timeout_s=start_timeout_s, call="RayEngine start-up", knob="start_timeout_s",
+        )  # fmt: skip
+    except BaseException:
+        for actor in actors:
+            ray.kill(actor)
+        raise
+    return list(zip(actors, started[0::2], started[1::2]))
 
 
 def ray_engine_replicas(
@@ -200,5 +254,5 @@ def ray_engine_replicas(
     if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
         raise ValueError(f"num_replicas must be an int >= 1, got {num_replicas!r}.")
     return EngineRouter(
-        [RayEngine(engine_factory, remote_config=remote_config, ray_init_config=ray_init_config) for _ in range(num_replicas)]
+        start_ray_engines(engine_factory, num_engines=num_replicas, remote_config=remote_config, ray_init_config=ray_init_config)
     )

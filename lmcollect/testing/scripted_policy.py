@@ -1,49 +1,53 @@
-"""A deterministic scripted policy for tests and examples: no model, known answers."""
+"""A deterministic lockstep policy for tests and examples: the one lockstep policy over a scripted engine."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
-import torch
 from tensordict import TensorDictBase
 
 from lmcollect.data.history import History
-from lmcollect.policies.outputs import prompts_of, stack_outputs, turn_output
+from lmcollect.engines.sampling import SamplingConfig
+from lmcollect.policies.engine_policy import EnginePolicy
+from lmcollect.testing.scripted_engine import ByteTokenizer, ScriptedEngine, chat_script
+
+# Scripted answers are never cut: a response ends with the end token after its last byte.
+SCRIPT_MAX_NEW_TOKENS = 1 << 16
 
 
-class ScriptedPolicy:
-    """Answers each prompt with ``respond(history)``; tokens are the UTF-8 bytes of the text.
+class ScriptedPolicy(EnginePolicy):
+    """Answers each prompt with ``respond(history)``: an :class:`EnginePolicy` over a :class:`ScriptedEngine`.
 
-    Log-probs are all zero (the answer is certain). Use it to test envs and collectors where a
-    real model's randomness would hide bookkeeping bugs.
+    Tokens are the UTF-8 bytes of the :class:`ByteTokenizer`'s chat rendering (prompt) and of the
+    answer followed by the end token (response); every log-prob is zero (the answer is certain)
+    until a push sets the engine's ``tag``. Turns come out of the same turn builder as every other
+    lockstep policy's (sampling record, per-token versions). Use it to test envs and collectors
+    where a real model's randomness would hide bookkeeping bugs.
+
+    Args:
+        respond: the answer to every prompt (a string), or a function of the prompt's history.
     """
 
     def __init__(self, respond: Callable[[History], str] | str = "ok") -> None:
         self.respond = (lambda _h: respond) if isinstance(respond, str) else respond
         self.num_calls = 0
+        tokenizer = ByteTokenizer()
+        super().__init__(
+            self._scripted_engine(tokenizer),
+            tokenizer=tokenizer,
+            sampling=SamplingConfig(temperature=0.0, max_new_tokens=SCRIPT_MAX_NEW_TOKENS),
+        )
 
-    @staticmethod
-    def _render(history: History) -> str:
-        return "".join(f"<{m.role}>{m.content}\n" for m in history.messages) + "<assistant>"
-
-    @staticmethod
-    def _bytes(text: str) -> torch.Tensor:
-        return torch.tensor(list(text.encode("utf-8")), dtype=torch.int64)
+    def _scripted_engine(self, tokenizer: ByteTokenizer) -> ScriptedEngine:
+        return ScriptedEngine(script=chat_script(self.respond, tokenizer))
 
     def __call__(self, td: TensorDictBase) -> TensorDictBase:
         self.num_calls += 1
-        outputs = []
-        for i, prompt in enumerate(prompts_of(td)):
-            prompt_text, response_text = self._render(prompt), self.respond(prompt)
-            response_tokens = self._bytes(response_text)
-            outputs.append(
-                turn_output(
-                    td[i] if td.batch_dims else td,
-                    prompt=prompt,
-                    prompt_text=prompt_text,
-                    response_text=response_text,
-                    prompt_tokens=self._bytes(prompt_text),
-                    response_tokens=response_tokens,
-                    log_probs=torch.zeros(response_tokens.numel()),
-                )
-            )
-        return stack_outputs(outputs)
+        return super().__call__(td)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Travels (to a Ray actor, into a copy) without its engine's thread; the copy starts its own engine."""
+        return {name: value for name, value in self.__dict__.items() if name != "engine"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.engine = self._scripted_engine(self.tokenizer)

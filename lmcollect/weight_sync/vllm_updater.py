@@ -158,7 +158,7 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
     @classmethod
     def from_policy(cls, policy: Any) -> vLLMUpdater | None:
         """An updater for a policy backed by an engine with worker processes (a ``VLLMPolicy``, a
-        ``VLLMAsyncEngine``: see :class:`~lmcollect.engines.WorkerRpcEngine`), else None."""
+        ``VLLMEngine``: see :class:`~lmcollect.engines.WorkerRpcEngine`), else None."""
         engine = worker_rpc_engine_of(policy)
         if engine is None:
             return None

@@ -78,16 +78,17 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -
 def greedy_policy(vllm_env: None, model_dir: Path) -> Any:
     """The session's one in-process engine, built by the policy; other policies share it."""
     from lmcollect.policies.vllm_policy import VLLMPolicy
-    from lmcollect.engines.vllm_worker_ext import VLLM_EXTENSION
+    from tests.vllm_hold import HOLDING_EXTENSION
 
-    # with the weight-receiver extension, so test_vllm_updater can push into this engine too
-    engine_kwargs = {**CPU_ENGINE_KWARGS, "worker_extension_cls": VLLM_EXTENSION}
+    # the weight-receiver extension (test_vllm_updater pushes into this engine too) with the
+    # engine contract's hold hook (test_vllm_engine)
+    engine_kwargs = {**CPU_ENGINE_KWARGS, "worker_extension_cls": HOLDING_EXTENSION}
     return VLLMPolicy(model_dir, engine_kwargs=engine_kwargs, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
 
 
 @pytest.fixture(scope="session")
 def engine(greedy_policy: Any) -> Any:
-    from lmcollect.policies.vllm_policy import VLLMEngine
+    from lmcollect.engines.vllm_engine import VLLMEngine
 
     assert isinstance(greedy_policy.engine, VLLMEngine)
     return greedy_policy.engine

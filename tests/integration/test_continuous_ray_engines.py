@@ -27,7 +27,7 @@ from lmcollect.engines.protocol import EngineProtocol
 from lmcollect.models import load_model_and_tokenizer
 from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.ray.updater import RayRemoteWeightUpdater
-from tests.factories import make_guessing_slot_env, make_tiny_transformers_engine, make_tiny_vllm_async_engine, perturbed_model
+from tests.factories import make_guessing_slot_env, make_tiny_transformers_engine, make_tiny_vllm_engine, perturbed_model
 from tests.integration.conftest import CPU_ENGINE_KWARGS
 
 pytestmark = pytest.mark.integration
@@ -128,10 +128,10 @@ def test_transformers_engine_in_the_actor_fills_the_buffer_and_takes_a_push(ray_
     check_collection(got, trainer, original.eval(), atol=1e-5)
 
 
-def test_vllm_async_engine_in_the_actor_fills_the_buffer_and_takes_a_push(ray_cluster, tiny_model_path: Path) -> None:
+def test_vllm_engine_in_the_actor_fills_the_buffer_and_takes_a_push(ray_cluster, tiny_model_path: Path) -> None:
     pytest.importorskip("vllm")
     original, tokenizer = load_model_and_tokenizer(tiny_model_path)
     trainer = perturbed_model(tiny_model_path, seed=3).eval()
-    factory = functools.partial(make_tiny_vllm_async_engine, str(tiny_model_path), CPU_ENGINE_KWARGS)
+    factory = functools.partial(make_tiny_vllm_engine, str(tiny_model_path), CPU_ENGINE_KWARGS)
     got = collect_with_a_push(factory, tokenizer, trainer)
     check_collection(got, trainer, original.eval(), atol=1e-4)

@@ -23,7 +23,8 @@ from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
 from lmcollect.models import ModelSpec, get_model_path, load_model_and_tokenizer
 from lmcollect.policies import TransformersPolicy
 from lmcollect.engines.vllm_common import engine_kwargs_for, sampling_params_kwargs
-from lmcollect.policies.vllm_policy import VLLMEngine, VLLMPolicy
+from lmcollect.engines.vllm_engine import VLLMEngine
+from lmcollect.policies.vllm_policy import VLLMPolicy
 from lmcollect.engines.sampling import SamplingConfig
 from tests.integration.conftest import CPU_ENGINE_KWARGS, MAX_NEW_TOKENS, QUESTIONS, chat_batch
 
@@ -78,7 +79,10 @@ def test_engine_kwargs_defaults_and_errors(tmp_path: Path) -> None:
 def test_output_layout_matches_transformers(greedy_policy: VLLMPolicy, reference: TransformersPolicy) -> None:
     td = make_env().reset()
     got, want = greedy_policy(td), reference(td)
-    assert set(got.keys(include_nested=True)) == set(want.keys(include_nested=True))
+    # the engine also reports each token's weight version (for TransformersPolicy the collector fills it)
+    extra = set(got.keys(include_nested=True)) - set(want.keys(include_nested=True))
+    assert set(want.keys(include_nested=True)) <= set(got.keys(include_nested=True)) and extra == {"collector", keys.TOKEN_VERSIONS}
+    assert torch.equal(got[0][keys.TOKEN_VERSIONS], torch.full_like(got[0][keys.TOKENS_RESPONSE], max(greedy_policy.engine.version, 0)))
     for key in want.keys(include_nested=True, leaves_only=True):
         assert got[0][key].dtype == want[0][key].dtype, key
     assert_same_answers(got, want)
@@ -188,7 +192,7 @@ def test_ray_replicas_answer_like_the_local_engine(
     replicas = VLLMReplicas(model_dir, num_replicas=2, engine_kwargs=CPU_ENGINE_KWARGS, remote_config={"num_cpus": 0.5})
     try:
         policy = VLLMPolicy(model_dir, engine=replicas, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
-        td = chat_batch(QUESTIONS[:3])  # 3 prompts over 2 replicas: slices of 2 and 1
+        td = chat_batch(QUESTIONS[:3])  # 3 prompts over 2 replicas: the least loaded takes each
         assert_same_answers(policy(td), greedy_policy(td))
         replicas.reset_prefix_cache()
     finally:
@@ -218,15 +222,15 @@ def test_pushed_weights_match_transformers(
         wants = [TransformersPolicy(m, t, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)(td) for m, t in models]
         pushes = [models[0][0].state_dict(), unique_targets(models[1][0])[0]]
         policy(td)  # fills the prefix cache under the old weights
-        with ThreadPoolExecutor(1) as pool:  # collective_rpc returns only once the trainer's side is done
-            joined = pool.submit(engine.collective_rpc, "init_weight_group", (sender.connection_info(), 1))
+        with ThreadPoolExecutor(1) as pool:  # a worker RPC returns only once the trainer's side is done
+            joined = pool.submit(engine.collective_rpc_each, "init_weight_group", [(sender.connection_info(), 1)])
             sender.connect()
             joined.result(timeout=60)
             with pytest.raises(ValueError, match="missing 'model.norm.weight'"):  # checked before anything moves
                 sender.send({k: v for k, v in pushes[0].items() if k != "model.norm.weight"})
             counts = []  # the worker's pushes so far (the session's other tests push into it too)
             for weights, want in zip(pushes, wants):
-                received = pool.submit(engine.collective_rpc, "receive_weights")
+                received = pool.submit(engine.collective_rpc_each, "receive_weights", [()])
                 sender.send(weights)
                 (info,) = received.result(timeout=60)
                 engine.reset_prefix_cache()

@@ -22,6 +22,7 @@ from tensordict import TensorDictBase
 
 from lmcollect.collectors.llm_collector import LLMCollector
 from lmcollect.data import keys
+from lmcollect.engines import EngineRequest
 from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
 from lmcollect.models import ModelSpec, get_model_path, load_model_and_tokenizer
 from lmcollect.policies import SamplingConfig, TransformersPolicy
@@ -163,8 +164,13 @@ def test_errors_name_the_server(server: VLLMServer) -> None:
         VLLMServerPolicy(server.url + "/v1")
     engine = VLLMServerEngine(server.url, control_token=server.control_token)
     too_long = [1] * 5000  # over the model's 4096 positions
+    fine, refused = (
+        engine.submit(EngineRequest(prompt_ids=prompt, sampling=SamplingConfig(max_new_tokens=4)))
+        for prompt in ([1, 2, 3], too_long)
+    )
+    assert fine.result(timeout=60).tokens.numel() == 4  # the other request of the batch is answered
     with pytest.raises(VLLMServerError, match=f"{server.url}/v1/completions failed with HTTP 400"):
-        engine.generate_tokens([[1, 2, 3], too_long], SamplingConfig(max_new_tokens=4))
+        refused.result(timeout=60)
     with pytest.raises(VLLMServerError, match="no_such_method"):
         engine.collective_rpc("no_such_method")
     assert engine.call("GET", "/is_paused") == {"is_paused": False}  # a failed call still resumed the server

@@ -135,7 +135,7 @@ def test_update_policy_weights_without_an_updater_loads_into_the_workers(
     old_reference: TransformersPolicy,
     new_reference: TransformersPolicy,
 ) -> None:
-    """As on a ContinuousLLMCollector over VLLMAsyncEngine: the weights travel in the call, checked by the workers."""
+    """As on a ContinuousLLMCollector over VLLMEngine: the weights travel in the call, checked by the workers."""
     collector = LLMCollector(make_env(), policy=local_engine, dialog_turns_per_batch=4, track_policy_version=True)
     td = chat_batch(QUESTIONS)
     collector.update_policy_weights_(new_model.state_dict())

@@ -13,7 +13,7 @@ import torch
 from lmcollect.checkpoint import load_checkpoint, save_checkpoint
 from lmcollect.collectors import LLMCollector
 from lmcollect.data import codec
-from lmcollect.testing import ScriptedPolicy
+from lmcollect.testing import ScriptedEngine, ScriptedPolicy
 
 from tests.resume_worker import build, collect
 
@@ -99,17 +99,15 @@ def test_a_checkpoint_holds_no_pickled_objects(tmp_path: Path) -> None:
         codec.encode({"x": object()})
 
 
-class _NoEngine:
-    """Stands in for a vLLM engine that is never called (only the seed generator is exercised)."""
-
-
 def test_vllm_policy_request_seeds_resume(tiny_model_path: Path) -> None:
     from lmcollect.policies.vllm_policy import VLLMPolicy
 
-    policy = VLLMPolicy(tiny_model_path, engine=_NoEngine(), temperature=1.0, seed=3)
+    engine = ScriptedEngine()  # never asked to generate: only the seed generator is exercised
+    policy = VLLMPolicy(tiny_model_path, engine=engine, temperature=1.0, seed=3)
     policy._request_seeds.draw(5, greedy=False)
     saved = policy.rng_state()
     expected = policy._request_seeds.draw(4, greedy=False)
-    fresh = VLLMPolicy(tiny_model_path, engine=_NoEngine(), temperature=1.0, seed=99)
+    fresh = VLLMPolicy(tiny_model_path, engine=engine, temperature=1.0, seed=99)
     fresh.set_rng_state(json.loads(json.dumps(saved)))  # survives a JSON round trip (checkpoints)
     assert fresh._request_seeds.draw(4, greedy=False) == expected
+    engine.close()

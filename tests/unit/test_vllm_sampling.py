@@ -5,6 +5,7 @@ import pytest
 
 from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.engines.vllm_common import sampling_params_kwargs
+from lmcollect.testing import ScriptedEngine
 
 
 def test_generation_options_reach_vllm() -> None:
@@ -22,34 +23,40 @@ def test_stop_strings_are_refused_with_the_alternative() -> None:
 def test_vllm_policy_takes_generate_style_options(tiny_model_path) -> None:
     from lmcollect.policies.vllm_policy import VLLMPolicy
 
-    class _NoEngine:
-        """Stands in for an engine that is never called (only the options are checked)."""
+    engine = ScriptedEngine()  # a real engine that is never asked to generate here
+    try:
+        policy = VLLMPolicy(tiny_model_path, engine=engine, do_sample=False, top_k=None)
+        assert policy.sampling.greedy and policy.sampling.top_k == 0
+        with pytest.raises(TypeError, match="num_beams"):
+            VLLMPolicy(tiny_model_path, engine=engine, num_beams=2)
+    finally:
+        engine.close()
 
-    policy = VLLMPolicy(tiny_model_path, engine=_NoEngine(), do_sample=False, top_k=None)
-    assert policy.sampling.greedy and policy.sampling.top_k == 0
-    with pytest.raises(TypeError, match="num_beams"):
-        VLLMPolicy(tiny_model_path, engine=_NoEngine(), num_beams=2)
+
+class _RecordingEngine(ScriptedEngine):
+    """A scripted engine that records the stop ids each request asks it to honour."""
+
+    def __init__(self) -> None:
+        super().__init__(num_tokens=1)
+        self.stop_ids: list[tuple[int, ...]] = []
+
+    def submit(self, request):
+        self.stop_ids.append(request.stop_token_ids)
+        return super().submit(request)
 
 
 def test_vllm_policy_sends_extra_stop_token_ids(tiny_model_path) -> None:
-    from lmcollect.engines.vllm_common import Completion
     from lmcollect.policies.vllm_policy import VLLMPolicy
 
-    class _RecordingEngine:
-        """Answers every prompt with one token and records the stop ids it was asked to honour."""
-
-        def __init__(self) -> None:
-            self.calls: list[dict] = []
-
-        def generate_tokens(self, prompts, sampling, seeds=None, **options):
-            self.calls.append(options)
-            return [Completion([7], [-0.5]) for _ in prompts]
-
     plain_engine, engine = _RecordingEngine(), _RecordingEngine()
-    plain = VLLMPolicy(tiny_model_path, engine=plain_engine)
-    plain.generate_responses([[1, 2]])
-    assert plain_engine.calls == [{}]  # nothing new for engines without the option
-    policy = VLLMPolicy(tiny_model_path, engine=engine, stop_token_ids=[9, 11, plain.stop_token_ids[0]])
-    policy.generate_responses([[1, 2]])
-    assert engine.calls == [{"stop_token_ids": [9, 11]}]  # the eos is the engine's own
-    assert policy.stop_token_ids == [*plain.stop_token_ids, 9, 11]  # prompts close replies ended on them
+    try:
+        plain = VLLMPolicy(tiny_model_path, engine=plain_engine)
+        plain.generate_responses([[1, 2]])
+        assert plain_engine.stop_ids == [tuple(plain.stop_token_ids)]  # the model's eos ids
+        policy = VLLMPolicy(tiny_model_path, engine=engine, stop_token_ids=[9, 11, plain.stop_token_ids[0]])
+        policy.generate_responses([[1, 2]])
+        assert policy.stop_token_ids == [*plain.stop_token_ids, 9, 11]  # prompts close replies ended on them
+        assert engine.stop_ids == [tuple(policy.stop_token_ids)]
+    finally:
+        plain_engine.close()
+        engine.close()

@@ -1,0 +1,374 @@
+"""vLLM's ``LLMEngine`` stepped by a decoding thread of ours: continuous batching in this process.
+
+:class:`VLLMEngine` is lmcollect's vLLM generator behind :class:`~lmcollect.engines.protocol.EngineProtocol`.
+One thread owns the engine: it adds the requests submitted since its last step, runs one decoding
+step, settles the futures of the requests that finished, and between two steps runs the control
+calls other threads queued (pause, a weight load, a worker RPC). So requests join the running batch
+as they come, and weights change only between two steps. Unlike vLLM's ``AsyncLLM``, whose engine
+core is always a process of its own, the engine core runs here by default (``multiprocess=False``):
+one Python per engine, which starts in seconds (or, with ``multiprocess=True``, in vLLM's own
+process, which overlaps scheduling with this process's output handling on a GPU).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult
+from lmcollect.engines.vllm_common import (
+    INITIAL_VERSION,
+    engine_config,
+    engine_kwargs_for,
+    import_vllm,
+    request_sampling_params,
+    result_of,
+    settle,
+)
+from lmcollect.engines.vllm_worker_ext import checkpoint_metadata
+from lmcollect.weights.buckets import LOAD_PACKED_WEIGHTS, packed_weights
+from lmcollect.weights.tensors import check_weights
+
+if TYPE_CHECKING:  # vllm is an optional extra and slow to import; the engine imports it when built
+    from vllm import SamplingParams
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+__all__ = ["VLLMEngine"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class VLLMEngine:
+    """vLLM (continuous batching) in this process, behind the engine protocol; any thread may call it.
+
+    A weight push (what ``load_weights`` does by itself, or an updater around a process-group
+    receive)::
+
+        engine.pause()                            # the decoding thread stops after its current step
+        engine.load_weights(weights, version=v)   # checked here, reloaded in every worker, label v
+        engine.resume()                           # in-flight requests go on under version v
+
+    What a token's version means: vLLM labels the outputs of every decoding step with the engine's
+    weight version, which changes only between two steps, together with the weights. A load also
+    drops the KV cache of every running request (``reset_prefix_cache(reset_running_requests=True)``),
+    so its next step recomputes the prompt and the earlier tokens under the new weights: a
+    new-version token's log-prob is a forward pass of the new weights over the whole sequence, as a
+    trainer computes it.
+
+    On CPU, vLLM's default KV cache does not fit: pass ``engine_kwargs={"kv_cache_memory_bytes":
+    1 << 30, "enforce_eager": True}``. vLLM keeps parallel state in module globals: keep one
+    in-process engine per process (replicas: ``lmcollect.ray.VLLMReplicas``, one engine per actor).
+
+    Args:
+        model_path: a local Hugging Face model folder (its safetensors names are what
+            ``load_weights`` accepts).
+        engine_kwargs: more ``vllm.EngineArgs``, e.g. ``enforce_eager``, ``seed``,
+            ``worker_extension_cls``; our defaults come from :func:`~lmcollect.engines.vllm_common.engine_kwargs_for`.
+        multiprocess: run vLLM's engine core in a process of its own (vLLM's default layout) instead
+            of in this one.
+        timeout_s: how long start-up and each control call (``pause``, ``load_weights``, a worker
+            RPC) may take before a ``TimeoutError``.
+
+    Example::
+
+        engine = VLLMEngine(path, engine_kwargs={"kv_cache_memory_bytes": 1 << 30, "enforce_eager": True})
+        result = engine.submit(EngineRequest(prompt_ids=ids, sampling=SamplingConfig(temperature=0.0))).result()
+        engine.close()
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        engine_kwargs: dict[str, Any] | None = None,
+        multiprocess: bool = False,
+        timeout_s: float = 600.0,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive (seconds for start-up and control calls), got {timeout_s}.")
+        import_vllm()  # a clear ImportError before any thread starts
+        self.model_path = str(model_path)
+        self.timeout_s = timeout_s
+        self._version = INITIAL_VERSION
+        self._paused = False
+        self._closed = False
+        self._queued: list[tuple[Future[EngineResult], str, list[int], SamplingParams]] = []
+        self._calls: list[tuple[Future, Callable[[], Any]]] = []
+        self._running: dict[str, Future[EngineResult]] = {}  # vLLM request id -> caller's future
+        self._request_ids = itertools.count()
+        self._wake = threading.Condition()  # guards the lists above, _paused and _closed
+        self._thread = threading.Thread(target=self._decode_loop, name="lmcollect-vllm-engine", daemon=True)
+        kwargs = _engine_kwargs(model_path, engine_kwargs)
+        started: Future[LLMEngine] = Future()
+        self._calls.append((started, lambda: _build(self.model_path, kwargs, multiprocess)))
+        logger.info("starting vllm LLMEngine(model=%s, %s)", self.model_path, kwargs)
+        self._thread.start()  # builds the engine on its own thread: vLLM's CPU kernels bind to it
+        try:
+            self._llm: LLMEngine = started.result(timeout=timeout_s)
+        except BaseException:
+            self._stop_thread()
+            raise
+        config = self._llm.model_config
+        tied = bool(getattr(config.hf_config, "tie_word_embeddings", False))
+        # what load_weights accepts: the worker's own check, made here before anything is sent
+        self._metadata, self._aliases = checkpoint_metadata(self.model_path, dtype=config.dtype, tie_word_embeddings=tied)
+
+    # ------------------------------------------------------------------ the protocol
+    def submit(self, request: EngineRequest) -> Future[EngineResult]:
+        """Queue ``request``; it joins the running batch at the next step. Settings vLLM cannot
+        honour (e.g. ``stop_strings``) raise ``ValueError`` here, at once."""
+        params = request_sampling_params(request)
+        future: Future[EngineResult] = Future()
+        with self._wake:
+            if self._closed:
+                raise EngineClosedError("this VLLMEngine is closed; build a new engine to submit requests.")
+            request_id = f"{request.request_id or 'request'}-{next(self._request_ids)}"
+            self._queued.append((future, request_id, list(request.prompt_ids), params))
+            self._wake.notify_all()
+        return future
+
+    def pause(self) -> None:
+        """Stop decoding after the current step (in-flight requests keep their state). Returns once stopped."""
+        self._between_steps(lambda: setattr(self, "_paused", True))
+
+    def resume(self) -> None:
+        """Continue every in-flight request and the ones submitted while paused."""
+        self._between_steps(lambda: setattr(self, "_paused", False))
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
+        """Check every name, shape and dtype, then reload the weights in every worker and take ``version``.
+
+        Names are the checkpoint's (Hugging Face) names; a tied output embedding may be sent or
+        left out. A refused load raises ``ValueError`` and changes nothing. The load runs between
+        two decoding steps, paused or not; running requests are recomputed under the new weights.
+        """
+        _check_version(version)
+        weights = dict(named_tensors)
+        check_weights(weights, self._metadata, aliases=self._aliases)  # before anything is sent or written
+        layout_json, buffers = packed_weights(weights)
+        payload = (layout_json, [memoryview(buffer) for buffer in buffers])  # sent without a copy
+
+        def load() -> None:
+            self._llm.collective_rpc(LOAD_PACKED_WEIGHTS, args=payload)
+            self._take_version(version)
+
+        self._between_steps(load)
+
+    def weight_metadata(self) -> tuple[dict[str, tuple[torch.dtype, torch.Size]], dict[str, str]]:
+        """The checkpoint's names, dtypes and shapes (what ``load_weights`` accepts), and tied aliases."""
+        return dict(self._metadata), dict(self._aliases)
+
+    def set_version(self, version: int) -> None:
+        """Label the steps from now on with ``version`` (weights loaded through :meth:`collective_rpc_each`);
+        running requests are recomputed under the weights loaded now."""
+        _check_version(version)
+        self._between_steps(lambda: self._take_version(version))
+
+    @property
+    def num_replicas(self) -> int:
+        """One engine (its tensor-parallel workers are one replica)."""
+        return 1
+
+    def collective_rpc_each(
+        self, method: str, args_per_replica: list[tuple], kwargs: dict[str, Any] | None = None
+    ) -> list[Any]:
+        """``method`` on every worker (through our worker extension), between two steps; one
+        replica, so one tuple of arguments. A call that changes weights runs paused (see
+        :class:`~lmcollect.engines.WorkerRpcEngine`), then :meth:`set_version`."""
+        if len(args_per_replica) != 1:
+            raise ValueError(f"VLLMEngine is one replica; got arguments for {len(args_per_replica)}.")
+        args = tuple(args_per_replica[0])
+        return self._between_steps(lambda: self._llm.collective_rpc(method, args=args, kwargs=kwargs))
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prefixes (running requests, if any, are recomputed from their tokens)."""
+        self._between_steps(self._reset_caches)
+
+    def run_on_engine(self, fn: Callable[[LLMEngine], T]) -> T:
+        """``fn(llm)`` with vLLM's ``LLMEngine`` on the decoding thread, between two steps (nothing
+        else touches the engine meanwhile); e.g. a benchmark's plain vLLM loop as its baseline."""
+        return self._between_steps(lambda: fn(self._llm))
+
+    @property
+    def version(self) -> int:
+        """The version of the weights loaded now (-1 before any load)."""
+        return self._version
+
+    @property
+    def paused(self) -> bool:
+        """Whether ``pause()`` was called without a ``resume()`` since."""
+        return self._paused
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests submitted and not finished."""
+        with self._wake:
+            return len(self._queued) + len(self._running)
+
+    def close(self) -> None:
+        """Fail pending futures with :class:`EngineClosedError`, abort their requests, free the engine. Idempotent."""
+        with self._wake:
+            if self._closed:
+                return
+            self._closed = True
+            pending = [future for future, *_ in self._queued] + list(self._running.values())
+            self._queued.clear()
+            self._wake.notify_all()
+        for future in pending:
+            settle(future, error=EngineClosedError(
+                "VLLMEngine was closed before this request finished; resubmit it to another engine."
+            ))
+        self._stop_thread()
+
+    def __enter__(self) -> VLLMEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ on the decoding thread
+    def _decode_loop(self) -> None:
+        while True:
+            with self._wake:
+                while not (self._calls or self._closed or self._has_work()):
+                    self._wake.wait()
+                calls, self._calls = self._calls, []
+                closed = self._closed
+                added = [] if self._paused or closed else self._take_queued()
+            for future, call in calls:  # control calls: between two steps
+                _run_into(future, call)
+            if closed:
+                self._shut_down()
+                return
+            self._add(added)
+            if not self._paused and self._running:
+                self._step()
+
+    def _has_work(self) -> bool:
+        return not self._paused and bool(self._queued or self._running)
+
+    def _take_queued(self) -> list[tuple[Future[EngineResult], str, list[int], SamplingParams]]:
+        queued, self._queued = self._queued, []
+        for future, request_id, _, _ in queued:
+            self._running[request_id] = future
+        return queued
+
+    def _add(self, queued: list[tuple[Future[EngineResult], str, list[int], SamplingParams]]) -> None:
+        from vllm.inputs import TokensPrompt
+
+        for future, request_id, prompt_ids, params in queued:
+            try:
+                self._llm.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids), params)
+            except Exception as error:  # designed: a request vLLM refuses fails its own future only
+                self._finish(request_id, error=error)
+
+    def _step(self) -> None:
+        try:
+            outputs = self._llm.step()
+        except Exception as error:  # the engine broke: every running request fails with its error
+            for request_id in list(self._running):
+                self._finish(request_id, error=error)
+            return
+        if not outputs and not self._llm.has_unfinished_requests():  # never spin on requests vLLM lost
+            for request_id in list(self._running):
+                self._finish(request_id, error=RuntimeError(f"vLLM dropped request {request_id!r} without an output."))
+        for output in outputs:
+            if output.finished:
+                try:
+                    self._finish(output.request_id, result=result_of(output))
+                except Exception as error:  # designed: a malformed output fails its own request
+                    self._finish(output.request_id, error=error)
+
+    def _finish(self, request_id: str, *, result: EngineResult | None = None, error: BaseException | None = None) -> None:
+        with self._wake:
+            future = self._running.pop(request_id, None)
+        if future is not None:
+            settle(future, result=result, error=error)
+
+    def _take_version(self, version: int) -> None:
+        self._llm.set_weight_version(str(version))
+        self._version = version
+        self._reset_caches()
+
+    def _reset_caches(self) -> None:
+        if not self._llm.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("vLLM refused to reset its prefix cache (a KV transfer in progress?).")
+
+    def _shut_down(self) -> None:
+        llm = getattr(self, "_llm", None)
+        if llm is None:
+            return
+        with self._wake:
+            running = list(self._running)
+            self._running.clear()
+        if running:
+            llm.abort_request(running)
+        llm.engine_core.shutdown()
+        del self._llm
+
+    # ------------------------------------------------------------------ plumbing
+    def _between_steps(self, call: Callable[[], T]) -> T:
+        """Run ``call`` on the decoding thread between two steps and wait for it (at most ``timeout_s``)."""
+        assert threading.current_thread() is not self._thread, "a blocking engine call from the engine's own thread"
+        future: Future[T] = Future()
+        with self._wake:
+            if self._closed:
+                raise EngineClosedError("this VLLMEngine is closed; build a new engine.")
+            self._calls.append((future, call))
+            self._wake.notify_all()
+        return future.result(timeout=self.timeout_s)
+
+    def _stop_thread(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify_all()
+        self._thread.join(timeout=self.timeout_s)
+
+
+def _build(model_path: str, kwargs: dict[str, Any], multiprocess: bool) -> LLMEngine:
+    """The engine (on the decoding thread), its version label -1."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.v1.executor import Executor
+
+    config = engine_config(EngineArgs(model=model_path, **kwargs))
+    llm = LLMEngine(
+        vllm_config=config,
+        executor_class=Executor.get_class(config),
+        log_stats=not kwargs["disable_log_stats"],
+        multiprocess_mode=multiprocess,
+    )
+    llm.set_weight_version(str(INITIAL_VERSION))
+    return llm
+
+
+def _engine_kwargs(model_path: str | Path, engine_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """``EngineArgs`` keywords: ours (checkpoint dtype, raw log-probs, weight extension), no stats log."""
+    kwargs = engine_kwargs_for(model_path, engine_kwargs)
+    kwargs.setdefault("disable_log_stats", True)  # vllm.LLM's default too; else a stats line every 10 s
+    if kwargs["worker_extension_cls"] is None:
+        raise ValueError(
+            "engine_kwargs worker_extension_cls=None: VLLMEngine loads weights through "
+            "lmcollect's worker extension; drop the setting."
+        )
+    return kwargs
+
+
+def _check_version(version: Any) -> None:
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise TypeError(f"version must be an int (the weights' version), got {version!r}.")
+
+
+def _run_into(future: Future, call: Callable[[], Any]) -> None:
+    try:
+        future.set_result(call())
+    except BaseException as error:  # designed: the caller's future carries the call's error
+        future.set_exception(error)
