@@ -1,9 +1,8 @@
 """One dialog turn through an engine: token-exact prompt ids, the request, and the turn from its result.
 
 The same pieces as :func:`lmcollect.policies.outputs.answer_prompts` (prompt ids extended from the
-previous turn's tokens, :func:`~lmcollect.policies.outputs.turn_output`, the sampling record), for
-one element at a time, so a continuous turn has exactly the layout of a synchronous one, plus
-``("collector", "token_versions")``.
+previous turn's tokens, the one turn builder :func:`~lmcollect.policies.outputs.turn_of`), for one
+element at a time, so a continuous turn has exactly the layout of a lockstep one.
 """
 from __future__ import annotations
 
@@ -11,12 +10,11 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from tensordict import TensorDictBase
 
 from lmcollect.data.history import History
 from lmcollect.engines.protocol import EngineRequest, EngineResult
-from lmcollect.policies.outputs import prompts_of, record_sampling, record_token_versions, turn_output
+from lmcollect.policies.outputs import Generation, prompts_of, turn_of
 from lmcollect.policies.prompt_tokens import dialog_prompt_ids
 from lmcollect.engines.sampling import SamplingConfig
 
@@ -53,23 +51,14 @@ def request_of(
 def turn_from_result(
     obs: TensorDictBase, prompt: TurnPrompt, result: EngineResult, *, tokenizer: Any, sampling: SamplingConfig
 ) -> TensorDictBase:
-    """The turn TensorDict, as :func:`~lmcollect.policies.outputs.answer_prompts` builds it for a
-    lockstep policy, with the engine's ``("collector", "token_versions")``."""
-    num_tokens, num_log_probs = result.tokens.numel(), result.log_probs.numel()
-    if num_log_probs != num_tokens or result.token_versions.numel() != num_tokens:
-        raise ValueError(
-            f"engine returned {num_tokens} tokens, {num_log_probs} log-probs and "
-            f"{result.token_versions.numel()} token versions; it must return one of each per token."
-        )
-    out = turn_output(
-        obs,
-        prompt=prompt.history,
-        prompt_text=prompt.text,
-        response_text=tokenizer.decode(result.tokens, skip_special_tokens=True),
-        prompt_tokens=torch.tensor(prompt.ids, dtype=torch.long),
-        response_tokens=result.tokens.to(torch.int64),
-        log_probs=result.log_probs.to(torch.float32),
+    """The turn of one request, built by the lockstep policies' own :func:`~lmcollect.policies.outputs.turn_of`."""
+    generation = Generation(
+        result.tokens,
+        result.log_probs,
+        result.sampled_log_probs if sampling.sampled_log_probs else None,
+        result.token_versions,
     )
-    record_sampling(out, sampling, result.sampled_log_probs if sampling.sampled_log_probs else None)
-    record_token_versions(out, result.token_versions)
-    return out
+    return turn_of(
+        obs, prompt=prompt.history, prompt_text=prompt.text, prompt_ids=prompt.ids, generation=generation,
+        tokenizer=tokenizer, sampling=sampling,
+    )  # fmt: skip

@@ -21,6 +21,7 @@ __all__ = [
     "prompts_of",
     "stack_outputs",
     "tokenize_texts",
+    "turn_of",
     "turn_output",
 ]
 
@@ -141,21 +142,47 @@ def answer_prompts(
     texts = [p.apply_chat_template(tokenizer) for p in prompts]
     prompt_ids = dialog_prompt_ids(elements, prompts, texts, tokenizer, stop_token_ids)
     generations = generate(prompt_ids)
-    outputs = []
-    for element, prompt, text, ids, generation in zip(elements, prompts, texts, prompt_ids, generations):
-        out = turn_output(
-            element,
-            prompt=prompt,
-            prompt_text=text,
-            response_text=tokenizer.decode(generation.tokens, skip_special_tokens=True),
-            prompt_tokens=torch.tensor(ids, dtype=torch.long),
-            response_tokens=generation.tokens,
-            log_probs=generation.log_probs,
+    return stack_outputs([
+        turn_of(element, prompt=prompt, prompt_text=text, prompt_ids=ids, generation=generation, tokenizer=tokenizer, sampling=sampling)
+        for element, prompt, text, ids, generation in zip(elements, prompts, texts, prompt_ids, generations)
+    ])  # fmt: skip
+
+
+def turn_of(
+    obs: TensorDictBase,
+    *,
+    prompt: History,
+    prompt_text: str,
+    prompt_ids: list[int],
+    generation: Generation,
+    tokenizer: Any,
+    sampling: SamplingConfig,
+) -> TensorDictBase:
+    """The one turn builder: one element's turn from its prompt and its generation, under either
+    scheduler (a lockstep batch through :func:`answer_prompts`, a continuous collector per request).
+
+    The observation's entries, the history / text / tokens / masks / log-probs
+    (:func:`turn_output`), the sampling record and, from engines that report it, each token's
+    weight version. A generation whose tokens, log-probs and versions differ in length is refused.
+    """
+    num_tokens = generation.tokens.numel()
+    lengths = [t.numel() for t in (generation.log_probs, generation.sampled_log_probs, generation.token_versions) if t is not None]
+    if any(n != num_tokens for n in lengths):
+        raise ValueError(
+            f"the engine returned {num_tokens} tokens but {lengths} log-probs / versions; it must return one of each per token."
         )
-        record_sampling(out, sampling, generation.sampled_log_probs)
-        record_token_versions(out, generation.token_versions)
-        outputs.append(out)
-    return stack_outputs(outputs)
+    out = turn_output(
+        obs,
+        prompt=prompt,
+        prompt_text=prompt_text,
+        response_text=tokenizer.decode(generation.tokens, skip_special_tokens=True),
+        prompt_tokens=torch.tensor(prompt_ids, dtype=torch.long),
+        response_tokens=generation.tokens.to(torch.int64),
+        log_probs=generation.log_probs.to(torch.float32),
+    )
+    record_sampling(out, sampling, generation.sampled_log_probs)
+    record_token_versions(out, generation.token_versions)
+    return out
 
 
 def generate_triples(
