@@ -17,7 +17,7 @@ from threading import Event
 import pytest
 import torch
 
-from lmcollect.engines import EngineClosedError, EngineProtocol, EngineRequest, EngineResult
+from lmcollect.engines import EngineClosedError, EngineProtocol, EngineRequest, EngineResult, StalePushError
 from lmcollect.policies import SamplingConfig
 
 TIMEOUT_S = 60.0
@@ -129,6 +129,20 @@ def check_a_bad_push_changes_nothing(case: EngineCase) -> None:
     assert_answers_like(run(case.engine, prompt, greedy(6)), prompt, case.old, case.log_prob_atol)
 
 
+def check_an_older_push_is_refused(case: EngineCase) -> None:
+    """Two pushes that arrive in the wrong order: the newer one lands first, the older is refused
+    (``StalePushError``) and changes nothing, so no weights sit under another push's version."""
+    version = case.engine.version
+    case.engine.load_weights(case.old_weights.items(), version=version + 2)  # the newer push, first
+    with pytest.raises(StalePushError, match=f"holds version {version + 2}, which is newer; no weight was changed"):
+        case.engine.load_weights(case.new_weights.items(), version=version + 1)
+    assert case.engine.version == version + 2
+    prompt = case.prompts[2]
+    result = run(case.engine, prompt, greedy(6))
+    assert_answers_like(result, prompt, case.old, case.log_prob_atol)  # still the newer push's weights
+    assert set(result.token_versions.tolist()) == {version + 2}
+
+
 def check_close_fails_pending_futures(case: EngineCase) -> None:
     """Last: the engine is closed afterwards."""
     case.engine.pause()
@@ -147,6 +161,7 @@ CHECKS: dict[str, Callable[[EngineCase], None]] = {
     "pause_resume": check_pause_and_resume_keep_requests,
     "push_mid_generation": check_a_push_mid_generation_is_recorded_per_token,
     "bad_push": check_a_bad_push_changes_nothing,
+    "older_push": check_an_older_push_is_refused,
     "close": check_close_fails_pending_futures,
 }
 

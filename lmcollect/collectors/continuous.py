@@ -395,15 +395,11 @@ def _built_engine(engine: EngineProtocol | Callable[[], EngineProtocol]) -> Engi
 def _policy_version_for(
     engine: EngineProtocol, track_policy_version: bool | PolicyVersion, max_policy_lag: int | None
 ) -> PolicyVersion | None:
-    version = make_policy_version(track_policy_version)
+    version = make_policy_version(track_policy_version, engine=engine)
     if max_policy_lag is not None and version is None:
         raise ValueError(
             "max_policy_lag counts policy versions: pass track_policy_version=True with it (or drop max_policy_lag)."
         )
-    if version is not None and engine.version > version.index:
-        # the engine already holds pushed weights (an earlier collector's): count on from them,
-        # so turns and their tokens carry one consistent version
-        version.adopt_index(engine.version)
     return version
 
 

@@ -20,6 +20,7 @@ from lmcollect.collectors.rwlock import ReadWriteLock
 from lmcollect.collectors.trajectories import TrajectoryTracker, id_base, random_namespace
 from lmcollect.collectors.versioning import PolicyVersion, make_policy_version
 from lmcollect.collectors.weights import WeightReceiverMixin
+from lmcollect.engines.protocol import engine_of
 from lmcollect.weights.version import PushVersion
 
 logger = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin):
         self.replay_buffer = replay_buffer
         self.reset_at_each_iter = reset_at_each_iter
         self.verbose = verbose
-        self._policy_version = make_policy_version(track_policy_version)
+        self._policy_version = make_policy_version(track_policy_version, engine=engine_of(self.policy))
         self._policy_lock = ReadWriteLock(knob="collector.weight_lock_timeout_s")
         self._runners, num_slots = self._build_runners(bool(async_envs))
         self._batcher = Batcher(

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
 from lmcollect.weights.version import PushVersion
 
@@ -86,13 +86,22 @@ class PolicyVersion:
         return f"PolicyVersion(version_type={self.version_type!r}, version={self.version!r})"
 
 
-def make_policy_version(track_policy_version: bool | PolicyVersion) -> PolicyVersion | None:
-    """Resolve the collector's ``track_policy_version`` argument."""
+def make_policy_version(track_policy_version: bool | PolicyVersion, *, engine: Any = None) -> PolicyVersion | None:
+    """Resolve the collector's ``track_policy_version`` argument.
+
+    ``engine``: the engine the collector generates with (lockstep or continuous), if any. When it
+    already holds pushed weights (an earlier collector's), the version counts on from them, so turns
+    and their tokens carry one consistent version and the next push is newer than what the engine holds.
+    """
     if isinstance(track_policy_version, PolicyVersion):
-        return track_policy_version
-    if isinstance(track_policy_version, bool):
-        return PolicyVersion() if track_policy_version else None
-    raise TypeError(
-        "track_policy_version must be a bool or a PolicyVersion instance, "
-        f"got {type(track_policy_version).__name__}."
-    )
+        version: PolicyVersion | None = track_policy_version
+    elif isinstance(track_policy_version, bool):
+        version = PolicyVersion() if track_policy_version else None
+    else:
+        raise TypeError(
+            "track_policy_version must be a bool or a PolicyVersion instance, "
+            f"got {type(track_policy_version).__name__}."
+        )
+    if version is not None and engine is not None and engine.version > version.index:
+        version.adopt_index(engine.version)
+    return version

@@ -28,11 +28,31 @@ import torch
 
 from lmcollect.engines.sampling import SamplingConfig
 
-__all__ = ["EngineClosedError", "EngineProtocol", "EngineRequest", "EngineResult", "WorkerRpcEngine", "engine_of", "worker_rpc_engine_of"]
+__all__ = [
+    "EngineClosedError", "EngineProtocol", "EngineRequest", "EngineResult", "StalePushError", "WorkerRpcEngine",
+    "engine_of", "refuse_stale_push", "worker_rpc_engine_of",
+]  # fmt: skip
 
 
 class EngineClosedError(RuntimeError):
     """The engine was closed before the request finished (its tokens are lost; resubmit it elsewhere)."""
+
+
+class StalePushError(ValueError):
+    """A weight load older than the weights the engine holds: refused, nothing changed."""
+
+
+def refuse_stale_push(version: int, held: int, engine: str) -> None:
+    """Raise :class:`StalePushError` when a load of ``version`` would overwrite the newer ``held`` one.
+
+    Engines call it where the load takes effect (between two decoding steps, under the lock that
+    orders loads), so two overlapping pushes that arrive in the wrong order leave the newer weights
+    in place under their own version: no weight was changed by the older one."""
+    if version < held:
+        raise StalePushError(
+            f"{engine}.load_weights(version={version}) refused: the engine holds version {held}, which is newer; "
+            "no weight was changed (a push older than the weights held never overwrites them)."
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +108,9 @@ class EngineProtocol(Protocol):
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
         """Load weights (all names and shapes checked before any is written) and take ``version``.
+
+        A ``version`` older than :attr:`version` is refused with :class:`StalePushError` where the
+        load would take effect (see :func:`refuse_stale_push`), so an out-of-order push changes nothing.
 
         Allowed while paused (in-flight tokens from then on carry the new version) or while running
         (the engine waits for the current decoding step).

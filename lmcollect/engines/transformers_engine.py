@@ -16,7 +16,7 @@ from transformers import DynamicCache
 
 from lmcollect.engines.sampling import eos_token_ids
 from lmcollect.engines.kv_batch import LeftPaddedKVCache
-from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult
+from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult, refuse_stale_push
 from lmcollect.engines.running_request import RunningRequest
 from lmcollect.weights.tensors import (
     align_names,
@@ -152,6 +152,7 @@ class TransformersEngine:
         with self._between_steps(), torch.no_grad():
             if self._closed:
                 raise EngineClosedError("this TransformersEngine is closed; it cannot load weights.")
+            refuse_stale_push(version, self._version, "TransformersEngine")
             for name, tensor in writes.items():
                 targets[name].copy_(tensor)
             self._version = version

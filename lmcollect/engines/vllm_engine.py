@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult
+from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult, refuse_stale_push
 from lmcollect.engines.vllm_common import (
     INITIAL_VERSION,
     engine_config,
@@ -157,6 +157,7 @@ class VLLMEngine:
         payload = (layout_json, [memoryview(buffer) for buffer in buffers])  # sent without a copy
 
         def load() -> None:
+            refuse_stale_push(version, self._version, "VLLMEngine")  # here: loads run one at a time
             self._llm.collective_rpc(LOAD_PACKED_WEIGHTS, args=payload)
             self._take_version(version)
 

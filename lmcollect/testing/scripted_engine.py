@@ -21,7 +21,7 @@ import torch
 from lmcollect.weights.tensors import expected_metadata
 
 from lmcollect.data.history import History
-from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult
+from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult, refuse_stale_push
 
 __all__ = ["ByteTokenizer", "ScriptedEngine", "ScriptedWeights", "chat_script"]
 
@@ -187,6 +187,7 @@ class ScriptedEngine:
                 f"{ {k: tuple(v.shape) for k, v in weights.items()} }."
             )
         with self._step_lock:  # between two decoding steps
+            refuse_stale_push(int(version), self._version, "ScriptedEngine")
             self.model.tag.data.copy_(weights["tag"])
             self._version = int(version)
 

@@ -74,6 +74,7 @@ def test_delta_pushes_answer_like_a_fresh_model_and_a_corrupted_delta_is_repaire
     updater = CorruptingUpdater(delta=True, convert_dtype=True, verify=True, timeout_s=60)
     env = ChatEnv(arithmetic_dataset(16, seed=0), reward_fn=MathAnswerReward(), batch_size=4, seed=0)
     collector = LLMCollector(env, policy=greedy_policy, dialog_turns_per_batch=4, weight_updater=updater, track_policy_version=True)
+    v0 = collector.policy_version  # counts on from the session engine's version (earlier tests pushed into it)
     td = chat_batch(QUESTIONS)
     try:
         collector.update_policy_weights_(trainer)  # the engine holds the checkpoint: the full weights
@@ -85,7 +86,7 @@ def test_delta_pushes_answer_like_a_fresh_model_and_a_corrupted_delta_is_repaire
             stats, (info,) = updater.last_push_stats, updater.last_push_info
             assert (stats.kind, stats.num_full, info["push"]["kind"], info["push"]["refused"]) == ("delta", 0, "delta", None)
             assert 0 < stats.num_changed < stats.numel and stats.nbytes < 0.5 * stats.full_nbytes
-        assert collector.policy_version == 6
+        assert collector.policy_version == v0 + 6
         assert_same_answers(greedy_policy(td), fp32_reference(trainer, model_dir)(td))
 
         adamw_step(trainer, optimizer, seed=10)
@@ -94,10 +95,10 @@ def test_delta_pushes_answer_like_a_fresh_model_and_a_corrupted_delta_is_repaire
         stats, (info,) = updater.last_push_stats, updater.last_push_info
         assert (stats.kind, stats.num_repaired, info["push"]["kind"]) == ("full", 1, "full")
         assert "checksum" in info["push"]["after_refused_delta"]["refused"]
-        assert collector.policy_version == 7  # one push, one version, though two transfers
+        assert collector.policy_version == v0 + 7  # one push, one version, though two transfers
         assert_same_answers(greedy_policy(td), fp32_reference(trainer, model_dir)(td))
         batch = collector.next().reshape(-1)
-        assert batch[keys.POLICY_VERSION].tolist() == [7] * batch.numel()
+        assert batch[keys.POLICY_VERSION].tolist() == [v0 + 7] * batch.numel()
     finally:
         collector.shutdown()
         updater.close()

@@ -106,25 +106,27 @@ def test_push_matches_transformers_resets_cache_and_bumps_version(
     collector = LLMCollector(
         make_env(), policy=local_engine, dialog_turns_per_batch=4, weight_updater=updater, track_policy_version=True
     )
+    v0 = collector.policy_version  # counts on from the session engine's version (earlier tests pushed into it)
+    assert v0 == max(local_engine.engine.version, 0)
     assert updater.collector is collector
     td = chat_batch(QUESTIONS)
     updater.init()
     assert updater._sender is not None and updater._sender.connection_info()["master_address"] == "127.0.0.1"
     long_td = chat_batch(QUESTIONS[:2], system_prompt=LONG_SYSTEM_PROMPT)
     assert_same_answers(local_engine(long_td), old_reference(long_td))  # fills the prefix cache
-    assert collector.policy_version == 0
+    assert collector.policy_version == v0
 
     collector.update_policy_weights_(new_model)  # a whole state_dict (tied lm_head named too)
-    assert collector.policy_version == 1
+    assert collector.policy_version == v0 + 1
     (info,) = updater.last_push_info  # one worker (tp 1), which checked the buckets' checksums
     assert info["rank"] == 1 and len(info["checksums"]) >= 1
     assert_same_answers(local_engine(long_td), new_reference(long_td))  # the new model's answer: cache reset
     assert_same_answers(local_engine(td), new_reference(td))
     batch = collector.next().reshape(-1)
-    assert batch[keys.POLICY_VERSION].tolist() == [1] * batch.numel()
+    assert batch[keys.POLICY_VERSION].tolist() == [v0 + 1] * batch.numel()
 
     updater.push_weights(unique_targets(old_reference.model)[0])  # distinct tensors only: lm_head rebuilt
-    assert collector.policy_version == 2
+    assert collector.policy_version == v0 + 2
     assert_same_answers(local_engine(td), old_reference(td))
     collector.shutdown()
 
@@ -137,17 +139,18 @@ def test_update_policy_weights_without_an_updater_loads_into_the_workers(
 ) -> None:
     """As on a ContinuousLLMCollector over VLLMEngine: the weights travel in the call, checked by the workers."""
     collector = LLMCollector(make_env(), policy=local_engine, dialog_turns_per_batch=4, track_policy_version=True)
+    v0 = collector.policy_version  # the session engine's version
     td = chat_batch(QUESTIONS)
     collector.update_policy_weights_(new_model.state_dict())
-    assert collector.policy_version == 1
+    assert collector.policy_version == v0 + 1
     assert_same_answers(local_engine(td), new_reference(td))
     wrong_shape = {**new_model.state_dict(), "model.norm.weight": torch.zeros(3)}
     with pytest.raises(ValueError, match="model.norm.weight"):
         collector.update_policy_weights_(wrong_shape)
-    assert collector.policy_version == 1
+    assert collector.policy_version == v0 + 1
     assert_same_answers(local_engine(td), new_reference(td))  # the refused push changed nothing
     collector.update_policy_weights_(old_reference.model.state_dict())
-    assert collector.policy_version == 2
+    assert collector.policy_version == v0 + 2
     assert_same_answers(local_engine(td), old_reference(td))
     collector.shutdown()
 
@@ -159,6 +162,7 @@ def test_bad_pushes_change_nothing(
     collector = LLMCollector(
         make_env(), policy=local_engine, dialog_turns_per_batch=4, weight_updater=updater, track_policy_version=True
     )
+    v0 = collector.policy_version  # the session engine's version
     td = chat_batch(QUESTIONS[:2])
     updater.push_weights(old_reference.model)  # forms the group; a known starting point
     state = dict(new_model.state_dict())
@@ -171,12 +175,12 @@ def test_bad_pushes_change_nothing(
     for match, weights in bad_pushes.items():
         with pytest.raises(ValueError, match=match):
             collector.update_policy_weights_(weights)
-    assert collector.policy_version == 1
+    assert collector.policy_version == v0 + 1
     assert_same_answers(local_engine(td), old_reference(td))
     with pytest.raises(ValueError, match="worker_ids"):
         updater.push_weights(state, worker_ids=[1])
     updater.push_weights(old_reference.model)  # the group is still in step after the refusals
-    assert collector.policy_version == 2
+    assert collector.policy_version == v0 + 2
     collector.shutdown()
 
 

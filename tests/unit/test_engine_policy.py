@@ -159,3 +159,26 @@ def test_seeded_sampling_repeats(engine, tokenizer) -> None:
 def test_engine_must_implement_the_protocol(tokenizer) -> None:
     with pytest.raises(TypeError, match="EngineProtocol"):
         EnginePolicy(object(), tokenizer=tokenizer)
+
+
+def test_a_collector_over_an_engine_holding_a_push_counts_on_and_an_older_push_is_refused(engine, tiny_model_path, tokenizer) -> None:
+    """Both schedulers start from the version the engine holds; the engine itself refuses a push
+    older than that (where the load would take effect), whoever sends it."""
+    from lmcollect.engines import StalePushError
+
+    pushed = to_weight_dict(perturbed_model(tiny_model_path, seed=2))
+    engine.load_weights(pushed.items(), version=5)  # an earlier collector's push
+    lockstep = LLMCollector(guessing_env(0), policy=EnginePolicy(engine, tokenizer=tokenizer, sampling=GREEDY),
+                            dialog_turns_per_batch=2, track_policy_version=True)
+    continuous = ContinuousLLMCollector([guessing_env(0)], engine=engine, tokenizer=tokenizer, sampling=GREEDY,
+                                        dialog_turns_per_batch=2, track_policy_version=True)
+    assert lockstep.version_index() == continuous.version_index() == 5
+    lockstep.update_policy_weights_(pushed)
+    assert lockstep.version_index() == engine.version == 6
+    with pytest.raises(StalePushError, match="holds version 6, which is newer"):
+        engine.load_weights(pushed.items(), version=4)
+    assert engine.version == 6
+    turns = first_batch(lockstep)
+    assert {int(t[keys.POLICY_VERSION]) for t in turns} == {6}
+    assert all(set(t.get(keys.TOKEN_VERSIONS).tolist()) == {6} for t in turns)
+    continuous.shutdown()
