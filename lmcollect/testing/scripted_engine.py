@@ -152,6 +152,7 @@ class ScriptedEngine:
         self._paused = False
         self._stepping = False
         self._closed = False
+        self._hold: tuple[int, float, threading.Event] | None = None  # (step number, seconds, reached)
         self._thread = threading.Thread(target=self._decode_loop, name="scripted-engine", daemon=True)
         self._thread.start()
 
@@ -184,7 +185,7 @@ class ScriptedEngine:
         if set(weights) != set(expected) or any(weights[k].shape != v.shape for k, v in expected.items()):
             raise ValueError(
                 f"ScriptedEngine takes exactly {{'tag': shape (1,)}}, got "
-                f"{ {k: tuple(v.shape) for k, v in weights.items()} }."
+                f"{ {k: tuple(v.shape) for k, v in weights.items()} }; no weight was changed."
             )
         with self._step_lock:  # between two decoding steps
             refuse_stale_push(int(version), self._version, "ScriptedEngine")
@@ -201,6 +202,15 @@ class ScriptedEngine:
 
     def reset_prefix_cache(self) -> None:
         self.num_prefix_cache_resets += 1
+
+    def hold_step(self, step: int, hold_s: float) -> threading.Event:
+        """Hold the ``step``-th decoding step from now for ``hold_s`` seconds (inside it: a load or a
+        pause waits for it); the event is set once that step is reached. How a test lands a push
+        mid-generation on cue."""
+        reached = threading.Event()
+        with self._wake:
+            self._hold = (self.num_steps + step, hold_s, reached)
+        return reached
 
     @property
     def version(self) -> int:
@@ -246,6 +256,7 @@ class ScriptedEngine:
         finished: dict[_Running, EngineResult] = {}
         with self._step_lock:
             self.num_steps += 1
+            self._hold_if_asked()
             tag, version = float(self.model.tag.item()), self._version
             for item in running:
                 token = self._next_token(item, tag)
@@ -261,6 +272,13 @@ class ScriptedEngine:
                         finish_reason=reason,
                     )
         return finished
+
+    def _hold_if_asked(self) -> None:
+        with self._wake:
+            hold, self._hold = self._hold, (self._hold if self._hold is None or self._hold[0] != self.num_steps else None)
+        if hold is not None and hold[0] == self.num_steps:
+            hold[2].set()
+            time.sleep(hold[1])
 
     def _next_token(self, item: _Running, tag: float) -> int:
         position = len(item.tokens)

@@ -1,5 +1,5 @@
-"""The engine contract (tests/engine_contract.py) for the in-process engines: ``TransformersEngine``
-and an ``EngineRouter`` of two. The vLLM engines, an engine in a Ray actor and the served vLLM run
+"""The engine contract (tests/engine_contract.py) for the in-process engines: ``TransformersEngine``,
+an ``EngineRouter`` of two and the ``ScriptedEngine`` of ``lmcollect.testing``. The vLLM engines, an engine in a Ray actor and the served vLLM run
 the same checks in their own modules (they start once per session there)."""
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from lmcollect.engines import EngineRouter, TransformersEngine
-from tests.engine_contract import CHECKS, EngineCase, hf_reference, prompts_of_lengths
+from lmcollect.testing import ScriptedEngine
+from tests.engine_contract import CHECKS, EngineCase, Reference, hf_reference, prompts_of_lengths
 from tests.factories import perturbed_model
 
 HOLD_S = 1.0  # how long a held decoding step lasts: the test thread pauses the engine meanwhile
@@ -66,10 +67,37 @@ def build_case(kind: str, tiny_model_path, tokenizer, references) -> EngineCase:
     )
 
 
+def scripted_reference(tag: float) -> Reference:
+    """What a ScriptedEngine holding ``tag`` answers: the digit of the tag, log-prob ``-tag``, every token."""
+    return Reference(
+        greedy=lambda prompt, n: [ord("0") + int(tag) % 10] * n,
+        log_probs=lambda prompt, tokens: torch.full((len(tokens),), -tag),
+    )
+
+
+@contextlib.contextmanager
+def scripted_hold(engine: ScriptedEngine, step: int) -> Iterator[threading.Event]:
+    yield engine.hold_step(step, HOLD_S)
+
+
+def build_scripted_case() -> EngineCase:
+    engine = ScriptedEngine(num_tokens=1000)  # no end token within any check's token budget
+    return EngineCase(
+        engine=engine,
+        prompts=prompts_of_lengths((3, 9, 5)),
+        old=scripted_reference(0.0),
+        new=scripted_reference(1.0),
+        new_weights={"tag": torch.ones(1)},
+        old_weights={"tag": torch.zeros(1)},
+        bad_weights={"tag": torch.zeros(3)},
+        hold_step=lambda step: scripted_hold(engine, step),
+    )
+
+
 @pytest.mark.parametrize("check", list(CHECKS))
-@pytest.mark.parametrize("kind", ["hf", "router_of_two"])
+@pytest.mark.parametrize("kind", ["hf", "router_of_two", "scripted"])
 def test_engine_contract(kind: str, check: str, tiny_model_path, tokenizer, references) -> None:
-    case = build_case(kind, tiny_model_path, tokenizer, references)
+    case = build_scripted_case() if kind == "scripted" else build_case(kind, tiny_model_path, tokenizer, references)
     try:
         CHECKS[check](case)
     finally:
