@@ -178,9 +178,12 @@ class VLLMServerEngine:
         self._renewer: PauseLeaseRenewer | None = None
         self._closed = False
         self._version = INITIAL_VERSION
+        self._gate = threading.Condition()  # guards _held and _sending: no request of ours is sent while paused
+        self._held = False
+        self._sending = 0
 
     def __getstate__(self) -> dict[str, Any]:  # a copy gets threads of its own, no requests and no pause
-        skipped = {"_pool", "_lock", "_control", "_pending", "_renewer", "_closed"}
+        skipped = {"_pool", "_lock", "_control", "_pending", "_renewer", "_closed", "_gate", "_held", "_sending"}
         return {key: value for key, value in self.__dict__.items() if key not in skipped}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -228,15 +231,16 @@ class VLLMServerEngine:
     # ------------------------------------------------------------------ generation
     def submit(self, request: EngineRequest) -> Future[EngineResult]:
         """One ``/v1/completions`` request (token ids in; the generated ids and their raw log-probs
-        out), sent from one of ``max_concurrent_requests`` threads; its tokens carry the version
-        this engine held when it was submitted (a collector pushes while no request runs)."""
+        out), sent from one of ``max_concurrent_requests`` threads. No request of this engine is
+        sent while it holds a pause, and a pause begins once those in flight have answered, so a
+        response never spans a push: its tokens carry the version held when it was sent."""
         body = self.completion_request(request.prompt_ids, request.sampling, request.seed, request.stop_token_ids)
         future: Future[EngineResult] = Future()
         with self._lock:
             if self._closed:
                 raise EngineClosedError(f"this VLLMServerEngine ({self.base_url}) is closed; build a new one.")
             self._pending.add(future)
-            self._pool.submit(self._answer, future, body, self._version)
+            self._pool.submit(self._answer, future, body)
         return future
 
     def completion_request(
@@ -264,9 +268,19 @@ class VLLMServerEngine:
             "return_tokens_as_token_ids": True,  # log-prob entries named by id: no detokenizing
         }
 
-    def _answer(self, future: Future[EngineResult], body: dict[str, Any], version: int) -> None:
+    def _answer(self, future: Future[EngineResult], body: dict[str, Any]) -> None:
         try:
-            settle(future, result=self._complete(body, version))
+            with self._gate:  # wait out a pause, then count as sending: a pause waits for us
+                if not self._gate.wait_for(lambda: not self._held or self._closed, timeout=self.timeout_s):
+                    raise VLLMServerError(f"the pause on {self.base_url} outlasted timeout_s={self.timeout_s} s.")
+                version = self._version
+                self._sending += 1
+            try:
+                settle(future, result=self._complete(body, version))
+            finally:
+                with self._gate:
+                    self._sending -= 1
+                    self._gate.notify_all()
         except Exception as error:  # designed: the request's error goes to its caller's future
             settle(future, error=error)
         finally:
@@ -339,7 +353,17 @@ class VLLMServerEngine:
         with self._control:
             if self._renewer is not None:
                 return
-            self.call("POST", "/pause?mode=wait&clear_cache=false")
+            with self._gate:  # our requests stop here; the ones in flight answer first
+                self._held = True
+                if not self._gate.wait_for(lambda: self._sending == 0, timeout=self.timeout_s):
+                    self._held = False
+                    self._gate.notify_all()
+                    raise VLLMServerError(f"requests to {self.base_url} still ran after timeout_s={self.timeout_s} s; not paused.")
+            try:
+                self.call("POST", "/pause?mode=wait&clear_cache=false")
+            except BaseException:
+                self._release_requests()
+                raise
             self._renewer = PauseLeaseRenewer(self)
 
     def resume(self) -> None:
@@ -349,13 +373,21 @@ class VLLMServerEngine:
             renewer, self._renewer = self._renewer, None
             if renewer is not None:
                 renewer.stop()
-            self.call("POST", "/resume")
+            try:
+                self.call("POST", "/resume")
+            finally:
+                self._release_requests()
         if renewer is not None and renewer.lost is not None:
             raise VLLMServerError(
                 f"the pause on the vLLM server at {self.base_url} ended before resume() ({renewer.lost}); "
                 "generation ran during part of it. Did another client resume the server, or did this process "
                 "stall for longer than the server's pause_lease_s?"
             )
+
+    def _release_requests(self) -> None:
+        with self._gate:
+            self._held = False
+            self._gate.notify_all()
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -409,6 +441,8 @@ class VLLMServerEngine:
         with self._lock:
             self._closed = True
             pending = list(self._pending)
+        with self._gate:  # threads waiting out a pause give up
+            self._gate.notify_all()
         for future in pending:
             settle(future, error=EngineClosedError(f"VLLMServerEngine ({self.base_url}) was closed before this request finished."))
         self._pool.shutdown(wait=False, cancel_futures=True)

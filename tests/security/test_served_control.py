@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from lmcollect.engines import EngineRequest
+from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.policies import vllm_launcher
 from lmcollect.policies.vllm_control import (
     CONTROL_TOKEN_ENV,
@@ -74,6 +76,8 @@ class ToyVLLM:
     def answer(self, method: str, path: str) -> tuple[int, dict[str, Any]]:
         if (method, path) == ("GET", "/v1/models"):
             return 200, {"data": [{"id": "toy", "root": "/toy"}]}
+        if (method, path) == ("POST", "/v1/completions"):  # two tokens, whatever the prompt
+            return 200, {"choices": [{"finish_reason": "length", "token_ids": [5, 6], "logprobs": {"token_logprobs": [-0.5, -0.25]}}]}
         if path in ("/health", "/metrics") or path.startswith("/v1/"):
             return 200, {}
         if not self.control_endpoints:
@@ -462,3 +466,22 @@ def test_only_http_is_spoken(tmp_path: Path) -> None:
     local.write_text('{"read": "a local file"}', encoding="utf-8")
     with pytest.raises(VLLMServerError, match="unknown url type"):
         request_json("GET", local.as_uri(), timeout_s=WAIT_S)
+
+
+def test_no_request_goes_out_while_the_engine_holds_a_pause_so_a_response_never_spans_a_push(served_toy: ServedToy) -> None:
+    engine = VLLMServerEngine(served_toy.url, control_token=TOKEN)
+    try:
+        first = engine.submit(EngineRequest(prompt_ids=[1, 2], sampling=SamplingConfig(max_new_tokens=2)))
+        assert first.result(timeout=30).token_versions.tolist() == [-1, -1]
+        engine.pause()
+        held = engine.submit(EngineRequest(prompt_ids=[1, 2], sampling=SamplingConfig(max_new_tokens=2)))
+        time.sleep(0.3)
+        assert not held.done() and engine.num_in_flight == 1
+        engine.set_version(3)  # as a collector does after a push into the workers
+        engine.resume()
+        result = held.result(timeout=30)
+        assert result.tokens.tolist() == [5, 6] and result.token_versions.tolist() == [3, 3]
+        order = [path for _, path, _ in served_toy.toy.seen if path in ("/pause", "/resume", "/v1/completions")]
+        assert order == ["/v1/completions", "/pause", "/resume", "/v1/completions"]
+    finally:
+        engine.close()
