@@ -188,6 +188,31 @@ def forward_log_probs(model, prompt: list[int], tokens: list[int]) -> torch.Tens
     return logits[len(prompt) - 1 : -1].log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
 
 
+def hf_case(
+    engine: EngineProtocol,
+    old: torch.nn.Module,
+    new: torch.nn.Module,
+    *,
+    hold_step: Callable[[int], AbstractContextManager[Event]],
+    log_prob_atol: float = 1e-5,
+) -> EngineCase:
+    """The case of an engine serving a transformers model: it starts with ``old``'s weights, the
+    pushes bring ``new``'s (the refused one: ``new`` with a misshapen norm weight)."""
+    bad = dict(new.state_dict())
+    bad["model.norm.weight"] = torch.zeros(3)
+    return EngineCase(
+        engine=engine,
+        prompts=prompts_of_lengths((3, 9, 5)),
+        old=hf_reference(old),
+        new=hf_reference(new),
+        new_weights=dict(new.state_dict()),
+        old_weights=dict(old.state_dict()),
+        bad_weights=bad,
+        hold_step=hold_step,
+        log_prob_atol=log_prob_atol,
+    )
+
+
 def hf_reference(model) -> Reference:
     """A transformers model as the oracle (the test models never write their eos this early)."""
     return Reference(

@@ -30,7 +30,7 @@ from lmcollect.engines.sampling import SamplingConfig
 
 __all__ = [
     "EngineClosedError", "EngineProtocol", "EngineRequest", "EngineResult", "StalePushError", "WorkerRpcEngine",
-    "engine_of", "refuse_stale_push", "worker_rpc_engine_of",
+    "check_version", "engine_of", "refuse_stale_push", "worker_rpc_engine_of",
 ]  # fmt: skip
 
 
@@ -40,6 +40,12 @@ class EngineClosedError(RuntimeError):
 
 class StalePushError(ValueError):
     """A weight load older than the weights the engine holds: refused, nothing changed."""
+
+
+def check_version(version: object) -> None:
+    """``TypeError`` unless ``version`` is an int (bools refused): the argument of ``load_weights`` / ``set_version``."""
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise TypeError(f"version must be an int (the weights' version), got {version!r}.")
 
 
 def refuse_stale_push(version: int, held: int, engine: str) -> None:

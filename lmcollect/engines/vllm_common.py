@@ -8,7 +8,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -17,20 +17,13 @@ from lmcollect.engines.sampling import SamplingConfig
 
 if TYPE_CHECKING:  # vllm is an optional extra and slow to import
     from vllm import SamplingParams
-    from vllm.outputs import CompletionOutput, RequestOutput
+    from vllm.outputs import RequestOutput
 
 INITIAL_VERSION = -1  # the protocol's version before any load
 
 # Log-probs of the raw model (before temperature / top-p / top-k), as TransformersPolicy returns
 # and as trainers need for importance ratios. vLLM's other modes would silently differ.
 LOGPROBS_MODE = "raw_logprobs"
-
-
-class Completion(NamedTuple):
-    """One response: its token ids (ending with eos if it stopped there) and each token's log-prob."""
-
-    tokens: list[int]
-    log_probs: list[float]
 
 
 def sampling_params_kwargs(sampling: SamplingConfig, *, seed: int | None = None) -> dict[str, Any]:
@@ -97,13 +90,6 @@ def import_vllm() -> Any:
     return vllm
 
 
-def completion_of(output: CompletionOutput) -> Completion:
-    tokens = list(output.token_ids)
-    if output.logprobs is None or len(output.logprobs) != len(tokens):
-        raise RuntimeError(f"vLLM returned {len(output.logprobs or [])} log-probs for {len(tokens)} tokens.")
-    return Completion(tokens, [position[token].logprob for position, token in zip(output.logprobs, tokens)])
-
-
 class VersionSpan(Protocol):
     """What :func:`token_versions_of` reads of vLLM's ``WeightVersionSpan``."""
 
@@ -168,7 +154,10 @@ def result_of(output: RequestOutput) -> EngineResult:
     completion = output.outputs[0]
     if completion.finish_reason not in ("stop", "length"):
         raise RuntimeError(f"vLLM ended request {output.request_id!r} with finish_reason={completion.finish_reason!r}.")
-    tokens, log_probs = completion_of(completion)
+    tokens = list(completion.token_ids)
+    if completion.logprobs is None or len(completion.logprobs) != len(tokens):
+        raise RuntimeError(f"vLLM returned {len(completion.logprobs or [])} log-probs for {len(tokens)} tokens.")
+    log_probs = [position[token].logprob for position, token in zip(completion.logprobs, tokens)]
     return EngineResult(
         tokens=torch.tensor(tokens, dtype=torch.long),
         log_probs=torch.tensor(log_probs, dtype=torch.float32),

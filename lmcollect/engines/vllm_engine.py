@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult, refuse_stale_push
+from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult, check_version, refuse_stale_push
 from lmcollect.engines.vllm_common import (
     INITIAL_VERSION,
     engine_config,
@@ -150,7 +150,7 @@ class VLLMEngine:
         left out. A refused load raises ``ValueError`` and changes nothing. The load runs between
         two decoding steps, paused or not; running requests are recomputed under the new weights.
         """
-        _check_version(version)
+        check_version(version)
         weights = dict(named_tensors)
         check_weights(weights, self._metadata, aliases=self._aliases)  # before anything is sent or written
         layout_json, buffers = packed_weights(weights)
@@ -170,7 +170,7 @@ class VLLMEngine:
     def set_version(self, version: int) -> None:
         """Label the steps from now on with ``version`` (weights loaded through :meth:`collective_rpc_each`);
         running requests are recomputed under the weights loaded now."""
-        _check_version(version)
+        check_version(version)
         self._between_steps(lambda: self._take_version(version))
 
     @property
@@ -361,11 +361,6 @@ def _engine_kwargs(model_path: str | Path, engine_kwargs: dict[str, Any] | None)
             "lmcollect's worker extension; drop the setting."
         )
     return kwargs
-
-
-def _check_version(version: Any) -> None:
-    if isinstance(version, bool) or not isinstance(version, int):
-        raise TypeError(f"version must be an int (the weights' version), got {version!r}.")
 
 
 def _run_into(future: Future, call: Callable[[], Any]) -> None:

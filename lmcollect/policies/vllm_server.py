@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult
+from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult, check_version
 from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.engines.vllm_worker_ext import checkpoint_metadata
 from lmcollect.policies.served_http import MAX_RESPONSE_BYTES, VLLMServerError, request_json
@@ -322,8 +322,7 @@ class VLLMServerEngine:
 
     def set_version(self, version: int) -> None:
         """Label the tokens of requests submitted from now on with ``version`` (after a push into the workers)."""
-        if isinstance(version, bool) or not isinstance(version, int):
-            raise TypeError(f"version must be an int (the weights' version), got {version!r}.")
+        check_version(version)
         self._version = version
 
     def weight_metadata(self) -> tuple[dict[str, tuple[torch.dtype, torch.Size]], dict[str, str]]:
@@ -583,6 +582,7 @@ class VLLMServerPolicy(VLLMPolicy):
             else:
                 check_server_config(config, folder, engine.base_url)
         super().__init__(folder, sampling=sampling, engine=engine, **sampling_kwargs)
+        self._owns_engine = True  # built here: close() stops its request threads (the server keeps running)
         self.base_url = engine.base_url
 
 

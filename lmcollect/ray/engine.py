@@ -202,19 +202,19 @@ def _worker_rpc_engine(engine: EngineProtocol) -> WorkerRpcEngine:
 def start_ray_engines(
     engine_factory: Callable[[], EngineProtocol],
     *,
-    num_engines: int,
+    num_replicas: int,
     remote_config: dict[str, Any] | None = None,
     ray_init_config: dict[str, Any] | None = None,
     start_timeout_s: float = 900.0,
     call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
 ) -> list[RayEngine]:
-    """``num_engines`` :class:`RayEngine` actors, started at once (the arguments are RayEngine's).
+    """``num_replicas`` :class:`RayEngine` actors, started at once (the other arguments are RayEngine's).
 
     If any fails to start within ``start_timeout_s``, all of them are killed and the error names the knob."""
-    if isinstance(num_engines, bool) or not isinstance(num_engines, int) or num_engines < 1:
-        raise ValueError(f"num_engines must be an int >= 1, got {num_engines!r}.")
+    if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+        raise ValueError(f"num_replicas must be an int >= 1, got {num_replicas!r}.")
     launched = _launch(
-        engine_factory, num_engines, remote_config=remote_config, ray_init_config=ray_init_config, start_timeout_s=start_timeout_s
+        engine_factory, num_replicas, remote_config=remote_config, ray_init_config=ray_init_config, start_timeout_s=start_timeout_s
     )
     return [RayEngine._of_actor(actor, version, replicas, call_timeout_s) for actor, version, replicas in launched]
 
@@ -251,8 +251,6 @@ def ray_engine_replicas(
     ray_init_config: dict[str, Any] | None = None,
 ) -> EngineRouter:
     """``num_replicas`` :class:`RayEngine` actors behind one :class:`EngineRouter`."""
-    if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
-        raise ValueError(f"num_replicas must be an int >= 1, got {num_replicas!r}.")
     return EngineRouter(
-        start_ray_engines(engine_factory, num_engines=num_replicas, remote_config=remote_config, ray_init_config=ray_init_config)
+        start_ray_engines(engine_factory, num_replicas=num_replicas, remote_config=remote_config, ray_init_config=ray_init_config)
     )

@@ -9,20 +9,14 @@ from typing import Any
 from lmcollect.engines.router import EngineRouter
 from lmcollect.engines.vllm_engine import VLLMEngine
 from lmcollect.ray.bounded import DEFAULT_CALL_TIMEOUT_S
-from lmcollect.ray.cluster import actor_options
 from lmcollect.ray.engine import start_ray_engines
 
 logger = logging.getLogger(__name__)
 
-# The actor is already the engine's own process: vLLM's engine core runs in it (VLLMEngine's
-# default), and vLLM reads these settings there. Callers can override any of them.
-DEFAULT_ENV_VARS: dict[str, str] = {}
-_ACTOR_DEFAULTS: dict[str, Any] = {"num_cpus": 1, "max_concurrency": 1000}
-
-
 def _with_env_vars(options: dict[str, Any], env_vars: dict[str, str] | None) -> dict[str, Any]:
+    """``options`` with ``env_vars`` over its ``runtime_env``'s (the actor's defaults are ``start_ray_engines``')."""
     runtime_env = dict(options.get("runtime_env") or {})
-    runtime_env["env_vars"] = {**DEFAULT_ENV_VARS, **runtime_env.get("env_vars", {}), **(env_vars or {})}
+    runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **(env_vars or {})}
     return {**options, "runtime_env": runtime_env}
 
 
@@ -58,10 +52,10 @@ class VLLMReplicas(EngineRouter):
         start_timeout_s: float = 900.0,
         call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
     ) -> None:
-        options = _with_env_vars(actor_options(remote_config, defaults=_ACTOR_DEFAULTS), env_vars)
+        options = _with_env_vars(remote_config or {}, env_vars)
         factory = functools.partial(VLLMEngine, str(model_path), engine_kwargs=engine_kwargs)
         super().__init__(start_ray_engines(
-            factory, num_engines=num_replicas, remote_config=options,
+            factory, num_replicas=num_replicas, remote_config=options,
             start_timeout_s=start_timeout_s, call_timeout_s=call_timeout_s,
         ))  # fmt: skip
         self.model_path = str(model_path)

@@ -275,10 +275,13 @@ class ScriptedEngine:
 
     def _hold_if_asked(self) -> None:
         with self._wake:
-            hold, self._hold = self._hold, (self._hold if self._hold is None or self._hold[0] != self.num_steps else None)
-        if hold is not None and hold[0] == self.num_steps:
-            hold[2].set()
-            time.sleep(hold[1])
+            hold = self._hold
+            if hold is None or hold[0] != self.num_steps:
+                return
+            self._hold = None
+        _, hold_s, reached = hold
+        reached.set()
+        time.sleep(hold_s)
 
     def _next_token(self, item: _Running, tag: float) -> int:
         position = len(item.tokens)

@@ -17,7 +17,7 @@ from lmcollect.ray.engine import ray_engine_replicas
 from lmcollect.envs import ChatEnv, GuessingGameTask, guessing_game_dataset
 from lmcollect.models import load_model_and_tokenizer
 from lmcollect.engines.sampling import SamplingConfig
-from tests.engine_contract import CHECKS, EngineCase, hf_reference, prompts_of_lengths
+from tests.engine_contract import CHECKS, EngineCase, hf_case
 from tests.factories import make_holdable_tiny_engine, perturbed_model
 
 pytestmark = pytest.mark.integration
@@ -71,13 +71,7 @@ def actor_case(ray_cluster, tiny_model_path):
             done.set()
             watcher.join(timeout=30)
 
-    bad = dict(new.state_dict())
-    bad["model.norm.weight"] = torch.zeros(3)
-    yield EngineCase(
-        engine=router, prompts=prompts_of_lengths((3, 9, 5)), old=hf_reference(model), new=hf_reference(new),
-        new_weights=dict(new.state_dict()), old_weights=dict(model.state_dict()), bad_weights=bad,
-        hold_step=hold_step, log_prob_atol=1e-5,
-    )
+    yield hf_case(router, model, new, hold_step=hold_step)
     router.close()
 
 

@@ -23,7 +23,7 @@ from lmcollect.engines import EngineProtocol, EngineRequest, EngineResult, Worke
 from lmcollect.models import load_model_and_tokenizer
 from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.weight_sync import vLLMUpdater
-from tests.engine_contract import CHECKS, EngineCase, hf_reference, prompts_of_lengths
+from tests.engine_contract import CHECKS, EngineCase, hf_case
 from tests.factories import perturbed_model, run_in_thread
 from tests.integration.conftest import MAX_NEW_TOKENS, QUESTIONS, chat_batch
 from tests.vllm_hold import held_step
@@ -305,20 +305,8 @@ def contract_case(greedy_policy: Any, model_dir: Path, tmp_path_factory: pytest.
     engine = greedy_policy.engine
     old = eos_free(load_model_and_tokenizer(model_dir)[0].eval())
     new = eos_free(perturbed_model(model_dir, seed=1).eval())
-    bad = dict(new.state_dict())
-    bad["model.norm.weight"] = torch.zeros(3)
     folder = tmp_path_factory.mktemp("held-steps")
-    return EngineCase(
-        engine=engine,
-        prompts=prompts_of_lengths((3, 9, 5)),
-        old=hf_reference(old),
-        new=hf_reference(new),
-        new_weights=dict(new.state_dict()),
-        old_weights=dict(old.state_dict()),
-        bad_weights=bad,
-        hold_step=lambda step: held_step(engine, step, folder),
-        log_prob_atol=ATOL,
-    )
+    return hf_case(engine, old, new, hold_step=lambda step: held_step(engine, step, folder), log_prob_atol=ATOL)
 
 
 @pytest.mark.parametrize("check", [name for name in CHECKS if name != "close"])

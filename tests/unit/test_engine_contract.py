@@ -13,7 +13,7 @@ import torch
 
 from lmcollect.engines import EngineRouter, TransformersEngine
 from lmcollect.testing import ScriptedEngine
-from tests.engine_contract import CHECKS, EngineCase, Reference, hf_reference, prompts_of_lengths
+from tests.engine_contract import CHECKS, EngineCase, Reference, hf_case, prompts_of_lengths
 from tests.factories import perturbed_model
 
 HOLD_S = 1.0  # how long a held decoding step lasts: the test thread pauses the engine meanwhile
@@ -53,18 +53,7 @@ def build_case(kind: str, tiny_model_path, tokenizer, references) -> EngineCase:
     old, new = references
     replicas = [TransformersEngine(perturbed_model(tiny_model_path, seed=1), tokenizer) for _ in range(1 if kind == "hf" else 2)]
     engine = replicas[0] if kind == "hf" else EngineRouter(replicas)
-    bad = dict(new.state_dict())
-    bad["model.norm.weight"] = torch.zeros(3)
-    return EngineCase(
-        engine=engine,
-        prompts=prompts_of_lengths((3, 9, 5)),
-        old=hf_reference(old),
-        new=hf_reference(new),
-        new_weights=dict(new.state_dict()),
-        old_weights=dict(old.state_dict()),
-        bad_weights=bad,
-        hold_step=lambda step: held_step([r.model for r in replicas], step),
-    )
+    return hf_case(engine, old, new, hold_step=lambda step: held_step([r.model for r in replicas], step))
 
 
 def scripted_reference(tag: float) -> Reference:
