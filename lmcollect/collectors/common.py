@@ -3,21 +3,20 @@ from __future__ import annotations
 
 import logging
 
+from lmcollect.collectors.config import ConfiguredCollector
 from lmcollect.collectors.versioning import PolicyVersion
 
 logger = logging.getLogger(__name__)
 
 
-class CollectorVersionMixin:
+class CollectorVersionMixin(ConfiguredCollector):
     """The policy-version and turn-budget accessors of a collector.
 
-    The host sets ``_policy_version`` (a :class:`PolicyVersion` or None when versions are not
-    tracked), ``_dialog_turns_per_batch``, ``_total_dialog_turns`` and ``_shut_down``.
+    The host sets ``config``, ``_policy_version`` (a :class:`PolicyVersion` or None when versions
+    are not tracked) and ``_shut_down``.
     """
 
     _policy_version: PolicyVersion | None
-    _dialog_turns_per_batch: int
-    _total_dialog_turns: int
     _shut_down: bool
 
     def _version(self) -> tuple[int | str, int]:
@@ -25,16 +24,6 @@ class CollectorVersionMixin:
         if self._policy_version is None:
             return -1, 0
         return self._policy_version.version, self._policy_version.index
-
-    @property
-    def dialog_turns_per_batch(self) -> int:
-        """Number of dialog turns per batch."""
-        return self._dialog_turns_per_batch
-
-    @property
-    def total_dialog_turns(self) -> int:
-        """Total number of dialog turns to run (-1: endless)."""
-        return self._total_dialog_turns
 
     @property
     def policy_version(self) -> int | str | None:

@@ -1,7 +1,92 @@
-"""Validation of the collector's batching arguments (pure logic, shared by local and Ray collectors)."""
+"""The collection config every collector shares, and the check of its batching arguments (pure logic)."""
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from tensordict import TensorDictBase
+
 from lmcollect.collectors.batcher import BatchMode
+from lmcollect.collectors.versioning import PolicyVersion
+
+C = TypeVar("C")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectionConfig:
+    """What every collector is told about its batches and their way out: ``LLMCollector``,
+    ``ContinuousLLMCollector``, ``RayLLMCollector`` and ``RayContinuousLLMCollector`` take these
+    fields as keyword arguments of the same names, build this config from them (checked once,
+    here) and expose it as ``collector.config``."""
+
+    dialog_turns_per_batch: int
+    """Turns per batch (at least; exactly with ``yield_only_last_steps`` and in the continuous collector)."""
+    total_dialog_turns: int = -1
+    """Turns to yield in the collector's life, rounded up to whole batches; -1 runs forever."""
+    yield_only_last_steps: bool | None = None
+    """Yield only the last turn of completed trajectories."""
+    yield_completed_trajectories: bool | None = None
+    """Yield only whole completed trajectories (defaults to ``yield_only_last_steps``)."""
+    flatten_data: bool | None = None
+    """Batches flat ``(N,)`` instead of ``(num_envs, T)`` (trajectory modes are always flat)."""
+    postproc: Callable[[TensorDictBase], TensorDictBase] | None = None
+    """Applied to every batch before it is yielded or written (returning None holds it back)."""
+    replay_buffer: Any | None = None
+    """Write batches there; iteration then yields None."""
+    track_policy_version: bool | PolicyVersion = False
+    """True (int versions) or a :class:`PolicyVersion`."""
+    verbose: bool = False
+    """Log progress at INFO level."""
+    mode: BatchMode = field(init=False)
+    """Derived: ``"steps"``, ``"trajectories"`` or ``"last_steps"``."""
+    flatten: bool = field(init=False)
+    """Derived: whether batches are flat."""
+
+    def __post_init__(self) -> None:
+        mode, flatten = resolve_batching(
+            dialog_turns_per_batch=self.dialog_turns_per_batch,
+            total_dialog_turns=self.total_dialog_turns,
+            yield_only_last_steps=self.yield_only_last_steps,
+            yield_completed_trajectories=self.yield_completed_trajectories,
+            flatten_data=self.flatten_data,
+        )
+        object.__setattr__(self, "mode", mode)
+        object.__setattr__(self, "flatten", flatten)
+
+    def arguments(self) -> dict[str, Any]:
+        """The fields as constructor keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+
+
+def config_from(config_cls: type[C], arguments: Mapping[str, Any], **overrides: Any) -> C:
+    """A config dataclass built from a constructor's arguments (its ``locals()``), taking the
+    fields by name; ``overrides`` replace arguments."""
+    names = {f.name for f in dataclasses.fields(config_cls) if f.init}
+    chosen = {name: value for name, value in arguments.items() if name in names}
+    return config_cls(**{**chosen, **overrides})
+
+
+def field_names(config_cls: type) -> frozenset[str]:
+    """The names of a config dataclass's constructor fields."""
+    return frozenset(f.name for f in dataclasses.fields(config_cls) if f.init)
+
+
+class ConfiguredCollector:
+    """The turn-budget properties every collector (local or Ray) reads from its ``config``."""
+
+    config: CollectionConfig
+
+    @property
+    def dialog_turns_per_batch(self) -> int:
+        """Number of dialog turns per batch."""
+        return self.config.dialog_turns_per_batch
+
+    @property
+    def total_dialog_turns(self) -> int:
+        """Total number of dialog turns to run (-1: endless)."""
+        return self.config.total_dialog_turns
 
 
 def resolve_batching(

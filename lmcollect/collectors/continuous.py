@@ -10,7 +10,7 @@ import torch
 from tensordict import TensorDictBase
 
 from lmcollect.collectors.common import CollectorVersionMixin
-from lmcollect.collectors.config import resolve_batching
+from lmcollect.collectors.config import CollectionConfig, config_from
 from lmcollect.collectors.continuous_state import ContinuousStateMixin
 from lmcollect.collectors.dialog_tasks import DialogTasks, EngineSide, Slot
 from lmcollect.collectors.llm_collector import instantiate_env
@@ -124,27 +124,16 @@ class ContinuousLLMCollector(CollectorShell, CollectorVersionMixin, ContinuousSt
                 "lockstep, so there is no (num_envs, T) shape. Leave flatten_data=None."
             )
         engine = _built_engine(engine)
-        self._mode, self._flatten = resolve_batching(
-            dialog_turns_per_batch=dialog_turns_per_batch,
-            total_dialog_turns=total_dialog_turns,
-            yield_only_last_steps=yield_only_last_steps,
-            yield_completed_trajectories=yield_completed_trajectories,
-            flatten_data=True,
-        )
         _check_limits(max_policy_lag, max_dialogs_in_flight, max_buffered_turns)
-        self._dialog_turns_per_batch = dialog_turns_per_batch
-        self._total_dialog_turns = total_dialog_turns
+        self._init_shell(config_from(CollectionConfig, locals(), flatten_data=True), thread_name="lmcollect-continuous-writer")
         self.engine = engine
         self.policy = engine  # what the weight-receiving side resets and reports (get_policy_model)
         self.envs = _build_slot_envs(env, max_dialogs_in_flight)
-        self.postproc = postproc
-        self.replay_buffer = replay_buffer
-        self.verbose = verbose
         self.max_policy_lag = max_policy_lag
         self._policy_version = _policy_version_for(engine, track_policy_version, max_policy_lag)
         self._tracker = TrajectoryTracker(len(self.envs), first_id=id_base(random_namespace()))
         self._flow = TurnFlow(
-            mode=self._mode, num_slots=len(self.envs), turns_per_batch=dialog_turns_per_batch,
+            mode=self.config.mode, num_slots=len(self.envs), turns_per_batch=dialog_turns_per_batch,
             capacity=_capacity(dialog_turns_per_batch, len(self.envs), max_policy_lag, max_buffered_turns),
             max_policy_lag=max_policy_lag, max_turns=None if total_dialog_turns == -1 else total_dialog_turns,
             base_version=self.version_index(),
@@ -161,7 +150,6 @@ class ContinuousLLMCollector(CollectorShell, CollectorVersionMixin, ContinuousSt
         self._batches = 0
         self._unwritten = 0  # batches start()'s writer took and has not written yet
         self._written = threading.Condition()
-        self._init_shell(thread_name="lmcollect-continuous-writer")
         self.leftover_turns: TensorDictBase | None = None
         """After :meth:`shutdown` without a replay buffer: the finished turns no batch took."""
 
@@ -195,7 +183,7 @@ class ContinuousLLMCollector(CollectorShell, CollectorVersionMixin, ContinuousSt
         """The turn budget is spent and no batch is left to take."""
         if self._shut_down:
             return True
-        return self._total_dialog_turns != -1 and self._tasks.call(_exhausted(self._flow))
+        return self.total_dialog_turns != -1 and self._tasks.call(_exhausted(self._flow))
 
     @property
     def rollout(self) -> Callable[[], TensorDictBase | None]:
@@ -208,7 +196,7 @@ class ContinuousLLMCollector(CollectorShell, CollectorVersionMixin, ContinuousSt
         batch = self._collect_output(background=False)
         if batch is None:
             raise StopIteration(
-                f"the collector has run total_dialog_turns={self._total_dialog_turns} turns "
+                f"the collector has run total_dialog_turns={self.total_dialog_turns} turns "
                 f"({self.turns_run} run); build a new collector or raise total_dialog_turns."
             )
         if self.replay_buffer is not None:
@@ -232,7 +220,7 @@ class ContinuousLLMCollector(CollectorShell, CollectorVersionMixin, ContinuousSt
         if batch is not None:
             self._batches += 1
             if self.verbose:
-                logger.info("batch %d: %d turns run of %s", self._batches, self.turns_run, self._total_dialog_turns)
+                logger.info("batch %d: %d turns run of %s", self._batches, self.turns_run, self.total_dialog_turns)
         return batch
 
     def _postprocess(self, batch: TensorDictBase) -> TensorDictBase | None:

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 
+from lmcollect.collectors.config import CollectionConfig
 from lmcollect.collectors.dialog_tasks import DialogTasks
 from lmcollect.collectors.llm_collector import state_of
 from lmcollect.collectors.trajectories import TrajectoryTracker
@@ -27,8 +28,7 @@ class ContinuousStateMixin:
     _tracker: TrajectoryTracker
     _policy_version: Any
     _batches: int
-    _mode: str
-    _dialog_turns_per_batch: int
+    config: CollectionConfig
     max_policy_lag: int | None
 
     def set_seed(self, seed: int, static_seed: bool = False) -> int:
@@ -91,8 +91,8 @@ class ContinuousStateMixin:
 
     def layout(self) -> dict[str, Any]:
         return {
-            "mode": self._mode,
-            "dialog_turns_per_batch": self._dialog_turns_per_batch,
+            "mode": self.config.mode,
+            "dialog_turns_per_batch": self.config.dialog_turns_per_batch,
             "max_dialogs_in_flight": len(self.envs),
             "max_policy_lag": self.max_policy_lag,
         }

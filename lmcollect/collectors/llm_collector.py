@@ -12,7 +12,7 @@ from tensordict import TensorDictBase
 
 from lmcollect.collectors.batcher import Batcher
 from lmcollect.collectors.common import CollectorVersionMixin
-from lmcollect.collectors.config import resolve_batching
+from lmcollect.collectors.config import CollectionConfig, config_from
 from lmcollect.collectors.env_runner import EnvRunner
 from lmcollect.collectors.runners import AsyncRunners, SyncRunners
 from lmcollect.collectors.shell import CollectorShell
@@ -75,27 +75,16 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin):
         track_policy_version: bool | PolicyVersion = False,
         verbose: bool = False,
     ) -> None:
-        self._mode, self._flatten = resolve_batching(
-            dialog_turns_per_batch=dialog_turns_per_batch,
-            total_dialog_turns=total_dialog_turns,
-            yield_only_last_steps=yield_only_last_steps,
-            yield_completed_trajectories=yield_completed_trajectories,
-            flatten_data=flatten_data,
-        )
-        self._dialog_turns_per_batch = dialog_turns_per_batch
-        self._total_dialog_turns = total_dialog_turns
+        self._init_shell(config_from(CollectionConfig, locals()), thread_name="lmcollect-collector")
         self.policy = _build_policy(policy, policy_factory)
         self.envs = _build_envs(env, bool(async_envs))
         self.env = self.envs[0] if len(self.envs) == 1 and not async_envs else env
-        self.postproc = postproc
-        self.replay_buffer = replay_buffer
         self.reset_at_each_iter = reset_at_each_iter
-        self.verbose = verbose
         self._policy_version = make_policy_version(track_policy_version, engine=engine_of(self.policy))
         self._policy_lock = ReadWriteLock(knob="collector.weight_lock_timeout_s")
         self._runners, num_slots = self._build_runners(bool(async_envs))
         self._batcher = Batcher(
-            mode=self._mode, num_slots=num_slots, turns_per_batch=dialog_turns_per_batch, flatten=self._flatten
+            mode=self.config.mode, num_slots=num_slots, turns_per_batch=dialog_turns_per_batch, flatten=self.config.flatten
         )
         self._turns_run = 0
         self._turns_yielded = 0
@@ -104,7 +93,6 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin):
         self._stop = threading.Event()
         self._pause_requested = threading.Event()
         self._paused = threading.Event()
-        self._init_shell(thread_name="lmcollect-collector")
         self._init_weight_sync(weight_updater)
 
     # ------------------------------------------------------------------ construction
@@ -175,16 +163,16 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin):
 
     # ------------------------------------------------------------------ collection
     def _finished(self) -> bool:
-        return self._total_dialog_turns != -1 and self._turns_yielded >= self._total_dialog_turns
+        return self.total_dialog_turns != -1 and self._turns_yielded >= self.total_dialog_turns
 
     def _budget_left(self) -> int | None:
         """Turns still to yield (None: endless)."""
-        return None if self._total_dialog_turns == -1 else self._total_dialog_turns - self._turns_yielded
+        return None if self.total_dialog_turns == -1 else self.total_dialog_turns - self._turns_yielded
 
     def _may_step(self, index: int, steps_started: int) -> bool:
         """Whether env ``index`` (async_envs) may start a step: only for turns a batch will take."""
         budget = self._budget_left()
-        if self._mode != "steps":  # trajectory modes: until the completed turns cover the budget
+        if self.config.mode != "steps":  # trajectory modes: until the completed turns cover the budget
             return budget is None or self._batcher.num_completed_turns < self._rows_needed(budget)
         runner = self._runners.runners[index]
         pending = self._batcher.num_pending_steps(runner.slot_offset) + steps_started - self._steps_taken[index]
@@ -198,13 +186,13 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin):
 
     def _rows_needed(self, budget: int) -> int:
         """Completed rows that cover ``budget`` in whole batches (the last trajectories batch may be larger)."""
-        per_batch = self._dialog_turns_per_batch
-        return -(-budget // per_batch) * per_batch if self._mode == "last_steps" else max(budget, per_batch)
+        per_batch = self.dialog_turns_per_batch
+        return -(-budget // per_batch) * per_batch if self.config.mode == "last_steps" else max(budget, per_batch)
 
     def _last_batch_due(self) -> bool:
         """Trajectories mode: the completed trajectories cover the budget; they all go out now."""
         budget = self._budget_left()
-        if self._mode != "trajectories" or budget is None:
+        if self.config.mode != "trajectories" or budget is None:
             return False
         return self._batcher.num_completed_turns >= self._rows_needed(budget)
 
@@ -238,7 +226,7 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin):
                     break
                 self._add_turns(self._runners.next_turns())
         if self.verbose:
-            logger.info("batch %d: %d turns yielded of %s", self._batches, self._turns_yielded, self._total_dialog_turns)
+            logger.info("batch %d: %d turns yielded of %s", self._batches, self._turns_yielded, self.total_dialog_turns)
         return self.postproc(batch) if self.postproc is not None else batch
 
     def _collect_output(self) -> TensorDictBase | None:
@@ -254,7 +242,7 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin):
         self._raise_if_unusable()
         if self._finished():
             raise StopIteration(
-                f"the collector has yielded total_dialog_turns={self._total_dialog_turns} turns "
+                f"the collector has yielded total_dialog_turns={self.total_dialog_turns} turns "
                 f"({self._turns_yielded} yielded); build a new collector or raise total_dialog_turns."
             )
         batch = self._collect_output()
@@ -399,9 +387,9 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin):
     def layout(self) -> dict[str, Any]:
         """What a state from :meth:`state_dict` only fits: the same batching and the same env slots."""
         return {
-            "mode": self._mode,
-            "flatten": self._flatten,
-            "dialog_turns_per_batch": self._dialog_turns_per_batch,
+            "mode": self.config.mode,
+            "flatten": self.config.flatten,
+            "dialog_turns_per_batch": self.dialog_turns_per_batch,
             "env_batch_sizes": [runner.num_envs for runner in self._runners.runners],
         }
 

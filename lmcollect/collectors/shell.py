@@ -15,16 +15,21 @@ from typing import Any
 
 from tensordict import TensorDictBase
 
+from lmcollect.collectors.config import CollectionConfig
+
 logger = logging.getLogger(__name__)
 
 
 class CollectorShell:
     """The lifecycle half of a collector (a mixin: the collector's ``__init__`` calls :meth:`_init_shell`)."""
 
-    replay_buffer: Any
     envs: list[Any]
 
-    def _init_shell(self, *, thread_name: str) -> None:
+    def _init_shell(self, config: CollectionConfig, *, thread_name: str) -> None:
+        self.config = config
+        self.postproc = config.postproc
+        self.replay_buffer = config.replay_buffer
+        self.verbose = config.verbose
         self._shut_down = False
         self._background: threading.Thread | None = None
         self._background_error: BaseException | None = None

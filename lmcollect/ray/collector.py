@@ -15,7 +15,7 @@ from tensordict import TensorDictBase
 
 from lmcollect.buffers.replay_buffer import ReplayBuffer
 from lmcollect.collectors.collector_worker import CollectorRestartedError, CollectorWorker, ContinuousCollectorWorker
-from lmcollect.collectors.config import resolve_batching
+from lmcollect.collectors.config import CollectionConfig, ConfiguredCollector, config_from, field_names
 from lmcollect.collectors.versioning import PolicyVersion
 from lmcollect.collectors.weights import attach_updater
 from lmcollect.ray.cluster import actor_options, init_ray, torch_threads_for, with_thread_env
@@ -29,9 +29,6 @@ _ACTOR_DEFAULTS = {"num_cpus": 1, "max_concurrency": 4}
 _COLLECT_GROUP = "collect"
 _COLLECT_METHODS = ("collect_next", "rollout_once")
 _MAX_RESTARTS_LEFT = 64  # id sub-blocks per worker (see collectors.trajectories.RESTART_BITS)
-_BATCHING_ARGS = (  # what resolve_batching checks in the driver
-    "dialog_turns_per_batch", "total_dialog_turns", "yield_only_last_steps", "yield_completed_trajectories", "flatten_data",
-)
 
 
 class CollectorActorError(RuntimeError):
@@ -69,7 +66,11 @@ class RayActorConfig:
         _check_timeout(self.collect_timeout_s, "collect_timeout_s")
 
 
-class RayLLMCollector:
+_DRIVER_ARGS = field_names(RayActorConfig) | {"self", "__class__", "env", "weight_updater"}
+"""A Ray collector's arguments that stay in the driver; every other one goes to the actor's collector."""
+
+
+class RayLLMCollector(ConfiguredCollector):
     """An :class:`~lmcollect.collectors.LLMCollector` in a Ray actor, with the same API.
 
     Arguments are those of ``LLMCollector`` plus the Ray arguments ``ray_init_config``,
@@ -116,37 +117,16 @@ class RayLLMCollector:
         if policy is not None and policy_factory is not None:
             raise TypeError("pass either policy or policy_factory, not both.")
         self._policy_arg = policy
-        collector_kwargs = dict(
-            policy=policy,
-            policy_factory=policy_factory,
-            dialog_turns_per_batch=dialog_turns_per_batch,
-            total_dialog_turns=total_dialog_turns,
-            yield_only_last_steps=yield_only_last_steps,
-            yield_completed_trajectories=yield_completed_trajectories,
-            postproc=postproc,
-            async_envs=async_envs,
-            replay_buffer=replay_buffer,
-            reset_at_each_iter=reset_at_each_iter,
-            flatten_data=flatten_data,
-            track_policy_version=track_policy_version,
-            verbose=verbose,
-        )
-        ray_config = RayActorConfig(
-            ray_init_config=ray_init_config,
-            remote_config=remote_config,
-            num_cpus=num_cpus,
-            num_gpus=num_gpus,
-            sync_iter=sync_iter,
-            call_timeout_s=call_timeout_s,
-            collect_timeout_s=collect_timeout_s,
-        )
-        self._launch(env, collector_kwargs, weight_updater=weight_updater, ray_config=ray_config)
+        self._launch(env, locals(), weight_updater=weight_updater)
 
-    def _launch(self, env: Any, collector_kwargs: dict[str, Any], *, weight_updater: Any, ray_config: RayActorConfig) -> None:
-        """Check the batching arguments, start the actor (its collector built from ``env`` and
-        ``collector_kwargs`` inside it) and wait until it answers; shared by every Ray collector."""
-        resolve_batching(**{name: collector_kwargs[name] for name in _BATCHING_ARGS})  # fail here, before an actor starts
-        replay_buffer = collector_kwargs.get("replay_buffer")
+    def _launch(self, env: Any, arguments: dict[str, Any], *, weight_updater: Any) -> None:
+        """Check the arguments (the constructor's ``locals()``), start the actor (its collector
+        built inside it from ``env`` and every argument that is not a Ray one) and wait until it
+        answers; shared by every Ray collector."""
+        ray_config = config_from(RayActorConfig, arguments)
+        collector_kwargs = {name: value for name, value in arguments.items() if name not in _DRIVER_ARGS}
+        self.config = config_from(CollectionConfig, collector_kwargs)  # fails here, before an actor starts
+        replay_buffer = self.config.replay_buffer
         if isinstance(replay_buffer, ReplayBuffer):
             logger.warning(
                 "a local ReplayBuffer is copied into the collector's actor; read it with getattr_rb, "
@@ -167,8 +147,6 @@ class RayLLMCollector:
         self._last_push: tuple[Any, PushVersion | None, bool] | None = None
         self._restarts = 0
         self._started = False
-        self._dialog_turns_per_batch = collector_kwargs["dialog_turns_per_batch"]
-        self._total_dialog_turns = collector_kwargs["total_dialog_turns"]
         self._has_replay_buffer = replay_buffer is not None
         self._shut_down = False
         self._prefetch: ray.ObjectRef | None = None
@@ -296,7 +274,7 @@ class RayLLMCollector:
         batch, finished = self._take_prefetched() if self._prefetch is not None else self._collect("collect_next")
         if batch is None and not self._has_replay_buffer:
             raise StopIteration(
-                f"{self._name} has run total_dialog_turns={self._total_dialog_turns} turns; "
+                f"{self._name} has run total_dialog_turns={self.total_dialog_turns} turns; "
                 "build a new collector or raise total_dialog_turns."
             )
         return batch
@@ -403,14 +381,6 @@ class RayLLMCollector:
             raise RuntimeError(f"{self._name} was shut down; build a new collector to collect again.")
 
     # ------------------------------------------------------------------ properties
-    @property
-    def dialog_turns_per_batch(self) -> int:
-        return self._dialog_turns_per_batch
-
-    @property
-    def total_dialog_turns(self) -> int:
-        return self._total_dialog_turns
-
     @property
     def policy_version(self) -> int | str | None:
         return self._call("get_policy_version")
@@ -581,8 +551,9 @@ def _node_id() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-class _RayCollectorWorker(CollectorWorker):
-    """The actor body: knows whether Ray reconstructed it after a crash, and its node (Ray stays at this edge)."""
+class _RayEdge:
+    """What a collector's actor body knows only under Ray: whether Ray reconstructed it after a
+    crash, and its node (mixed in before the collector worker; Ray stays at this edge)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, restarted=_was_reconstructed(), **kwargs)
@@ -591,14 +562,12 @@ class _RayCollectorWorker(CollectorWorker):
         return _node_id()
 
 
-class RayContinuousWorker(ContinuousCollectorWorker):
-    """The continuous collector's actor body (see :class:`_RayCollectorWorker`)."""
+class _RayCollectorWorker(_RayEdge, CollectorWorker):
+    """The lockstep collector's actor body."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, restarted=_was_reconstructed(), **kwargs)
 
-    def node_id(self) -> str:
-        return _node_id()
+class RayContinuousWorker(_RayEdge, ContinuousCollectorWorker):
+    """The continuous collector's actor body."""
 
 
 class _NeedsRestore(Exception):

@@ -6,7 +6,7 @@ from typing import Any
 
 from tensordict import TensorDictBase
 
-from lmcollect.ray.collector import RayActorConfig, RayLLMCollector, RayContinuousWorker
+from lmcollect.ray.collector import RayLLMCollector, RayContinuousWorker
 from lmcollect.collectors.versioning import PolicyVersion
 from lmcollect.engines.protocol import EngineProtocol
 from lmcollect.engines.sampling import SamplingConfig
@@ -68,29 +68,9 @@ class RayContinuousLLMCollector(RayLLMCollector):
                 f"engine_factory must be a callable building the engine inside the actor, got {type(engine_factory).__name__}."
             )
         self._policy_arg = None
-        collector_kwargs = dict(
-            engine=engine_factory,
-            tokenizer=tokenizer,
-            sampling=sampling,
-            stop_token_ids=stop_token_ids,
-            dialog_turns_per_batch=dialog_turns_per_batch,
-            total_dialog_turns=total_dialog_turns,
-            yield_only_last_steps=yield_only_last_steps,
-            yield_completed_trajectories=yield_completed_trajectories,
-            postproc=postproc,
-            replay_buffer=replay_buffer,
-            flatten_data=flatten_data,
-            track_policy_version=track_policy_version,
-            max_policy_lag=max_policy_lag,
-            max_dialogs_in_flight=max_dialogs_in_flight,
-            max_buffered_turns=max_buffered_turns,
-            verbose=verbose,
-        )
-        ray_config = RayActorConfig(
-            ray_init_config=ray_init_config, remote_config=remote_config, num_cpus=num_cpus, num_gpus=num_gpus,
-            sync_iter=sync_iter, call_timeout_s=call_timeout_s, collect_timeout_s=collect_timeout_s,
-        )
-        self._launch(env, collector_kwargs, weight_updater=weight_updater, ray_config=ray_config)
+        arguments = locals()
+        arguments["engine"] = arguments.pop("engine_factory")  # the collector's engine argument, built in the actor
+        self._launch(env, arguments, weight_updater=weight_updater)
 
     @classmethod
     def _actor_body(cls) -> type:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lmcollect.buffers import ReplayBuffer
-from lmcollect.collectors import LLMCollector, PolicyVersion
+from lmcollect.collectors import CollectionConfig, ContinuousLLMCollector, LLMCollector, PolicyVersion
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
 from lmcollect.envs import (
@@ -396,3 +396,27 @@ def test_iterating_from_a_second_thread_is_serialised() -> None:
         t.join()
     ids = sorted(int(t[keys.TRAJ_IDS]) for batch in out for t in flatten_turns(batch))
     assert ids == list(range(ids[0], ids[0] + 20))
+
+
+# ---------------------------------------------------------------------- the shared config
+def test_collection_config_is_built_once_and_shared_by_both_schedulers() -> None:
+    config = CollectionConfig(dialog_turns_per_batch=3, total_dialog_turns=6, yield_completed_trajectories=True)
+    assert (config.mode, config.flatten) == ("trajectories", True)
+    lockstep = LLMCollector(guessing_env(3), policy=guesser(), **config.arguments())
+    assert lockstep.config == config and lockstep.total_dialog_turns == 6
+    assert sum(batch.numel() for batch in lockstep) >= 6
+    continuous = ContinuousLLMCollector(
+        lambda: guessing_env(1), engine=guesser().engine, tokenizer=guesser().tokenizer, max_dialogs_in_flight=2,
+        **config.arguments(),
+    )
+    # the continuous scheduler's batches are always flat: its config says so, the rest is the same
+    assert continuous.config.flatten_data is True and continuous.config.mode == config.mode
+    assert continuous.dialog_turns_per_batch == 3
+    continuous.shutdown()
+
+
+def test_collection_config_names_the_bad_argument() -> None:
+    with pytest.raises(ValueError, match="total_dialog_turns"):
+        CollectionConfig(dialog_turns_per_batch=2, total_dialog_turns=0)
+    with pytest.raises(TypeError, match="yield_completed_trajectories=False"):
+        CollectionConfig(dialog_turns_per_batch=2, yield_only_last_steps=True, yield_completed_trajectories=False)
