@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcollect.cli.configs import UsageError
+from lmcollect.diagnostics.rollout_files import read_rollout_rows
 from lmcollect.files import write_text_atomically
 
 COLUMNS = ("tokens_prompt", "tokens_response", "log_probs")
@@ -73,13 +74,7 @@ def read_rollouts(path: Path) -> list[dict[str, Any]]:
     """The rows of a rollouts file, checked for the columns this command needs."""
     if not path.is_file():
         raise UsageError(f"--rollouts {path}: no such file.")
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq  # imported here: only parquet input pays for it
-
-        rows = pq.read_table(path).to_pylist()
-    else:
-        with path.open(encoding="utf-8") as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+    rows = read_rollout_rows(path)
     if not rows:
         raise UsageError(f"--rollouts {path}: the file has no rows.")
     missing = [c for c in COLUMNS if c not in rows[0]]

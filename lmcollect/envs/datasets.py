@@ -5,7 +5,7 @@ import json
 import logging
 import os
 import random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ from lmcollect.data.history import History, Message
 logger = logging.getLogger(__name__)
 
 PathLike = str | os.PathLike[str]
+PathOrPaths = PathLike | Sequence[PathLike]
 
 
 def _check_prompt(prompt: Any, where: str) -> None:
@@ -57,7 +58,7 @@ def row_to_history(row: Mapping[str, Any], *, system_prompt: str | None = None) 
     return history
 
 
-def _as_paths(paths: PathLike | Sequence[PathLike]) -> list[Path]:
+def _as_paths(paths: PathOrPaths) -> list[Path]:
     if isinstance(paths, (str, os.PathLike)):
         return [Path(paths)]
     return [Path(p) for p in paths]
@@ -82,6 +83,24 @@ def _read_parquet(path: Path) -> list[dict[str, Any]]:
 
     table = pq.read_table(path)
     return [_normalize_row(row, f"{path} row {i}") for i, row in enumerate(table.to_pylist())]
+
+
+RowReader = Callable[[Path], list[dict[str, Any]]]
+"""Reads the rows of one file."""
+
+_READERS_BY_SUFFIX: dict[str, RowReader] = {
+    ".jsonl": _read_jsonl,
+    ".json": _read_jsonl,
+    ".parquet": _read_parquet,
+    ".pq": _read_parquet,
+}
+
+
+def _read_by_suffix(path: Path) -> list[dict[str, Any]]:
+    suffix = path.suffix.lower()
+    if suffix not in _READERS_BY_SUFFIX:
+        raise ValueError(f"paths: cannot read {path} (suffix {suffix!r}); use .jsonl or .parquet files.")
+    return _READERS_BY_SUFFIX[suffix](path)
 
 
 class PromptDataset:
@@ -117,41 +136,24 @@ class PromptDataset:
         return cls(rows, seed=seed, shuffle=shuffle)
 
     @classmethod
-    def from_jsonl(
-        cls, paths: PathLike | Sequence[PathLike], *, seed: int = 0, shuffle: bool = True
-    ) -> PromptDataset:
+    def from_jsonl(cls, paths: PathOrPaths, *, seed: int = 0, shuffle: bool = True) -> PromptDataset:
         """Rows from one or more JSON-lines files (blank lines are skipped)."""
-        rows = [row for p in _as_paths(paths) for row in _read_jsonl(p)]
-        return cls._from_file_rows(rows, paths, seed=seed, shuffle=shuffle)
+        return cls._from_paths(paths, _read_jsonl, seed=seed, shuffle=shuffle)
 
     @classmethod
-    def from_parquet(
-        cls, paths: PathLike | Sequence[PathLike], *, seed: int = 0, shuffle: bool = True
-    ) -> PromptDataset:
+    def from_parquet(cls, paths: PathOrPaths, *, seed: int = 0, shuffle: bool = True) -> PromptDataset:
         """Rows from one or more Parquet files (one row per record)."""
-        rows = [row for p in _as_paths(paths) for row in _read_parquet(p)]
-        return cls._from_file_rows(rows, paths, seed=seed, shuffle=shuffle)
+        return cls._from_paths(paths, _read_parquet, seed=seed, shuffle=shuffle)
 
     @classmethod
-    def from_files(
-        cls, paths: PathLike | Sequence[PathLike], *, seed: int = 0, shuffle: bool = True
-    ) -> PromptDataset:
+    def from_files(cls, paths: PathOrPaths, *, seed: int = 0, shuffle: bool = True) -> PromptDataset:
         """Rows from ``.jsonl`` / ``.json`` (JSON lines) and ``.parquet`` files, by extension."""
-        rows: list[dict[str, Any]] = []
-        for p in _as_paths(paths):
-            suffix = p.suffix.lower()
-            if suffix in (".jsonl", ".json"):
-                rows.extend(_read_jsonl(p))
-            elif suffix in (".parquet", ".pq"):
-                rows.extend(_read_parquet(p))
-            else:
-                raise ValueError(f"paths: cannot read {p} (suffix {suffix!r}); use .jsonl or .parquet files.")
-        return cls._from_file_rows(rows, paths, seed=seed, shuffle=shuffle)
+        return cls._from_paths(paths, _read_by_suffix, seed=seed, shuffle=shuffle)
 
     @classmethod
-    def _from_file_rows(
-        cls, rows: list[dict[str, Any]], paths: Any, *, seed: int, shuffle: bool
-    ) -> PromptDataset:
+    def _from_paths(cls, paths: PathOrPaths, read: RowReader, *, seed: int, shuffle: bool) -> PromptDataset:
+        """The rows ``read`` finds in each of ``paths``, in order."""
+        rows = [row for p in _as_paths(paths) for row in read(p)]
         if not rows:
             raise ValueError(f"PromptDataset got an empty dataset: no rows in {paths}; pass files with rows.")
         logger.info("Loaded %d prompt rows from %s", len(rows), paths)

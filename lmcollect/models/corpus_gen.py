@@ -112,57 +112,49 @@ Earthquakes are measured with instruments called seismographs.
 The gardener pruned the roses, trimmed the hedge, and watered the vegetables.
 """
 
-NAMES = (
-    "Alice", "Bob", "Carol", "David", "Emma", "Frank", "Grace", "Henry", "Irene", "James",
-    "Karen", "Liam", "Maria", "Noah", "Olivia", "Peter", "Quinn", "Rosa", "Sam", "Tara",
-    "Victor", "Wendy", "Yusuf", "Zoe",
-)
-NOUNS = (
-    "apple", "book", "river", "mountain", "window", "garden", "teacher", "student", "kitchen",
-    "letter", "bottle", "candle", "forest", "island", "castle", "village", "market", "engine",
-    "bicycle", "blanket", "button", "camera", "ladder", "mirror", "pencil", "pocket", "rabbit",
-    "saddle", "ticket", "tunnel", "violin", "wallet", "harbor", "meadow", "planet", "puzzle",
-    "basket", "bridge", "cookie", "dragon", "feather", "hammer", "jacket", "lantern", "needle",
-    "orange", "parrot", "quilt", "rocket", "sandwich", "turtle", "umbrella", "wagon", "yard",
-    "zebra", "question", "answer", "number", "problem", "result", "game", "player", "riddle",
-    "secret", "lesson", "story", "song", "picture", "machine", "journey", "weather", "season",
-    "office", "doctor", "nurse", "farmer", "painter", "sailor", "pilot", "baker", "writer",
-    "anchor", "balloon", "cabinet", "diamond", "envelope", "fountain", "glacier", "helmet",
-    "igloo", "jungle", "kettle", "lobster", "magnet", "notebook", "octopus", "pyramid",
-    "raincoat", "scissors", "telescope", "uniform", "volcano", "whistle", "xylophone", "yogurt",
-    "accordion", "biscuit", "compass", "dolphin", "elevator", "flamingo", "giraffe", "hedgehog",
-    "iceberg", "jellyfish", "keyboard", "lighthouse", "microscope", "nightingale", "ostrich",
-    "pineapple", "quarry", "reindeer", "skyscraper", "tractor", "unicorn", "vineyard",
-    "waterfall", "chimney", "cottage", "cupboard", "curtain", "drawer", "fireplace", "hallway",
-    "staircase", "ceiling", "pillow", "saucepan", "spoon", "teapot", "toaster", "vase",
-    "calendar", "chapter", "diary", "headline", "magazine", "newspaper", "paragraph", "poem",
-    "sentence", "alphabet", "equation", "fraction", "triangle", "circle", "square", "rectangle",
-    "cylinder", "sphere", "diagram", "formula", "hypothesis", "experiment", "laboratory",
-    "astronomer", "architect", "carpenter", "electrician", "firefighter", "gardener",
-    "librarian", "mechanic", "musician", "photographer", "plumber", "scientist", "surgeon",
-)
-ADJECTIVES = (
-    "quick", "slow", "bright", "dark", "quiet", "loud", "small", "large", "gentle", "brave",
-    "clever", "careful", "curious", "happy", "tired", "hungry", "ancient", "modern", "heavy",
-    "light", "warm", "cold", "simple", "strange", "friendly", "narrow", "wide", "green",
-    "yellow", "purple", "silver", "golden", "wooden", "broken", "hidden", "famous", "patient",
-    "honest", "polite", "useful", "difficult", "easy", "early", "late", "empty", "full",
-    "anxious", "blissful", "cheerful", "delicate", "eager", "fierce", "graceful", "humble",
-    "invisible", "jealous", "keen", "lively", "mysterious", "nervous", "obedient", "peculiar",
-    "reliable", "sincere", "thoughtful", "unusual", "vivid", "wealthy", "youthful", "zealous",
-    "enormous", "tiny", "crooked", "shiny", "dusty", "muddy", "fragile", "sturdy", "rusty",
-    "fluffy", "slippery", "spicy", "bitter", "sweet", "sour", "salty", "crispy", "juicy",
-)
-VERBS_PAST = (
-    "found", "carried", "painted", "opened", "closed", "watched", "followed", "visited",
-    "repaired", "borrowed", "returned", "described", "counted", "measured", "noticed",
-    "remembered", "forgot", "discovered", "explained", "answered", "guessed", "checked",
-    "cleaned", "cooked", "drew", "wrote", "read", "sold", "bought", "built",
-    "admired", "balanced", "collected", "delivered", "examined", "fetched", "gathered",
-    "hid", "inspected", "juggled", "kicked", "lifted", "mended", "named", "ordered",
-    "polished", "questioned", "rescued", "sketched", "tossed", "unpacked", "wrapped",
-    "photographed", "decorated", "weighed", "shared", "chased", "dropped", "hugged",
-)
+
+def _words(text: str) -> tuple[str, ...]:
+    """The whitespace-separated words of ``text``, in order."""
+    return tuple(text.split())
+
+
+NAMES = _words("""
+    Alice Bob Carol David Emma Frank Grace Henry Irene James Karen Liam Maria Noah Olivia Peter Quinn
+    Rosa Sam Tara Victor Wendy Yusuf Zoe
+""")
+NOUNS = _words("""
+    apple book river mountain window garden teacher student kitchen letter bottle candle forest island
+    castle village market engine bicycle blanket button camera ladder mirror pencil pocket rabbit saddle
+    ticket tunnel violin wallet harbor meadow planet puzzle basket bridge cookie dragon feather hammer
+    jacket lantern needle orange parrot quilt rocket sandwich turtle umbrella wagon yard zebra question
+    answer number problem result game player riddle secret lesson story song picture machine journey
+    weather season office doctor nurse farmer painter sailor pilot baker writer anchor balloon cabinet
+    diamond envelope fountain glacier helmet igloo jungle kettle lobster magnet notebook octopus pyramid
+    raincoat scissors telescope uniform volcano whistle xylophone yogurt accordion biscuit compass
+    dolphin elevator flamingo giraffe hedgehog iceberg jellyfish keyboard lighthouse microscope
+    nightingale ostrich pineapple quarry reindeer skyscraper tractor unicorn vineyard waterfall chimney
+    cottage cupboard curtain drawer fireplace hallway staircase ceiling pillow saucepan spoon teapot
+    toaster vase calendar chapter diary headline magazine newspaper paragraph poem sentence alphabet
+    equation fraction triangle circle square rectangle cylinder sphere diagram formula hypothesis
+    experiment laboratory astronomer architect carpenter electrician firefighter gardener librarian
+    mechanic musician photographer plumber scientist surgeon
+""")
+ADJECTIVES = _words("""
+    quick slow bright dark quiet loud small large gentle brave clever careful curious happy tired hungry
+    ancient modern heavy light warm cold simple strange friendly narrow wide green yellow purple silver
+    golden wooden broken hidden famous patient honest polite useful difficult easy early late empty full
+    anxious blissful cheerful delicate eager fierce graceful humble invisible jealous keen lively
+    mysterious nervous obedient peculiar reliable sincere thoughtful unusual vivid wealthy youthful
+    zealous enormous tiny crooked shiny dusty muddy fragile sturdy rusty fluffy slippery spicy bitter
+    sweet sour salty crispy juicy
+""")
+VERBS_PAST = _words("""
+    found carried painted opened closed watched followed visited repaired borrowed returned described
+    counted measured noticed remembered forgot discovered explained answered guessed checked cleaned
+    cooked drew wrote read sold bought built admired balanced collected delivered examined fetched
+    gathered hid inspected juggled kicked lifted mended named ordered polished questioned rescued
+    sketched tossed unpacked wrapped photographed decorated weighed shared chased dropped hugged
+""")
 PLACES = (
     "in the park", "near the station", "behind the school", "at the harbor", "on the hill",
     "under the bridge", "by the lake", "inside the museum", "across the street", "at home",

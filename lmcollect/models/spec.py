@@ -27,34 +27,25 @@ class ArchPreset:
     """Longest sequence the rotary embedding is configured for."""
 
 
+def _preset(*, hidden: int, layers: int, heads: int, kv_heads: int, mlp: int, vocab: int) -> ArchPreset:
+    """An :class:`ArchPreset` from short names, so that each preset below fits on one line."""
+    return ArchPreset(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=mlp,
+        vocab_size=vocab,
+    )
+
+
 PRESETS: dict[str, ArchPreset] = {
     # ~2.1M parameters: fast enough to call ``generate`` many times per test on 2 CPU cores.
-    "tiny": ArchPreset(
-        hidden_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=1024,
-        vocab_size=1024,
-    ),
+    "tiny": _preset(hidden=256, layers=2, heads=4, kv_heads=2, mlp=1024, vocab=1024),
     # ~10.2M parameters.
-    "small": ArchPreset(
-        hidden_size=384,
-        num_hidden_layers=6,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        intermediate_size=1024,
-        vocab_size=2048,
-    ),
+    "small": _preset(hidden=384, layers=6, heads=6, kv_heads=2, mlp=1024, vocab=2048),
     # ~75M parameters.
-    "medium": ArchPreset(
-        hidden_size=768,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        intermediate_size=1920,
-        vocab_size=2048,
-    ),
+    "medium": _preset(hidden=768, layers=12, heads=12, kv_heads=4, mlp=1920, vocab=2048),
 }
 PRESET_NAMES: tuple[str, ...] = tuple(PRESETS)
 

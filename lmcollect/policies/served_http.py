@@ -187,19 +187,19 @@ class _DeadlineHTTPSConnection(_DeadlineConnectionMixin, http.client.HTTPSConnec
     pass
 
 
-class _DeadlineHTTPHandler(urllib.request.HTTPHandler):
+class _DeadlineHandlerMixin:
+    """A ``urllib`` handler that opens its connections with ``deadline`` (see ``_DeadlineConnectionMixin``)."""
+
     def __init__(self, deadline: float) -> None:
         super().__init__()
         self.deadline = deadline
 
+
+class _DeadlineHTTPHandler(_DeadlineHandlerMixin, urllib.request.HTTPHandler):
     def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
         return self.do_open(_DeadlineHTTPConnection, req, deadline=self.deadline)
 
 
-class _DeadlineHTTPSHandler(urllib.request.HTTPSHandler):
-    def __init__(self, deadline: float) -> None:
-        super().__init__()
-        self.deadline = deadline
-
+class _DeadlineHTTPSHandler(_DeadlineHandlerMixin, urllib.request.HTTPSHandler):
     def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
         return self.do_open(_DeadlineHTTPSConnection, req, deadline=self.deadline)

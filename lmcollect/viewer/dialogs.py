@@ -4,11 +4,12 @@ Pure Python: no torch, no tokenizer import. A tokenizer, when given, only has to
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+from lmcollect.diagnostics.rollout_files import read_rollout_rows
 
 REQUIRED_COLUMNS = ("traj_id", "step", "response", "tokens_response", "log_probs", "reward")
 """Columns a rollouts file needs; ``prompt``, ``tokens_prompt``, ``done``, ``policy_version``,
@@ -99,13 +100,7 @@ def read_rollout_records(path: str | Path) -> list[dict[str, Any]]:
         raise ValueError(f"{path}: a rollouts file is .parquet or .jsonl (as `lmcollect collect --output` writes).")
     if not path.is_file():
         raise ValueError(f"{path}: no such file.")
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq  # imported here: only parquet input pays for it
-
-        rows = pq.read_table(path).to_pylist()
-    else:
-        with path.open(encoding="utf-8") as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+    rows = read_rollout_rows(path)
     check_columns(rows, source=str(path))
     return rows
 

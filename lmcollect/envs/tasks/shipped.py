@@ -47,6 +47,20 @@ class ShippedTask:
     warm-up that teaches the format and leaves the task to RL; None: warm up on the "answer"."""
 
 
+def _multi_turn_task(
+    name: str, description: str, make_rows: Callable[..., list[dict[str, Any]]], make_task: Callable[[], Task]
+) -> ShippedTask:
+    """A task of up to 5 assistant turns whose rows have no reference answer to imitate."""
+    return ShippedTask(
+        name=name,
+        description=description,
+        make_rows=make_rows,
+        make_task=make_task,
+        max_turns=5,
+        has_reference_answers=False,
+    )
+
+
 SHIPPED_TASKS: dict[str, ShippedTask] = {
     task.name: task
     for task in (
@@ -69,21 +83,17 @@ SHIPPED_TASKS: dict[str, ShippedTask] = {
             make_rows=arithmetic_dataset,
             make_task=_math_answer_task,
         ),
-        ShippedTask(
-            name="guessing",
-            description="guess a number in [1, 20] in 5 turns, told 'Higher.' / 'Lower.'",
-            make_rows=guessing_game_dataset,
-            make_task=GuessingGameTask,
-            max_turns=5,
-            has_reference_answers=False,
+        _multi_turn_task(
+            "guessing",
+            "guess a number in [1, 20] in 5 turns, told 'Higher.' / 'Lower.'",
+            guessing_game_dataset,
+            GuessingGameTask,
         ),
-        ShippedTask(
-            name="tool_calc",
-            description="a chain of 2-4 operations done with a calculator tool (0-300 ms per call), 'ANSWER: n' at the end",
-            make_rows=tool_calc_dataset,
-            make_task=ToolCalcTask,
-            max_turns=5,
-            has_reference_answers=False,
+        _multi_turn_task(
+            "tool_calc",
+            "a chain of 2-4 operations done with a calculator tool (0-300 ms per call), 'ANSWER: n' at the end",
+            tool_calc_dataset,
+            ToolCalcTask,
         ),
     )
 }
