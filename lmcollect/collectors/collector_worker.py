@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,6 +16,16 @@ from lmcollect.data.transport import pack
 from lmcollect.weights.version import PushVersion
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Received:
+    """What a collector actor answers to ``receive_weights``."""
+
+    version: PushVersion | None
+    """The version now held (None when versions are not tracked)."""
+    report: Any
+    """The engine's report of the load (its workers' reports for a process-group push)."""
 
 
 class CollectorRestartedError(RuntimeError):
@@ -71,13 +82,13 @@ class WorkerMethods:
     def is_awaiting_restore(self) -> bool:
         return self._awaiting_restore
 
-    def receive_weights(self, *args: Any, **kwargs: Any) -> Any:
-        """:meth:`LLMCollector.receive_weights`; returns the version now held (a :class:`PushVersion`,
-        None when versions are not tracked), so the driver can re-send a push to a restarted actor."""
-        super().receive_weights(*args, **kwargs)
+    def receive_weights(self, *args: Any, **kwargs: Any) -> Received:
+        """:meth:`LLMCollector.receive_weights`; returns its report with the version now held, so
+        the driver can re-send a push to a restarted actor."""
+        report = super().receive_weights(*args, **kwargs)
         if self._policy_version is None:
-            return None
-        return PushVersion(self._policy_version.index, self._policy_version.version_uuid)
+            return Received(version=None, report=report)
+        return Received(version=PushVersion(self._policy_version.index, self._policy_version.version_uuid), report=report)
 
     def start(self) -> None:
         self._check_restored()

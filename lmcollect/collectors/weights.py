@@ -15,6 +15,7 @@ from lmcollect.collectors.attr_path import resolve_attr_path
 from lmcollect.weights.version import PushVersion
 from lmcollect.collectors.trajectories import id_base
 from lmcollect.engines.protocol import EngineProtocol, WorkerRpcEngine, engine_of, worker_rpc_engine_of
+from lmcollect.engines.weight_group import GroupPush, join_weight_group, weight_receiver_nodes
 from lmcollect.weight_sync.base import resolve_updater
 from lmcollect.weights.delta import WeightDelta, check_delta_base, prepare_delta
 from lmcollect.weights.tensors import (
@@ -29,6 +30,11 @@ from lmcollect.weights.tensors import (
 
 logger = logging.getLogger(__name__)
 
+_NO_GROUP_ENGINE = (
+    "this collector's policy ({policy}) has no engine with worker processes (lmcollect.engines.WorkerRpcEngine); "
+    "a vLLMUpdater needs a VLLMPolicy or a VLLMEngine. Push with RayRemoteWeightUpdater instead."
+)
+
 
 def attach_updater(collector: Any, updater: Any, policy: Any) -> None:
     """``collector.weight_updater = updater`` for local and Ray collectors: an updater class is
@@ -42,8 +48,8 @@ def attach_updater(collector: Any, updater: Any, policy: Any) -> None:
 class WeightReceiverMixin:
     """Weight-update methods shared by the local collector (and, through it, the Ray one).
 
-    Every applied update goes through :meth:`receive_weights` (or, for a vLLM engine,
-    :meth:`policy_engine_rpc`), which sets the policy version exactly once: to the version the
+    Every applied update goes through :meth:`receive_weights` (for a vLLM engine's process-group
+    push too, as a :class:`~lmcollect.engines.weight_group.GroupPush`), which sets the policy version exactly once: to the version the
     push carries (assigned by the updater), or one more than before for a push without one.
     """
 
@@ -57,7 +63,7 @@ class WeightReceiverMixin:
         self._worker_idx: int | None = None
         self._held_push: PushVersion | None = None  # the push whose weights the model holds (delta base)
         self._shared_models: set[int] = set()  # id() of models whose tensors map a push (zero_copy)
-        self._engine_rpc_thread: ThreadPoolExecutor | None = None  # submit_policy_engine_rpc's
+        self._engine_rpc_thread: ThreadPoolExecutor | None = None  # submit_join_weight_group / submit_receive_weights
         # One push at a time, its version checked, loaded and taken inside: a late push N can
         # never land after N+1 (it is refused as older), whatever the actor's max_concurrency.
         self._push_lock = threading.RLock()
@@ -166,9 +172,10 @@ class WeightReceiverMixin:
         convert_dtype: bool = False,
         version: PushVersion | None = None,
         zero_copy: bool = False,
-    ) -> None:
+    ) -> Any:
         """The collector side of every push: load the weights given, or pull them from the
-        registered receiver schemes (no weights given).
+        registered receiver schemes (no weights given). Returns what the engine reports of the
+        load (its workers' reports for a process-group push; else None).
 
         Given weights are checked against the model and loaded in place, all or nothing: a
         missing, extra, misshapen or wrongly typed tensor (or a ``version`` older than the
@@ -185,13 +192,15 @@ class WeightReceiverMixin:
         :func:`~lmcollect.weights.tensors.share_weights_`; a Ray push maps the object store's
         shared memory, so collectors on one node share one copy). A later copying or delta load
         first gives the model private tensors again.
+
+        ``weights`` may be a :class:`~lmcollect.engines.weight_group.GroupPush` (a ``vLLMUpdater``
+        push): the engine's workers receive the trainer's broadcast inside the engine's load.
         """
         given = [x for x in (policy_or_weights, weights, policy) if x is not None]
         if len(given) > 1:
             raise ValueError("pass only one of policy_or_weights, weights= and policy=.")
         if given:
-            self._apply_weights(given[0], model_id=model_id, convert_dtype=convert_dtype, version=version, zero_copy=zero_copy)
-            return
+            return self._apply_weights(given[0], model_id=model_id, convert_dtype=convert_dtype, version=version, zero_copy=zero_copy)
         _refuse_push_options_without_weights(convert_dtype=convert_dtype, version=version, zero_copy=zero_copy)
         for scheme_model_id, scheme in self._receiver_schemes.items():
             apply = functools.partial(self._apply_weights, model_id=scheme_model_id)
@@ -202,6 +211,7 @@ class WeightReceiverMixin:
                 received = scheme.receive(timeout_s=timeout_s)
                 if received is not None:
                     apply(received)
+        return None
 
     def _apply_weights(
         self,
@@ -211,7 +221,7 @@ class WeightReceiverMixin:
         convert_dtype: bool = False,
         version: PushVersion | None = None,
         zero_copy: bool = False,
-    ) -> None:
+    ) -> Any:
         """:meth:`receive_weights` of given weights (see there)."""
         children = getattr(self, "_sub_collectors", None)
         if children:  # a collector holding collectors passes weights down; each leaf takes the version
@@ -220,17 +230,18 @@ class WeightReceiverMixin:
                 child._apply_weights(weights, model_id=model_id, convert_dtype=convert_dtype, version=version, zero_copy=zero_copy)
             return
         with self._push_lock:
-            self._apply_leaf(weights, model_id=model_id, convert_dtype=convert_dtype, version=version, zero_copy=zero_copy)
+            return self._apply_leaf(weights, model_id=model_id, convert_dtype=convert_dtype, version=version, zero_copy=zero_copy)
 
     def _apply_leaf(
         self, weights: Any, *, model_id: str, convert_dtype: bool, version: PushVersion | None, zero_copy: bool
-    ) -> None:
+    ) -> Any:
         """:meth:`_apply_weights` into this collector's own model (under the push lock)."""
         target = self.get_model(model_id)
         engine = self._engine_holding(model_id, target)
         if engine is not None:
-            self._load_into_engine(engine, weights, convert_dtype=convert_dtype, version=version)
-            return
+            return self._load_into_engine(engine, weights, convert_dtype=convert_dtype, version=version)
+        if isinstance(weights, GroupPush):
+            raise TypeError(_NO_GROUP_ENGINE.format(policy=type(self.policy).__name__))
         if isinstance(weights, WeightDelta):
             self._apply_delta(target, weights, version)
             return
@@ -248,10 +259,11 @@ class WeightReceiverMixin:
                 load_weights_(target, weights, convert_dtype=convert_dtype)
             self._finish_update(version)
             self._held_push = version
+        return None
 
     def _load_into_engine(
         self, engine: EngineProtocol, weights: Any, *, convert_dtype: bool, version: PushVersion | None
-    ) -> None:
+    ) -> Any:
         """A push into an engine that holds its own weights: checked by the engine, loaded while no
         token is generated (see :meth:`_engine_held`), then the cache reset and the version taken.
 
@@ -260,19 +272,30 @@ class WeightReceiverMixin:
         exposes; same checks as an in-place delta: a rejected one changes nothing), then loads as a
         full push. An engine without a model refuses deltas, naming the fix.
         """
-        delta = weights if isinstance(weights, WeightDelta) else None
-        if delta is not None and version is None:
-            raise TypeError("a delta push needs the version it brings (version=PushVersion(...)).")
         self._check_version(version)
-        weights = _decode_delta(engine, delta, self._held_push) if delta is not None else to_weight_dict(weights)
-        if convert_dtype:  # cast here to what the engine holds: every engine then checks dtypes strictly
-            weights = cast_to_held(weights, *engine.weight_metadata())
+        source = self._engine_source(engine, weights, convert_dtype=convert_dtype, version=version)
         index = version.index if version is not None else self._loaded_version_index(engine)
         self._held_push = None  # until the load succeeded
         with self._engine_held():
-            engine.load_weights(weights.items(), version=index)
+            report = engine.load_weights(source, version=index)
             self._finish_update(version)
             self._held_push = version
+        return report
+
+    def _engine_source(self, engine: EngineProtocol, weights: Any, *, convert_dtype: bool, version: PushVersion | None) -> Any:
+        """What ``engine.load_weights`` takes for ``weights``: a process-group push as it is, a delta
+        decoded into full weights, tensors cast to the engine's dtypes with ``convert_dtype``."""
+        if isinstance(weights, GroupPush):
+            if not isinstance(engine, WorkerRpcEngine):
+                raise TypeError(_NO_GROUP_ENGINE.format(policy=type(self.policy).__name__))
+            return weights
+        delta = weights if isinstance(weights, WeightDelta) else None
+        if delta is not None and version is None:
+            raise TypeError("a delta push needs the version it brings (version=PushVersion(...)).")
+        weights = _decode_delta(engine, delta, self._held_push) if delta is not None else to_weight_dict(weights)
+        if convert_dtype:  # cast here to what the engine holds: every engine then checks dtypes strictly
+            weights = cast_to_held(weights, *engine.weight_metadata())
+        return weights.items()
 
     def _unshare(self, target: Any) -> None:
         """Private, writable tensors for a model a zero-copy push had pointed at shared memory."""
@@ -320,17 +343,13 @@ class WeightReceiverMixin:
             engine.set_version(self.version_index())
 
     # ------------------------------------------------------------------ an engine with worker processes
-    # A vLLM engine holds its weights in its workers: a vLLMUpdater reaches them with these calls
-    # (through the actor for a Ray collector) instead of receive_weights. The engine is a
-    # WorkerRpcEngine: a lockstep VLLMPolicy's engine, or a continuous collector's VLLMEngine.
+    # A vLLM engine holds its weights in its workers: a vLLMUpdater forms a process group with
+    # them (join), then each push is receive_weights(GroupPush(...)) started before the trainer
+    # sends (the workers' receive returns only once it has). Through the actor for a Ray collector.
     def _worker_engine(self) -> WorkerRpcEngine:
         engine = worker_rpc_engine_of(self.policy)
         if engine is None:
-            raise TypeError(
-                f"this collector's policy ({type(self.policy).__name__}) has no engine with worker processes "
-                "(lmcollect.engines.WorkerRpcEngine); a vLLMUpdater needs a VLLMPolicy or a VLLMEngine. "
-                "Push with RayRemoteWeightUpdater instead."
-            )
+            raise TypeError(_NO_GROUP_ENGINE.format(policy=type(self.policy).__name__))
         return engine
 
     @contextlib.contextmanager
@@ -351,62 +370,35 @@ class WeightReceiverMixin:
         """How many engine replicas the policy's engine has (1 for an in-process engine)."""
         return self._worker_engine().num_replicas
 
-    def policy_engine_rpc(
-        self,
-        method: str,
-        args_per_replica: list[tuple],
-        kwargs: dict[str, Any] | None = None,
-        *,
-        finish_update: bool = False,
-        version: PushVersion | None = None,
-    ) -> list[Any]:
-        """``collective_rpc_each`` on the policy's engine, replica ``i`` with ``args_per_replica[i]``,
-        while no token is generated (see :meth:`_engine_held`).
+    def join_policy_weight_group(self, connection_info: dict[str, Any], *, ranks_per_replica: int) -> None:
+        """The policy engine's workers join a trainer's weight group (see :func:`~lmcollect.engines.weight_group.join_weight_group`)."""
+        join_weight_group(self._worker_engine(), connection_info, ranks_per_replica=ranks_per_replica)
 
-        ``finish_update=True`` (a weight push): also reset the prefix cache and take the push's
-        ``version`` (None: one more) inside the same hold, so no turn sees new weights with a
-        stale cache or version; a continuous engine labels its next tokens with it.
-        """
-        engine = self._worker_engine()
-        with self._push_lock:
-            if finish_update:
-                self._check_version(version)  # a push older than the weights held is refused before it loads
-            with self._engine_held():
-                results = engine.collective_rpc_each(method, args_per_replica, kwargs)
-                if finish_update:
-                    self._finish_update(version)
-                    if self._policy_version is None and isinstance(engine, EngineProtocol):
-                        engine.set_version(self._loaded_version_index(engine))  # untracked: count the load
-                return results
+    def policy_weight_receiver_nodes(self) -> list[str | None]:
+        """The Ray node of each of the policy engine's workers (None: outside Ray, in this collector's process)."""
+        return weight_receiver_nodes(self._worker_engine())
 
-    def submit_policy_engine_rpc(
-        self,
-        method: str,
-        args_per_replica: list[tuple],
-        kwargs: dict[str, Any] | None = None,
-        *,
-        finish_update: bool = False,
-        version: PushVersion | None = None,
-    ) -> Callable[[float | None], list[Any]]:
-        """Start :meth:`policy_engine_rpc` on a thread; returns ``wait(timeout_s)`` for its answers.
+    def submit_join_weight_group(self, connection_info: dict[str, Any], *, ranks_per_replica: int) -> Callable[[float | None], Any]:
+        """Start :meth:`join_policy_weight_group` on a thread; returns ``wait(timeout_s)``."""
+        return self._submit(self.join_policy_weight_group, connection_info, ranks_per_replica=ranks_per_replica)
 
-        A weight push needs it: the workers' receive returns only once the trainer has sent."""
+    def submit_receive_weights(self, source: GroupPush, *, version: PushVersion | None) -> Callable[[float | None], Any]:
+        """Start :meth:`receive_weights` of a process-group push on a thread; returns ``wait(timeout_s)``
+        for the workers' reports (the receive returns only once the trainer has sent). A push older
+        than the weights held is refused here, before the trainer sends."""
+        self._check_version(version)
+        return self._submit(self.receive_weights, source, version=version)
+
+    def _submit(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[[float | None], Any]:
         if self._engine_rpc_thread is None:
-            self._engine_rpc_thread = ThreadPoolExecutor(1, thread_name_prefix="lmcollect-engine-rpc")
-        call = functools.partial(self.policy_engine_rpc, finish_update=finish_update, version=version)
-        return self._engine_rpc_thread.submit(call, method, args_per_replica, kwargs).result
+            self._engine_rpc_thread = ThreadPoolExecutor(1, thread_name_prefix="lmcollect-weight-group")
+        return self._engine_rpc_thread.submit(call, *args, **kwargs).result
 
     def _loaded_version_index(self, engine: EngineProtocol) -> int:
         """The version index a load about to be taken gives ``engine`` (untracked: it counts its loads)."""
         if self._policy_version is not None:
             return self.version_index() + 1
         return max(engine.version, 0) + 1
-
-    def reset_policy_prefix_cache(self) -> None:
-        """Drop the policy engine's cached prefixes (after its weights changed)."""
-        engine = self._worker_engine()
-        with self._engine_held():
-            engine.reset_prefix_cache()
 
     def register_scheme_receiver(self, weight_recv_schemes: dict[str, Any], *, synchronize_weights: bool = True) -> None:
         """Register receiver schemes ({model_id: scheme}); optionally pull weights right away."""

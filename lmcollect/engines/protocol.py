@@ -155,11 +155,12 @@ class EngineProtocol(Protocol):
 class WorkerRpcEngine(Protocol):
     """An engine whose weights live in worker processes that a trainer can join in a process group.
 
-    What :class:`~lmcollect.weight_sync.vLLMUpdater` needs to push weights straight into vLLM's
-    workers (their extension's ``init_weight_group`` / ``receive_weights``). Implemented by the
-    vLLM engines (``VLLMEngine``, a vLLM server), also in a ``RayEngine``
-    actor and behind an ``EngineRouter`` (``VLLMReplicas``). The caller keeps generation off the engine during a call that
-    changes weights: a lockstep collector holds its policy lock, a continuous one pauses the engine.
+    Implemented by the vLLM engines (``VLLMEngine``, a vLLM server), also in a ``RayEngine``
+    actor and behind an ``EngineRouter`` (``VLLMReplicas``). A push into the workers is the
+    engine's own ``load_weights(GroupPush(...), version=)`` after
+    :func:`~lmcollect.engines.weight_group.join_weight_group` (what ``vLLMUpdater`` calls): only
+    the engines and :mod:`lmcollect.engines.weight_group` name the workers' methods.
+    ``collective_rpc_each`` is how they fan out, and a hook for tests and benchmarks.
     """
 
     @property

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 import torch
 
 from lmcollect.engines.protocol import EngineClosedError, EngineProtocol, EngineRequest, EngineResult, WorkerRpcEngine
+from lmcollect.engines.weight_group import GroupPush
 
 __all__ = ["EngineRouter", "ReplicaLoadError"]
 
@@ -100,13 +101,17 @@ class EngineRouter:
         """Resume every replica."""
         self._on_every(lambda engine: engine.resume())
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
+    def load_weights(self, source: Iterable[tuple[str, torch.Tensor]] | GroupPush, *, version: int) -> list[Any] | None:
         """Load the same weights into every replica (each checks them before writing any).
 
         A push every replica refuses raises that refusal (nothing changed anywhere); one that only
         some replicas refuse raises :class:`ReplicaLoadError` naming which hold which version.
+        A :class:`~lmcollect.engines.weight_group.GroupPush` is received by every replica at once
+        (the broadcast needs all of them); returns their workers' reports, replica by replica.
         """
-        weights = dict(named_tensors)  # every replica reads them
+        if isinstance(source, GroupPush):
+            return self._load_group_push(source, version)
+        weights = dict(source)  # every replica reads them
         errors = self._on_every(lambda engine: engine.load_weights(weights.items(), version=version), raise_first=False)
         failed = [i for i, error in enumerate(errors) if error is not None]
         if len(failed) == len(self.engines):
@@ -117,6 +122,11 @@ class EngineRouter:
                 f"loading version {version} failed on replicas {failed} ({errors[failed[0]]!r}) and succeeded on "
                 f"the others; versions now {versions}. Push again, or close the failed replicas."
             ) from errors[failed[0]]
+        return None
+
+    def _load_group_push(self, push: GroupPush, version: int) -> list[Any]:
+        futures = [self._fan_out.submit(engine.load_weights, push, version=version) for engine in self.engines]
+        return self._gather(futures, "receive_weights")
 
     def weight_metadata(self) -> tuple[dict[str, tuple[torch.dtype, torch.Size]], dict[str, str]]:
         """Replica 0's (all replicas serve the same model)."""
@@ -144,14 +154,19 @@ class EngineRouter:
             self._fan_out.submit(engine.collective_rpc_each, method, args_per_replica[s : s + n], kwargs)
             for engine, s, n in zip(self.engines, starts, counts)
         ]
-        answers = []
+        return self._gather(futures, method)
+
+    @staticmethod
+    def _gather(futures: list[Future], what: str) -> list[Any]:
+        """Every replica's answers, in order; a replica's failure is raised naming it."""
+        answers: list[Any] = []
         for index, future in enumerate(futures):
             try:
                 answers += future.result()
             except (ValueError, TypeError):  # a refusal: the same on every replica, so no name needed
                 raise
             except Exception as exc:  # name the replica: the caller reports which engine failed (or died)
-                raise RuntimeError(f"replica {index} failed during {method}: {exc}") from exc
+                raise RuntimeError(f"replica {index} failed during {what}: {exc}") from exc
         return answers
 
     def _worker_engine(self, index: int) -> WorkerRpcEngine:

@@ -32,6 +32,7 @@ from lmcollect.engines.vllm_common import (
     settle,
 )
 from lmcollect.engines.vllm_worker_ext import checkpoint_metadata
+from lmcollect.engines.weight_group import RECEIVE_METHOD, GroupPush
 from lmcollect.weights.buckets import LOAD_PACKED_WEIGHTS, packed_weights
 from lmcollect.weights.tensors import check_weights
 
@@ -143,15 +144,21 @@ class VLLMEngine:
         """Continue every in-flight request and the ones submitted while paused."""
         self._between_steps(lambda: setattr(self, "_paused", False))
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
+    def load_weights(self, source: Iterable[tuple[str, torch.Tensor]] | GroupPush, *, version: int) -> list[Any] | None:
         """Check every name, shape and dtype, then reload the weights in every worker and take ``version``.
 
         Names are the checkpoint's (Hugging Face) names; a tied output embedding may be sent or
         left out. A refused load raises ``ValueError`` and changes nothing. The load runs between
         two decoding steps, paused or not; running requests are recomputed under the new weights.
+
+        ``source`` a :class:`~lmcollect.engines.weight_group.GroupPush`: the workers receive the
+        weights from the trainer's process group (joined before) and reload them, inside the same
+        step boundary; returns each worker's report (what arrived, checksums with ``verify``).
         """
         check_version(version)
-        weights = dict(named_tensors)
+        if isinstance(source, GroupPush):
+            return self._between_steps(lambda: self._receive_group_push(source, version))
+        weights = dict(source)
         check_weights(weights, self._metadata, aliases=self._aliases)  # before anything is sent or written
         layout_json, buffers = packed_weights(weights)
         payload = (layout_json, [memoryview(buffer) for buffer in buffers])  # sent without a copy
@@ -162,14 +169,21 @@ class VLLMEngine:
             self._take_version(version)
 
         self._between_steps(load)
+        return None
+
+    def _receive_group_push(self, push: GroupPush, version: int) -> list[Any]:
+        refuse_stale_push(version, self._version, "VLLMEngine")
+        reports = self._llm.collective_rpc(RECEIVE_METHOD, args=push.worker_args())
+        self._take_version(version)
+        return reports
 
     def weight_metadata(self) -> tuple[dict[str, tuple[torch.dtype, torch.Size]], dict[str, str]]:
         """The checkpoint's names, dtypes and shapes (what ``load_weights`` accepts), and tied aliases."""
         return dict(self._metadata), dict(self._aliases)
 
     def set_version(self, version: int) -> None:
-        """Label the steps from now on with ``version`` (weights loaded through :meth:`collective_rpc_each`);
-        running requests are recomputed under the weights loaded now."""
+        """Label the steps from now on with ``version``; running requests are recomputed under the
+        weights loaded now."""
         check_version(version)
         self._between_steps(lambda: self._take_version(version))
 
@@ -182,8 +196,8 @@ class VLLMEngine:
         self, method: str, args_per_replica: list[tuple], kwargs: dict[str, Any] | None = None
     ) -> list[Any]:
         """``method`` on every worker (through our worker extension), between two steps; one
-        replica, so one tuple of arguments. A call that changes weights runs paused (see
-        :class:`~lmcollect.engines.WorkerRpcEngine`), then :meth:`set_version`."""
+        replica, so one tuple of arguments (a hook for tests and benchmarks; weight pushes go
+        through :meth:`load_weights`)."""
         if len(args_per_replica) != 1:
             raise ValueError(f"VLLMEngine is one replica; got arguments for {len(args_per_replica)}.")
         args = tuple(args_per_replica[0])

@@ -8,37 +8,36 @@ targets. The trainer side is the plain
 :class:`~lmcollect.transports.process_group.ProcessGroupSender` (rank 0); each worker
 is a :class:`~lmcollect.transports.process_group.ProcessGroupReceiver` (rank >= 1).
 
-Steps, in order:
+Steps, in order (the engine calls the workers; a trainer calls engine verbs):
 
-1. once: the engine calls ``collective_rpc("init_weight_group", args=(sender.connection_info(),
-   first_rank))`` while the trainer calls ``sender.connect()`` (both block until the group is
-   formed, so one of them runs in a thread or a Ray task); each worker posts what its model
-   accepts (checkpoint names, shapes, the engine's dtype, tied aliases) for the sender to check;
-2. per push (generation paused): the engine calls ``collective_rpc("receive_weights")`` while
-   the trainer calls ``sender.send(model)``: the layout goes through the store, then a few flat
-   per-dtype buffers by broadcast;
+1. once: ``join_weight_group(engine, sender.connection_info(), ranks_per_replica=tp)`` (the
+   engine calls ``init_weight_group`` on every worker) while the trainer calls
+   ``sender.connect()`` (both block until the group is formed, so one of them runs in a thread
+   or a Ray task); each worker posts what its model accepts (checkpoint names, shapes, the
+   engine's dtype, tied aliases) for the sender to check;
+2. per push: ``engine.load_weights(GroupPush(...), version=v)`` (the engine calls
+   ``receive_weights`` on every worker between two decoding steps) while the trainer calls
+   ``sender.send(model)``: the layout goes through the store, then a few flat per-dtype buffers
+   by broadcast;
 3. each worker hands the tensors, under their Hugging Face names, to vLLM's
    ``reload_weights(..., is_checkpoint_format=True)``, which fuses (q/k/v -> qkv_proj) and
    repacks them, then rebuilds tied modules (see :func:`refresh_tied_modules`);
-4. the engine's owner calls ``reset_prefix_cache()`` (the cache lives in the scheduler, out of
-   the workers' reach), then generation resumes.
+4. still inside the load, the engine resets its prefix cache (it lives in the scheduler, out of
+   the workers' reach) and takes the version; then generation goes on.
 
 Example (trainer process, ``engine`` a ``VLLMEngine`` or ``VLLMReplicas`` with one replica; a
 ``vLLMUpdater`` does all of this)::
 
     sender = ProcessGroupSender(ProcessGroupConfig(num_receivers=1))
-    pool = ThreadPoolExecutor(1)  # a worker RPC returns only once the trainer's side is done
-    joined = pool.submit(engine.collective_rpc_each, "init_weight_group", [(sender.connection_info(), 1)])
+    pool = ThreadPoolExecutor(1)  # the workers' side returns only once the trainer's side is done
+    joined = pool.submit(join_weight_group, engine, sender.connection_info(), ranks_per_replica=1)
     sender.connect()
     joined.result()
-    for step in itertools.count():
+    for step in itertools.count(1):
         ...  # train
-        engine.pause()
-        done = pool.submit(engine.collective_rpc_each, "receive_weights", [()])
+        done = pool.submit(engine.load_weights, GroupPush(), version=step)
         sender.send(model)
         done.result()
-        engine.set_version(step)  # also drops the cached prefixes
-        engine.resume()
 
 The engine always reloads the whole model: vLLM's layerwise reload processes a fused layer only
 once all of its checkpoint tensors arrived. A delta push (``ProcessGroupConfig(delta=...)``)

@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult, check_version
+from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult, check_version, refuse_stale_push
+from lmcollect.engines.weight_group import RECEIVE_METHOD, GroupPush
 from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.engines.vllm_worker_ext import checkpoint_metadata
 from lmcollect.policies.served_http import MAX_RESPONSE_BYTES, VLLMServerError, request_json
@@ -336,13 +337,22 @@ class VLLMServerEngine:
         name = checkpoint_dtype(folder)
         return checkpoint_metadata(folder, dtype=getattr(torch, name) if name else None)
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
-        """Refused, before anything is sent: tensors do not travel through the server's JSON endpoints.
-        Push with a ``vLLMUpdater``, which broadcasts into the server's workers."""
-        raise TypeError(
-            f"VLLMServerEngine ({self.base_url}) cannot load weights sent through HTTP; give the collector "
-            "weight_updater=vLLMUpdater() (a process-group broadcast into the server's workers) and push through it."
-        )
+    def load_weights(self, source: Iterable[tuple[str, torch.Tensor]] | GroupPush, *, version: int) -> list[Any]:
+        """A :class:`~lmcollect.engines.weight_group.GroupPush`: paused, the server's workers receive
+        the trainer's broadcast and reload, the prefix cache is reset and ``version`` taken; returns
+        the workers' reports. Tensors themselves are refused, before anything is sent: they do not
+        travel through the server's JSON endpoints (push with a ``vLLMUpdater``)."""
+        if not isinstance(source, GroupPush):
+            raise TypeError(
+                f"VLLMServerEngine ({self.base_url}) cannot load weights sent through HTTP; give the collector "
+                "weight_updater=vLLMUpdater() (a process-group broadcast into the server's workers) and push through it."
+            )
+        check_version(version)
+        with self.paused():
+            refuse_stale_push(version, self._version, "VLLMServerEngine")
+            reports = self.collective_rpc(RECEIVE_METHOD, source.worker_args())
+            self._version = version
+        return reports
 
     # ------------------------------------------------------------------ weight updates (control endpoints)
     def pause(self) -> None:

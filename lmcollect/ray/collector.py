@@ -483,7 +483,7 @@ class RayLLMCollector(ConfiguredCollector):
             self._call("update_policy_weights_")  # the actor's receiver schemes, or a clear error
         else:
             ref = _put_weights(policy_or_weights)
-            self.remember_push(ref, version=self._call("receive_weights", ref))
+            self.remember_push(ref, version=self._call("receive_weights", ref).version)
         return None
 
     def receive_weights(
@@ -497,7 +497,7 @@ class RayLLMCollector(ConfiguredCollector):
             raise ValueError("pass only one of policy_or_weights, weights= and policy=.")
         if given:
             ref = _put_weights(given[0])
-            self.remember_push(ref, version=self._call("receive_weights", ref, **push))
+            self.remember_push(ref, version=self._call("receive_weights", ref, **push).version)
         else:
             self._call("receive_weights")
 
@@ -516,26 +516,19 @@ class RayLLMCollector(ConfiguredCollector):
     def policy_engine_num_replicas(self) -> int:
         return self._call("policy_engine_num_replicas")
 
-    def submit_policy_engine_rpc(
-        self,
-        method: str,
-        args_per_replica: list[tuple],
-        kwargs: dict[str, Any] | None = None,
-        *,
-        finish_update: bool = False,
-        version: PushVersion | None = None,
-    ) -> Callable[[float | None], list[Any]]:
-        """Start ``policy_engine_rpc`` in the actor without waiting; returns ``wait(timeout_s)``.
+    def policy_weight_receiver_nodes(self) -> list[str | None]:
+        return self._call("policy_weight_receiver_nodes")
 
-        A weight push needs it: the engine's receive returns only once the driver has sent.
-        """
-        ref = self._actor.policy_engine_rpc.remote(
-            method, args_per_replica, kwargs, finish_update=finish_update, version=version
-        )
-        return lambda timeout_s=None: self._get(ref, f"policy_engine_rpc({method!r})", timeout_s)
+    def submit_join_weight_group(self, connection_info: dict[str, Any], *, ranks_per_replica: int) -> Callable[[float | None], Any]:
+        """Start ``join_policy_weight_group`` in the actor without waiting; returns ``wait(timeout_s)``."""
+        ref = self._actor.join_policy_weight_group.remote(connection_info, ranks_per_replica=ranks_per_replica)
+        return lambda timeout_s=None: self._get(ref, "join_policy_weight_group", timeout_s)
 
-    def reset_policy_prefix_cache(self) -> None:
-        self._call("reset_policy_prefix_cache")
+    def submit_receive_weights(self, source: Any, *, version: PushVersion | None) -> Callable[[float | None], Any]:
+        """Start ``receive_weights(source)`` in the actor without waiting (a process-group push:
+        its receive returns only once the trainer has sent); ``wait(timeout_s)`` gives the report."""
+        ref = self._actor.receive_weights.remote(source, version=version)
+        return lambda timeout_s=None: self._get(ref, "receive_weights", timeout_s).report
 
     def __repr__(self) -> str:
         return self._name

@@ -25,6 +25,7 @@ from lmcollect.ray.bounded import DEFAULT_CALL_TIMEOUT_S, get_within
 from lmcollect.ray.cluster import actor_options, init_ray
 from lmcollect.engines.protocol import EngineClosedError, EngineProtocol, EngineRequest, EngineResult, WorkerRpcEngine
 from lmcollect.engines.router import EngineRouter
+from lmcollect.engines.weight_group import GroupPush
 
 __all__ = ["RayEngine", "ray_engine_replicas", "start_ray_engines"]
 
@@ -44,8 +45,9 @@ class _EngineHost:
         # blocking engine calls (pause waits for a decoding step) run off the event loop
         return await asyncio.to_thread(getattr(self.engine, method), *args, **kwargs)
 
-    async def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
-        await asyncio.to_thread(self.engine.load_weights, weights.items(), version=version)
+    async def load_weights(self, source: dict[str, torch.Tensor] | GroupPush, version: int) -> list[Any] | None:
+        weights = source if isinstance(source, GroupPush) else source.items()
+        return await asyncio.to_thread(self.engine.load_weights, weights, version=version)
 
     async def version(self) -> int:
         return self.engine.version
@@ -116,8 +118,8 @@ class RayEngine:
         with self._lock:
             self._pending.discard(future)
 
-    def _get(self, ref: Any, call: str) -> Any:
-        return get_within(ref, timeout_s=self.call_timeout_s, call=f"RayEngine.{call}", knob="call_timeout_s")
+    def _get(self, ref: Any, call: str, *, timeout_s: float | None = None) -> Any:
+        return get_within(ref, timeout_s=timeout_s or self.call_timeout_s, call=f"RayEngine.{call}", knob="call_timeout_s")
 
     def pause(self) -> None:
         self._get(self._actor.call.remote("pause"), "pause")
@@ -125,10 +127,13 @@ class RayEngine:
     def resume(self) -> None:
         self._get(self._actor.call.remote("resume"), "resume")
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
-        weights = dict(named_tensors)  # one object-store copy, checked by the engine before it writes
-        self._get(self._actor.load_weights.remote(weights, version), "load_weights")
+    def load_weights(self, source: Iterable[tuple[str, torch.Tensor]] | GroupPush, *, version: int) -> list[Any] | None:
+        # weights: one object-store copy, checked by the engine before it writes
+        payload = source if isinstance(source, GroupPush) else dict(source)
+        wait_s = max(self.call_timeout_s, source.timeout_s or 0.0) if isinstance(source, GroupPush) else None
+        reports = self._get(self._actor.load_weights.remote(payload, version), "load_weights", timeout_s=wait_s)
         self._version = version
+        return reports
 
     def weight_metadata(self) -> tuple[dict[str, tuple[torch.dtype, torch.Size]], dict[str, str]]:
         return self._get(self._actor.call.remote("weight_metadata"), "weight_metadata")

@@ -9,7 +9,8 @@ from typing import Any, Protocol
 
 import torch
 
-from lmcollect.engines.protocol import EngineProtocol, WorkerRpcEngine, worker_rpc_engine_of
+from lmcollect.engines.protocol import EngineProtocol, WorkerRpcEngine, refuse_stale_push, worker_rpc_engine_of
+from lmcollect.engines.weight_group import GroupPush, join_weight_group, weight_receiver_nodes
 from lmcollect.weight_sync.base import WeightPushError, WeightUpdaterBase
 from lmcollect.weights.delta import DeltaConfig, PushStats, resolve_delta
 from lmcollect.weights.version import PushVersion
@@ -58,8 +59,9 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
 
     1. check the weights against what every worker accepts, and for NaN/Inf (one ValueError,
        nothing sent);
-    2. pause: the workers start receiving (``collective_rpc("receive_weights")``, which holds the
-       collector's policy lock, so no turn runs) without the trainer waiting for them;
+    2. the collector's ``receive_weights(GroupPush(...))`` starts without the trainer waiting for
+       it: the engine's ``load_weights`` holds it (the collector's policy lock or the engine's
+       pause, so no turn runs) while its workers receive;
     3. send: the layout (metadata) through the store, then a few flat per-dtype buckets by broadcast
        (with ``convert_dtype``, each tensor is cast to the engine's dtype as its bucket is packed);
        with ``delta``, after the first push only the changed elements travel: each worker patches
@@ -67,8 +69,8 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
        failed checksum, another base) the full weights follow in the same pause;
     4. load: each worker reloads the weights (vLLM fuses q/k/v etc.); the trainer waits for all,
        at most ``timeout_s`` from the start of the push, then compares checksums with ``verify``;
-    5. still inside the same pause, reset the prefix cache and bump the collector's policy
-       version once, then resume (the lock is released) and run the post-hooks.
+    5. still inside the same load, the engine resets its prefix cache and takes the version, the
+       collector its policy version; then generation resumes and the post-hooks run.
 
     Args:
         master_address: address the workers reach the trainer at. None: chosen at :meth:`init` by
@@ -214,9 +216,8 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
         )
         sender = ProcessGroupSender(config)
         info = sender.connection_info()
-        args = [(info, 1 + replica * self.vllm_tp_size) for replica in range(self._num_replicas)]
         deadline = time.monotonic() + self.timeout_s
-        joined = self._start_rpc("init_weight_group", args)
+        joined = self._target().submit_join_weight_group(info, ranks_per_replica=self.vllm_tp_size)
         try:
             sender.connect()
         except Exception as exc:  # a worker that never joins: the group times out
@@ -227,7 +228,7 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
                 "machine (e.g. a vLLM server) pass vLLMUpdater(master_address=<this machine's address as the "
                 "engine sees it>), e.g. lmcollect.policies.vllm_server.master_address_for(server_url)."
             ) from exc
-        self._wait(joined, deadline, "init_weight_group")
+        self._wait(joined, deadline, "join_weight_group")
         self._sender = sender
         if metadata is not None:
             self.model_metadata = metadata
@@ -249,8 +250,7 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
 
     def _engine_node_ids(self, trainer_node_id: str) -> list[str]:
         """The Ray node of every engine worker, as the workers report it."""
-        deadline = time.monotonic() + self.timeout_s
-        reported = self._wait(self._start_rpc("ray_node_id", [()] * self._num_replicas), deadline, "ray_node_id")
+        reported = self._target().policy_weight_receiver_nodes()
         if None not in reported:
             return reported
         # a worker without Ray is a subprocess of the engine's owner: the collector's process
@@ -290,15 +290,9 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
         sender = self._sender
         assert sender is not None, "_validate forms the group"
         deadline = time.monotonic() + self.timeout_s
-        # With a collector, the workers' receive, the prefix-cache reset and the version bump run
-        # in one hold of its engine (policy lock, or a continuous engine's pause): no turn sees new
-        # weights with a stale cache or version. A bare continuous engine is paused and labelled.
-        received = self._start_rpc(
-            "receive_weights",
-            [(self.timeout_s, self.verify)] * self._num_replicas,
-            finish_update=True,
-            version=version,
-        )
+        # The engine's load: its workers receive while the trainer sends, then the prefix-cache
+        # reset and the version, in one hold of the engine (a collector's policy lock or pause).
+        received = self._target().submit_receive_weights(GroupPush(timeout_s=self.timeout_s, verify=self.verify), version=version)
         prepared, self._prepared = self._prepared, None
         try:
             sender.send(prepared if prepared is not None else server_weights, version=version)
@@ -310,8 +304,6 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
         self.last_push_info = self._wait(received, deadline, "receive_weights")
         if sent is not None:
             self._check_checksums(sent)
-        if self.collector is None:
-            self._reset_prefix_cache()  # a bare policy (from_policy): no collector did it
 
     def _check_checksums(self, sent: list[int]) -> None:
         bad = [info.get("rank") for info in self.last_push_info if info.get("checksums") != sent]
@@ -321,7 +313,8 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
 
     # ------------------------------------------------------------------ reaching the engine
     # Through the registered collector (in-process or a Ray actor), else the from_policy engine:
-    # each answers policy_engine_num_replicas / submit_policy_engine_rpc / reset_policy_prefix_cache.
+    # each answers policy_engine_num_replicas / policy_weight_receiver_nodes / submit_join_weight_group
+    # / submit_receive_weights (engine verbs: the engine names its workers' methods).
     def _target(self) -> EngineTarget:
         target = self.collector if self.collector is not None else self._policy
         if target is None:
@@ -331,22 +324,14 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
             )
         return target
 
+    def _workers_version(self) -> int:
+        """The version the engine holds: the collector's, else the bare engine's."""
+        target = self.collector if self.collector is not None else self._policy
+        index = getattr(target, "version_index", None)
+        return int(index()) if callable(index) else 0
+
     def _call_num_replicas(self) -> int:
         return self._target().policy_engine_num_replicas()
-
-    def _start_rpc(
-        self,
-        method: str,
-        args_per_replica: list[tuple],
-        *,
-        finish_update: bool = False,
-        version: PushVersion | None = None,
-    ) -> Wait:
-        """Start ``method`` on every worker without waiting (it returns only once the trainer has sent).
-
-        ``finish_update``: the collector resets its prefix cache and takes ``version`` in the same pause."""
-        update = {"finish_update": True, "version": version} if finish_update else {}
-        return self._target().submit_policy_engine_rpc(method, args_per_replica, **update)
 
     def _wait(self, wait: Wait, deadline: float, what: str) -> list[Any]:
         try:
@@ -368,9 +353,6 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
             return f"{worker_exc} (trainer side: {exc})"
         return str(exc)
 
-    def _reset_prefix_cache(self) -> None:
-        self._target().reset_policy_prefix_cache()
-
     def _choose_backend(self, device: torch.device | str | None) -> str:
         if self.backend != "auto":
             return self.backend
@@ -387,20 +369,19 @@ class EngineTarget(Protocol):
 
     def policy_engine_num_replicas(self) -> int: ...
 
-    def submit_policy_engine_rpc(
-        self, method: str, args_per_replica: list[tuple], *, finish_update: bool = False, version: PushVersion | None = None
-    ) -> Wait: ...
+    def policy_weight_receiver_nodes(self) -> list[str | None]: ...
 
-    def reset_policy_prefix_cache(self) -> None: ...
+    def submit_join_weight_group(self, connection_info: dict[str, Any], *, ranks_per_replica: int) -> Wait: ...
+
+    def submit_receive_weights(self, source: GroupPush, *, version: PushVersion | None) -> Wait: ...
 
 
 class _BareEngine:
     """An engine reached without a collector (``from_policy``): calls run on a thread of their own.
 
-    A continuous engine (:class:`~lmcollect.engines.EngineProtocol`) is paused around a call that
-    loads weights (``finish_update``) and labels its next tokens with the push's version; a
-    lockstep engine is the caller's to keep idle (no collector lock here). The updater resets the
-    prefix cache after the push.
+    The engine's ``load_weights`` receives, resets its prefix cache and takes the version (a
+    continuous engine between two decoding steps); a lockstep policy's generation is the caller's
+    to keep off meanwhile (no collector lock here).
     """
 
     def __init__(self, engine: WorkerRpcEngine) -> None:
@@ -416,26 +397,22 @@ class _BareEngine:
     def policy_engine_num_replicas(self) -> int:
         return self.engine.num_replicas
 
-    def submit_policy_engine_rpc(
-        self, method: str, args_per_replica: list[tuple], *, finish_update: bool = False, version: PushVersion | None = None
-    ) -> Wait:
+    def policy_weight_receiver_nodes(self) -> list[str | None]:
+        return weight_receiver_nodes(self.engine)
+
+    def submit_join_weight_group(self, connection_info: dict[str, Any], *, ranks_per_replica: int) -> Wait:
+        return self._thread.submit(join_weight_group, self.engine, connection_info, ranks_per_replica=ranks_per_replica).result
+
+    def version_index(self) -> int:
+        """The version the engine holds (what a new updater counts on from)."""
+        return max(self.engine.version, 0) if isinstance(self.engine, EngineProtocol) else 0
+
+    def submit_receive_weights(self, source: GroupPush, *, version: PushVersion | None) -> Wait:
         engine = self.engine
-
-        def call() -> list[Any]:
-            if not (finish_update and isinstance(engine, EngineProtocol)):
-                return engine.collective_rpc_each(method, args_per_replica)
-            engine.pause()
-            try:
-                answers = engine.collective_rpc_each(method, args_per_replica)
-                engine.set_version(version.index if version is not None else max(engine.version, 0) + 1)
-                return answers
-            finally:
-                engine.resume()
-
-        return self._thread.submit(call).result
-
-    def reset_policy_prefix_cache(self) -> None:
-        self.engine.reset_prefix_cache()
+        index = version.index if version is not None else self.version_index() + 1
+        if isinstance(engine, EngineProtocol):  # here, before the trainer sends to workers that would not receive
+            refuse_stale_push(index, engine.version, type(engine).__name__)
+        return self._thread.submit(engine.load_weights, source, version=index).result
 
     def __repr__(self) -> str:
         return f"{type(self.engine).__name__}"

@@ -21,6 +21,7 @@ from lmcollect.data import keys
 from lmcollect.models import ModelSpec, get_model_path, load_model_and_tokenizer
 from lmcollect.policies import TransformersPolicy
 from lmcollect.weight_sync import WeightPushError
+from lmcollect.engines.weight_group import GroupPush
 from lmcollect.weights.version import PushVersion
 from tests.factories import make_arithmetic_env
 from tests.faults.fault_factories import DIE_MID_PUSH_ENV, DyingSender
@@ -116,12 +117,12 @@ def test_vllm_worker_or_sender_dying_mid_push(ray_cluster, tiny_model_path: Path
         sender = ray.remote(num_cpus=0.1)(DyingSender).remote(1, timeout_s=TIMEOUT_S, bucket_size_bytes=BUCKET_SIZE_BYTES)
         info = ray.get(sender.connection_info.remote())
         joined = sender.connect.remote()
-        collector.policy_engine_rpc("init_weight_group", [(info, 1)])
+        collector.join_policy_weight_group(info, ranks_per_replica=1)
         ray.get(joined)
         dying = sender.send_and_die.remote(models[1].state_dict(), 1)
         started = time.monotonic()
         with pytest.raises(RuntimeError):  # the worker's receive fails: its peer is gone
-            collector.policy_engine_rpc("receive_weights", [(TIMEOUT_S, False)], finish_update=True, version=PushVersion(9))
+            collector.receive_weights(GroupPush(timeout_s=TIMEOUT_S), version=PushVersion(9))
         sender_error_s = time.monotonic() - started
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(dying, timeout=TIMEOUT_S)

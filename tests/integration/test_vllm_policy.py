@@ -24,6 +24,7 @@ from lmcollect.models import ModelSpec, get_model_path, load_model_and_tokenizer
 from lmcollect.policies import TransformersPolicy
 from lmcollect.engines.vllm_common import engine_kwargs_for, sampling_params_kwargs
 from lmcollect.engines.vllm_engine import VLLMEngine
+from lmcollect.engines.weight_group import GroupPush, join_weight_group
 from lmcollect.policies.vllm_policy import VLLMPolicy
 from lmcollect.engines.sampling import SamplingConfig
 from tests.integration.conftest import CPU_ENGINE_KWARGS, MAX_NEW_TOKENS, QUESTIONS, chat_batch
@@ -223,17 +224,16 @@ def test_pushed_weights_match_transformers(
         pushes = [models[0][0].state_dict(), unique_targets(models[1][0])[0]]
         policy(td)  # fills the prefix cache under the old weights
         with ThreadPoolExecutor(1) as pool:  # a worker RPC returns only once the trainer's side is done
-            joined = pool.submit(engine.collective_rpc_each, "init_weight_group", [(sender.connection_info(), 1)])
+            joined = pool.submit(join_weight_group, engine, sender.connection_info(), ranks_per_replica=1)
             sender.connect()
             joined.result(timeout=60)
             with pytest.raises(ValueError, match="missing 'model.norm.weight'"):  # checked before anything moves
                 sender.send({k: v for k, v in pushes[0].items() if k != "model.norm.weight"})
             counts = []  # the worker's pushes so far (the session's other tests push into it too)
             for weights, want in zip(pushes, wants):
-                received = pool.submit(engine.collective_rpc_each, "receive_weights", [()])
+                received = pool.submit(engine.load_weights, GroupPush(), version=engine.version + 1)
                 sender.send(weights)
-                (info,) = received.result(timeout=60)
-                engine.reset_prefix_cache()
+                (info,) = received.result(timeout=60)  # received, reloaded, prefix cache reset, version taken
                 counts.append(info["num_pushes"])
                 assert info["num_tensors"] == len(weights)
                 assert_same_answers(policy(td), want)

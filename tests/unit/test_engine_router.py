@@ -18,6 +18,7 @@ from lmcollect.engines import (
     worker_rpc_engine_of,
 )
 from lmcollect.engines.router import EngineRouter, ReplicaLoadError
+from lmcollect.engines.weight_group import GroupPush, join_weight_group, weight_receiver_nodes
 from lmcollect.engines.sampling import SamplingConfig
 
 
@@ -217,6 +218,14 @@ class WorkerHeldEngine(HeldEngine):
         self.events.append(f"rpc {method}")
         return [(self.name, args) for args in args_per_replica]
 
+    def load_weights(self, source, *, version: int):
+        if not isinstance(source, GroupPush):
+            return super().load_weights(source, version=version)
+        self.broadcast.wait()  # a broadcast reaches no worker until every worker receives
+        self._version = version
+        self.events.append(f"group load {version}")
+        return [(self.name, source.worker_args())] * self._num_replicas
+
 
 def test_worker_rpcs_are_split_over_replicas_in_order() -> None:
     a, b = WorkerHeldEngine("a"), WorkerHeldEngine("b", num_replicas=2)
@@ -228,6 +237,29 @@ def test_worker_rpcs_are_split_over_replicas_in_order() -> None:
         router.collective_rpc_each("receive_weights", [(1,), (2,)])
     router.set_version(4)
     assert a.version == b.version == 4 and "label 4" in a.events
+
+
+def test_a_group_push_is_received_by_every_replica_at_once_and_ranks_follow_replicas() -> None:
+    a, b = WorkerHeldEngine("a"), WorkerHeldEngine("b", num_replicas=2)
+    a.broadcast = b.broadcast = threading.Barrier(2, timeout=10)  # hangs (then breaks) if loaded one by one
+    router = EngineRouter([a, b])
+    try:
+        reports = router.load_weights(GroupPush(timeout_s=5.0, verify=True), version=3)
+        assert reports == [("a", (5.0, True)), ("b", (5.0, True)), ("b", (5.0, True))]
+        assert a.version == b.version == 3
+        join_weight_group(router, {"port": 1}, ranks_per_replica=2)  # tensor-parallel 2: ranks 1-2, 3-4, 5-6
+        assert b.events[-1] == "rpc init_weight_group" and a.events[-1] == "rpc init_weight_group"
+        assert weight_receiver_nodes(router) == [("a", ()), ("b", ()), ("b", ())]
+    finally:
+        router.close()
+
+
+def test_join_gives_each_replica_its_first_rank() -> None:
+    engine = WorkerHeldEngine("a", num_replicas=3)
+    calls = []
+    engine.collective_rpc_each = lambda method, args, kwargs=None: calls.append((method, args))
+    join_weight_group(engine, {"port": 1}, ranks_per_replica=2)
+    assert calls == [("init_weight_group", [({"port": 1}, 1), ({"port": 1}, 3), ({"port": 1}, 5)])]
 
 
 def test_a_router_of_engines_without_workers_is_not_a_worker_rpc_engine() -> None:
