@@ -57,13 +57,13 @@ class CollectionConfig:
 
     def arguments(self) -> dict[str, Any]:
         """The fields as constructor keyword arguments."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        return {name: getattr(self, name) for name in field_names(type(self))}
 
 
 def config_from(config_cls: type[C], arguments: Mapping[str, Any], **overrides: Any) -> C:
     """A config dataclass built from a constructor's arguments (its ``locals()``), taking the
     fields by name; ``overrides`` replace arguments."""
-    names = {f.name for f in dataclasses.fields(config_cls) if f.init}
+    names = field_names(config_cls)
     chosen = {name: value for name, value in arguments.items() if name in names}
     return config_cls(**{**chosen, **overrides})
 

@@ -63,7 +63,7 @@ class WeightReceiverMixin:
         self._worker_idx: int | None = None
         self._held_push: PushVersion | None = None  # the push whose weights the model holds (delta base)
         self._shared_models: set[int] = set()  # id() of models whose tensors map a push (zero_copy)
-        self._engine_rpc_thread: ThreadPoolExecutor | None = None  # submit_join_weight_group / submit_receive_weights
+        self._weight_group_thread: ThreadPoolExecutor | None = None  # submit_join_weight_group / submit_receive_weights
         # One push at a time, its version checked, loaded and taken inside: a late push N can
         # never land after N+1 (it is refused as older), whatever the actor's max_concurrency.
         self._push_lock = threading.RLock()
@@ -390,9 +390,9 @@ class WeightReceiverMixin:
         return self._submit(self.receive_weights, source, version=version)
 
     def _submit(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[[float | None], Any]:
-        if self._engine_rpc_thread is None:
-            self._engine_rpc_thread = ThreadPoolExecutor(1, thread_name_prefix="lmcollect-weight-group")
-        return self._engine_rpc_thread.submit(call, *args, **kwargs).result
+        if self._weight_group_thread is None:
+            self._weight_group_thread = ThreadPoolExecutor(1, thread_name_prefix="lmcollect-weight-group")
+        return self._weight_group_thread.submit(call, *args, **kwargs).result
 
     def _loaded_version_index(self, engine: EngineProtocol) -> int:
         """The version index a load about to be taken gives ``engine`` (untracked: it counts its loads)."""

@@ -326,9 +326,9 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
 
     def _workers_version(self) -> int:
         """The version the engine holds: the collector's, else the bare engine's."""
-        target = self.collector if self.collector is not None else self._policy
-        index = getattr(target, "version_index", None)
-        return int(index()) if callable(index) else 0
+        if self.collector is None and self._policy is not None:
+            return self._policy.version_index()
+        return super()._workers_version()
 
     def _call_num_replicas(self) -> int:
         return self._target().policy_engine_num_replicas()
