@@ -4,12 +4,15 @@ Each check takes an :class:`EngineCase` (an engine plus the oracle it is held ag
 generation and forward passes of the weights it starts with and of the weights a push brings) and
 uses only the protocol. An engine is done when every check passes for it; its test module builds
 the case (``tests/unit/test_engine_contract.py`` for the in-process engines) and runs
-``CHECKS`` over it.
+``CHECKS`` over it. Weights reach the engine through :meth:`EngineCase.push_weights`: the engine's
+own ``load_weights`` unless the case says how its trainer pushes (a vLLM server: a process-group
+broadcast into its workers).
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from threading import Event
@@ -21,6 +24,7 @@ from lmcollect.engines import EngineClosedError, EngineProtocol, EngineRequest, 
 from lmcollect.policies import SamplingConfig
 
 TIMEOUT_S = 60.0
+PUSH_MID_STEP = 4  # the decoding step a push lands in (a request's prefill is step 1)
 PAUSED_WAIT_S = 0.3  # how long a paused engine is watched for (wrongly) finishing a request
 
 
@@ -52,6 +56,20 @@ class EngineCase:
     """``with case.hold_step(k) as reached:`` holds the engine inside its ``k``-th decoding step
     (``reached`` set once there) until the block ends: how a push lands mid-generation on cue."""
     log_prob_atol: float = 1e-5
+    push: Callable[[dict[str, torch.Tensor], int], None] | None = None
+    """``push(weights, version)``: how the case's trainer pushes ``weights`` (refusing bad ones with a
+    ValueError that says "no weight was changed"); None: ``engine.load_weights(weights.items(), version=)``."""
+    responses_span_pushes: bool = True
+    """Whether a push can land inside a response, whose tokens then carry their own versions. False:
+    the engine's ``pause()`` returns once its responses in flight answered, so none spans a push (a
+    vLLM server: each HTTP answer comes whole, its tokens all labelled with the version it was sent under)."""
+
+    def push_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        """Push ``weights`` as ``version`` the way this case's trainer does."""
+        if self.push is None:
+            self.engine.load_weights(weights.items(), version=version)
+        else:
+            self.push(weights, version)
 
 
 def greedy(max_new_tokens: int) -> SamplingConfig:
@@ -98,13 +116,19 @@ def check_pause_and_resume_keep_requests(case: EngineCase) -> None:
 
 
 def check_a_push_mid_generation_is_recorded_per_token(case: EngineCase) -> None:
+    """A push while a request decodes: its tokens before the push carry the old version and
+    weights, those after it the new ones (an engine whose responses never span a push: see
+    :func:`check_a_push_waits_for_the_responses_in_flight`)."""
     prompt, num_tokens = case.prompts[1], 12
     version = case.engine.version
-    with case.hold_step(4) as reached:
+    with case.hold_step(PUSH_MID_STEP) as reached:
         future = case.engine.submit(EngineRequest(prompt_ids=prompt, sampling=greedy(num_tokens)))
-        assert reached.wait(TIMEOUT_S), "the engine never reached its 4th decoding step"
+        assert reached.wait(TIMEOUT_S), f"the engine never reached its decoding step {PUSH_MID_STEP}"
         case.engine.pause()  # returns once the held step ends
-    case.engine.load_weights(case.new_weights.items(), version=version + 1)
+    if not case.responses_span_pushes:
+        check_a_push_waits_for_the_responses_in_flight(case, future, prompt, num_tokens)
+        return
+    case.push_weights(case.new_weights, version + 1)
     case.engine.reset_prefix_cache()
     case.engine.resume()
     result = future.result(timeout=TIMEOUT_S)
@@ -116,14 +140,35 @@ def check_a_push_mid_generation_is_recorded_per_token(case: EngineCase) -> None:
     assert tokens[switch:] == case.new.greedy(prompt + tokens[:switch], num_tokens - switch)
     expected = torch.cat([case.old.log_probs(prompt, tokens)[:switch], case.new.log_probs(prompt, tokens)[switch:]])
     torch.testing.assert_close(result.log_probs, expected, atol=case.log_prob_atol, rtol=0)
-    case.engine.load_weights(case.old_weights.items(), version=version + 2)  # back to the start weights
+    case.push_weights(case.old_weights, version + 2)  # back to the start weights
+    case.engine.reset_prefix_cache()
+
+
+def check_a_push_waits_for_the_responses_in_flight(
+    case: EngineCase, future: Future[EngineResult], prompt: list[int], num_tokens: int
+) -> None:
+    """The push check of an engine whose responses never span a push (called paused; ``future``'s
+    request was decoding when the pause began): ``pause()`` returned only once that response had
+    answered, wholly under the old weights and version; the push labels and computes the next ones."""
+    version = case.engine.version
+    assert future.done(), "pause() returned before the response in flight answered: a push could land inside it"
+    result = future.result(timeout=0)
+    assert set(result.token_versions.tolist()) == {version} and result.tokens.numel() == num_tokens
+    assert_answers_like(result, prompt, case.old, case.log_prob_atol)
+    case.push_weights(case.new_weights, version + 1)
+    case.engine.reset_prefix_cache()
+    case.engine.resume()
+    after = run(case.engine, prompt, greedy(num_tokens))
+    assert set(after.token_versions.tolist()) == {version + 1}
+    assert_answers_like(after, prompt, case.new, case.log_prob_atol)
+    case.push_weights(case.old_weights, version + 2)  # back to the start weights
     case.engine.reset_prefix_cache()
 
 
 def check_a_bad_push_changes_nothing(case: EngineCase) -> None:
     version = case.engine.version
     with pytest.raises(ValueError, match="no weight was changed"):
-        case.engine.load_weights(case.bad_weights.items(), version=version + 1)
+        case.push_weights(case.bad_weights, version + 1)
     assert case.engine.version == version
     prompt = case.prompts[2]
     assert_answers_like(run(case.engine, prompt, greedy(6)), prompt, case.old, case.log_prob_atol)
@@ -133,9 +178,9 @@ def check_an_older_push_is_refused(case: EngineCase) -> None:
     """Two pushes that arrive in the wrong order: the newer one lands first, the older is refused
     (``StalePushError``) and changes nothing, so no weights sit under another push's version."""
     version = case.engine.version
-    case.engine.load_weights(case.old_weights.items(), version=version + 2)  # the newer push, first
+    case.push_weights(case.old_weights, version + 2)  # the newer push, first
     with pytest.raises(StalePushError, match=f"holds version {version + 2}, which is newer; no weight was changed"):
-        case.engine.load_weights(case.new_weights.items(), version=version + 1)
+        case.push_weights(case.new_weights, version + 1)
     assert case.engine.version == version + 2
     prompt = case.prompts[2]
     result = run(case.engine, prompt, greedy(6))
@@ -195,9 +240,12 @@ def hf_case(
     *,
     hold_step: Callable[[int], AbstractContextManager[Event]],
     log_prob_atol: float = 1e-5,
+    push: Callable[[dict[str, torch.Tensor], int], None] | None = None,
+    responses_span_pushes: bool = True,
 ) -> EngineCase:
     """The case of an engine serving a transformers model: it starts with ``old``'s weights, the
-    pushes bring ``new``'s (the refused one: ``new`` with a misshapen norm weight)."""
+    pushes bring ``new``'s (the refused one: ``new`` with a misshapen norm weight); ``push`` and
+    ``responses_span_pushes`` as in :class:`EngineCase`."""
     bad = dict(new.state_dict())
     bad["model.norm.weight"] = torch.zeros(3)
     return EngineCase(
@@ -210,7 +258,16 @@ def hf_case(
         bad_weights=bad,
         hold_step=hold_step,
         log_prob_atol=log_prob_atol,
+        push=push,
+        responses_span_pushes=responses_span_pushes,
     )
+
+
+def eos_free(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` generating to its length limit (its generation config's eos ids dropped): the
+    contract's requests ignore eos, so a reference must not stop at one either."""
+    model.generation_config.eos_token_id = None
+    return model
 
 
 def hf_reference(model) -> Reference:

@@ -325,7 +325,10 @@ class DemoRun:
     def _evaluate(self) -> float:
         sampling = SamplingConfig(max_new_tokens=self.config.max_new_tokens, temperature=self.config.temperature)
         policy = TransformersPolicy(self.model, self.tokenizer, sampling=sampling)
-        return mean_reward(policy, self.eval_rows, self.task.make_task(), seed=self.config.seed)
+        try:
+            return mean_reward(policy, self.eval_rows, self.task.make_task(), seed=self.config.seed)
+        finally:
+            policy.close()
 
     def _timed(self, name: str, fn: Callable[[], None]) -> None:
         start = time.perf_counter()

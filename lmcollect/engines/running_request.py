@@ -14,6 +14,12 @@ if TYPE_CHECKING:  # only for annotations; the engine passes the tokenizer it wa
     from transformers import PreTrainedTokenizerBase
 
 
+def request_generator(request: EngineRequest, device: torch.device) -> torch.Generator:
+    """The generator a request samples from: seeded by ``request.seed`` (None: a seed drawn from torch's global RNG)."""
+    seed = request.seed if request.seed is not None else int(torch.randint(2**62, ()).item())
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 class RunningRequest:
     """A submitted request's state, from the queue to its last token.
 
@@ -36,8 +42,7 @@ class RunningRequest:
         self.request = request
         self.future: Future[EngineResult] = Future()
         self.sampling = sampling = request.sampling
-        seed = request.seed if request.seed is not None else int(torch.randint(2**62, ()).item())
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.generator = request_generator(request, device)
         self.warpers = sampling_warpers(sampling)
         penalty = sampling.repetition_penalty
         self.repetition = RepetitionPenaltyLogitsProcessor(penalty) if penalty != 1.0 else None
@@ -119,7 +124,7 @@ class StopStringWatch:
     Each call decodes the generated tokens (special tokens skipped; the prompt never counts) and
     looks only at the text added since the previous call, plus as many characters before it as the
     longest stop string has (a byte-level token may complete the previous character), as
-    ``TransformersPolicy``'s ``StopStrings`` does.
+    the ``generate`` batch path's ``StopStrings`` does.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stop_strings: tuple[str, ...]) -> None:

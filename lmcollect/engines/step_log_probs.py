@@ -67,9 +67,12 @@ class StepLogProbs:
     Use :meth:`attached` around ``generate`` and read :meth:`log_probs` afterwards.
     """
 
-    def __init__(self, sampling: SamplingConfig, eos_token_ids: list[int]) -> None:
+    def __init__(
+        self, sampling: SamplingConfig, eos_token_ids: list[int], *, generators: list[torch.Generator] | None = None
+    ) -> None:
         self.sampling = sampling
         self.eos_token_ids = eos_token_ids
+        self.generators = generators
         self.warpers = sampling_warpers(sampling)
         self.processor = LogitsProcessorList([_Process(self)])
         self.criterion = StoppingCriteriaList([_Gather(self)])
@@ -103,7 +106,16 @@ class StepLogProbs:
             scores = warper(input_ids, scores)
         if self.sampling.sampled_log_probs:
             self._sampled = scores
-        return scores
+        return self._drawn(scores) if self.generators is not None else scores
+
+    def _drawn(self, scores: torch.Tensor) -> torch.Tensor:
+        """Each row's token drawn from its own generator, returned as scores only that token survives
+        (so ``generate``'s own draw picks it: the rows' samples do not depend on one another)."""
+        probs = scores.softmax(-1)
+        chosen = torch.stack(
+            [torch.multinomial(probs[row], 1, generator=gen) for row, gen in enumerate(self.generators)]
+        )
+        return torch.full_like(scores, -float("inf")).scatter_(1, chosen, 0.0)
 
     def gather(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self._raw is None:

@@ -7,7 +7,7 @@ import logging
 import numbers
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -15,6 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from lmcollect.engines.sampling import eos_token_ids
+from lmcollect.engines.hf_generate import generate_together
 from lmcollect.engines.kv_batch import LeftPaddedKVCache
 from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult, refuse_stale_push
 from lmcollect.engines.running_request import RunningRequest
@@ -90,7 +91,7 @@ class TransformersEngine:
     ) -> None:
         _check_int("max_batch_size", max_batch_size, minimum=1, hint="the most requests decoded together")
         _check_int("version", version, minimum=-1, hint="-1 before any push")
-        _check_model(model)
+        self._continuous_refusal = _continuous_refusal(model)  # None: submit() can batch this model
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -107,8 +108,7 @@ class TransformersEngine:
         self._num_in_flight = 0
         self._between_steps_waiting = 0  # loads and version changes waiting for the step lock
         self._outcomes: list[Outcome] = []  # the current step's ended requests (loop thread only)
-        self._thread = threading.Thread(target=self._run, name="TransformersEngine", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None  # the loop, started by the first submit()
 
     # ------------------------------------------------------------------ the protocol
     def submit(self, request: EngineRequest) -> Future[EngineResult]:
@@ -121,7 +121,36 @@ class TransformersEngine:
             self._queue.append(running)
             self._num_in_flight += 1
             self._state.notify_all()
+            if self._thread is None:  # lockstep-only use (generate_batch) never starts it
+                self._thread = threading.Thread(target=self._run, name="TransformersEngine", daemon=True)
+                self._thread.start()
         return running.future
+
+    def generate_batch(self, requests: Sequence[EngineRequest]) -> list[EngineResult]:
+        """Answer a lockstep batch together with one ``model.generate`` call (the lockstep policy's path).
+
+        Faster than :meth:`submit` for a batch that starts and ends together: one padded prefill,
+        ``generate``'s vectorized decoding. The rows share ``sampling`` and ``stop_token_ids`` (else a
+        ValueError); seeded rows sample from their own generators, as in :meth:`submit`. It runs
+        between two decoding steps of the continuous loop, waits while the engine is paused, and
+        every token carries the version held meanwhile (no load lands inside it).
+        """
+        for request in requests:
+            self._check_request(request, continuous=False)
+        with self._state:
+            while self._paused and not self._closed:
+                self._state.wait()
+            self._num_in_flight += len(requests)
+        try:
+            with self._between_steps():
+                if self._closed:
+                    raise EngineClosedError("this TransformersEngine is closed; build a new engine to generate.")
+                return generate_together(
+                    self.model, self.tokenizer, requests, eos_token_ids=self._eos_ids, version=self._version
+                )
+        finally:
+            with self._state:
+                self._num_in_flight -= len(requests)
 
     def pause(self) -> None:
         """Stop before the next step and return once the current one is done; requests keep their state."""
@@ -187,8 +216,13 @@ class TransformersEngine:
         with self._state:
             self._closed = True
             self._state.notify_all()
-        if threading.current_thread() is not self._thread:
-            self._thread.join()  # the loop's exit fails what is left (see _run)
+            thread = self._thread
+        if thread is not None and threading.current_thread() is not thread:
+            thread.join()  # the loop's exit fails what is left (see _run)
+
+    def __reduce__(self) -> tuple:
+        """Travels (pickle, Ray) as its model and settings; the copy starts with nothing in flight."""
+        return (_rebuilt, (self.model, self.tokenizer, self.max_batch_size, self._version))
 
     def __enter__(self) -> TransformersEngine:
         return self
@@ -197,9 +231,11 @@ class TransformersEngine:
         self.close()
 
     # ------------------------------------------------------------------ checks
-    def _check_request(self, request: EngineRequest) -> None:
+    def _check_request(self, request: EngineRequest, *, continuous: bool = True) -> None:
         if not isinstance(request, EngineRequest):
             raise TypeError(f"submit() takes an EngineRequest, got {type(request).__name__}.")
+        if continuous and self._continuous_refusal:
+            raise ValueError(self._continuous_refusal)
         ids = request.prompt_ids
         if len(ids) == 0:
             raise ValueError(
@@ -370,6 +406,10 @@ class TransformersEngine:
                 row.future.set_result(outcome)
 
 
+def _rebuilt(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_batch_size: int, version: int) -> TransformersEngine:
+    return TransformersEngine(model, tokenizer, max_batch_size=max_batch_size, version=version)
+
+
 def _closed_error(row: RunningRequest) -> EngineClosedError:
     return EngineClosedError(
         f"the TransformersEngine was closed before request {row.request.request_id!r} finished; resubmit it elsewhere."
@@ -385,18 +425,21 @@ def _check_int(name: str, value: object, *, minimum: int, hint: str) -> None:
         raise ValueError(f"{name} must be an int >= {minimum} ({hint}), got {value!r}.")
 
 
-def _check_model(model: PreTrainedModel) -> None:
-    """Refuse models whose cache this engine cannot left-pad and merge."""
+def _continuous_refusal(model: PreTrainedModel) -> str | None:
+    """Why :meth:`TransformersEngine.submit` cannot batch ``model`` (its cache cannot be left-padded
+    and merged), or None; :meth:`TransformersEngine.generate_batch` (``model.generate``) serves it anyway."""
     config = model.config.get_text_config(decoder=True)
     other = sorted({t for t in getattr(config, "layer_types", None) or [] if t != "full_attention"})
     if other:
-        raise ValueError(
-            f"TransformersEngine batches full-attention caches only; this model has {other} layers. "
-            "Use TransformersPolicy (model.generate) or a vLLM engine for it."
+        return (
+            f"TransformersEngine.submit batches full-attention caches only; this model has {other} layers. "
+            "Use TransformersPolicy (lockstep batches through model.generate) or a vLLM engine for it."
         )
     if "logits_to_keep" not in inspect.signature(model.forward).parameters:
-        raise ValueError(
-            f"{type(model).__name__}.forward takes no logits_to_keep; TransformersEngine needs a recent causal LM class."
+        return (
+            f"{type(model).__name__}.forward takes no logits_to_keep; TransformersEngine.submit needs a recent "
+            "causal LM class (TransformersPolicy's lockstep batches through model.generate still work)."
         )
+    return None
 
 

@@ -74,22 +74,28 @@ class EnginePolicy:
         self.engine.reset_prefix_cache()
 
     def generate_responses(self, prompt_ids: list[list[int]]) -> list[Generation]:
-        """Submit every prompt at once, then wait for all of them (the batch barrier)."""
+        """Every prompt's response, awaited together (the batch barrier).
+
+        An engine that answers a whole batch at once (``generate_batch``, e.g. a
+        ``TransformersEngine``'s one ``model.generate`` call) gets the batch in one call; any other
+        gets every prompt submitted at once and is waited on for all of them.
+        """
+        requests = self._requests(prompt_ids)
+        generate_batch = getattr(self.engine, "generate_batch", None)
+        if generate_batch is not None:
+            results = generate_batch(requests)
+        else:
+            futures = [self.engine.submit(request) for request in requests]
+            results = [future.result(timeout=self.timeout_s) for future in futures]
+        return [Generation(r.tokens, r.log_probs, r.sampled_log_probs, r.token_versions) for r in results]
+
+    def _requests(self, prompt_ids: list[list[int]]) -> list[EngineRequest]:
         seeds = self._request_seeds.draw(len(prompt_ids), greedy=self.sampling.greedy) or [None] * len(prompt_ids)
-        futures = [
-            self.engine.submit(
-                EngineRequest(
-                    prompt_ids=ids,
-                    sampling=self.sampling,
-                    stop_token_ids=tuple(self.stop_token_ids),
-                    seed=seeds[row],
-                    request_id=f"row-{row}",
-                )
-            )
+        stops = tuple(self.stop_token_ids)
+        return [
+            EngineRequest(prompt_ids=ids, sampling=self.sampling, stop_token_ids=stops, seed=seeds[row], request_id=f"row-{row}")
             for row, ids in enumerate(prompt_ids)
         ]
-        results = [future.result(timeout=self.timeout_s) for future in futures]
-        return [Generation(r.tokens, r.log_probs, r.sampled_log_probs, r.token_versions) for r in results]
 
     def generate(self, prompts: Sequence[Sequence[int]] | Sequence[str]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """Prompt tokens, response tokens and raw response log-probs for each prompt (token-id

@@ -149,7 +149,11 @@ class VLLMServer:
         host: the address to listen on (default loopback).
         port: the port (None: a free one).
         serve_args: more ``vllm serve`` flags; on CPU e.g. ``["--kv-cache-memory-bytes",
-            str(1 << 30), "--enforce-eager"]`` (the default KV cache does not fit).
+            str(1 << 30), "--enforce-eager"]`` (the default KV cache does not fit). They win over
+            :func:`serve_command`'s: ``["--worker-extension-cls", "pkg.module.Class"]`` gives the
+            workers another extension (a subclass of lmcollect's ``VLLMWeightReceiverExtension``
+            keeps weight pushes working; the server must be able to import it, e.g. through
+            ``env={"PYTHONPATH": ...}``).
         env: more environment variables for the server (not the control settings: use the
             arguments below).
         control_endpoints: turn the control endpoints on (``VLLM_SERVER_DEV_MODE=1``); weight

@@ -274,6 +274,8 @@ class VLLMServerEngine:
             with self._gate:  # wait out a pause, then count as sending: a pause waits for us
                 if not self._gate.wait_for(lambda: not self._held or self._closed, timeout=self.timeout_s):
                     raise VLLMServerError(f"the pause on {self.base_url} outlasted timeout_s={self.timeout_s} s.")
+                if self._closed:  # close() failed the request already: never send it
+                    raise EngineClosedError(f"this VLLMServerEngine ({self.base_url}) is closed.")
                 version = self._version
                 self._sending += 1
             try:
@@ -445,8 +447,14 @@ class VLLMServerEngine:
                 return None
             raise
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
     def close(self) -> None:
-        """Fail pending requests with :class:`EngineClosedError` and stop the request threads (the server keeps running)."""
+        """Fail pending requests with :class:`EngineClosedError`, stop the request threads and resume
+        the server if this engine holds a pause (the server keeps running). Idempotent."""
         with self._lock:
             self._closed = True
             pending = list(self._pending)
@@ -455,6 +463,21 @@ class VLLMServerEngine:
         for future in pending:
             settle(future, error=EngineClosedError(f"VLLMServerEngine ({self.base_url}) was closed before this request finished."))
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._give_back_pause()
+
+    def _give_back_pause(self) -> None:
+        """Resume the server if this engine holds a pause: a closed engine never resumes it later."""
+        with self._control:
+            renewer, self._renewer = self._renewer, None
+            if renewer is None:
+                return
+            renewer.stop()
+            try:
+                self.call("POST", "/resume", timeout_s=min(self.timeout_s, RENEW_TIMEOUT_S))
+            except VLLMServerError as exc:  # designed: the lease ends the pause within pause_lease_s
+                logger.warning("closing %r: resuming the server failed (%s); its pause lease ends the pause", self, exc)
+            finally:
+                self._release_requests()
 
 
 class PauseLeaseRenewer:
@@ -480,6 +503,8 @@ class PauseLeaseRenewer:
 
     def _renew(self, interval_s: float) -> float | None:
         """Renew once; the wait before the next renewal (None: stop renewing)."""
+        if self.engine.closed:  # a closed engine holds nothing: the lease ends the pause
+            return None
         try:
             answer = self.engine.call("POST", RENEW_PAUSE_PATH, timeout_s=min(self.engine.timeout_s, RENEW_TIMEOUT_S))
         except VLLMServerError as exc:

@@ -3,8 +3,10 @@
 Run with a Python that has vLLM: ``python -m pytest tests/integration/test_vllm_server.py``. One
 server for the module (started on a free loopback port, 30-60 s here: one process imports vLLM
 and runs the engine; stopped at the end, its whole process group), with its control endpoints on behind a
-generated token and a short pause lease. The tests run in file order: the push test changes the
-server's weights and the last test stops the server.
+generated token, a short pause lease and the test worker extension that can hold a decoding step
+(tests/vllm_hold.py, for the engine contract). The tests run in file order: the engine contract
+pushes and puts the start weights back, the push test changes the server's weights and the last
+test stops the server.
 """
 from __future__ import annotations
 
@@ -23,11 +25,16 @@ from tensordict import TensorDictBase
 from lmcollect.collectors.llm_collector import LLMCollector
 from lmcollect.data import keys
 from lmcollect.engines import EngineRequest
+from lmcollect.engines.weight_group import GroupPush, join_weight_group
 from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
 from lmcollect.models import ModelSpec, get_model_path, load_model_and_tokenizer
 from lmcollect.policies import SamplingConfig, TransformersPolicy
+from lmcollect.transports.process_group import ProcessGroupConfig, ProcessGroupSender
+from lmcollect.weights.version import PushVersion
+from tests.engine_contract import CHECKS, EngineCase, eos_free, hf_case
 from tests.integration.conftest import MAX_NEW_TOKENS, QUESTIONS, chat_batch
 from tests.token_checks import check_token_exact, collect_dialogs, guessing_env
+from tests.vllm_hold import HOLDING_EXTENSION, held_step
 
 pytest.importorskip("vllm")
 from lmcollect.policies.vllm_policy import VLLMPolicy  # noqa: E402
@@ -48,6 +55,9 @@ pytestmark = pytest.mark.integration
 
 # conftest's CPU_ENGINE_KWARGS as flags: a KV cache that fits, no torch.compile
 SERVE_ARGS = ["--kv-cache-memory-bytes", str(1 << 30), "--enforce-eager"]
+REPO_ROOT = Path(__file__).resolve().parents[2]  # where the server's worker imports tests.vllm_hold from
+CONTRACT_ATOL = 1e-4  # vLLM against transformers
+PUSH_TIMEOUT_S = 60.0
 START_TIMEOUT_S = 240.0
 PAUSE_LEASE_S = 5.0  # short, so an abandoned pause ends within a test; pushes renew it every third
 ROWS = [{"prompt": q} for q in QUESTIONS]
@@ -58,9 +68,13 @@ IM_START = 1
 @pytest.fixture(scope="module")
 def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     log_path = tmp_path_factory.mktemp("vllm-serve") / "server.log"
+    # the test's worker extension: lmcollect's weight receiver plus the contract's step hold (the
+    # last --worker-extension-cls wins over serve_command's)
+    python_path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     with VLLMServer(
         model_dir,
-        serve_args=SERVE_ARGS,
+        serve_args=[*SERVE_ARGS, "--worker-extension-cls", HOLDING_EXTENSION],
+        env={"PYTHONPATH": python_path},
         control_endpoints=True,
         pause_lease_s=PAUSE_LEASE_S,
         start_timeout_s=START_TIMEOUT_S,
@@ -213,6 +227,66 @@ def test_a_pause_nobody_renews_ends_after_the_lease(server: VLLMServer) -> None:
     assert "nobody renewed the pause" in log  # the guard resumed it, not something else
     policy = VLLMServerPolicy(server.url, temperature=0.0, max_new_tokens=4)
     assert policy(chat_batch(QUESTIONS[:1]))[0][keys.TOKENS_RESPONSE].numel() > 0
+
+
+# ------------------------------------------------------------------------------------ the engine contract
+class GroupPusher:
+    """A trainer's pushes into the server's workers, as ``vLLMUpdater`` makes them: a
+    ``ProcessGroupSender`` the workers joined checks the weights against what they accept (a misfit
+    is refused there, before anything is sent), then broadcasts them while the engine's
+    ``load_weights(GroupPush(...))`` has the workers receive and reload."""
+
+    def __init__(self, engine: VLLMServerEngine, timeout_s: float = PUSH_TIMEOUT_S) -> None:
+        self.engine, self.timeout_s = engine, timeout_s
+        address = master_address_for(engine.base_url)
+        config = ProcessGroupConfig(master_address=address, num_receivers=1, backend="gloo", timeout_s=timeout_s)
+        self.sender = ProcessGroupSender(config)
+        with ThreadPoolExecutor(1) as pool:  # the workers' join returns once the sender has connected
+            joined = pool.submit(join_weight_group, engine, self.sender.connection_info(), ranks_per_replica=1)
+            self.sender.connect()
+            joined.result(timeout=timeout_s)
+
+    def __call__(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        prepared = self.sender.prepare(weights)  # ValueError "... no weight was changed" for a misfit
+        push = GroupPush(timeout_s=self.timeout_s, verify=True)
+        if version < self.engine.version:  # the engine refuses it (StalePushError) before its workers receive
+            self.engine.load_weights(push, version=version)
+            raise AssertionError(f"the engine took version {version} over its newer {self.engine.version}")
+        with ThreadPoolExecutor(1) as pool:
+            received = pool.submit(self.engine.load_weights, push, version=version)
+            self.sender.send(prepared, version=PushVersion(version))
+            (report,) = received.result(timeout=self.timeout_s)
+        assert report["checksums"] == self.sender.last_checksums(), "the worker holds other bytes than were sent"
+
+    def close(self) -> None:
+        self.sender.close()
+
+
+@pytest.fixture(scope="module")
+def served_case(
+    server: VLLMServer, model_dir: Path, new_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EngineCase]:
+    """The server behind a VLLMServerEngine of its own, pushed through a process group; its HTTP
+    answers come whole, so a push never lands inside one (``responses_span_pushes=False``)."""
+    engine = VLLMServerEngine(server.url, control_token=server.control_token, timeout_s=120.0)
+    pusher = GroupPusher(engine)
+    old = eos_free(load_model_and_tokenizer(model_dir)[0].eval())
+    new = eos_free(load_model_and_tokenizer(new_model_dir)[0].eval())
+    folder = tmp_path_factory.mktemp("served-held-steps")
+    yield hf_case(
+        engine, old, new, hold_step=lambda step: held_step(engine, step, folder), log_prob_atol=CONTRACT_ATOL,
+        push=pusher, responses_span_pushes=False,
+    )  # fmt: skip
+    pusher.close()
+    engine.close()
+
+
+@pytest.mark.parametrize("check", list(CHECKS))  # in order: "close" (of the case's engine, not the server) is last
+def test_served_engine_contract(served_case: EngineCase, check: str) -> None:
+    CHECKS[check](served_case)
+    engine = served_case.engine
+    assert isinstance(engine, VLLMServerEngine)
+    assert engine.call("GET", "/is_paused") == {"is_paused": False}  # every check, even close, leaves it running
 
 
 # ------------------------------------------------------------------------------------ weight sync

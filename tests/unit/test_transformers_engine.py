@@ -378,3 +378,60 @@ def test_bad_requests_and_settings_are_refused_naming_them(make_engine, tiny_mod
         TransformersEngine(perturbed_model(tiny_model_path, seed=1), tokenizer, max_batch_size=0)
     with pytest.raises(ValueError, match="version"):
         engine.load_weights([], version="1")
+
+
+# ---------------------------------------------------------------------- the lockstep batch path (model.generate)
+def test_a_generate_batch_equals_the_continuous_loop_request_by_request(make_engine, old_model):
+    """One model.generate call answers what submit() answers: greedy tokens, raw log-probs, and a
+    seeded request's sample, which does not depend on the rest of the batch."""
+    engine = make_engine()
+    ids = prompts()
+    sampled = SamplingConfig(temperature=0.9, top_k=50, max_new_tokens=10, ignore_eos=True)
+    for sampling, seeds in [(greedy(10, ignore_eos=True), [None] * len(ids)), (sampled, list(range(len(ids))))]:
+        requests = [EngineRequest(prompt_ids=p, sampling=sampling, seed=s) for p, s in zip(ids, seeds)]
+        together = engine.generate_batch(requests)
+        for request, result in zip(requests, together):
+            alone = result_of(engine.submit(request))
+            assert result.tokens.tolist() == alone.tokens.tolist()
+            torch.testing.assert_close(result.log_probs, alone.log_probs, atol=1e-4, rtol=0)
+            assert result.finish_reason == "length" and set(result.token_versions.tolist()) == {engine.version}
+    smaller = engine.generate_batch([EngineRequest(prompt_ids=ids[0], sampling=sampled, seed=0)])
+    assert smaller[0].tokens.tolist() == together[0].tokens.tolist()
+
+
+def test_a_generate_batch_stops_rows_on_their_stop_ids_and_takes_no_load_inside(make_engine, old_model, new_model):
+    engine = make_engine()
+    ids = prompts()[:3]
+    first = engine.generate_batch([EngineRequest(prompt_ids=p, sampling=greedy(8, ignore_eos=True)) for p in ids])
+    stop = first[1].tokens[2].item()  # row 1 draws it third
+    stopped = engine.generate_batch(
+        [EngineRequest(prompt_ids=p, sampling=greedy(8, ignore_eos=True), stop_token_ids=(stop,)) for p in ids]
+    )
+    assert stopped[1].finish_reason == "stop" and stopped[1].tokens.tolist() == first[1].tokens[:3].tolist()
+    engine.load_weights(new_model.state_dict().items(), version=3)
+    after = engine.generate_batch([EngineRequest(prompt_ids=ids[0], sampling=greedy(4, ignore_eos=True))])[0]
+    assert after.tokens.tolist() == generate_greedy(new_model, ids[0], 4, min_new_tokens=4)
+    assert after.token_versions.tolist() == [3] * 4
+
+
+def test_a_generate_batch_refuses_rows_sampled_differently(make_engine):
+    engine = make_engine()
+    rows = [EngineRequest(prompt_ids=[5, 6], sampling=greedy(4), request_id="a"),
+            EngineRequest(prompt_ids=[5, 6], sampling=greedy(5), request_id="b")]
+    with pytest.raises(ValueError, match="'b' has other sampling or stop_token_ids than 'a'.*submit"):
+        engine.generate_batch(rows)
+    assert engine.num_in_flight == 0
+
+
+def test_an_engine_travels_as_its_model_and_version(make_engine, old_model):
+    import pickle
+
+    engine = make_engine()
+    engine.load_weights(old_model.state_dict().items(), version=4)
+    copy = pickle.loads(pickle.dumps(engine))
+    try:
+        assert copy.version == 4 and copy.num_in_flight == 0
+        request = EngineRequest(prompt_ids=[5, 9, 11], sampling=greedy(5, ignore_eos=True))
+        assert result_of(copy.submit(request)).tokens.tolist() == result_of(engine.submit(request)).tokens.tolist()
+    finally:
+        copy.close()

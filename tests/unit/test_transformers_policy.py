@@ -9,6 +9,7 @@ from lmcollect.collectors import LLMCollector
 from lmcollect.data import History, keys
 from lmcollect.data.turns import flatten_turns
 from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
+from lmcollect.engines.hf_generate import response_lengths
 from lmcollect.policies import SamplingConfig, TransformersPolicy
 
 
@@ -95,9 +96,9 @@ def test_pad_id_tokens_are_kept(tiny_model_and_tokenizer) -> None:
     """A generated token equal to the pad id is real output; only tokens after eos are dropped."""
     model, tokenizer = tiny_model_and_tokenizer
     policy = TransformersPolicy(model, tokenizer, max_new_tokens=6, temperature=0)
-    pad, eos = tokenizer.pad_token_id, policy._eos_ids[0]
+    pad, eos = tokenizer.pad_token_id, policy.stop_token_ids[0]
     generated = torch.tensor([[5, pad, 7, eos, pad, pad], [pad, pad, 9, 9, 9, 9]])
-    assert policy._response_lengths(generated) == [4, 6]
+    assert response_lengths(generated, policy.stop_token_ids) == [(4, True), (6, False)]
 
 
 def test_left_padding_does_not_change_outputs(tiny_model_and_tokenizer) -> None:
