@@ -8,6 +8,7 @@ from tensordict import TensorDictBase
 
 from lmcollect.data.keys import POLICY_VERSION
 from lmcollect.data.turns import flatten_turns, stack_turns
+from lmcollect.plumbing import forwarded
 
 
 class ReplayBuffer:
@@ -111,10 +112,7 @@ class ReplayBuffer:
     def __len__(self) -> int:
         return len(self._storage)
 
-    @property
-    def write_count(self) -> int:
-        """Turns written since creation (or the last :meth:`empty`)."""
-        return self._write_count
+    write_count = forwarded("_write_count", "Turns written since creation (or the last :meth:`empty`).")
 
     def get_write_count(self) -> int:
         """:attr:`write_count` as a method (for calls through an actor handle)."""

@@ -10,6 +10,7 @@ from tensordict import TensorDictBase
 
 from lmcollect.collectors.batcher import BatchMode
 from lmcollect.collectors.versioning import PolicyVersion
+from lmcollect.plumbing import forwarded
 
 C = TypeVar("C")
 
@@ -78,15 +79,8 @@ class ConfiguredCollector:
 
     config: CollectionConfig
 
-    @property
-    def dialog_turns_per_batch(self) -> int:
-        """Number of dialog turns per batch."""
-        return self.config.dialog_turns_per_batch
-
-    @property
-    def total_dialog_turns(self) -> int:
-        """Total number of dialog turns to run (-1: endless)."""
-        return self.config.total_dialog_turns
+    dialog_turns_per_batch = forwarded("config.dialog_turns_per_batch", "Number of dialog turns per batch.")
+    total_dialog_turns = forwarded("config.total_dialog_turns", "Total number of dialog turns to run (-1: endless).")
 
 
 def resolve_batching(

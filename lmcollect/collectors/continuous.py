@@ -21,6 +21,7 @@ from lmcollect.collectors.versioning import PolicyVersion, make_policy_version
 from lmcollect.collectors.weights import WeightReceiverMixin
 from lmcollect.engines.protocol import EngineProtocol
 from lmcollect.engines.sampling import SamplingConfig
+from lmcollect.plumbing import forwarded
 from lmcollect.weights.version import PushVersion
 
 
@@ -158,25 +159,12 @@ class ContinuousLLMCollector(CollectorShell, CollectorVersionMixin, ContinuousSt
     def max_dialogs_in_flight(self) -> int:
         return len(self.envs)
 
-    @property
-    def turns_run(self) -> int:
-        """Turns finished so far (including turns not yet yielded)."""
-        return self._tasks.turns_run
-
-    @property
-    def turns_yielded(self) -> int:
-        """Turns that left in batches so far (see "Turn budget" in the README)."""
-        return self._flow.num_consumed
-
-    @property
-    def num_buffered_turns(self) -> int:
-        """Finished turns not yet yielded (trajectory modes: with the turns of dialogs under way)."""
-        return self._flow.num_buffered_turns
-
-    @property
-    def num_in_flight(self) -> int:
-        """Turns started and not finished."""
-        return self._flow.num_in_flight
+    turns_run = forwarded("_tasks.turns_run", "Turns finished so far (including turns not yet yielded).")
+    turns_yielded = forwarded("_flow.num_consumed", 'Turns that left in batches so far (see "Turn budget" in the README).')
+    num_buffered_turns = forwarded(
+        "_flow.num_buffered_turns", "Finished turns not yet yielded (trajectory modes: with the turns of dialogs under way)."
+    )
+    num_in_flight = forwarded("_flow.num_in_flight", "Turns started and not finished.")
 
     # ------------------------------------------------------------------ iteration
     def _finished(self) -> bool:
@@ -287,16 +275,11 @@ class ContinuousLLMCollector(CollectorShell, CollectorVersionMixin, ContinuousSt
             self.replay_buffer.extend(batch)
 
     # ------------------------------------------------------------------ weights
-    def _apply_weights(
-        self,
-        weights: Any,
-        *,
-        model_id: str = "policy",
-        convert_dtype: bool = False,
-        version: PushVersion | None = None,
-        zero_copy: bool = False,
+    def _apply_leaf(
+        self, weights: Any, *, model_id: str, convert_dtype: bool, version: PushVersion | None, zero_copy: bool
     ) -> None:
-        """Load a push into the engine while it is paused between two decoding steps.
+        """:meth:`receive_weights` here: load a push into the engine while it is paused between two
+        decoding steps (under the push lock: one push at a time, a delta decoded against the weights held now).
 
         In order: check the version; ``engine.pause()`` (in-flight requests keep their state);
         ``engine.load_weights(..., version=)`` (the engine checks every name and shape first);
@@ -312,8 +295,7 @@ class ContinuousLLMCollector(CollectorShell, CollectorVersionMixin, ContinuousSt
         """
         if model_id != "policy":
             raise ValueError(f"model_id={model_id!r}: a ContinuousLLMCollector receives weights for 'policy' only.")
-        with self._push_lock:  # one push at a time (a delta decodes against the weights held now)
-            self._load_into_engine(self.engine, weights, convert_dtype=convert_dtype, version=version)
+        self._load_into_engine(self.engine, weights, convert_dtype=convert_dtype, version=version)
         if not self._shut_down:
             self._tasks.wake()  # the lag rule may admit turns under the new version
 

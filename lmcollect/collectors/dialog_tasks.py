@@ -21,18 +21,18 @@ from tensordict import TensorDict, TensorDictBase, lazy_stack
 
 from lmcollect.collectors.batcher import CollectedTurn
 from lmcollect.collectors.engine_turns import prompt_of, request_of, turn_from_result
-from lmcollect.collectors.env_runner import next_observation, stamp_turn, check_turn, env_next
+from lmcollect.collectors.env_runner import VersionFn, check_turn, env_next, next_observation, record_turn
 from lmcollect.collectors.trajectories import TrajectoryTracker
 from lmcollect.collectors.turn_flow import TurnFlow
 from lmcollect.data import keys
 from lmcollect.engines.protocol import EngineProtocol
 from lmcollect.envs.protocol import AsyncEnvProtocol
 from lmcollect.engines.sampling import SamplingConfig
+from lmcollect.plumbing import forwarded
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-VersionFn = Callable[[], tuple[int | str, int]]
 _RECHECK_S = 0.1  # a waiting consumer re-reads the version this often (a push does not notify the loop)
 
 
@@ -197,9 +197,7 @@ class DialogTasks:
         self._runner.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    @property
-    def paused(self) -> bool:
-        return self._paused
+    paused = forwarded("_paused", "Whether admission is paused (from :meth:`pause` until :meth:`resume`).")
 
     @property
     def started(self) -> bool:
@@ -265,12 +263,11 @@ class DialogTasks:
         check_turn(turn, i, side.engine)
         nxt = await self._step_env(i, slot.env, turn)
         done = bool(nxt.get(keys.DONE).any())
-        traj_id, step_count, min_version = self.tracker.stamp(i, index)
-        stamp_turn(turn, version, index, traj_id, step_count, min_version, i, self._group_id(i, turn))
-        if done:
-            self.tracker.end(i, index)
+        collected = record_turn(
+            self.tracker, turn, slot=i, version=version, version_index=index, done=done, env_number=i, num_envs=len(self.slots)
+        )
         slot.obs = None if done else next_observation(turn, nxt)
-        return CollectedTurn(slot=i, traj_id=traj_id, done=done, td=turn)
+        return collected
 
     async def _new_dialog(self, i: int, slot: Slot, index: int) -> TensorDictBase:
         if slot.was_reset:
@@ -291,12 +288,6 @@ class DialogTasks:
 
     async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-
-    def _group_id(self, i: int, turn: TensorDictBase) -> int:
-        prompt_id = turn.get(keys.ENV_PROMPT_ID, None)
-        if prompt_id is None:
-            return -1
-        return self.tracker.group_id(i, len(self.slots), int(prompt_id))
 
 
 _STALLED = (

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Callable, Iterator
 
 import torch
@@ -70,6 +71,7 @@ def env_next(stepped: TensorDictBase, env: object, slot_offset: int, num_envs: i
     return nxt
 
 
+@dataclass(eq=False, repr=False)
 class EnvRunner:
     """Owns one env's current observations and turns each step into :class:`CollectedTurn` s.
 
@@ -78,28 +80,21 @@ class EnvRunner:
     ``async_envs``); group ids depend on both.
     """
 
-    def __init__(
-        self,
-        env: object,
-        policy: Callable[[TensorDictBase], TensorDictBase],
-        *,
-        tracker: TrajectoryTracker,
-        version_fn: VersionFn,
-        policy_lock: ReadWriteLock,
-        slot_offset: int = 0,
-        env_number: int = 0,
-        num_env_runners: int = 1,
-    ) -> None:
-        self.env = env
-        self.policy = policy
-        self.tracker = tracker
-        self.version_fn = version_fn
-        self.policy_lock = policy_lock
-        self.slot_offset = slot_offset
-        self.env_number = env_number
-        self.num_env_runners = num_env_runners
-        self.num_envs = int(torch.Size(env.batch_size).numel())
-        self._obs: list[TensorDictBase] | None = None
+    env: object
+    policy: Callable[[TensorDictBase], TensorDictBase]
+    _: KW_ONLY
+    tracker: TrajectoryTracker
+    version_fn: VersionFn
+    policy_lock: ReadWriteLock
+    slot_offset: int = 0
+    env_number: int = 0
+    num_env_runners: int = 1
+    num_envs: int = field(init=False)
+    """Elements of the env's batch."""
+    _obs: list[TensorDictBase] | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.num_envs = int(torch.Size(self.env.batch_size).numel())
 
     def reset(self, index: list[int] | None = None) -> None:
         """Start new dialogs in every element, or only in ``index`` (local element indices)."""
@@ -145,17 +140,16 @@ class EnvRunner:
         nxt = env_next(stepped, self.env, self.slot_offset, self.num_envs)
         turns, done_rows, next_obs = [], [], list(self._obs)
         for i in range(self.num_envs):
-            slot = self.slot_offset + i
-            turn = out[i]
-            nxt_i = nxt[i]
+            turn, nxt_i = out[i], nxt[i]
             turn.set("next", nxt_i)
             done = bool(nxt_i.get(keys.DONE).any())
-            traj_id, step_count, min_version = self.tracker.stamp(slot, version_index)
-            stamp_turn(turn, version, version_index, traj_id, step_count, min_version, slot, self._group_id(turn))
-            turns.append(CollectedTurn(slot=slot, traj_id=traj_id, done=done, td=turn))
+            collected = record_turn(
+                self.tracker, turn, slot=self.slot_offset + i, version=version, version_index=version_index,
+                done=done, env_number=self.env_number, num_envs=self.num_env_runners,
+            )
+            turns.append(collected)
             if done:
                 done_rows.append(i)
-                self.tracker.end(slot, version_index)
             else:
                 next_obs[i] = next_observation(turn, nxt_i)
         self._obs = next_obs
@@ -173,11 +167,27 @@ class EnvRunner:
             exc.add_note(f"raised by {what} at env indices {self.slot_offset}..{last} (lmcollect collector)")
             raise
 
-    def _group_id(self, turn: TensorDictBase) -> int:
-        prompt_id = turn.get(keys.ENV_PROMPT_ID, None)
-        if prompt_id is None:
-            return -1
-        return self.tracker.group_id(self.env_number, self.num_env_runners, int(prompt_id))
+
+def record_turn(
+    tracker: TrajectoryTracker,
+    turn: TensorDictBase,
+    *,
+    slot: int,
+    version: int | str,
+    version_index: int,
+    done: bool,
+    env_number: int,
+    num_envs: int,
+) -> CollectedTurn:
+    """A finished turn, stamped (:func:`stamp_turn`) and ready for the batcher; a ``done`` turn ends
+    its slot's trajectory. ``env_number`` of ``num_envs`` is the env that drew its prompt (group id)."""
+    traj_id, step_count, min_version = tracker.stamp(slot, version_index)
+    prompt_id = turn.get(keys.ENV_PROMPT_ID, None)
+    group_id = -1 if prompt_id is None else tracker.group_id(env_number, num_envs, int(prompt_id))
+    stamp_turn(turn, version, version_index, traj_id, step_count, min_version, slot, group_id)
+    if done:
+        tracker.end(slot, version_index)
+    return CollectedTurn(slot=slot, traj_id=traj_id, done=done, td=turn)
 
 
 def next_observation(turn: TensorDictBase, nxt: TensorDictBase) -> TensorDictBase:

@@ -16,11 +16,12 @@ from typing import Any
 from tensordict import TensorDictBase
 
 from lmcollect.collectors.config import CollectionConfig
+from lmcollect.plumbing import ShutsDownOnExit
 
 logger = logging.getLogger(__name__)
 
 
-class CollectorShell:
+class CollectorShell(ShutsDownOnExit):
     """The lifecycle half of a collector (a mixin: the collector's ``__init__`` calls :meth:`_init_shell`)."""
 
     envs: list[Any]
@@ -133,12 +134,6 @@ class CollectorShell:
     def async_shutdown(self, timeout: float | None = None) -> None:
         """Shut down; waits at most ``timeout`` seconds for the background thread."""
         self.shutdown(timeout=timeout)
-
-    def __enter__(self) -> CollectorShell:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
 
     # ------------------------------------------------------------------ attribute access
     def getattr_rb(self, attr: str) -> Any:

@@ -45,7 +45,27 @@ def attach_updater(collector: Any, updater: Any, policy: Any) -> None:
         updater.register_collector(collector)
 
 
-class WeightReceiverMixin:
+class HoldsWeightUpdater:
+    """The ``weight_updater`` attribute of every collector, local or Ray: setting it goes through
+    :func:`attach_updater`, which builds an updater class from :meth:`_updater_policy` first."""
+
+    _weight_updater: Any
+
+    def _updater_policy(self) -> Any:
+        """The policy an updater class is built from (``from_policy``)."""
+        raise NotImplementedError
+
+    @property
+    def weight_updater(self) -> Any:
+        """The weight updater; None: there is none (a Ray collector's pushes then go straight to its actor)."""
+        return self._weight_updater
+
+    @weight_updater.setter
+    def weight_updater(self, updater: Any) -> None:
+        attach_updater(self, updater, self._updater_policy())
+
+
+class WeightReceiverMixin(HoldsWeightUpdater):
     """Weight-update methods shared by the local collector (and, through it, the Ray one).
 
     Every applied update goes through :meth:`receive_weights` (for a vLLM engine's process-group
@@ -70,14 +90,8 @@ class WeightReceiverMixin:
         if weight_updater is not None:
             self.weight_updater = weight_updater
 
-    @property
-    def weight_updater(self) -> Any:
-        """The weight updater (None if there is none)."""
-        return self._weight_updater
-
-    @weight_updater.setter
-    def weight_updater(self, updater: Any) -> None:
-        attach_updater(self, updater, self.policy)
+    def _updater_policy(self) -> Any:
+        return self.policy
 
     @property
     def worker_idx(self) -> int | None:

@@ -5,6 +5,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 
 from lmcollect.envs.protocol import EnvProtocol
+from lmcollect.plumbing import ClosesOnExit
 
 logger = logging.getLogger(__name__)
 
@@ -26,11 +27,12 @@ def _build(maker: Callable[[], EnvProtocol] | EnvProtocol, index: int) -> EnvPro
     return env
 
 
-class AsyncEnvPool:
+class AsyncEnvPool(ClosesOnExit):
     """A fixed set of independent sub-envs (each with its own ``batch_size``).
 
     The pool builds them (calling the makers in order) and shuts them down; the collector runs one
-    thread per sub-env (policy call, then ``step``). A maker that fails closes the envs built so far.
+    thread per sub-env (policy call, then ``step``). A maker that fails closes the envs built so far;
+    ``with AsyncEnvPool(...) as pool:`` closes them all on the way out.
     """
 
     def __init__(self, env_makers: Sequence[Callable[[], EnvProtocol] | EnvProtocol]) -> None:
@@ -95,12 +97,6 @@ class AsyncEnvPool:
                 first_error = first_error or e
         if first_error is not None:
             raise first_error
-
-    def __enter__(self) -> AsyncEnvPool:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"AsyncEnvPool(num_envs={self.num_envs}, envs={self._envs!r})"

@@ -5,8 +5,9 @@ import importlib.util
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any, Literal, Protocol
+
+from lmcollect.plumbing import ClosesOnExit
 
 LoggerKind = Literal["jsonl", "tensorboard", "wandb"]
 """``jsonl``: metrics.jsonl in the run folder; ``tensorboard``: event files; ``wandb``: a W&B run."""
@@ -51,17 +52,11 @@ class ExperimentLogger(Protocol):
         ...
 
 
-class LoggerBase:
+class LoggerBase(ClosesOnExit):
     """Context-manager support for loggers: ``with make_logger(...) as log:`` closes it on the way out."""
 
     def close(self) -> None:
         raise NotImplementedError
-
-    def __enter__(self) -> typing.Self:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self.close()
 
 
 class MultiLogger(LoggerBase):

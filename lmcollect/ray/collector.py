@@ -17,7 +17,8 @@ from lmcollect.buffers.replay_buffer import ReplayBuffer
 from lmcollect.collectors.collector_worker import CollectorRestartedError, CollectorWorker, ContinuousCollectorWorker
 from lmcollect.collectors.config import CollectionConfig, ConfiguredCollector, config_from, field_names
 from lmcollect.collectors.versioning import PolicyVersion
-from lmcollect.collectors.weights import attach_updater
+from lmcollect.collectors.weights import HoldsWeightUpdater
+from lmcollect.plumbing import ShutsDownOnExit
 from lmcollect.ray.cluster import actor_options, init_ray, torch_threads_for, with_thread_env
 from lmcollect.weights.buckets import view_buckets
 from lmcollect.weights.version import PushVersion
@@ -70,7 +71,7 @@ _DRIVER_ARGS = field_names(RayActorConfig) | {"self", "__class__", "env", "weigh
 """A Ray collector's arguments that stay in the driver; every other one goes to the actor's collector."""
 
 
-class RayLLMCollector(ConfiguredCollector):
+class RayLLMCollector(ConfiguredCollector, HoldsWeightUpdater, ShutsDownOnExit):
     """An :class:`~lmcollect.collectors.LLMCollector` in a Ray actor, with the same API.
 
     Arguments are those of ``LLMCollector`` plus the Ray arguments ``ray_init_config``,
@@ -370,12 +371,6 @@ class RayLLMCollector(ConfiguredCollector):
         except CollectorActorError:
             return False
 
-    def __enter__(self) -> RayLLMCollector:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
-
     def _check_open(self) -> None:
         if self._shut_down:
             raise RuntimeError(f"{self._name} was shut down; build a new collector to collect again.")
@@ -457,14 +452,9 @@ class RayLLMCollector(ConfiguredCollector):
         return self._call("get_policy_model")
 
     # ------------------------------------------------------------------ weights
-    @property
-    def weight_updater(self) -> Any:
-        """The driver-side weight updater (None: pushes go straight to this collector's actor)."""
-        return self._weight_updater
-
-    @weight_updater.setter
-    def weight_updater(self, updater: Any) -> None:
-        attach_updater(self, updater, self._policy_arg)
+    def _updater_policy(self) -> Any:
+        """The driver's ``policy`` argument (the policy itself lives in the actor)."""
+        return self._policy_arg
 
     def init_updater(self, *args: Any, **kwargs: Any) -> None:
         """``init(*args, **kwargs)`` on the weight updater (the driver's, else the actor's)."""

@@ -26,6 +26,7 @@ from lmcollect.ray.cluster import actor_options, init_ray
 from lmcollect.engines.protocol import EngineClosedError, EngineProtocol, EngineRequest, EngineResult, WorkerRpcEngine
 from lmcollect.engines.router import EngineRouter
 from lmcollect.engines.weight_group import GroupPush
+from lmcollect.plumbing import forwarded
 
 __all__ = ["RayEngine", "ray_engine_replicas", "start_ray_engines"]
 
@@ -160,18 +161,14 @@ class RayEngine:
         """``collective_rpc_each`` on the actor's engine (vLLM's workers; see ``WorkerRpcEngine``)."""
         return self._get(self._actor.collective_rpc_each.remote(method, args_per_replica, kwargs), f"collective_rpc_each({method!r})")
 
-    @property
-    def version(self) -> int:
-        return self._version
+    version = forwarded("_version", "The engine's weight version: its own at start, then each load_weights / set_version made here.")
 
     @property
     def num_in_flight(self) -> int:
         """Requests submitted through this proxy and not answered yet (counted here: no round trip)."""
         return len(self._pending)
 
-    @property
-    def actor(self) -> Any:
-        return self._actor
+    actor = forwarded("_actor", "The handle of the Ray actor the engine lives in.")
 
     def close(self) -> None:
         """Close the engine (its pending futures fail with ``EngineClosedError``) and end the actor. Idempotent."""

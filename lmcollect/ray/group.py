@@ -4,12 +4,13 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterator, Sequence
 
+from lmcollect.plumbing import ShutsDownOnExit
 from lmcollect.ray.collector import RayLLMCollector
 
 logger = logging.getLogger(__name__)
 
 
-class RayCollectorGroup:
+class RayCollectorGroup(ShutsDownOnExit):
     """K collectors, typically writing into one :class:`~lmcollect.buffers.RayReplayBuffer`.
 
     Collector ``i`` gets ``worker_idx = i`` (so trajectory ids never collide across collectors)
@@ -74,9 +75,3 @@ class RayCollectorGroup:
 
     def __getitem__(self, index: int) -> RayLLMCollector:
         return self.collectors[index]
-
-    def __enter__(self) -> RayCollectorGroup:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()

@@ -17,7 +17,7 @@ from lmcollect.weights.delta import (
     DeltaBase,
     DeltaConfig,
     DeltaRejectedError,
-    EncodedDelta,
+    PreparedPush,
     PushStats,
     WeightDelta,
     distinct_tensors,
@@ -279,7 +279,7 @@ class RayRemoteWeightUpdater(WeightUpdaterBase):
                 i: self._sync_weights_with_worker(worker_id=i, server_weights=payload_ref, version=pushed)
                 for i in targets
             }
-            self.last_push_stats = PushStats("full", payload.nbytes, payload.nbytes, num_full=len(targets))
+            self.last_push_stats = PushStats.full(payload.nbytes, num_full=len(targets))
         handle = PushHandle(
             refs,
             timeout_s=self.config.timeout_s,
@@ -310,10 +310,11 @@ class RayRemoteWeightUpdater(WeightUpdaterBase):
         )
         eligible = [i for i in targets if base.version is not None and self._held[i] == base.version]
         encoded = base.encode(weights, dtypes) if eligible else None
-        if not self.config.allow_non_finite:
-            raise_if_problems(non_finite_problems(encoded.values if encoded is not None else weights, dtypes=dtypes))
         delta_targets = eligible if encoded is not None else []
-        return _DeltaPlan(weights, dtypes, encoded, delta_targets, [i for i in targets if i not in delta_targets])
+        plan = _DeltaPlan(weights, dtypes, encoded, delta_targets, [i for i in targets if i not in delta_targets])
+        if not self.config.allow_non_finite:
+            raise_if_problems(non_finite_problems(plan.sent_values(), dtypes=dtypes))
+        return plan
 
     def _send_delta_plan(self, plan: _DeltaPlan, pushed: PushVersion) -> tuple[dict[int, Any], Callable[[list[int]], dict[int, Any]]]:
         """Commit the plan into the base, then send the delta and/or the full weights (the base)."""
@@ -343,7 +344,7 @@ class RayRemoteWeightUpdater(WeightUpdaterBase):
         if plan.encoded is not None and plan.delta_targets:
             self.last_push_stats = plan.encoded.stats(num_full=len(plan.full_targets))
         else:
-            self.last_push_stats = PushStats("full", full_nbytes, full_nbytes, num_full=len(plan.full_targets))
+            self.last_push_stats = PushStats.full(full_nbytes, num_full=len(plan.full_targets))
         return refs, send_full
 
     def _record_held(self, targets: list[int], version: PushVersion | None, repaired: list[int]) -> None:
@@ -359,13 +360,9 @@ RayWeightUpdater = RayRemoteWeightUpdater
 
 
 @dataclass
-class _DeltaPlan:
-    """One delta-mode push, decided before anything changes."""
+class _DeltaPlan(PreparedPush):
+    """One delta-mode push, decided before anything changes (``encoded`` None: a full push for every target)."""
 
-    weights: WeightDict
-    dtypes: dict[str, Any]
-    encoded: EncodedDelta | None
-    """The delta from the base (None: a full push for every target)."""
     delta_targets: list[int] = field(default_factory=list)
     full_targets: list[int] = field(default_factory=list)
 

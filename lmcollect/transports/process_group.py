@@ -28,6 +28,7 @@ from lmcollect.weights.delta import (
     DeltaConfig,
     DeltaRejectedError,
     EncodedDelta,
+    PreparedPush,
     PushStats,
     WeightDelta,
     distinct_tensors,
@@ -241,7 +242,7 @@ class ProcessGroupSender(WeightSender):
             logger.warning("receiver(s) %s refused the delta push; sending the full weights", refused)
         self._send_full(prepared, version)
         nbytes = sum(b.numel() for b in self._sent)
-        self.last_push_stats = PushStats("full", nbytes, nbytes, num_full=self.config.num_receivers, num_repaired=len(refused))
+        self.last_push_stats = PushStats.full(nbytes, num_full=self.config.num_receivers, num_repaired=len(refused))
 
     def reset_delta_base(self) -> None:
         """Forget the last push (with ``config.delta``): the next push is a full push."""
@@ -528,20 +529,6 @@ class ProcessGroupReceiver(WeightReceiver):
     def close(self) -> None:
         _shutdown(self._group)
         self._group = None
-
-
-@dataclass
-class PreparedPush:
-    """A checked push (:meth:`ProcessGroupSender.prepare`): the weights, the receivers' dtypes
-    where they differ (``convert_dtype``), and the encoded delta (None: a full push)."""
-
-    weights: WeightDict
-    dtypes: dict[str, torch.dtype] | None
-    encoded: EncodedDelta | None
-
-    def sent_values(self) -> WeightDict:
-        """What travels, for a NaN/Inf check: the delta's changed values, or the whole weights."""
-        return self.encoded.values if self.encoded is not None else self.weights
 
 
 def buffer_checksums(buffers: list[torch.Tensor]) -> list[int]:

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from lmcollect.weights.buckets import WeightBuckets, tie_key, view_buckets
+from lmcollect.weights.tensors import WeightDict
 from lmcollect.weights.version import PushVersion
 
 Encoding = Literal["indices", "bitmask", "dense"]
@@ -134,6 +135,11 @@ class PushStats:
     num_repaired: int = 0
     """Receivers that refused the delta and got a full push (counted in ``num_full`` too)."""
 
+    @classmethod
+    def full(cls, nbytes: int, *, num_full: int, num_repaired: int = 0) -> PushStats:
+        """A full push of ``nbytes`` to ``num_full`` receivers (``num_repaired`` of them had refused a delta)."""
+        return cls("full", nbytes, nbytes, num_full=num_full, num_repaired=num_repaired)
+
 
 @dataclass
 class EncodedDelta:
@@ -153,6 +159,21 @@ class EncodedDelta:
 
 
 # ---------------------------------------------------------------------- sender
+@dataclass
+class PreparedPush:
+    """A push checked before anything is sent: the weights, the receivers' dtypes where they differ
+    (``convert_dtype``; None: the weights' own), and the encoded delta (None: a full push).
+    ``ProcessGroupSender.prepare`` makes one; the Ray updater's delta plan adds its targets."""
+
+    weights: WeightDict
+    dtypes: dict[str, torch.dtype] | None
+    encoded: EncodedDelta | None
+
+    def sent_values(self) -> WeightDict:
+        """What travels, for a NaN/Inf check: the delta's changed values, or the whole weights."""
+        return self.encoded.values if self.encoded is not None else self.weights
+
+
 class DeltaBase:
     """The sender's copy of the last pushed weights (receivers' dtypes) and the version pushed.
 

@@ -12,7 +12,7 @@ PACKAGE = Path(lmcollect.__file__).parent
 
 # bottom to top; a module may import its own layer and the layers before it
 LAYERS = [
-    {"files", "lazy", "startup", "data", "models", "loggers"},
+    {"files", "lazy", "plumbing", "startup", "data", "models", "loggers"},
     {"weights"},
     {"transports"},
     {"envs", "buffers", "checkpoint", "diagnostics", "viewer"},
