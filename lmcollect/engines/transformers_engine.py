@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import DynamicCache
 
+from lmcollect.plumbing import forwarded
 from lmcollect.engines.sampling import eos_token_ids
 from lmcollect.engines.hf_generate import generate_together
 from lmcollect.engines.kv_batch import LeftPaddedKVCache
@@ -200,10 +201,7 @@ class TransformersEngine:
     def reset_prefix_cache(self) -> None:
         """Nothing to forget: no prefix is cached across requests, and a load re-prefills running ones."""
 
-    @property
-    def version(self) -> int:
-        """The version of the weights loaded now."""
-        return self._version
+    version = forwarded("_version", "The version of the weights loaded now (-1 before any push).")
 
     @property
     def num_in_flight(self) -> int:

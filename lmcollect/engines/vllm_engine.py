@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from lmcollect.engines.loop_queue import QueuedAndRunning
+from lmcollect.plumbing import forwarded
 from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult, check_version, refuse_stale_push
 from lmcollect.engines.vllm_common import (
     INITIAL_VERSION,
@@ -47,7 +49,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class VLLMEngine:
+class VLLMEngine(QueuedAndRunning):
     """vLLM (continuous batching) in this process, behind the engine protocol; any thread may call it.
 
     A weight push (what ``load_weights`` does by itself, or an updater around a process-group
@@ -212,21 +214,12 @@ class VLLMEngine:
         else touches the engine meanwhile); e.g. a benchmark's plain vLLM loop as its baseline."""
         return self._between_steps(lambda: fn(self._llm))
 
-    @property
-    def version(self) -> int:
-        """The version of the weights loaded now (-1 before any load)."""
-        return self._version
+    version = forwarded("_version", "The version of the weights loaded now (-1 before any load).")
 
     @property
     def paused(self) -> bool:
         """Whether ``pause()`` was called without a ``resume()`` since."""
         return self._paused
-
-    @property
-    def num_in_flight(self) -> int:
-        """Requests submitted and not finished."""
-        with self._wake:
-            return len(self._queued) + len(self._running)
 
     def close(self) -> None:
         """Fail pending futures with :class:`EngineClosedError`, abort their requests, free the engine. Idempotent."""

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from lmcollect.engines.loop_queue import QueuedAndRunning
+from lmcollect.plumbing import forwarded
 from lmcollect.weights.tensors import expected_metadata
 
 from lmcollect.data.history import History
@@ -109,7 +111,7 @@ class _Running:
     versions: list[int] = field(default_factory=list)
 
 
-class ScriptedEngine:
+class ScriptedEngine(QueuedAndRunning):
     """An :class:`~lmcollect.engines.protocol.EngineProtocol` engine that decodes a script.
 
     A decoding thread runs steps while requests are in flight: each step appends one token to every
@@ -212,14 +214,7 @@ class ScriptedEngine:
             self._hold = (self.num_steps + step, hold_s, reached)
         return reached
 
-    @property
-    def version(self) -> int:
-        return self._version
-
-    @property
-    def num_in_flight(self) -> int:
-        with self._wake:
-            return len(self._queued) + len(self._running)
+    version = forwarded("_version", "The version of the weights loaded now (-1 before any push).")
 
     def close(self) -> None:
         with self._wake:
