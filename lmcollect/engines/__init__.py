@@ -5,6 +5,7 @@ from lmcollect.lazy import lazy_attributes
 
 
 from lmcollect.engines.protocol import (
+    BatchGenerating,
     EngineClosedError,
     EngineProtocol,
     EngineRequest,
@@ -24,6 +25,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "BatchGenerating",
     "EngineClosedError",
     "EngineProtocol",
     "EngineRequest",

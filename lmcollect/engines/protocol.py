@@ -19,7 +19,7 @@ workers, whether the engine is a lockstep ``VLLMPolicy``'s or a continuous colle
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -29,7 +29,7 @@ import torch
 from lmcollect.engines.sampling import SamplingConfig
 
 __all__ = [
-    "EngineClosedError", "EngineProtocol", "EngineRequest", "EngineResult", "StalePushError", "WorkerRpcEngine",
+    "BatchGenerating", "EngineClosedError", "EngineProtocol", "EngineRequest", "EngineResult", "StalePushError", "WorkerRpcEngine",
     "check_version", "engine_of", "refuse_stale_push", "worker_rpc_engine_of",
 ]  # fmt: skip
 
@@ -148,6 +148,17 @@ class EngineProtocol(Protocol):
 
     def close(self) -> None:
         """Fail pending futures with a clear error and free the engine."""
+        ...
+
+
+@runtime_checkable
+class BatchGenerating(Protocol):
+    """An engine that answers a whole lockstep batch faster in one call than request by request
+    (``TransformersEngine``: one ``model.generate``). :class:`~lmcollect.policies.EnginePolicy`
+    hands such an engine each batch whole; rows share ``sampling`` and ``stop_token_ids``."""
+
+    def generate_batch(self, requests: Sequence[EngineRequest]) -> list[EngineResult]:
+        """Every request's result, in order, generated together (no weight load lands inside)."""
         ...
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from lmcollect.engines.protocol import EngineProtocol, EngineRequest
+from lmcollect.engines.protocol import BatchGenerating, EngineProtocol, EngineRequest
 from lmcollect.policies.outputs import Generation, answer_prompts, generate_triples
 from lmcollect.engines.sampling import RequestSeeds, SamplingConfig
 
@@ -76,14 +76,13 @@ class EnginePolicy:
     def generate_responses(self, prompt_ids: list[list[int]]) -> list[Generation]:
         """Every prompt's response, awaited together (the batch barrier).
 
-        An engine that answers a whole batch at once (``generate_batch``, e.g. a
-        ``TransformersEngine``'s one ``model.generate`` call) gets the batch in one call; any other
-        gets every prompt submitted at once and is waited on for all of them.
+        An engine that answers a whole batch at once (:class:`~lmcollect.engines.BatchGenerating`,
+        e.g. a ``TransformersEngine``'s one ``model.generate`` call) gets the batch in one call; any
+        other gets every prompt submitted at once and is waited on for all of them.
         """
         requests = self._requests(prompt_ids)
-        generate_batch = getattr(self.engine, "generate_batch", None)
-        if generate_batch is not None:
-            results = generate_batch(requests)
+        if isinstance(self.engine, BatchGenerating):
+            results = self.engine.generate_batch(requests)
         else:
             futures = [self.engine.submit(request) for request in requests]
             results = [future.result(timeout=self.timeout_s) for future in futures]

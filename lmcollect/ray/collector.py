@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import inspect
 import logging
 import time
 import uuid
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ClassVar, Iterator
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -15,8 +17,8 @@ from tensordict import TensorDictBase
 
 from lmcollect.buffers.replay_buffer import ReplayBuffer
 from lmcollect.collectors.collector_worker import CollectorRestartedError, CollectorWorker, ContinuousCollectorWorker
+from lmcollect.collectors.llm_collector import LLMCollector
 from lmcollect.collectors.config import CollectionConfig, ConfiguredCollector, config_from, field_names
-from lmcollect.collectors.versioning import PolicyVersion
 from lmcollect.collectors.weights import HoldsWeightUpdater
 from lmcollect.plumbing import ShutsDownOnExit
 from lmcollect.ray.cluster import actor_options, init_ray, torch_threads_for, with_thread_env
@@ -67,8 +69,23 @@ class RayActorConfig:
         _check_timeout(self.collect_timeout_s, "collect_timeout_s")
 
 
-_DRIVER_ARGS = field_names(RayActorConfig) | {"self", "__class__", "env", "weight_updater"}
+_DRIVER_ARGS = field_names(RayActorConfig) | {"weight_updater"}
 """A Ray collector's arguments that stay in the driver; every other one goes to the actor's collector."""
+
+
+def ray_signature(local_collector: type, renamed: dict[str, str] | None = None) -> inspect.Signature:
+    """A Ray collector's signature: the local collector's arguments (``renamed``: here -> there)
+    followed by :class:`RayActorConfig`'s fields, all keyword-only but ``env``."""
+    back = {there: here for here, there in (renamed or {}).items()}
+    local = [
+        p.replace(name=back[p.name], annotation=inspect.Parameter.empty) if p.name in back else p
+        for p in inspect.signature(local_collector).parameters.values()
+    ]
+    ray_args = [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+        for f in dataclasses.fields(RayActorConfig)
+    ]
+    return inspect.Signature([*local, *ray_args])
 
 
 class RayLLMCollector(ConfiguredCollector, HoldsWeightUpdater, ShutsDownOnExit):
@@ -89,41 +106,37 @@ class RayLLMCollector(ConfiguredCollector, HoldsWeightUpdater, ShutsDownOnExit):
     example a :class:`~lmcollect.buffers.RayReplayBuffer`) they go there directly.
     """
 
-    def __init__(
-        self,
-        env: Any,
-        *,
-        policy: Callable | None = None,
-        policy_factory: Callable[[], Callable] | None = None,
-        dialog_turns_per_batch: int,
-        total_dialog_turns: int = -1,
-        yield_only_last_steps: bool | None = None,
-        yield_completed_trajectories: bool | None = None,
-        postproc: Callable[[TensorDictBase], TensorDictBase] | None = None,
-        async_envs: bool | None = None,
-        replay_buffer: Any | None = None,
-        reset_at_each_iter: bool = False,
-        flatten_data: bool | None = None,
-        weight_updater: Any | None = None,
-        ray_init_config: dict[str, Any] | None = None,
-        remote_config: dict[str, Any] | None = None,
-        track_policy_version: bool | PolicyVersion = False,
-        sync_iter: bool = True,
-        verbose: bool = False,
-        num_cpus: float | None = None,
-        num_gpus: float | None = None,
-        call_timeout_s: float | None = 120.0,
-        collect_timeout_s: float | None = 1800.0,
-    ) -> None:
+    local_collector: ClassVar[type] = LLMCollector
+    """The collector built in the actor: its keyword arguments are this class's (see :func:`ray_signature`)."""
+    _renamed: ClassVar[dict[str, str]] = {}
+    """Arguments named otherwise here than on the local collector (here -> there)."""
+
+    def __init__(self, env: Any, **arguments: Any) -> None:
+        self._launch(env, self._collector_arguments(env, arguments), weight_updater=arguments.get("weight_updater"))
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.__signature__ = ray_signature(cls.local_collector, cls._renamed)
+
+    def _collector_arguments(self, env: Any, arguments: dict[str, Any]) -> dict[str, Any]:
+        """``arguments`` checked against the local collector's and the Ray ones, named as the local
+        collector names them (a wrong or missing name raises TypeError here, before an actor starts)."""
+        try:
+            type(self).__signature__.bind(env, **arguments)
+        except TypeError as exc:
+            raise TypeError(
+                f"{type(self).__name__}(): {exc}. It takes {self.local_collector.__name__}'s arguments "
+                "plus the Ray ones (RayActorConfig's fields); see help(" + type(self).__name__ + ")."
+            ) from None
+        policy, policy_factory = arguments.get("policy"), arguments.get("policy_factory")
         if policy is not None and policy_factory is not None:
             raise TypeError("pass either policy or policy_factory, not both.")
         self._policy_arg = policy
-        self._launch(env, locals(), weight_updater=weight_updater)
+        return {self._renamed.get(name, name): value for name, value in arguments.items()}
 
     def _launch(self, env: Any, arguments: dict[str, Any], *, weight_updater: Any) -> None:
-        """Check the arguments (the constructor's ``locals()``), start the actor (its collector
-        built inside it from ``env`` and every argument that is not a Ray one) and wait until it
-        answers; shared by every Ray collector."""
+        """Check the arguments, start the actor (its collector built inside it from ``env`` and
+        every argument that is not a Ray one) and wait until it answers."""
         ray_config = config_from(RayActorConfig, arguments)
         collector_kwargs = {name: value for name, value in arguments.items() if name not in _DRIVER_ARGS}
         self.config = config_from(CollectionConfig, collector_kwargs)  # fails here, before an actor starts
@@ -532,6 +545,9 @@ def _was_reconstructed() -> bool:
 
 def _node_id() -> str:
     return ray.get_runtime_context().get_node_id()
+
+
+RayLLMCollector.__signature__ = ray_signature(LLMCollector)
 
 
 class _RayEdge:

@@ -1,15 +1,10 @@
 """RayContinuousLLMCollector: the continuous collector in a Ray actor, with RayLLMCollector's API."""
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
 from typing import Any
 
-from tensordict import TensorDictBase
-
-from lmcollect.ray.collector import RayLLMCollector, RayContinuousWorker
-from lmcollect.collectors.versioning import PolicyVersion
-from lmcollect.engines.protocol import EngineProtocol
-from lmcollect.engines.sampling import SamplingConfig
+from lmcollect.collectors.continuous import ContinuousLLMCollector
+from lmcollect.ray.collector import RayContinuousWorker, RayLLMCollector
 
 
 class RayContinuousLLMCollector(RayLLMCollector):
@@ -34,43 +29,16 @@ class RayContinuousLLMCollector(RayLLMCollector):
         ...  # sample from buffer, train, collector.update_policy_weights_(model)
     """
 
-    def __init__(
-        self,
-        env: Any,
-        *,
-        engine_factory: Callable[[], EngineProtocol],
-        tokenizer: Any,
-        sampling: SamplingConfig | None = None,
-        stop_token_ids: Collection[int] | None = None,
-        dialog_turns_per_batch: int,
-        total_dialog_turns: int = -1,
-        yield_only_last_steps: bool | None = None,
-        yield_completed_trajectories: bool | None = None,
-        postproc: Callable[[TensorDictBase], TensorDictBase] | None = None,
-        replay_buffer: Any | None = None,
-        flatten_data: bool | None = None,
-        weight_updater: Any | None = None,
-        track_policy_version: bool | PolicyVersion = False,
-        max_policy_lag: int | None = None,
-        max_dialogs_in_flight: int | None = None,
-        max_buffered_turns: int | None = None,
-        verbose: bool = False,
-        ray_init_config: dict[str, Any] | None = None,
-        remote_config: dict[str, Any] | None = None,
-        sync_iter: bool = True,
-        num_cpus: float | None = None,
-        num_gpus: float | None = None,
-        call_timeout_s: float | None = 120.0,
-        collect_timeout_s: float | None = 1800.0,
-    ) -> None:
-        if not callable(engine_factory):
+    local_collector = ContinuousLLMCollector
+    _renamed = {"engine_factory": "engine"}  # built inside the actor: only a factory travels
+
+    def _collector_arguments(self, env: Any, arguments: dict[str, Any]) -> dict[str, Any]:
+        engine_factory = arguments.get("engine_factory")
+        if engine_factory is not None and not callable(engine_factory):
             raise TypeError(
                 f"engine_factory must be a callable building the engine inside the actor, got {type(engine_factory).__name__}."
             )
-        self._policy_arg = None
-        arguments = locals()
-        arguments["engine"] = arguments.pop("engine_factory")  # the collector's engine argument, built in the actor
-        self._launch(env, arguments, weight_updater=weight_updater)
+        return super()._collector_arguments(env, arguments)
 
     @classmethod
     def _actor_body(cls) -> type:

@@ -420,3 +420,37 @@ def test_collection_config_names_the_bad_argument() -> None:
         CollectionConfig(dialog_turns_per_batch=2, total_dialog_turns=0)
     with pytest.raises(TypeError, match="yield_completed_trajectories=False"):
         CollectionConfig(dialog_turns_per_batch=2, yield_only_last_steps=True, yield_completed_trajectories=False)
+
+
+# the keyword arguments of torchrl's RayLLMCollector documentation page (the spec)
+RAY_SPEC_ARGUMENTS = (
+    "policy policy_factory dialog_turns_per_batch total_dialog_turns yield_only_last_steps yield_completed_trajectories "
+    "postproc async_envs replay_buffer reset_at_each_iter flatten_data weight_updater ray_init_config remote_config "
+    "track_policy_version sync_iter verbose num_cpus num_gpus"
+).split()
+
+
+def test_the_ray_collectors_take_their_local_collectors_arguments_plus_the_ray_ones() -> None:
+    """One Ray wrapper: its signature is the local collector's plus RayActorConfig's, checked before any actor starts."""
+    import dataclasses
+    import inspect
+
+    from lmcollect.collectors import ContinuousLLMCollector
+    from lmcollect.ray import RayContinuousLLMCollector, RayLLMCollector
+    from lmcollect.ray.collector import RayActorConfig
+
+    ray_fields = [f.name for f in dataclasses.fields(RayActorConfig)]
+    lockstep = inspect.signature(RayLLMCollector).parameters
+    assert set(RAY_SPEC_ARGUMENTS) <= set(lockstep)
+    assert list(lockstep) == [*inspect.signature(LLMCollector).parameters, *ray_fields]
+    continuous = list(inspect.signature(RayContinuousLLMCollector).parameters)
+    local = list(inspect.signature(ContinuousLLMCollector).parameters)
+    assert continuous == [name if name != "engine" else "engine_factory" for name in local] + ray_fields
+    with pytest.raises(TypeError, match="RayLLMCollector\\(\\): got an unexpected keyword argument 'polcy'.*LLMCollector's"):
+        RayLLMCollector(lambda: None, dialog_turns_per_batch=2, polcy=1)
+    with pytest.raises(TypeError, match="missing a required argument: 'dialog_turns_per_batch'"):
+        RayLLMCollector(lambda: None, policy=lambda td: td)
+    with pytest.raises(TypeError, match="missing a required argument: 'engine_factory'"):
+        RayContinuousLLMCollector(lambda: None, engine=object(), tokenizer=None, dialog_turns_per_batch=2)
+    with pytest.raises(TypeError, match="engine_factory must be a callable"):
+        RayContinuousLLMCollector(lambda: None, engine_factory=object(), tokenizer=None, dialog_turns_per_batch=2)

@@ -435,3 +435,16 @@ def test_an_engine_travels_as_its_model_and_version(make_engine, old_model):
         assert result_of(copy.submit(request)).tokens.tolist() == result_of(engine.submit(request)).tokens.tolist()
     finally:
         copy.close()
+
+
+def test_the_lockstep_policy_hands_a_batch_generating_engine_its_batch_whole(make_engine, tokenizer):
+    from lmcollect.engines import BatchGenerating
+    from lmcollect.policies import EnginePolicy
+
+    engine = make_engine()
+    assert isinstance(engine, BatchGenerating)
+    calls = BatchSizes(engine.model)
+    policy = EnginePolicy(engine, tokenizer=tokenizer, sampling=greedy(3, ignore_eos=True))
+    generations = policy.generate_responses(prompts()[:4])
+    assert calls.sizes[0] == 4  # one padded prefill of the four rows: model.generate, not the loop
+    assert [g.token_versions.tolist() for g in generations] == [[engine.version] * 3] * 4
