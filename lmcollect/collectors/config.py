@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -13,6 +14,7 @@ from lmcollect.collectors.versioning import PolicyVersion
 from lmcollect.plumbing import forwarded
 
 C = TypeVar("C")
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +61,36 @@ class CollectionConfig:
     def arguments(self) -> dict[str, Any]:
         """The fields as constructor keyword arguments."""
         return {name: getattr(self, name) for name in field_names(type(self))}
+
+
+def takes_collection_config(init: F) -> F:
+    """For a collector's ``__init__(self, env, *, <its own arguments>, **collection)``: its signature
+    (what ``help`` and ``inspect`` show, and what a Ray collector takes) lists its own arguments, then
+    :class:`CollectionConfig`'s fields as keyword-only arguments with their defaults and types."""
+    own = [p for p in inspect.signature(init).parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    shared = [
+        inspect.Parameter(
+            f.name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default,
+            annotation=f.type,
+        )
+        for f in dataclasses.fields(CollectionConfig)
+        if f.init
+    ]
+    init.__signature__ = inspect.Signature([*own, *shared])  # type: ignore[attr-defined]
+    return init
+
+
+def collection_config(owner: str, collection: Mapping[str, Any], **overrides: Any) -> CollectionConfig:
+    """The :class:`CollectionConfig` of ``owner``'s ``**collection`` arguments; a name that is
+    neither one of ``owner``'s arguments nor a config field raises a TypeError naming it."""
+    unknown = sorted(set(collection) - field_names(CollectionConfig))
+    if unknown:
+        raise TypeError(f"{owner}() got unexpected keyword argument(s) {unknown}; see help({owner}) for its arguments.")
+    if "dialog_turns_per_batch" not in collection:
+        raise TypeError(f"{owner}() missing the keyword argument dialog_turns_per_batch (turns per batch).")
+    return CollectionConfig(**{**collection, **overrides})
 
 
 def config_from(config_cls: type[C], arguments: Mapping[str, Any], **overrides: Any) -> C:

@@ -10,7 +10,7 @@ import torch
 from tensordict import TensorDictBase
 
 from lmcollect.collectors.common import CollectorVersionMixin
-from lmcollect.collectors.config import CollectionConfig, config_from
+from lmcollect.collectors.config import collection_config, takes_collection_config
 from lmcollect.collectors.continuous_state import ContinuousStateMixin
 from lmcollect.collectors.dialog_tasks import DialogTasks, EngineSide, Slot
 from lmcollect.collectors.llm_collector import instantiate_env
@@ -97,6 +97,7 @@ class ContinuousLLMCollector(CollectorShell, CollectorVersionMixin, ContinuousSt
             collector.update_policy_weights_(model)   # lands between two decoding steps
     """
 
+    @takes_collection_config
     def __init__(
         self,
         env: Any,
@@ -105,38 +106,31 @@ class ContinuousLLMCollector(CollectorShell, CollectorVersionMixin, ContinuousSt
         tokenizer: Any,
         sampling: SamplingConfig | None = None,
         stop_token_ids: Collection[int] | None = None,
-        dialog_turns_per_batch: int,
-        total_dialog_turns: int = -1,
-        yield_only_last_steps: bool | None = None,
-        yield_completed_trajectories: bool | None = None,
-        postproc: Callable[[TensorDictBase], TensorDictBase] | None = None,
-        replay_buffer: Any | None = None,
-        flatten_data: bool | None = None,
         weight_updater: Any | None = None,
-        track_policy_version: bool | PolicyVersion = False,
         max_policy_lag: int | None = None,
         max_dialogs_in_flight: int | None = None,
         max_buffered_turns: int | None = None,
-        verbose: bool = False,
+        **collection: Any,
     ) -> None:
-        if flatten_data is False:
+        if collection.get("flatten_data") is False:
             raise ValueError(
                 "ContinuousLLMCollector batches are flat (N,) turns in finish order: dialogs do not advance in "
                 "lockstep, so there is no (num_envs, T) shape. Leave flatten_data=None."
             )
         engine = _built_engine(engine)
         _check_limits(max_policy_lag, max_dialogs_in_flight, max_buffered_turns)
-        self._init_shell(config_from(CollectionConfig, locals(), flatten_data=True), thread_name="lmcollect-continuous-writer")
+        config = collection_config("ContinuousLLMCollector", collection, flatten_data=True)
+        self._init_shell(config, thread_name="lmcollect-continuous-writer")
         self.engine = engine
         self.policy = engine  # what the weight-receiving side resets and reports (get_policy_model)
         self.envs = _build_slot_envs(env, max_dialogs_in_flight)
         self.max_policy_lag = max_policy_lag
-        self._policy_version = _policy_version_for(engine, track_policy_version, max_policy_lag)
+        self._policy_version = _policy_version_for(engine, config.track_policy_version, max_policy_lag)
         self._tracker = TrajectoryTracker(len(self.envs), first_id=id_base(random_namespace()))
         self._flow = TurnFlow(
-            mode=self.config.mode, num_slots=len(self.envs), turns_per_batch=dialog_turns_per_batch,
-            capacity=_capacity(dialog_turns_per_batch, len(self.envs), max_policy_lag, max_buffered_turns),
-            max_policy_lag=max_policy_lag, max_turns=None if total_dialog_turns == -1 else total_dialog_turns,
+            mode=config.mode, num_slots=len(self.envs), turns_per_batch=config.dialog_turns_per_batch,
+            capacity=_capacity(config.dialog_turns_per_batch, len(self.envs), max_policy_lag, max_buffered_turns),
+            max_policy_lag=max_policy_lag, max_turns=None if config.total_dialog_turns == -1 else config.total_dialog_turns,
             base_version=self.version_index(),
         )
         stop_ids = list(stop_token_ids) if stop_token_ids is not None else [tokenizer.eos_token_id]

@@ -12,13 +12,13 @@ from tensordict import TensorDictBase
 
 from lmcollect.collectors.batcher import Batcher
 from lmcollect.collectors.common import CollectorVersionMixin
-from lmcollect.collectors.config import CollectionConfig, config_from
+from lmcollect.collectors.config import collection_config, takes_collection_config
 from lmcollect.collectors.env_runner import EnvRunner
 from lmcollect.collectors.runners import AsyncRunners, SyncRunners
 from lmcollect.collectors.shell import CollectorShell
 from lmcollect.collectors.rwlock import ReadWriteLock
 from lmcollect.collectors.trajectories import TrajectoryTracker, id_base, random_namespace
-from lmcollect.collectors.versioning import PolicyVersion, make_policy_version
+from lmcollect.collectors.versioning import make_policy_version
 from lmcollect.collectors.weights import WeightReceiverMixin
 from lmcollect.engines.protocol import engine_of
 from lmcollect.weights.version import PushVersion
@@ -56,35 +56,28 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin):
         verbose: log progress at INFO level.
     """
 
+    @takes_collection_config
     def __init__(
         self,
         env: Any,
         *,
         policy: Policy | None = None,
         policy_factory: Callable[[], Policy] | None = None,
-        dialog_turns_per_batch: int,
-        total_dialog_turns: int = -1,
-        yield_only_last_steps: bool | None = None,
-        yield_completed_trajectories: bool | None = None,
-        postproc: Callable[[TensorDictBase], TensorDictBase] | None = None,
         async_envs: bool | None = None,
-        replay_buffer: Any | None = None,
         reset_at_each_iter: bool = False,
-        flatten_data: bool | None = None,
         weight_updater: Any | None = None,
-        track_policy_version: bool | PolicyVersion = False,
-        verbose: bool = False,
+        **collection: Any,
     ) -> None:
-        self._init_shell(config_from(CollectionConfig, locals()), thread_name="lmcollect-collector")
+        self._init_shell(collection_config("LLMCollector", collection), thread_name="lmcollect-collector")
         self.policy = _build_policy(policy, policy_factory)
         self.envs = _build_envs(env, bool(async_envs))
         self.env = self.envs[0] if len(self.envs) == 1 and not async_envs else env
         self.reset_at_each_iter = reset_at_each_iter
-        self._policy_version = make_policy_version(track_policy_version, engine=engine_of(self.policy))
+        self._policy_version = make_policy_version(self.config.track_policy_version, engine=engine_of(self.policy))
         self._policy_lock = ReadWriteLock(knob="collector.weight_lock_timeout_s")
         self._runners, num_slots = self._build_runners(bool(async_envs))
         self._batcher = Batcher(
-            mode=self.config.mode, num_slots=num_slots, turns_per_batch=dialog_turns_per_batch, flatten=self.config.flatten
+            mode=self.config.mode, num_slots=num_slots, turns_per_batch=self.config.dialog_turns_per_batch, flatten=self.config.flatten
         )
         self._turns_run = 0
         self._turns_yielded = 0

@@ -17,7 +17,7 @@ from tensordict import TensorDictBase
 
 from lmcollect.engines.protocol import BatchGenerating, EngineProtocol, EngineRequest
 from lmcollect.policies.outputs import Generation, answer_prompts, generate_triples
-from lmcollect.engines.sampling import RequestSeeds, SamplingConfig
+from lmcollect.engines.sampling import RequestSeeds, SamplingConfig, sampling_from_kwargs
 
 __all__ = ["EnginePolicy"]
 
@@ -28,10 +28,11 @@ class EnginePolicy:
     Args:
         engine: the engine (yours to close).
         tokenizer: builds the token-exact prompts (chat template, decode).
-        sampling: sampling settings of every request (default ``SamplingConfig()``).
+        sampling: sampling settings of every request (default ``SamplingConfig()``); keyword
+            arguments named like its fields (or ``generate``'s, e.g. ``do_sample``) override them.
         stop_token_ids: ids that end a response (default: the tokenizer's eos).
         seed: seeds each request (drawn from one generator seeded with it; :meth:`set_seed` resets
-            it); None leaves sampling unseeded.
+            it); None: ``sampling.seed``, and if that is None too, sampling is unseeded.
         timeout_s: how long one batch may take before a ``TimeoutError`` (None: no limit).
 
     Weights: the collector loads pushes into ``engine`` (through ``load_weights`` or, for vLLM,
@@ -47,15 +48,16 @@ class EnginePolicy:
         stop_token_ids: Collection[int] | None = None,
         seed: int | None = None,
         timeout_s: float | None = None,
+        **sampling_kwargs: Any,
     ) -> None:
         if not isinstance(engine, EngineProtocol):
             raise TypeError(f"engine must implement lmcollect.engines.EngineProtocol, got {type(engine).__name__}.")
         self.engine = engine
         self.tokenizer = tokenizer
-        self.sampling = sampling or SamplingConfig()
+        self.sampling = sampling_from_kwargs(sampling, sampling_kwargs, owner=type(self).__name__)
         self.stop_token_ids = list(stop_token_ids) if stop_token_ids is not None else [tokenizer.eos_token_id]
         self.timeout_s = timeout_s
-        self._request_seeds = RequestSeeds(seed)
+        self._request_seeds = RequestSeeds(seed if seed is not None else self.sampling.seed)
 
     def set_seed(self, seed: int) -> None:
         """Seed the requests' seeds (the same seed and weights give the same batches)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
-from lmcollect.engines.sampling import SamplingConfig, eos_token_ids, sampling_from_kwargs
+from lmcollect.engines.sampling import eos_token_ids
 from lmcollect.engines.transformers_engine import TransformersEngine
 from lmcollect.policies.engine_policy import EnginePolicy
 
@@ -43,30 +43,23 @@ class TransformersPolicy(EnginePolicy):
     Args:
         model: a causal LM; exposed as ``.model`` (the engine's) for weight updates.
         tokenizer: its tokenizer, with a chat template and pad/eos tokens.
-        sampling: sampling parameters; keyword arguments override its fields.
         stop_token_ids: more ids that end a response (kept as its last token), on top of the
             model's eos ids; e.g. to give a random model responses of varied length.
+        options: :class:`EnginePolicy`'s ``sampling`` (a :class:`SamplingConfig`), ``seed`` and
+            ``timeout_s``, and the generation options above, which override ``sampling``'s fields.
     """
 
     def __init__(
-        self,
-        model: PreTrainedModel,
-        tokenizer: PreTrainedTokenizerBase,
-        *,
-        sampling: SamplingConfig | None = None,
-        stop_token_ids: Collection[int] | None = None,
-        **sampling_kwargs: Any,
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, stop_token_ids: Collection[int] | None = None, **options: Any
     ) -> None:
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token before building the policy.")
-        sampling = sampling_from_kwargs(sampling, sampling_kwargs, owner="TransformersPolicy")
         stops = eos_token_ids(model.generation_config.eos_token_id, tokenizer)
         if not stops:
             raise ValueError("neither the model's generation_config nor the tokenizer defines an eos token.")
         # ids that end a response: eos and the extra ones (ignore_eos masks only eos, as vLLM does)
         stops += [int(i) for i in stop_token_ids or () if int(i) not in stops]
-        engine = TransformersEngine(model, tokenizer)
-        super().__init__(engine, tokenizer=tokenizer, sampling=sampling, stop_token_ids=stops, seed=sampling.seed)
+        super().__init__(TransformersEngine(model, tokenizer), tokenizer=tokenizer, stop_token_ids=stops, **options)
 
     @property
     def model(self) -> PreTrainedModel:
