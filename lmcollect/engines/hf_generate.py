@@ -63,7 +63,7 @@ def generate_together(
             attention_mask=attention,
             logits_processor=steps.processor,
             stopping_criteria=StoppingCriteriaList([*steps.criterion, stop]),
-            **_generate_kwargs(sampling, stop_ids, tokenizer.pad_token_id),
+            **_generate_kwargs(sampling, stop_ids, tokenizer.pad_token_id, draws_own=generators is not None),
         )
     generated = sequences[:, input_ids.shape[1] :]
     log_probs, sampled = steps.log_probs(generated.shape[1])
@@ -80,18 +80,20 @@ def generate_together(
     ]
 
 
-def _generate_kwargs(sampling: SamplingConfig, stop_ids: list[int], pad_token_id: int) -> dict[str, Any]:
+def _generate_kwargs(sampling: SamplingConfig, stop_ids: list[int], pad_token_id: int, *, draws_own: bool) -> dict[str, Any]:
     # min_new_tokens and repetition_penalty are generate's own processors, which run before
     # StepLogProbs' (so sampled log-probs see them); explicit values override a model's
-    # generation_config (None drops its processor).
+    # generation_config (None drops its processor). When StepLogProbs draws the rows' tokens
+    # itself (seeded rows), generate decodes greedily: its argmax picks the one token left.
+    greedy = sampling.greedy or draws_own
     return {
         "max_new_tokens": sampling.max_new_tokens,
         "min_new_tokens": sampling.min_new_tokens or None,
         "repetition_penalty": sampling.repetition_penalty if sampling.repetition_penalty != 1.0 else None,
-        "do_sample": not sampling.greedy,
+        "do_sample": not greedy,
         "pad_token_id": pad_token_id,
         "eos_token_id": stop_ids or None,
-        **no_generate_warpers(sampling),
+        **no_generate_warpers(greedy=greedy),
     }
 
 

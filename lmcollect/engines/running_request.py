@@ -8,7 +8,7 @@ import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from lmcollect.engines.protocol import EngineRequest, EngineResult
-from lmcollect.engines.step_log_probs import sampling_warpers
+from lmcollect.engines.step_log_probs import draw_tokens, sampling_warpers
 
 if TYPE_CHECKING:  # only for annotations; the engine passes the tokenizer it was built with
     from transformers import PreTrainedTokenizerBase
@@ -27,8 +27,8 @@ class RunningRequest:
     log-prob (log-softmax at temperature 1) is recorded before anything changes the scores; then,
     as ``generate`` orders them, the repetition penalty, the ``min_new_tokens`` and ``ignore_eos``
     masks, and (sampling only) temperature / top-k / top-p apply, and the token is the argmax or a
-    draw from this request's own ``torch.Generator``, so its tokens never depend on which other
-    requests share the batch.
+    draw with this request's own ``torch.Generator`` (:func:`~lmcollect.engines.step_log_probs.draw_tokens`),
+    so its tokens never depend on which other requests share the batch.
     """
 
     def __init__(
@@ -76,7 +76,7 @@ class RunningRequest:
         else:
             for warper in self.warpers:
                 scores = warper(None, scores)  # transformers' warpers never read input_ids
-            token = int(torch.multinomial(scores.softmax(-1), 1, generator=self.generator))
+            token = int(draw_tokens(scores, [self.generator])[0])
             sampled_log_prob = float(scores.log_softmax(-1)[0, token])
         self.tokens.append(token)
         self.log_probs.append(float(logits.log_softmax(-1)[token]))

@@ -20,7 +20,7 @@ from transformers import (
 from lmcollect.engines.sampling import SamplingConfig
 
 
-def no_generate_warpers(sampling: SamplingConfig) -> dict[str, Any]:
+def no_generate_warpers(*, greedy: bool) -> dict[str, Any]:
     """generate() arguments that keep its own warpers out.
 
     StepLogProbs applies temperature / top-k / top-p itself, so its scores are exactly those
@@ -30,7 +30,7 @@ def no_generate_warpers(sampling: SamplingConfig) -> dict[str, Any]:
     """
     neutral = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
     others = ("min_p", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_h")
-    if sampling.greedy:
+    if greedy:
         return dict.fromkeys([*neutral, *others])
     return {**neutral, **dict.fromkeys(others)}
 
@@ -47,6 +47,15 @@ def sampling_warpers(sampling: SamplingConfig) -> list[LogitsProcessor]:
     if sampling.top_p < 1.0:
         warpers.append(TopPLogitsWarper(top_p=sampling.top_p, min_tokens_to_keep=1))
     return warpers
+
+
+def draw_tokens(scores: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row of ``scores`` (``[B, vocab]``, after the warpers), sampled from
+    ``softmax(scores)`` with row ``i``'s uniform noise drawn from ``generators[i]`` (Gumbel-max:
+    ``argmax(scores + Gumbel noise)``), so a row's draw depends on its own generator and scores
+    only. The engine's continuous loop and its ``generate`` batch path both sample this way."""
+    noise = torch.stack([torch.rand(scores.shape[-1], generator=g, device=scores.device) for g in generators])
+    return (scores.float() - torch.log(-torch.log(noise))).argmax(-1)
 
 
 class StepLogProbs:
@@ -109,12 +118,9 @@ class StepLogProbs:
         return self._drawn(scores) if self.generators is not None else scores
 
     def _drawn(self, scores: torch.Tensor) -> torch.Tensor:
-        """Each row's token drawn from its own generator, returned as scores only that token survives
-        (so ``generate``'s own draw picks it: the rows' samples do not depend on one another)."""
-        probs = scores.softmax(-1)
-        chosen = torch.stack(
-            [torch.multinomial(probs[row], 1, generator=gen) for row, gen in enumerate(self.generators)]
-        )
+        """Each row's token drawn from its own generator (:func:`draw_tokens`), returned as scores
+        only that token survives: ``generate`` then decodes greedily and picks it."""
+        chosen = draw_tokens(scores, self.generators).unsqueeze(-1)
         return torch.full_like(scores, -float("inf")).scatter_(1, chosen, 0.0)
 
     def gather(self, input_ids: torch.Tensor) -> torch.Tensor:
