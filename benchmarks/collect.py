@@ -93,7 +93,7 @@ def bench_local(size: str, batch_size: int, sampling: SamplingConfig, reps: int)
     )
     collector_s, raw_s, ratios = alternate(collector, lambda p: raw_generate_s(model, tokenizer, p, sampling), reps)
     collector.shutdown()
-    return _row(f"LLMCollector {size}", batch_size, collector_s, raw_s, ratios, target=0.97)  # issue 19: collector/raw >= 0.97 for HF
+    return _row(f"LLMCollector {size}", batch_size, collector_s, raw_s, ratios, target=0.97)
 
 
 def bench_ray(size: str, batch_size: int, sampling: SamplingConfig, reps: int) -> tuple[dict, dict]:
