@@ -23,7 +23,7 @@ from lmcollect.engines import EngineProtocol, EngineRequest, EngineResult, Worke
 from lmcollect.models import load_model_and_tokenizer
 from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.weight_sync import vLLMUpdater
-from tests.engine_contract import CHECKS, EngineCase, hf_case
+from tests.engine_contract import CHECKS, EngineCase, eos_free, hf_case
 from tests.factories import perturbed_model, run_in_thread
 from tests.integration.conftest import MAX_NEW_TOKENS, QUESTIONS, chat_batch
 from tests.vllm_hold import held_step
@@ -293,13 +293,6 @@ def test_a_bare_engine_takes_process_group_pushes(engine, model_dir, hf_model) -
 
 
 # ---------------------------------------------------------------------- the engine contract (tests/engine_contract.py)
-def eos_free(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` generating to its length limit: model_dir's extra eos would end a reference early
-    (the contract's requests ignore eos)."""
-    model.generation_config.eos_token_id = None
-    return model
-
-
 @pytest.fixture(scope="module")
 def contract_case(greedy_policy: Any, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> EngineCase:
     engine = greedy_policy.engine
