@@ -271,7 +271,7 @@ class ContinuousLLMCollector(CollectorShell, CollectorVersionMixin, ContinuousSt
     # ------------------------------------------------------------------ weights
     def _apply_leaf(
         self, weights: Any, *, model_id: str, convert_dtype: bool, version: PushVersion | None, zero_copy: bool
-    ) -> None:
+    ) -> Any:
         """:meth:`receive_weights` here: load a push into the engine while it is paused between two
         decoding steps (under the push lock: one push at a time, a delta decoded against the weights held now).
 
@@ -289,9 +289,10 @@ class ContinuousLLMCollector(CollectorShell, CollectorVersionMixin, ContinuousSt
         """
         if model_id != "policy":
             raise ValueError(f"model_id={model_id!r}: a ContinuousLLMCollector receives weights for 'policy' only.")
-        self._load_into_engine(self.engine, weights, convert_dtype=convert_dtype, version=version)
+        report = self._load_into_engine(self.engine, weights, convert_dtype=convert_dtype, version=version)
         if not self._shut_down:
             self._tasks.wake()  # the lag rule may admit turns under the new version
+        return report
 
     # ------------------------------------------------------------------ attribute access
     def getattr_env(self, attr: str) -> Any:

@@ -245,7 +245,7 @@ def test_a_push_mid_turn_is_recorded_per_token(engine, model_dir, greedy_policy,
     old, _ = load_model_and_tokenizer(model_dir)
     new = perturbed_model(model_dir, seed=5)
     env = ChatEnv(arithmetic_dataset(8, seed=0), task=SingleTurnTask(), batch_size=1, seed=0)
-    updater = vLLMUpdater(timeout_s=60) if push == "process group" else None
+    updater = vLLMUpdater(timeout_s=60, verify=True) if push == "process group" else None
     collector = ContinuousLLMCollector(
         [env], engine=engine, tokenizer=greedy_policy.tokenizer, dialog_turns_per_batch=1, track_policy_version=True,
         sampling=SamplingConfig(max_new_tokens=300, temperature=0, ignore_eos=True), weight_updater=updater,
@@ -258,6 +258,8 @@ def test_a_push_mid_turn_is_recorded_per_token(engine, model_dir, greedy_policy,
             time.sleep(0.01)
         time.sleep(0.2)
         collector.update_policy_weights_(new)  # lands while the 300-token turn runs
+        if updater is not None:  # the workers' reports came back through the collector, checksums compared
+            assert updater.last_push_info and all("checksums" in info for info in updater.last_push_info)
         turn = flatten_turns(join())[0]
         assert engine.version == collector.version_index()
     finally:
