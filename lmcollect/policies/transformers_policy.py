@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from lmcollect.engines.sampling import eos_token_ids
 from lmcollect.engines.transformers_engine import TransformersEngine
+from lmcollect.plumbing import forwarded
 from lmcollect.policies.engine_policy import EnginePolicy
 
 if TYPE_CHECKING:  # transformers is imported by the caller who built the model
@@ -61,10 +62,7 @@ class TransformersPolicy(EnginePolicy):
         stops += [int(i) for i in stop_token_ids or () if int(i) not in stops]
         super().__init__(TransformersEngine(model, tokenizer), tokenizer=tokenizer, stop_token_ids=stops, **options)
 
-    @property
-    def model(self) -> PreTrainedModel:
-        """The engine's model (pushes load into it in place)."""
-        return self.engine.model
+    model = forwarded("engine.model", "The engine's model (pushes load into it in place).")
 
     def close(self) -> None:
         """Stop the engine's loop thread (the policy answers no more batches)."""

@@ -34,6 +34,7 @@ from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineR
 from lmcollect.engines.weight_group import RECEIVE_METHOD, GroupPush
 from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.engines.vllm_worker_ext import checkpoint_metadata
+from lmcollect.plumbing import forwarded
 from lmcollect.policies.served_http import MAX_RESPONSE_BYTES, VLLMServerError, request_json
 from lmcollect.policies.vllm_control import CONTROL_TOKEN_HEADER, RENEW_PAUSE_PATH, is_public_path
 from lmcollect.policies.vllm_launcher import SERVE_MODULE, VLLMServer, free_port, serve_command
@@ -447,10 +448,7 @@ class VLLMServerEngine:
                 return None
             raise
 
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` was called."""
-        return self._closed
+    closed = forwarded("_closed", "Whether :meth:`close` was called.")
 
     def close(self) -> None:
         """Fail pending requests with :class:`EngineClosedError`, stop the request threads and resume
