@@ -157,8 +157,9 @@ class BatchGenerating(Protocol):
     (``TransformersEngine``: one ``model.generate``). :class:`~lmcollect.policies.EnginePolicy`
     hands such an engine each batch whole; rows share ``sampling`` and ``stop_token_ids``."""
 
-    def generate_batch(self, requests: Sequence[EngineRequest]) -> list[EngineResult]:
-        """Every request's result, in order, generated together (no weight load lands inside)."""
+    def generate_batch(self, requests: Sequence[EngineRequest], *, timeout_s: float | None = None) -> list[EngineResult]:
+        """Every request's result, in order, generated together (no weight load lands inside);
+        ``timeout_s`` bounds the wait for a paused engine to resume (``TimeoutError``)."""
         ...
 
 

@@ -127,20 +127,24 @@ class TransformersEngine:
                 self._thread.start()
         return running.future
 
-    def generate_batch(self, requests: Sequence[EngineRequest]) -> list[EngineResult]:
+    def generate_batch(self, requests: Sequence[EngineRequest], *, timeout_s: float | None = None) -> list[EngineResult]:
         """Answer a lockstep batch together with one ``model.generate`` call (the lockstep policy's path).
 
         Faster than :meth:`submit` for a batch that starts and ends together: one padded prefill,
         ``generate``'s vectorized decoding. The rows share ``sampling`` and ``stop_token_ids`` (else a
         ValueError); seeded rows sample from their own generators, as in :meth:`submit`. It runs
-        between two decoding steps of the continuous loop, waits while the engine is paused, and
-        every token carries the version held meanwhile (no load lands inside it).
+        between two decoding steps of the continuous loop, waits while the engine is paused (at most
+        ``timeout_s``, then ``TimeoutError``), and every token carries the version held meanwhile
+        (no load lands inside it).
         """
         for request in requests:
             self._check_request(request, continuous=False)
         with self._state:
-            while self._paused and not self._closed:
-                self._state.wait()
+            if not self._state.wait_for(lambda: not self._paused or self._closed, timeout=timeout_s):
+                raise TimeoutError(
+                    f"TransformersEngine.generate_batch waited {timeout_s} s for the paused engine to resume "
+                    "(timeout_s; a policy's timeout_s): resume() it, or raise the timeout."
+                )
             self._num_in_flight += len(requests)
         try:
             with self._between_steps():

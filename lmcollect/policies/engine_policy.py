@@ -84,7 +84,7 @@ class EnginePolicy:
         """
         requests = self._requests(prompt_ids)
         if isinstance(self.engine, BatchGenerating):
-            results = self.engine.generate_batch(requests)
+            results = self.engine.generate_batch(requests, timeout_s=self.timeout_s)
         else:
             futures = [self.engine.submit(request) for request in requests]
             results = [future.result(timeout=self.timeout_s) for future in futures]

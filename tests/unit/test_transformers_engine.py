@@ -448,3 +448,16 @@ def test_the_lockstep_policy_hands_a_batch_generating_engine_its_batch_whole(mak
     generations = policy.generate_responses(prompts()[:4])
     assert calls.sizes[0] == 4  # one padded prefill of the four rows: model.generate, not the loop
     assert [g.token_versions.tolist() for g in generations] == [[engine.version] * 3] * 4
+
+
+def test_a_generate_batch_waits_for_a_paused_engine_at_most_the_policys_timeout(make_engine, tokenizer):
+    from lmcollect.policies import EnginePolicy
+
+    engine = make_engine()
+    policy = EnginePolicy(engine, tokenizer=tokenizer, sampling=greedy(3, ignore_eos=True), timeout_s=0.2)
+    engine.pause()
+    with pytest.raises(TimeoutError, match="waited 0.2 s for the paused engine to resume"):
+        policy.generate_responses(prompts()[:2])
+    assert engine.num_in_flight == 0
+    engine.resume()
+    assert len(policy.generate_responses(prompts()[:2])) == 2
