@@ -110,6 +110,7 @@ class RayLLMCollector(ConfiguredCollector, HoldsWeightUpdater, ShutsDownOnExit):
     """The collector built in the actor: its keyword arguments are this class's (see :func:`ray_signature`)."""
     _renamed: ClassVar[dict[str, str]] = {}
     """Arguments named otherwise here than on the local collector (here -> there)."""
+    __signature__ = ray_signature(LLMCollector)  # a subclass derives its own (__init_subclass__)
 
     def __init__(self, env: Any, **arguments: Any) -> None:
         self._launch(env, self._collector_arguments(env, arguments), weight_updater=arguments.get("weight_updater"))
@@ -545,9 +546,6 @@ def _was_reconstructed() -> bool:
 
 def _node_id() -> str:
     return ray.get_runtime_context().get_node_id()
-
-
-RayLLMCollector.__signature__ = ray_signature(LLMCollector)
 
 
 class _RayEdge:
