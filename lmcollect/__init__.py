@@ -1,4 +1,5 @@
 """lmcollect: collect LLM dialog turns for RL, in-process or as Ray actors, with live weight sync."""
+
 from __future__ import annotations
 
 from lmcollect.lazy import lazy_attributes
@@ -7,6 +8,7 @@ from lmcollect.startup import defer_compiler_marks
 defer_compiler_marks()  # tensordict imported from now on does not import torch's compiler (~2 s per process)
 
 __version__ = "0.1.0"
+
 
 # name -> module; imported on first use so `import lmcollect` stays light (no ray, no transformers)
 def _names(module: str, *names: str) -> dict[str, str]:
@@ -24,14 +26,30 @@ _EXPORTS = {
     **_names("lmcollect.checkpoint", "save_checkpoint", "load_checkpoint"),
     **_names(
         "lmcollect.weight_sync",
-        "WeightUpdaterBase", "LocalWeightUpdater", "WeightPushError", "WeightSender", "WeightReceiver",
-        "SharedMemorySender", "SharedMemoryReceiver", "vLLMUpdater", "VLLMUpdater",
-        "ProcessGroupConfig", "ProcessGroupSender", "ProcessGroupReceiver",
+        "WeightUpdaterBase",
+        "LocalWeightUpdater",
+        "WeightPushError",
+        "WeightSender",
+        "WeightReceiver",
+        "SharedMemorySender",
+        "SharedMemoryReceiver",
+        "vLLMUpdater",
+        "VLLMUpdater",
+        "ProcessGroupConfig",
+        "ProcessGroupSender",
+        "ProcessGroupReceiver",
     ),
     **_names(
         "lmcollect.ray",
-        "RayLLMCollector", "RayContinuousLLMCollector", "RayCollectorGroup", "RayReplayBuffer",
-        "RayRemoteWeightUpdater", "RayWeightUpdater", "RayPushConfig", "RayObjectStoreSender", "RayObjectStoreReceiver",
+        "RayLLMCollector",
+        "RayContinuousLLMCollector",
+        "RayCollectorGroup",
+        "RayReplayBuffer",
+        "RayRemoteWeightUpdater",
+        "RayWeightUpdater",
+        "RayPushConfig",
+        "RayObjectStoreSender",
+        "RayObjectStoreReceiver",
     ),
 }
 

@@ -15,6 +15,7 @@ Example::
     load_checkpoint("runs/ckpt-100", [collector], replay_buffer=buffer)
     for batch in collector: ...   # exactly the batches the first run would have yielded next
 """
+
 from __future__ import annotations
 
 import json
@@ -52,7 +53,11 @@ def save_checkpoint(folder: str | Path, collectors: Sequence[Any], *, replay_buf
         codec.save(folder / name, dict(state))
         entries.append({"file": name, "layout": state.get("layout"), "kind": type(collector).__name__})
     manifest: dict[str, Any] = {
-        "format": FORMAT, "save_id": save_id, "saved_at": time.time(), "collectors": entries, "replay_buffer": None,
+        "format": FORMAT,
+        "save_id": save_id,
+        "saved_at": time.time(),
+        "collectors": entries,
+        "replay_buffer": None,
     }
     if replay_buffer is not None:
         state = replay_buffer.state_dict()
@@ -99,7 +104,9 @@ def load_checkpoint(folder: str | Path, collectors: Sequence[Any], *, replay_buf
         )
     manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
     if manifest.get("format") != FORMAT:
-        raise ValueError(f"{folder}: checkpoint format {manifest.get('format')!r}, this lmcollect reads format {FORMAT}.")
+        raise ValueError(
+            f"{folder}: checkpoint format {manifest.get('format')!r}, this lmcollect reads format {FORMAT}."
+        )
     entries = manifest["collectors"]
     if len(entries) != len(collectors):
         raise ValueError(
@@ -123,7 +130,9 @@ def load_checkpoint(folder: str | Path, collectors: Sequence[Any], *, replay_buf
         )
     for i, (collector, state) in enumerate(zip(collectors, states)):  # check every collector before loading any
         mine, saved = collector.layout(), state.get("layout")
-        wrong = [f"{k}={saved.get(k)!r} (given collector: {v!r})" for k, v in mine.items() if saved and saved.get(k) != v]
+        wrong = [
+            f"{k}={saved.get(k)!r} (given collector: {v!r})" for k, v in mine.items() if saved and saved.get(k) != v
+        ]
         if wrong:
             raise ValueError(
                 f"{folder}: collector {i} was saved with another configuration: {'; '.join(wrong)}. Build the "
@@ -136,4 +145,4 @@ def load_checkpoint(folder: str | Path, collectors: Sequence[Any], *, replay_buf
 
 
 def replay_buffer_capacity(buffer: Any) -> int:
-    return int(getattr(buffer, "capacity"))
+    return int(buffer.capacity)

@@ -1,4 +1,5 @@
 """Files that appear whole or not at all: written beside their place, then renamed onto it."""
+
 from __future__ import annotations
 
 import contextlib

@@ -1,4 +1,5 @@
 """Package faces that import a name's module only when the name is first used (PEP 562)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping

@@ -1,5 +1,6 @@
 """Class plumbing every layer shares: read-only properties that pass an attribute on, and
 context-manager support for objects that end with ``close()`` or ``shutdown()``."""
+
 from __future__ import annotations
 
 import operator

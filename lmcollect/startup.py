@@ -10,6 +10,7 @@ record those marks instead, and applies them, unchanged, the moment ``torch._dyn
 by anyone (``torch.compile``, vLLM, a model): compiled code sees tensordict as it always did. A
 tensordict imported before lmcollect, or a process that already imported the compiler, is left alone.
 """
+
 from __future__ import annotations
 
 import contextlib

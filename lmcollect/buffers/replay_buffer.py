@@ -1,4 +1,5 @@
 """A thread-safe ring-buffer replay buffer of dialog turns."""
+
 from __future__ import annotations
 
 import threading
@@ -166,5 +167,7 @@ def _check_state(storage: list, cursor: object, write_count: object, capacity: i
     if isinstance(write_count, bool) or not isinstance(write_count, int) or write_count < len(storage):
         problems.append(f"write_count={write_count!r} is below the {len(storage)} turns stored")
     if problems:
-        raise ValueError("this replay-buffer state is inconsistent (" + "; ".join(problems) + "); it was not loaded: "
-                         "load a state_dict() written by a ReplayBuffer of this capacity.")
+        raise ValueError(
+            "this replay-buffer state is inconsistent (" + "; ".join(problems) + "); it was not loaded: "
+            "load a state_dict() written by a ReplayBuffer of this capacity."
+        )

@@ -7,6 +7,7 @@ script without one, its ``main()`` runs and the JSON line it prints last is read
 brought to one shape (benchmark, row, metric, value, target, met) and written with the date and
 the machine, plus a markdown table for the README.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -73,7 +74,9 @@ def benchmarks_dir() -> Path:
     """``benchmarks/`` next to the ``lmcollect`` package (a source checkout or an editable install)."""
     path = Path(__file__).resolve().parents[2] / "benchmarks"  # lmcollect/cli/bench.py -> the checkout
     if not path.is_dir():
-        raise UsageError(f"lmcollect bench runs the scripts in benchmarks/ of a source checkout; there is none at {path}.")
+        raise UsageError(
+            f"lmcollect bench runs the scripts in benchmarks/ of a source checkout; there is none at {path}."
+        )
     return path
 
 

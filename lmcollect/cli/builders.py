@@ -1,4 +1,5 @@
 """What the commands build from their configs: model folder, prompt rows, and picklable env / policy factories."""
+
 from __future__ import annotations
 
 import importlib.util

@@ -5,6 +5,7 @@ Run: ``lmcollect check-logprobs --rollouts rollouts.parquet --model PATH`` on a 
 ``log_probs``). ``--model`` is the reference: the trainer's weights, as the rollouts' policy
 version had them. Kept free of heavy imports at module level: ``lmcollect --help`` imports it.
 """
+
 from __future__ import annotations
 
 import json

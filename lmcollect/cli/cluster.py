@@ -1,4 +1,5 @@
 """The CLI's Ctrl-C handling (its Ray session helpers are in :mod:`lmcollect.ray.cluster`)."""
+
 from __future__ import annotations
 
 import contextlib

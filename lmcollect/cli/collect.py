@@ -6,6 +6,7 @@ back with ``pandas.read_parquet(path)``, ``pandas.read_json(path, lines=True, dt
 (``dtype=False`` keeps a response such as "9" a string) or
 ``datasets.load_dataset("parquet", data_files=path)``.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,12 +26,12 @@ from lmcollect.cli.builders import (
     resolve_model_path,
     resolve_task,
 )
-from lmcollect.ray.cluster import ray_session
 from lmcollect.cli.configs import CollectConfig, UsageError
 from lmcollect.cli.progress import turns_progress
 from lmcollect.cli.rollouts import batch_records, write_records
-from lmcollect.ray.group import RayCollectorGroup
 from lmcollect.policies import SamplingConfig
+from lmcollect.ray.cluster import ray_session
+from lmcollect.ray.group import RayCollectorGroup
 
 DEFAULT_TASK = "arithmetic"
 NUM_GENERATED_PROMPTS = 4096
@@ -41,15 +42,16 @@ def run_collect(config: CollectConfig) -> int:
     check_backend(config.backend)
     model_path = resolve_model_path(config.model)
     console = Console()
-    with ray_session(config.address):
-        with _collectors(config, env_factory, model_path) as group:
-            start = time.perf_counter()
-            records = _collect(group, config, console)
-            elapsed = time.perf_counter() - start
+    with ray_session(config.address), _collectors(config, env_factory, model_path) as group:
+        start = time.perf_counter()
+        records = _collect(group, config, console)
+        elapsed = time.perf_counter() - start
     path = write_records(records, Path(config.output))
     mean_reward = sum(r["reward"] for r in records) / len(records)
     rate = len(records) / elapsed
-    console.print(f"wrote {len(records)} turns to {path} (collected at {rate:.1f} turns/s, mean reward {mean_reward:.3f})")
+    console.print(
+        f"wrote {len(records)} turns to {path} (collected at {rate:.1f} turns/s, mean reward {mean_reward:.3f})"
+    )
     return 0
 
 
@@ -64,7 +66,9 @@ def _env_factory(config: CollectConfig) -> EnvFactory:
         if task is not None and task.has_reference_answers:
             _check_answers(rows, config.prompts, task.name)
     task_name = None if task is None else task.name
-    return EnvFactory(task_name=task_name, rows=rows, num_envs=config.num_envs, repeats=config.group_size, seed=config.seed)
+    return EnvFactory(
+        task_name=task_name, rows=rows, num_envs=config.num_envs, repeats=config.group_size, seed=config.seed
+    )
 
 
 def _check_answers(rows: list[dict[str, Any]], path: str, task_name: str) -> None:

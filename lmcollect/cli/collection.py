@@ -1,4 +1,5 @@
 """How the demo keeps its collectors collecting into the buffer: each in its own actor (``start()``)."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence

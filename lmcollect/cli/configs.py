@@ -2,6 +2,7 @@
 
 Kept free of heavy imports: ``lmcollect --help`` builds its parser from these classes alone.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -83,8 +84,19 @@ class DemoConfig:
 
     def __post_init__(self) -> None:
         _check_positive(
-            self, "num_collectors", "cpus_per_collector", "prompts_per_batch", "group_size", "turns_per_step",
-            "max_steps", "max_train_s", "lr", "max_new_tokens", "num_eval_prompts", "warmup_batch_size", "warmup_lr",
+            self,
+            "num_collectors",
+            "cpus_per_collector",
+            "prompts_per_batch",
+            "group_size",
+            "turns_per_step",
+            "max_steps",
+            "max_train_s",
+            "lr",
+            "max_new_tokens",
+            "num_eval_prompts",
+            "warmup_batch_size",
+            "warmup_lr",
         )
         if self.group_size < 2:
             raise ValueError(f"--group-size must be >= 2 (a group of one has no baseline), got {self.group_size}.")
@@ -147,7 +159,9 @@ class CollectConfig:
     """Show a progress bar."""
 
     def __post_init__(self) -> None:
-        _check_positive(self, "num_turns", "num_envs", "group_size", "num_collectors", "cpus_per_collector", "max_new_tokens")
+        _check_positive(
+            self, "num_turns", "num_envs", "group_size", "num_collectors", "cpus_per_collector", "max_new_tokens"
+        )
         if self.num_envs % self.group_size:
             raise ValueError(f"--num-envs ({self.num_envs}) must be a multiple of --group-size ({self.group_size}).")
         if not self.output.endswith((".parquet", ".jsonl")):
@@ -210,7 +224,9 @@ def read_config_file(path: str | Path, config_cls: type, *, command: str) -> dic
                 f"--config {path}: unknown key {key!r} for `lmcollect {command}`; valid keys: {', '.join(names)}."
             )
         if name in values:
-            raise UsageError(f"--config {path}: {name!r} is set twice (as {name} and {name.replace('_', '-')}); keep one.")
+            raise UsageError(
+                f"--config {path}: {name!r} is set twice (as {name} and {name.replace('_', '-')}); keep one."
+            )
         values[name] = _checked_value(value, hints[name], where=f"--config {path}: {key}")
     return values
 

@@ -13,6 +13,7 @@ Collectors compute each turn's advantage when they write it (a batch holds whole
 on collecting while the driver trains: collection overlaps training, and the importance ratio
 against the log-probs recorded at collection corrects for turns a version or two old.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,7 +31,6 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from lmcollect.ray.buffer import RayReplayBuffer
 from lmcollect.cli.builders import (
     EnvFactory,
     PolicyFactory,
@@ -40,7 +40,6 @@ from lmcollect.cli.builders import (
     resolve_task,
 )
 from lmcollect.cli.cluster import interrupt_on_sigint
-from lmcollect.ray.cluster import ray_session
 from lmcollect.cli.collection import Collection, background_collection
 from lmcollect.cli.configs import DemoConfig, UsageError
 from lmcollect.cli.progress import training_progress
@@ -54,12 +53,14 @@ from lmcollect.cli.report import (
     write_summary,
 )
 from lmcollect.cli.weight_push import make_weight_pusher
-from lmcollect.ray.group import RayCollectorGroup
 from lmcollect.envs import ShippedTask
 from lmcollect.loggers import JsonlLogger, MissingLoggerPackage, MultiLogger, check_available, make_logger
 from lmcollect.loggers.jsonl import METRICS_FILE
 from lmcollect.models import load_model_and_tokenizer
 from lmcollect.policies import SamplingConfig, TransformersPolicy
+from lmcollect.ray.buffer import RayReplayBuffer
+from lmcollect.ray.cluster import ray_session
+from lmcollect.ray.group import RayCollectorGroup
 from lmcollect.training.batch import LEARNER_KEYS, GroupAdvantage, TrainBatch, train_batch_from_turns
 from lmcollect.training.evaluate import mean_reward
 from lmcollect.training.trainer import GRPOConfig, GRPOLearner
@@ -92,7 +93,9 @@ def run_demo(config: DemoConfig) -> int:
             summary = demo.run()
     console.print(summary_table(_table_rows(summary), title=f"lmcollect demo: {run_dir}"))
     if summary["files"]["report"] is not None:
-        console.print(f"rollouts of the last training steps: {run_dir / summary['files']['report']} (open it in a browser)")
+        console.print(
+            f"rollouts of the last training steps: {run_dir / summary['files']['report']} (open it in a browser)"
+        )
     return 130 if summary["interrupted"] else 0
 
 
@@ -172,7 +175,9 @@ class DemoRun:
             self._run_phases()
         except KeyboardInterrupt:
             self.interrupted = True
-            self.console.print("[yellow]interrupted: shutting the collectors down; the run folder keeps what was written[/]")
+            self.console.print(
+                "[yellow]interrupted: shutting the collectors down; the run folder keeps what was written[/]"
+            )
         finally:
             collectors = self._shut_down()
             self.timings_s["total"] = time.perf_counter() - started
@@ -211,10 +216,14 @@ class DemoRun:
     def _run_phases(self) -> None:
         self.rewards["initial"] = self._evaluate()
         if self.config.warmup_steps:
-            self.console.print(f"supervised warm-up before RL: {self.config.warmup_steps} steps on {self._warmup_kind()}")
+            self.console.print(
+                f"supervised warm-up before RL: {self.config.warmup_steps} steps on {self._warmup_kind()}"
+            )
             self._timed("warmup", self._warm_up)
         self.rewards["before_rl"] = self._evaluate()
-        self.console.print(f"mean reward {self.rewards['initial']:.3f} at init, {self.rewards['before_rl']:.3f} before RL")
+        self.console.print(
+            f"mean reward {self.rewards['initial']:.3f} at init, {self.rewards['before_rl']:.3f} before RL"
+        )
         push_weights = make_weight_pusher(self.model, list(self.group), self.config.backend)
         push_weights()  # version 1: the warmed-up weights
         self.version = 1
@@ -222,7 +231,9 @@ class DemoRun:
         self.collection.start()
         self._timed("rl", lambda: self._train(push_weights))
         self.rewards["final"] = self._evaluate()
-        self.console.print(f"mean reward {self.rewards['before_rl']:.3f} before RL, {self.rewards['final']:.3f} after RL")
+        self.console.print(
+            f"mean reward {self.rewards['before_rl']:.3f} before RL, {self.rewards['final']:.3f} after RL"
+        )
 
     def _train(self, push_weights: Callable[[], None]) -> None:
         """The RL loop: wait for fresh turns, one GRPO step, push the new weights to every collector."""
@@ -353,7 +364,9 @@ class DemoRun:
         if self.group is not None:
             versions = [_policy_version_or_none(c) for c in self.group]
             self.group.shutdown()
-            collectors = [{"policy_version": v, "shut_down": not c.is_initialized()} for v, c in zip(versions, self.group)]
+            collectors = [
+                {"policy_version": v, "shut_down": not c.is_initialized()} for v, c in zip(versions, self.group)
+            ]
         if self.buffer is not None:
             self.buffer.shutdown()
         return collectors
@@ -374,7 +387,10 @@ class DemoRun:
             },
             "turns_collected": records[-1]["collect/turns"] if records else 0,
             "turns_per_s": _mean(records, "collect/turns_per_s"),
-            "weight_push_s": {"mean": _mean(records, "timing/weight_sync/push_s"), "max": _max(records, "timing/weight_sync/push_s")},
+            "weight_push_s": {
+                "mean": _mean(records, "timing/weight_sync/push_s"),
+                "max": _max(records, "timing/weight_sync/push_s"),
+            },
             "staleness": {"mean": _mean(records, "staleness/mean"), "max": _max(records, "staleness/max")},
             "timings_s": self.timings_s,
             "collectors": collectors,
@@ -446,15 +462,22 @@ def _table_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     reward, train = summary["reward"], summary["train_reward"]
     push, staleness = summary["weight_push_s"], summary["staleness"]
     return [
-        ("mean reward at init / before RL / after RL",
-         f"{_fmt(reward.get('initial'))} / {_fmt(reward.get('before_rl'))} / {_fmt(reward.get('final'))}"),
+        (
+            "mean reward at init / before RL / after RL",
+            f"{_fmt(reward.get('initial'))} / {_fmt(reward.get('before_rl'))} / {_fmt(reward.get('final'))}",
+        ),
         ("train reward, first / last 10 steps", f"{_fmt(train['first_10_steps'])} / {_fmt(train['last_10_steps'])}"),
         ("training steps / final policy version", f"{summary['steps']} / {summary['policy_version']}"),
         ("turns collected, turns/s", f"{summary['turns_collected']}, {_fmt(summary['turns_per_s'], '.1f')}"),
         ("weight push s (mean / max)", f"{_fmt(push['mean'])} / {_fmt(push['max'])}"),
         ("staleness in versions (mean / max)", f"{_fmt(staleness['mean'], '.2f')} / {_fmt(staleness['max'], '.0f')}"),
-        ("warm-up s / RL s / total s",
-         " / ".join(_fmt(summary["timings_s"].get(k), ".0f") for k in ("warmup", "rl", "total"))),
-        ("collectors shut down", f"{sum(c['shut_down'] for c in summary['collectors'])} of {len(summary['collectors'])}"),
+        (
+            "warm-up s / RL s / total s",
+            " / ".join(_fmt(summary["timings_s"].get(k), ".0f") for k in ("warmup", "rl", "total")),
+        ),
+        (
+            "collectors shut down",
+            f"{sum(c['shut_down'] for c in summary['collectors'])} of {len(summary['collectors'])}",
+        ),
         ("interrupted", str(summary["interrupted"])),
     ]

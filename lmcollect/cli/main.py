@@ -1,4 +1,5 @@
 """Entry point of the `lmcollect` command: subcommands, each configured by a typed dataclass."""
+
 from __future__ import annotations
 
 import argparse
@@ -7,7 +8,8 @@ import logging
 import sys
 import types
 import typing
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from lmcollect.cli.check_logprobs import CheckLogprobsConfig, run_check_logprobs
 from lmcollect.cli.configs import (
@@ -62,7 +64,11 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, config_cls: type) -
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=docs.get(field.name))
         else:
             parser.add_argument(
-                flag, type=kind, choices=choices, default=default, help=f"{docs.get(field.name, '')} (default: {default})"
+                flag,
+                type=kind,
+                choices=choices,
+                default=default,
+                help=f"{docs.get(field.name, '')} (default: {default})",
             )
 
 
@@ -92,8 +98,12 @@ def _field_docs(config_cls: type) -> dict[str, str]:
 
 def add_config_file_arguments(parser: argparse.ArgumentParser) -> None:
     """--config FILE (TOML, the fields as keys; flags override it) and --print-config."""
-    parser.add_argument("--config", metavar="FILE", help="read settings from a TOML file (keys: the fields of the flags "
-                        "below, e.g. max_steps = 10); flags given as well override it")
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="read settings from a TOML file (keys: the fields of the flags "
+        "below, e.g. max_steps = 10); flags given as well override it",
+    )
     parser.add_argument("--print-config", action="store_true", help="print the resolved settings as TOML and exit")
 
 
@@ -114,7 +124,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     config_cls, run = COMMANDS[args.command]
     if args.config is not None:  # the file's values become the defaults; flags given still win
         try:

@@ -1,4 +1,5 @@
 """Progress displays of the CLI: live (rich) on a terminal, a plain line every few seconds otherwise."""
+
 from __future__ import annotations
 
 import time
@@ -11,7 +12,6 @@ from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
-
 
 STATUS_COLUMNS = (
     ("turns", "collect/turns", "{:.0f}"),
@@ -44,7 +44,9 @@ class StepProgress(Protocol):
 
     def __enter__(self) -> StepProgress: ...
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None: ...
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None: ...
 
 
 def training_progress(total_steps: int, *, console: Console) -> StepProgress:
@@ -77,14 +79,18 @@ class PlainTrainingProgress:
 
     def _print(self) -> None:
         now = time.monotonic()
-        self.console.print(status_line(self._pending, self.total_steps, now - self._start), highlight=False, soft_wrap=True)
+        self.console.print(
+            status_line(self._pending, self.total_steps, now - self._start), highlight=False, soft_wrap=True
+        )
         self._last_print, self._pending = now, None
 
     def __enter__(self) -> PlainTrainingProgress:
         self._start = self._last_print = time.monotonic()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self._pending is not None:
             self._print()
 
@@ -94,7 +100,11 @@ class TrainingProgress:
 
     def __init__(self, total_steps: int, *, console: Console, description: str = "GRPO") -> None:
         self._progress = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
         )
         self._task = self._progress.add_task(description, total=total_steps)
         self._status = training_status({})
@@ -112,7 +122,9 @@ class TrainingProgress:
         self._live.start()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self._live.stop()
         if not self._live.console.is_interactive:  # the last frame is printed without a line break
             self._live.console.line()
@@ -166,6 +178,8 @@ class PlainTurnsProgress:
         self._start = self._last_print = time.monotonic()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self._dirty:
             self._print()

@@ -1,4 +1,5 @@
 """What a run leaves behind: its folder, summary.json and a PNG plot (metrics.jsonl: lmcollect.loggers)."""
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """Collected turns as flat records (one row per turn), written to parquet or jsonl."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,18 @@ from lmcollect.envs import PROMPT_ID
 from lmcollect.files import replacing
 
 COLUMNS = (
-    "prompt", "response", "tokens_prompt", "tokens_response", "log_probs",
-    "reward", "done", "policy_version", "traj_id", "step", "prompt_id", "group_id",
+    "prompt",
+    "response",
+    "tokens_prompt",
+    "tokens_response",
+    "log_probs",
+    "reward",
+    "done",
+    "policy_version",
+    "traj_id",
+    "step",
+    "prompt_id",
+    "group_id",
 )
 """Columns of the output, in order. ``prompt`` is the prompt as the model saw it (chat template applied)."""
 

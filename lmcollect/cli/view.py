@@ -5,6 +5,7 @@ written by ``lmcollect collect`` (.parquet or .jsonl). With ``--model`` the resp
 as text (the folder's tokenizer decodes them), without it as token ids. Kept free of heavy imports
 at module level: ``lmcollect --help`` imports it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -3,6 +3,7 @@
 Collection itself works as with transformers (``start()`` in each collector's actor): a
 ``VLLMEngine`` runs every call on its own thread, so the actor needs no concurrency limit.
 """
+
 from __future__ import annotations
 
 from typing import Any

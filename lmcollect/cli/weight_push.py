@@ -1,4 +1,5 @@
 """The demo's weight push: the trainer's weights to every collector, through the backend's updater."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence

@@ -5,6 +5,7 @@ the two private names the collector's documentation shows (``_receiver_schemes``
 ``_set_dist_connection_info``): a dunder (``__globals__``, ``__class__``) or any other
 ``_``-prefixed segment is refused before anything is looked up.
 """
+
 from __future__ import annotations
 
 import ast

@@ -1,4 +1,5 @@
 """Turns collected turns into batches: fixed steps per env, completed trajectories, or last steps."""
+
 from __future__ import annotations
 
 import math

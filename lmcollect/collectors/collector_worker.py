@@ -1,4 +1,5 @@
 """The collector as it runs inside a Ray actor: the local collector plus RPC-friendly methods."""
+
 from __future__ import annotations
 
 import logging
@@ -88,7 +89,9 @@ class WorkerMethods:
         report = super().receive_weights(*args, **kwargs)
         if self._policy_version is None:
             return Received(version=None, report=report)
-        return Received(version=PushVersion(self._policy_version.index, self._policy_version.version_uuid), report=report)
+        return Received(
+            version=PushVersion(self._policy_version.index, self._policy_version.version_uuid), report=report
+        )
 
     def start(self) -> None:
         self._check_restored()

@@ -1,4 +1,5 @@
 """Version and batch-size accessors shared by the synchronous and the continuous collector."""
+
 from __future__ import annotations
 
 import logging

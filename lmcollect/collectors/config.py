@@ -1,4 +1,5 @@
 """The collection config every collector shares, and the check of its batching arguments (pure logic)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -130,9 +131,7 @@ def resolve_batching(
             "pass how many dialog turns each batch should hold, e.g. dialog_turns_per_batch=64."
         )
     if not isinstance(total_dialog_turns, int) or (total_dialog_turns <= 0 and total_dialog_turns != -1):
-        raise ValueError(
-            f"total_dialog_turns must be a positive int or -1 (endless), got {total_dialog_turns!r}."
-        )
+        raise ValueError(f"total_dialog_turns must be a positive int or -1 (endless), got {total_dialog_turns!r}.")
     # As in the API we follow: yield_only_last_steps=True means "completed trajectories, last
     # step only", so yield_completed_trajectories defaults to it and may not contradict it.
     if yield_completed_trajectories is None:

@@ -1,4 +1,5 @@
 """The continuous collector: every dialog advances on its own against an engine, with bounded policy lag."""
+
 from __future__ import annotations
 
 import logging
@@ -23,7 +24,6 @@ from lmcollect.engines.protocol import EngineProtocol
 from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.plumbing import forwarded
 from lmcollect.weights.version import PushVersion
-
 
 logger = logging.getLogger(__name__)
 
@@ -128,15 +128,24 @@ class ContinuousLLMCollector(CollectorShell, CollectorVersionMixin, ContinuousSt
         self._policy_version = _policy_version_for(engine, config.track_policy_version, max_policy_lag)
         self._tracker = TrajectoryTracker(len(self.envs), first_id=id_base(random_namespace()))
         self._flow = TurnFlow(
-            mode=config.mode, num_slots=len(self.envs), turns_per_batch=config.dialog_turns_per_batch,
+            mode=config.mode,
+            num_slots=len(self.envs),
+            turns_per_batch=config.dialog_turns_per_batch,
             capacity=_capacity(config.dialog_turns_per_batch, len(self.envs), max_policy_lag, max_buffered_turns),
-            max_policy_lag=max_policy_lag, max_turns=None if config.total_dialog_turns == -1 else config.total_dialog_turns,
+            max_policy_lag=max_policy_lag,
+            max_turns=None if config.total_dialog_turns == -1 else config.total_dialog_turns,
             base_version=self.version_index(),
         )
         stop_ids = list(stop_token_ids) if stop_token_ids is not None else [tokenizer.eos_token_id]
-        side = EngineSide(engine=engine, tokenizer=tokenizer, sampling=sampling or SamplingConfig(), stop_token_ids=stop_ids)
+        side = EngineSide(
+            engine=engine, tokenizer=tokenizer, sampling=sampling or SamplingConfig(), stop_token_ids=stop_ids
+        )
         self._tasks = DialogTasks(
-            [Slot(env) for env in self.envs], engine_side=side, flow=self._flow, tracker=self._tracker, version_fn=self._version
+            [Slot(env) for env in self.envs],
+            engine_side=side,
+            flow=self._flow,
+            tracker=self._tracker,
+            version_fn=self._version,
         )
         self._init_output_state()
         self._init_weight_sync(weight_updater)
@@ -154,9 +163,12 @@ class ContinuousLLMCollector(CollectorShell, CollectorVersionMixin, ContinuousSt
         return len(self.envs)
 
     turns_run = forwarded("_tasks.turns_run", "Turns finished so far (including turns not yet yielded).")
-    turns_yielded = forwarded("_flow.num_consumed", 'Turns that left in batches so far (see "Turn budget" in the README).')
+    turns_yielded = forwarded(
+        "_flow.num_consumed", 'Turns that left in batches so far (see "Turn budget" in the README).'
+    )
     num_buffered_turns = forwarded(
-        "_flow.num_buffered_turns", "Finished turns not yet yielded (trajectory modes: with the turns of dialogs under way)."
+        "_flow.num_buffered_turns",
+        "Finished turns not yet yielded (trajectory modes: with the turns of dialogs under way).",
     )
     num_in_flight = forwarded("_flow.num_in_flight", "Turns started and not finished.")
 
@@ -235,7 +247,9 @@ class ContinuousLLMCollector(CollectorShell, CollectorVersionMixin, ContinuousSt
         self._tasks.call(self._tasks.pause(), timeout_s)
         with self._written:  # a batch taken before the pause is in the buffer when we return
             if not self._written.wait_for(lambda: self._unwritten == 0, timeout_s):
-                raise TimeoutError(f"the batch being written did not reach the replay buffer within timeout_s={timeout_s}.")
+                raise TimeoutError(
+                    f"the batch being written did not reach the replay buffer within timeout_s={timeout_s}."
+                )
         self._raise_background_error()
 
     def pause_end(self) -> None:
@@ -300,6 +314,7 @@ class ContinuousLLMCollector(CollectorShell, CollectorVersionMixin, ContinuousSt
 
     def getattr_policy(self, attr: str) -> Any:
         return getattr(self.engine, attr)
+
 
 async def _exhausted(flow: TurnFlow) -> bool:
     return flow.exhausted()
@@ -368,7 +383,9 @@ def _policy_version_for(
     return version
 
 
-def _check_limits(max_policy_lag: int | None, max_dialogs_in_flight: int | None, max_buffered_turns: int | None) -> None:
+def _check_limits(
+    max_policy_lag: int | None, max_dialogs_in_flight: int | None, max_buffered_turns: int | None
+) -> None:
     _check_optional_int("max_policy_lag", max_policy_lag, minimum=0, hint="e.g. max_policy_lag=1")
     _check_optional_int("max_dialogs_in_flight", max_dialogs_in_flight, minimum=1, hint="e.g. 16")
     _check_optional_int("max_buffered_turns", max_buffered_turns, minimum=1, hint="e.g. 2 * dialog_turns_per_batch")

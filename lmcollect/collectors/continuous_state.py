@@ -1,11 +1,11 @@
 """Seeds, resets and checkpoints of the continuous collector (taken while no turn is in flight)."""
+
 from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
-
 
 from lmcollect.collectors.config import CollectionConfig
 from lmcollect.collectors.dialog_tasks import DialogTasks
@@ -100,8 +100,11 @@ class ContinuousStateMixin:
     def load_state_dict(self, state_dict: OrderedDict, **kwargs: Any) -> None:
         """Restore :meth:`state_dict` (before collecting, or inside ``with collector.pause():``)."""
         mine = self.layout()
-        wrong = [f"{k}={state_dict['layout'].get(k)!r} (this collector: {v!r})" for k, v in mine.items()
-                 if state_dict["layout"].get(k) != v]
+        wrong = [
+            f"{k}={state_dict['layout'].get(k)!r} (this collector: {v!r})"
+            for k, v in mine.items()
+            if state_dict["layout"].get(k) != v
+        ]
         if wrong:
             raise ValueError("this state comes from a collector with another configuration: " + "; ".join(wrong) + ".")
         version = state_dict.get("policy_version")

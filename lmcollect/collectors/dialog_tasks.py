@@ -6,6 +6,7 @@ token-exact prompt, submit it to the engine and await the result, step the env (
 ``astep``, else in a thread pool), stamp the turn's ids and hand it to the flow. No slot waits for
 another. All bookkeeping happens on the loop's thread; other threads reach it through :meth:`call`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,8 +27,8 @@ from lmcollect.collectors.trajectories import TrajectoryTracker
 from lmcollect.collectors.turn_flow import TurnFlow
 from lmcollect.data import keys
 from lmcollect.engines.protocol import EngineProtocol
-from lmcollect.envs.protocol import AsyncEnvProtocol
 from lmcollect.engines.sampling import SamplingConfig
+from lmcollect.envs.protocol import AsyncEnvProtocol
 from lmcollect.plumbing import forwarded
 
 logger = logging.getLogger(__name__)
@@ -118,11 +119,11 @@ class DialogTasks:
 
     async def _start_tasks(self) -> None:
         if not self._tasks:
-            self._tasks = [asyncio.create_task(self._run_slot(i), name=f"dialog-slot-{i}") for i in range(len(self.slots))]
+            self._tasks = [
+                asyncio.create_task(self._run_slot(i), name=f"dialog-slot-{i}") for i in range(len(self.slots))
+            ]
 
-    async def next_batch(
-        self, *, background: bool, on_pop: Callable[[], None] | None = None
-    ) -> TensorDictBase | None:
+    async def next_batch(self, *, background: bool, on_pop: Callable[[], None] | None = None) -> TensorDictBase | None:
         """The next batch once one may leave; None when the turn budget is spent (or on shutdown).
 
         ``background`` (start()'s writer): wait through pauses and for pushes. Otherwise (the
@@ -190,7 +191,8 @@ class DialogTasks:
         except TimeoutError:
             logger.warning(
                 "shutdown: %d turns were still generating after %s s; they are dropped (their dialogs are not advanced).",
-                self.flow.num_in_flight, timeout_s,
+                self.flow.num_in_flight,
+                timeout_s,
             )
 
     def close(self) -> None:
@@ -256,7 +258,11 @@ class DialogTasks:
         traj_id = self.tracker.traj_id(i)
         prompt = prompt_of(obs, side.tokenizer, side.stop_token_ids)
         request = request_of(
-            prompt, sampling=side.sampling, stop_token_ids=side.stop_token_ids, request_id=str(traj_id), affinity=str(traj_id)
+            prompt,
+            sampling=side.sampling,
+            stop_token_ids=side.stop_token_ids,
+            request_id=str(traj_id),
+            affinity=str(traj_id),
         )
         result = await asyncio.wrap_future(side.engine.submit(request))
         turn = turn_from_result(obs, prompt, result, tokenizer=side.tokenizer, sampling=side.sampling)
@@ -264,7 +270,14 @@ class DialogTasks:
         nxt = await self._step_env(i, slot.env, turn)
         done = bool(nxt.get(keys.DONE).any())
         collected = record_turn(
-            self.tracker, turn, slot=i, version=version, version_index=index, done=done, env_number=i, num_envs=len(self.slots)
+            self.tracker,
+            turn,
+            slot=i,
+            version=version,
+            version_index=index,
+            done=done,
+            env_number=i,
+            num_envs=len(self.slots),
         )
         slot.obs = None if done else next_observation(turn, nxt)
         return collected

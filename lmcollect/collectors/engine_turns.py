@@ -4,6 +4,7 @@ The same pieces as :func:`lmcollect.policies.outputs.answer_prompts` (prompt ids
 previous turn's tokens, the one turn builder :func:`~lmcollect.policies.outputs.turn_of`), for one
 element at a time, so a continuous turn has exactly the layout of a lockstep one.
 """
+
 from __future__ import annotations
 
 from collections.abc import Collection
@@ -14,9 +15,9 @@ from tensordict import TensorDictBase
 
 from lmcollect.data.history import History
 from lmcollect.engines.protocol import EngineRequest, EngineResult
+from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.policies.outputs import Generation, prompts_of, turn_of
 from lmcollect.policies.prompt_tokens import dialog_prompt_ids
-from lmcollect.engines.sampling import SamplingConfig
 
 
 @dataclass(frozen=True)

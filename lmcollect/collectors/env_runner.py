@@ -1,9 +1,10 @@
 """Runs one batched env against a policy: one policy call and one env step per turn."""
+
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import KW_ONLY, dataclass, field
-from typing import Callable, Iterator
 
 import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
@@ -144,8 +145,14 @@ class EnvRunner:
             turn.set("next", nxt_i)
             done = bool(nxt_i.get(keys.DONE).any())
             collected = record_turn(
-                self.tracker, turn, slot=self.slot_offset + i, version=version, version_index=version_index,
-                done=done, env_number=self.env_number, num_envs=self.num_env_runners,
+                self.tracker,
+                turn,
+                slot=self.slot_offset + i,
+                version=version,
+                version_index=version_index,
+                done=done,
+                env_number=self.env_number,
+                num_envs=self.num_env_runners,
             )
             turns.append(collected)
             if done:

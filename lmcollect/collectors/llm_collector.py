@@ -1,11 +1,13 @@
 """The local LLM collector: runs chat envs against a policy and yields batches of dialog turns."""
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from tensordict import TensorDictBase
@@ -15,8 +17,8 @@ from lmcollect.collectors.common import CollectorVersionMixin
 from lmcollect.collectors.config import collection_config, takes_collection_config
 from lmcollect.collectors.env_runner import EnvRunner
 from lmcollect.collectors.runners import AsyncRunners, SyncRunners
-from lmcollect.collectors.shell import CollectorShell
 from lmcollect.collectors.rwlock import ReadWriteLock
+from lmcollect.collectors.shell import CollectorShell
 from lmcollect.collectors.trajectories import TrajectoryTracker, id_base, random_namespace
 from lmcollect.collectors.versioning import make_policy_version
 from lmcollect.collectors.weights import WeightReceiverMixin
@@ -77,7 +79,10 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin):
         self._policy_lock = ReadWriteLock(knob="collector.weight_lock_timeout_s")
         self._runners, num_slots = self._build_runners(bool(async_envs))
         self._batcher = Batcher(
-            mode=self.config.mode, num_slots=num_slots, turns_per_batch=self.config.dialog_turns_per_batch, flatten=self.config.flatten
+            mode=self.config.mode,
+            num_slots=num_slots,
+            turns_per_batch=self.config.dialog_turns_per_batch,
+            flatten=self.config.flatten,
         )
         self._turns_run = 0
         self._turns_yielded = 0
@@ -321,13 +326,21 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin):
             self._halt()
             slots = _as_index_list(index)
             for runner in self._runners.runners:
-                local = None if slots is None else [s - runner.slot_offset for s in slots if 0 <= s - runner.slot_offset < runner.num_envs]
+                local = (
+                    None
+                    if slots is None
+                    else [s - runner.slot_offset for s in slots if 0 <= s - runner.slot_offset < runner.num_envs]
+                )
                 if local == []:
                     continue
                 for s in range(runner.num_envs) if local is None else local:
                     dropped = self._batcher.drop_pending(runner.slot_offset + s)
                     if dropped:
-                        logger.info("reset dropped %d turns of an unfinished trajectory in slot %d", dropped, runner.slot_offset + s)
+                        logger.info(
+                            "reset dropped %d turns of an unfinished trajectory in slot %d",
+                            dropped,
+                            runner.slot_offset + s,
+                        )
                 runner.reset(local)
 
     def set_seed(self, seed: int, static_seed: bool = False) -> int:
@@ -393,7 +406,8 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin):
         wrong = [f"{k}={layout.get(k)!r} (this collector: {v!r})" for k, v in mine.items() if layout.get(k) != v]
         if wrong:
             raise ValueError(
-                "this state comes from a collector with another configuration: " + "; ".join(wrong)
+                "this state comes from a collector with another configuration: "
+                + "; ".join(wrong)
                 + ". Restore it into a collector built with the same envs and batching arguments."
             )
 
@@ -452,6 +466,7 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin):
 
     def getattr_policy(self, attr: str) -> Any:
         return getattr(self.policy, attr)
+
 
 # async_envs, steps mode: an env thread runs at most this many batches ahead of the one being taken
 _RUN_AHEAD_BATCHES = 2

@@ -1,9 +1,10 @@
 """Drives env runners: in lockstep in the caller's thread, or one thread per env (async_envs)."""
+
 from __future__ import annotations
 
 import queue
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from lmcollect.collectors.batcher import CollectedTurn
 from lmcollect.collectors.env_runner import EnvRunner

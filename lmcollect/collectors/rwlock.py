@@ -1,10 +1,11 @@
 """A small readers-writer lock: many policy calls at once, or one weight update alone."""
+
 from __future__ import annotations
 
 import contextlib
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -47,7 +48,9 @@ class ReadWriteLock:
         with self._cond:
             self._writers_waiting += 1
             try:
-                self._wait_until(lambda: not (self._writing or self._readers), "a weight load", "the policy calls under way")
+                self._wait_until(
+                    lambda: not (self._writing or self._readers), "a weight load", "the policy calls under way"
+                )
             finally:
                 self._writers_waiting -= 1
                 self._cond.notify_all()  # readers held back by this writer may go if it gave up

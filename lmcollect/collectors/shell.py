@@ -5,6 +5,7 @@ A collector (lockstep :class:`~lmcollect.collectors.LLMCollector` or continuous
 :class:`~lmcollect.collectors.ContinuousLLMCollector`) supplies the scheduler: ``next()``, the
 background loop ``_run_in_background()``, ``pause_begin``/``pause_end`` and ``_stop_scheduler``.
 """
+
 from __future__ import annotations
 
 import contextlib

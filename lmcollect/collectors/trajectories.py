@@ -1,4 +1,5 @@
 """Per-slot trajectory bookkeeping: ids, group ids, step counts and the versions a trajectory saw."""
+
 from __future__ import annotations
 
 import random

@@ -27,6 +27,7 @@ Trajectory modes (``yield_completed_trajectories`` / ``yield_only_last_steps``) 
 trajectories in completion order (:class:`~lmcollect.collectors.batcher.Batcher`); there, only new
 dialogs wait for admission (a dialog under way always finishes), and ``max_policy_lag`` is refused.
 """
+
 from __future__ import annotations
 
 import math
@@ -86,8 +87,10 @@ class TurnFlow:
         self._num_in_flight = 0  # their sum (read from other threads: an int, never a dict being changed)
         self._finished: list[tuple[int, int, CollectedTurn]] = []  # steps mode: (version, seq, turn)
         self._seq = 0
-        self._batcher = None if mode == "steps" else Batcher(
-            mode=mode, num_slots=num_slots, turns_per_batch=turns_per_batch, flatten=True
+        self._batcher = (
+            None
+            if mode == "steps"
+            else Batcher(mode=mode, num_slots=num_slots, turns_per_batch=turns_per_batch, flatten=True)
         )
 
     # ------------------------------------------------------------------ admission
@@ -239,9 +242,14 @@ class TurnFlow:
     def state_dict(self) -> dict:
         """The finished turns not consumed yet and the counters (taken with no turn in flight)."""
         assert not self._in_flight, "state_dict() with turns in flight"
-        pending = self._batcher.state_dict() if self._batcher is not None else [
-            {"version": v, "slot": t.slot, "traj_id": t.traj_id, "done": t.done, "td": t.td} for v, _, t in self._finished
-        ]
+        pending = (
+            self._batcher.state_dict()
+            if self._batcher is not None
+            else [
+                {"version": v, "slot": t.slot, "traj_id": t.traj_id, "done": t.done, "td": t.td}
+                for v, _, t in self._finished
+            ]
+        )
         counters = {k: getattr(self, k) for k in (*_COUNTERS, "num_dialogs_started")}
         return {**counters, "pending": pending}
 

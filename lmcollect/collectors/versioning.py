@@ -1,4 +1,5 @@
 """Policy versions: a counter (or uuid) bumped on every applied weight update."""
+
 from __future__ import annotations
 
 import threading

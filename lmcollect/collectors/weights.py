@@ -1,4 +1,5 @@
 """The weight-receiving side of a collector: updater, receiver schemes, versions, model lookup."""
+
 from __future__ import annotations
 
 import contextlib
@@ -12,7 +13,6 @@ from typing import Any
 import torch
 
 from lmcollect.collectors.attr_path import resolve_attr_path
-from lmcollect.weights.version import PushVersion
 from lmcollect.collectors.trajectories import id_base
 from lmcollect.engines.protocol import EngineProtocol, WorkerRpcEngine, engine_of, worker_rpc_engine_of
 from lmcollect.engines.weight_group import GroupPush, join_weight_group, weight_receiver_nodes
@@ -27,6 +27,7 @@ from lmcollect.weights.tensors import (
     unique_targets,
     unshare_weights_,
 )
+from lmcollect.weights.version import PushVersion
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +108,9 @@ class WeightReceiverMixin(HoldsWeightUpdater):
     def set_worker_idx(self, worker_idx: int | None, restarts: int = 0) -> None:
         """Set the worker index: trajectory and group ids of worker ``i`` lie in
         ``[i * 2**32, (i + 1) * 2**32)`` (each restart of its actor in a fresh ``2**26`` sub-block)."""
-        if worker_idx is not None and (isinstance(worker_idx, bool) or not isinstance(worker_idx, int) or worker_idx < 0):
+        if worker_idx is not None and (
+            isinstance(worker_idx, bool) or not isinstance(worker_idx, int) or worker_idx < 0
+        ):
             raise ValueError(f"worker_idx must be an int >= 0 or None, got {worker_idx!r}.")
         self._worker_idx = worker_idx
         if worker_idx is not None:
@@ -133,7 +136,9 @@ class WeightReceiverMixin(HoldsWeightUpdater):
             raise RuntimeError("this collector has no weight_updater; pass weight_updater=... first.")
         self._weight_updater.init(*args, **kwargs)
 
-    def weight_metadata(self, model_id: str = "policy") -> tuple[dict[str, tuple[torch.dtype, torch.Size]], dict[str, str]]:
+    def weight_metadata(
+        self, model_id: str = "policy"
+    ) -> tuple[dict[str, tuple[torch.dtype, torch.Size]], dict[str, str]]:
         """What the model accepts: name -> (dtype, shape) of its distinct tensors, and tied aliases."""
         target = self.get_model(model_id)
         engine = self._engine_holding(model_id, target)
@@ -214,7 +219,9 @@ class WeightReceiverMixin(HoldsWeightUpdater):
         if len(given) > 1:
             raise ValueError("pass only one of policy_or_weights, weights= and policy=.")
         if given:
-            return self._apply_weights(given[0], model_id=model_id, convert_dtype=convert_dtype, version=version, zero_copy=zero_copy)
+            return self._apply_weights(
+                given[0], model_id=model_id, convert_dtype=convert_dtype, version=version, zero_copy=zero_copy
+            )
         _refuse_push_options_without_weights(convert_dtype=convert_dtype, version=version, zero_copy=zero_copy)
         for scheme_model_id, scheme in self._receiver_schemes.items():
             apply = functools.partial(self._apply_weights, model_id=scheme_model_id)
@@ -241,10 +248,14 @@ class WeightReceiverMixin(HoldsWeightUpdater):
         if children:  # a collector holding collectors passes weights down; each leaf takes the version
             weights = weights if isinstance(weights, WeightDelta) else to_weight_dict(weights)
             for child in children:
-                child._apply_weights(weights, model_id=model_id, convert_dtype=convert_dtype, version=version, zero_copy=zero_copy)
+                child._apply_weights(
+                    weights, model_id=model_id, convert_dtype=convert_dtype, version=version, zero_copy=zero_copy
+                )
             return
         with self._push_lock:
-            return self._apply_leaf(weights, model_id=model_id, convert_dtype=convert_dtype, version=version, zero_copy=zero_copy)
+            return self._apply_leaf(
+                weights, model_id=model_id, convert_dtype=convert_dtype, version=version, zero_copy=zero_copy
+            )
 
     def _apply_leaf(
         self, weights: Any, *, model_id: str, convert_dtype: bool, version: PushVersion | None, zero_copy: bool
@@ -296,7 +307,9 @@ class WeightReceiverMixin(HoldsWeightUpdater):
             self._held_push = version
         return report
 
-    def _engine_source(self, engine: EngineProtocol, weights: Any, *, convert_dtype: bool, version: PushVersion | None) -> Any:
+    def _engine_source(
+        self, engine: EngineProtocol, weights: Any, *, convert_dtype: bool, version: PushVersion | None
+    ) -> Any:
         """What ``engine.load_weights`` takes for ``weights``: a process-group push as it is, a delta
         decoded into full weights, tensors cast to the engine's dtypes with ``convert_dtype``."""
         if isinstance(weights, GroupPush):
@@ -392,11 +405,15 @@ class WeightReceiverMixin(HoldsWeightUpdater):
         """The Ray node of each of the policy engine's workers (None: outside Ray, in this collector's process)."""
         return weight_receiver_nodes(self._worker_engine())
 
-    def submit_join_weight_group(self, connection_info: dict[str, Any], *, ranks_per_replica: int) -> Callable[[float | None], Any]:
+    def submit_join_weight_group(
+        self, connection_info: dict[str, Any], *, ranks_per_replica: int
+    ) -> Callable[[float | None], Any]:
         """Start :meth:`join_policy_weight_group` on a thread; returns ``wait(timeout_s)``."""
         return self._submit(self.join_policy_weight_group, connection_info, ranks_per_replica=ranks_per_replica)
 
-    def submit_receive_weights(self, source: GroupPush, *, version: PushVersion | None) -> Callable[[float | None], Any]:
+    def submit_receive_weights(
+        self, source: GroupPush, *, version: PushVersion | None
+    ) -> Callable[[float | None], Any]:
         """Start :meth:`receive_weights` of a process-group push on a thread; returns ``wait(timeout_s)``
         for the workers' reports (the receive returns only once the trainer has sent). A push older
         than the weights held is refused here, before the trainer sends."""
@@ -414,7 +431,9 @@ class WeightReceiverMixin(HoldsWeightUpdater):
             return self.version_index() + 1
         return max(engine.version, 0) + 1
 
-    def register_scheme_receiver(self, weight_recv_schemes: dict[str, Any], *, synchronize_weights: bool = True) -> None:
+    def register_scheme_receiver(
+        self, weight_recv_schemes: dict[str, Any], *, synchronize_weights: bool = True
+    ) -> None:
         """Register receiver schemes ({model_id: scheme}); optionally pull weights right away."""
         for model_id, scheme in weight_recv_schemes.items():
             init = getattr(scheme, "init_on_receiver", None)
@@ -463,4 +482,3 @@ def _refuse_push_options_without_weights(*, convert_dtype: bool, version: Any, z
             "given weights; pass the weights too (receive_weights(weights, ...)), or drop them to pull from the "
             "registered receiver schemes (each push carries its own version)."
         )
-

@@ -4,6 +4,7 @@ A checkpoint must not unpickle arbitrary objects, so state goes through this cod
 stored by name (in a safetensors file), everything else becomes plain JSON with a few tagged types.
 Anything else is refused with an error naming where it was found.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -51,7 +52,10 @@ class Encoder:
 
     def _tensordict(self, td: TensorDictBase, where: str) -> dict:
         if td.batch_dims:
-            return {_TAG: "stack", "items": [self._tensordict(part, f"{where}[{i}]") for i, part in enumerate(td.unbind(0))]}
+            return {
+                _TAG: "stack",
+                "items": [self._tensordict(part, f"{where}[{i}]") for i, part in enumerate(td.unbind(0))],
+            }
         entries: list = []
         self._leaves(td, [], entries, where)
         return {_TAG: "td", "entries": entries}

@@ -1,8 +1,10 @@
 """Chat histories: an immutable list of (role, content) messages that lives inside TensorDicts."""
+
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # transformers is heavy; only needed for type hints here
     from transformers import PreTrainedTokenizerBase

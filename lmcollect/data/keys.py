@@ -4,6 +4,7 @@ One dialog turn is a TensorDict with an empty batch size; a batch is a lazy stac
 shaped (num_envs, T) or flat. Variable-length tensors are read padded with
 ``batch.get(TOKENS_FULL, as_padded_tensor=True, padding_side="right")``.
 """
+
 from __future__ import annotations
 
 # Chat histories (History objects, stored as non-tensor data).
@@ -54,7 +55,10 @@ ENV_INDEX = ("collector", "env_index")  # which env slot produced the turn (int6
 TRAJ_MIN_VERSION = ("collector", "min_policy_version")  # oldest version in the trajectory so far
 TRAJ_MAX_VERSION = ("collector", "max_policy_version")  # newest version in the trajectory so far
 GROUP_ID = ("collector", "group_id")  # GRPO group key: unique across envs and collectors (-1: no group)
-TOKEN_VERSIONS = ("collector", "token_versions")  # int64 [n_response]: version index of the weights that generated each token (continuous collection)
+TOKEN_VERSIONS = (
+    "collector",
+    "token_versions",
+)  # int64 [n_response]: version index of the weights that generated each token (continuous collection)
 STEP_COUNT = "step_count"  # index of the turn within its trajectory (int64 scalar, 0-based)
 
 # Written by the env's step under "next" (shape [1], as in torchrl).

@@ -7,6 +7,7 @@ buffer and the lazy-stack structure as plain Python, and is rebuilt into an equa
 :class:`PackedTurns` gives the batch itself. Batches it cannot describe
 (dense batch dimensions, tensors off the CPU) travel consolidated instead (see :func:`pack`).
 """
+
 from __future__ import annotations
 
 from typing import Any

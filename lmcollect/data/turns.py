@@ -1,7 +1,8 @@
 """Helpers to move between one-turn TensorDicts and (possibly nested) lazy-stacked batches."""
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from tensordict import (
     LazyStackedTensorDict,
@@ -61,4 +62,3 @@ def _is_leaf(cls: type) -> bool:
 def leaf_keys(td: TensorDictBase) -> list[tuple[str, ...] | str]:
     """Every leaf key of ``td``, non-tensor leaves (histories, strings) included."""
     return list(td.keys(include_nested=True, leaves_only=True, is_leaf=_is_leaf))
-

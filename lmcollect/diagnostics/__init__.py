@@ -1,4 +1,5 @@
 """Checks users run on collected data: do the stored log-probs match the trainer's forward pass?"""
+
 from lmcollect.lazy import lazy_attributes
 
 # torch is slow to import: lmcollect.diagnostics.logprobs is imported when one of its names is first

@@ -1,4 +1,5 @@
 """Train-inference mismatch: recompute the stored log-probs with a forward pass and report the differences."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -100,7 +101,10 @@ def compare_log_probs(
                 "log-probs cover the response, which must follow at least one prompt token."
             )
     recomputed = recompute_log_probs(
-        model, [s.tokens for s in sequences], [s.log_probs.numel() for s in sequences], tokens_per_forward=tokens_per_forward
+        model,
+        [s.tokens for s in sequences],
+        [s.log_probs.numel() for s in sequences],
+        tokens_per_forward=tokens_per_forward,
     )
     diffs = [r - s.log_probs.double() for r, s in zip(recomputed, sequences)]
     return _report(diffs)
@@ -122,7 +126,9 @@ def recompute_log_probs(
     order = sorted(range(len(tokens)), key=lambda i: tokens[i].numel())
     out: list[torch.Tensor | None] = [None] * len(tokens)
     for chunk in _chunks(order, [tokens[i].numel() for i in order], tokens_per_forward):
-        for i, log_probs in zip(chunk, _forward_chunk(model, [tokens[i] for i in chunk], [num_response[i] for i in chunk])):
+        for i, log_probs in zip(
+            chunk, _forward_chunk(model, [tokens[i] for i in chunk], [num_response[i] for i in chunk])
+        ):
             out[i] = log_probs
     return out
 

@@ -3,6 +3,7 @@
 Pure Python (pyarrow only for Parquet, imported when needed): the viewer and `lmcollect check-logprobs`
 read their input with it, and each checks the columns it needs.
 """
+
 from __future__ import annotations
 
 import json

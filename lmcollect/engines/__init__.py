@@ -1,8 +1,6 @@
 """Inference engines behind one interface (:class:`EngineProtocol`): submit, pause, resume, load weights."""
+
 from __future__ import annotations
-
-from lmcollect.lazy import lazy_attributes
-
 
 from lmcollect.engines.protocol import (
     BatchGenerating,
@@ -16,6 +14,7 @@ from lmcollect.engines.protocol import (
     worker_rpc_engine_of,
 )
 from lmcollect.engines.router import EngineRouter
+from lmcollect.lazy import lazy_attributes
 
 # vLLM and transformers are slow to import: their modules are imported when first used (an engine in
 # a Ray actor: lmcollect.ray.RayEngine)

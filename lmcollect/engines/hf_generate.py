@@ -6,6 +6,7 @@ own ``torch.Generator``, as in the engine's continuous loop, so a seeded request
 tokens whatever else shares the batch; a batch of unseeded requests samples from torch's global
 RNG, as ``generate`` does.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -80,7 +81,9 @@ def generate_together(
     ]
 
 
-def _generate_kwargs(sampling: SamplingConfig, stop_ids: list[int], pad_token_id: int, *, draws_own: bool) -> dict[str, Any]:
+def _generate_kwargs(
+    sampling: SamplingConfig, stop_ids: list[int], pad_token_id: int, *, draws_own: bool
+) -> dict[str, Any]:
     # min_new_tokens and repetition_penalty are generate's own processors, which run before
     # StepLogProbs' (so sampled log-probs see them); explicit values override a model's
     # generation_config (None drops its processor). When StepLogProbs draws the rows' tokens
@@ -154,7 +157,11 @@ class StopStrings(StoppingCriteria):
         num_rows, num_new = input_ids.shape[0], input_ids.shape[1] - self.prompt_width
         if not self._stopped:  # first step: the batch size is known now
             self._stopped, self._lengths = [False] * num_rows, [self.max_new_tokens + 1] * num_rows
-            self._watches = [StopStringWatch(self.tokenizer, self.stop_strings) for _ in range(num_rows)] if self.stop_strings else []
+            self._watches = (
+                [StopStringWatch(self.tokenizer, self.stop_strings) for _ in range(num_rows)]
+                if self.stop_strings
+                else []
+            )
         for row, watch in enumerate(self._watches):
             if not self._stopped[row]:
                 generated = input_ids[row, self.prompt_width :].tolist()

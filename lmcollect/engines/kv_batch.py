@@ -1,4 +1,5 @@
 """The running batch's key/value cache: left-padded per-layer tensors that rows join and leave."""
+
 from __future__ import annotations
 
 import torch

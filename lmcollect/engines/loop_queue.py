@@ -1,4 +1,5 @@
 """What engines whose decoding thread sleeps on a condition share: counting their requests in flight."""
+
 from __future__ import annotations
 
 import threading

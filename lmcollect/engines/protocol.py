@@ -17,6 +17,7 @@ Engines whose weights live in worker processes (vLLM's) also implement :class:`W
 that is how a :class:`~lmcollect.weight_sync.vLLMUpdater` broadcasts weights straight into the
 workers, whether the engine is a lockstep ``VLLMPolicy``'s or a continuous collector's.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -157,7 +158,9 @@ class BatchGenerating(Protocol):
     (``TransformersEngine``: one ``model.generate``). :class:`~lmcollect.policies.EnginePolicy`
     hands such an engine each batch whole; rows share ``sampling`` and ``stop_token_ids``."""
 
-    def generate_batch(self, requests: Sequence[EngineRequest], *, timeout_s: float | None = None) -> list[EngineResult]:
+    def generate_batch(
+        self, requests: Sequence[EngineRequest], *, timeout_s: float | None = None
+    ) -> list[EngineResult]:
         """Every request's result, in order, generated together (no weight load lands inside);
         ``timeout_s`` bounds the wait for a paused engine to resume (``TimeoutError``)."""
         ...

@@ -1,4 +1,5 @@
 """One engine in front of several: least-loaded routing, dialog affinity, control calls to every replica."""
+
 from __future__ import annotations
 
 import threading

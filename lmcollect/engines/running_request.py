@@ -1,4 +1,5 @@
 """One request inside the engine: its tokens so far, how it picks the next one, and when it ends."""
+
 from __future__ import annotations
 
 from concurrent.futures import Future

@@ -1,4 +1,5 @@
 """Sampling parameters shared by every inference backend, and the generate()-style keywords policies accept."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -86,7 +87,14 @@ _UNSUPPORTED = {
     "eos_token_id": "set ignore_eos=True to never stop at eos, or stop_strings to stop elsewhere",
 }
 # None means "off" or "the default" in transformers' generate
-_NONE_MEANS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_new_tokens": 0, "repetition_penalty": 1.0, "stop_strings": ()}
+_NONE_MEANS = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_new_tokens": 0,
+    "repetition_penalty": 1.0,
+    "stop_strings": (),
+}
 
 
 def supported_generation_options() -> list[str]:
@@ -123,7 +131,9 @@ def sampling_from_kwargs(sampling: SamplingConfig | None, options: Mapping[str, 
             )
         values["temperature"] = 0.0
     elif do_sample is True and values.get("temperature", 1.0) == 0:
-        raise ValueError("do_sample=True needs temperature > 0 (temperature 0 means greedy); pass e.g. temperature=1.0.")
+        raise ValueError(
+            "do_sample=True needs temperature > 0 (temperature 0 means greedy); pass e.g. temperature=1.0."
+        )
     return SamplingConfig(**values)
 
 

@@ -1,4 +1,5 @@
 """Per-step log-probs for ``transformers`` ``generate``: the chosen token's, never all B x T x V logits."""
+
 from __future__ import annotations
 
 import threading
@@ -125,7 +126,9 @@ class StepLogProbs:
 
     def gather(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self._raw is None:
-            raise RuntimeError("no logits were recorded for this step: call generate inside StepLogProbs.attached(model).")
+            raise RuntimeError(
+                "no logits were recorded for this step: call generate inside StepLogProbs.attached(model)."
+            )
         chosen = input_ids[:, -1:]
         self._raw_steps.append(self._raw.log_softmax(-1).gather(-1, chosen).squeeze(-1))
         if self.sampling.sampled_log_probs:

@@ -1,4 +1,5 @@
 """Continuous batching of our own over a ``transformers`` causal LM, behind :class:`EngineProtocol`."""
+
 from __future__ import annotations
 
 import contextlib
@@ -14,12 +15,12 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import DynamicCache
 
-from lmcollect.plumbing import forwarded
-from lmcollect.engines.sampling import eos_token_ids
 from lmcollect.engines.hf_generate import generate_together
 from lmcollect.engines.kv_batch import LeftPaddedKVCache
 from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult, refuse_stale_push
 from lmcollect.engines.running_request import RunningRequest
+from lmcollect.engines.sampling import eos_token_ids
+from lmcollect.plumbing import forwarded
 from lmcollect.weights.tensors import (
     align_names,
     expected_metadata,
@@ -127,7 +128,9 @@ class TransformersEngine:
                 self._thread.start()
         return running.future
 
-    def generate_batch(self, requests: Sequence[EngineRequest], *, timeout_s: float | None = None) -> list[EngineResult]:
+    def generate_batch(
+        self, requests: Sequence[EngineRequest], *, timeout_s: float | None = None
+    ) -> list[EngineResult]:
         """Answer a lockstep batch together with one ``model.generate`` call (the lockstep policy's path).
 
         Faster than :meth:`submit` for a batch that starts and ends together: one padded prefill,
@@ -308,9 +311,7 @@ class TransformersEngine:
     def _wait_for_work(self) -> bool:
         """Sleep while paused, idle or wanted between steps (see :meth:`_between_steps`); False once closed."""
         with self._state:
-            while not self._closed and (
-                self._paused or self._between_steps_waiting or not (self._rows or self._queue)
-            ):
+            while not self._closed and (self._paused or self._between_steps_waiting or not (self._rows or self._queue)):
                 self._state.wait()
             return not self._closed
 
@@ -408,7 +409,9 @@ class TransformersEngine:
                 row.future.set_result(outcome)
 
 
-def _rebuilt(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_batch_size: int, version: int) -> TransformersEngine:
+def _rebuilt(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_batch_size: int, version: int
+) -> TransformersEngine:
     return TransformersEngine(model, tokenizer, max_batch_size=max_batch_size, version=version)
 
 
@@ -443,5 +446,3 @@ def _continuous_refusal(model: PreTrainedModel) -> str | None:
             "causal LM class (TransformersPolicy's lockstep batches through model.generate still work)."
         )
     return None
-
-

@@ -1,5 +1,6 @@
 """What every vLLM backend shares: engine arguments and config, a request's sampling parameters,
 the :class:`~lmcollect.engines.protocol.EngineResult` of a finished request (raw log-probs, per-token versions)."""
+
 from __future__ import annotations
 
 import json

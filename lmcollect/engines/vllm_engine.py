@@ -9,6 +9,7 @@ core is always a process of its own, the engine core runs here by default (``mul
 one Python per engine, which starts in seconds (or, with ``multiprocess=True``, in vLLM's own
 process, which overlaps scheduling with this process's output handling on a GPU).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -22,7 +23,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from lmcollect.engines.loop_queue import QueuedAndRunning
-from lmcollect.plumbing import forwarded
 from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult, check_version, refuse_stale_push
 from lmcollect.engines.vllm_common import (
     INITIAL_VERSION,
@@ -35,6 +35,7 @@ from lmcollect.engines.vllm_common import (
 )
 from lmcollect.engines.vllm_worker_ext import checkpoint_metadata
 from lmcollect.engines.weight_group import RECEIVE_METHOD, GroupPush
+from lmcollect.plumbing import forwarded
 from lmcollect.weights.buckets import LOAD_PACKED_WEIGHTS, packed_weights
 from lmcollect.weights.tensors import check_weights
 
@@ -122,7 +123,9 @@ class VLLMEngine(QueuedAndRunning):
         config = self._llm.model_config
         tied = bool(getattr(config.hf_config, "tie_word_embeddings", False))
         # what load_weights accepts: the worker's own check, made here before anything is sent
-        self._metadata, self._aliases = checkpoint_metadata(self.model_path, dtype=config.dtype, tie_word_embeddings=tied)
+        self._metadata, self._aliases = checkpoint_metadata(
+            self.model_path, dtype=config.dtype, tie_word_embeddings=tied
+        )
 
     # ------------------------------------------------------------------ the protocol
     def submit(self, request: EngineRequest) -> Future[EngineResult]:
@@ -231,9 +234,12 @@ class VLLMEngine(QueuedAndRunning):
             self._queued.clear()
             self._wake.notify_all()
         for future in pending:
-            settle(future, error=EngineClosedError(
-                "VLLMEngine was closed before this request finished; resubmit it to another engine."
-            ))
+            settle(
+                future,
+                error=EngineClosedError(
+                    "VLLMEngine was closed before this request finished; resubmit it to another engine."
+                ),
+            )
         self._stop_thread()
 
     def __enter__(self) -> VLLMEngine:
@@ -295,7 +301,9 @@ class VLLMEngine(QueuedAndRunning):
                 except Exception as error:  # designed: a malformed output fails its own request
                     self._finish(output.request_id, error=error)
 
-    def _finish(self, request_id: str, *, result: EngineResult | None = None, error: BaseException | None = None) -> None:
+    def _finish(
+        self, request_id: str, *, result: EngineResult | None = None, error: BaseException | None = None
+    ) -> None:
         with self._wake:
             future = self._running.pop(request_id, None)
         if future is not None:

@@ -45,6 +45,7 @@ carries only the changed elements: the worker's receiver patches its copy of the
 receive buffers, in checkpoint format), verifies the per-tensor checksums, and the reload reads
 the patched copy; a refused delta is followed by the full weights before the reload.
 """
+
 from __future__ import annotations
 
 import logging
@@ -57,8 +58,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from lmcollect.weights.buckets import WeightBuckets, layout_from_json
 from lmcollect.transports.process_group import ProcessGroupReceiver
+from lmcollect.weights.buckets import WeightBuckets, layout_from_json
 from lmcollect.weights.tensors import raise_if_problems, weight_problems
 
 logger = logging.getLogger(__name__)

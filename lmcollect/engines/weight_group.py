@@ -6,6 +6,7 @@ the workers receive the broadcast and reload, the prefix cache is reset and the 
 while the trainer sends. Only the engines name the workers' methods (those of
 :mod:`lmcollect.engines.vllm_worker_ext`); the updater calls engine verbs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

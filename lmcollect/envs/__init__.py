@@ -1,4 +1,5 @@
 """Chat environments: prompt datasets, reward functions, tasks, ChatEnv and the async env pool."""
+
 from lmcollect.envs._td import PROMPT_ID, SAMPLE_INDEX
 from lmcollect.envs.chat_env import ChatEnv, RewardError
 from lmcollect.envs.config import ChatEnvConfig
@@ -14,26 +15,30 @@ from lmcollect.envs.rewards import (
     parse_math_answer,
 )
 from lmcollect.envs.tasks import (
+    SHIPPED_TASKS,
+    AsyncTask,
     GuessingGameTask,
+    ShippedTask,
     SingleTurnTask,
     Task,
     TaskReply,
+    ToolCalcTask,
     arithmetic_dataset,
     binary_search_player,
+    comparison_dataset,
+    get_shipped_task,
     guessing_game_dataset,
+    tool_calc_dataset,
+    tool_calc_player,
 )
-from lmcollect.envs.tasks import SHIPPED_TASKS, ShippedTask, comparison_dataset, get_shipped_task
-from lmcollect.envs.tasks import AsyncTask, ToolCalcTask, tool_calc_dataset, tool_calc_player
 
 __all__ = [
-    "AsyncEnvProtocol",
-    "AsyncTask",
-    "ToolCalcTask",
-    "tool_calc_dataset",
-    "tool_calc_player",
     "PROMPT_ID",
     "SAMPLE_INDEX",
+    "SHIPPED_TASKS",
     "AsyncEnvPool",
+    "AsyncEnvProtocol",
+    "AsyncTask",
     "ChatEnv",
     "ChatEnvConfig",
     "EnvProtocol",
@@ -43,18 +48,20 @@ __all__ = [
     "PromptDataset",
     "RewardError",
     "RewardFn",
+    "ShippedTask",
     "SingleTurnTask",
     "Task",
     "TaskReply",
+    "ToolCalcTask",
     "arithmetic_dataset",
     "as_reward_fn",
     "binary_search_player",
+    "comparison_dataset",
     "extract_math_answer",
+    "get_shipped_task",
     "guessing_game_dataset",
     "parse_math_answer",
     "row_to_history",
-    "SHIPPED_TASKS",
-    "ShippedTask",
-    "comparison_dataset",
-    "get_shipped_task",
+    "tool_calc_dataset",
+    "tool_calc_player",
 ]

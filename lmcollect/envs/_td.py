@@ -1,4 +1,5 @@
 """TensorDict plumbing of ChatEnv: build the per-element lazy stack, read histories and masks."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -32,9 +33,11 @@ def build_batch(
     """
     b = len(prompts)
     flag_t = torch.tensor(flags, dtype=torch.bool).reshape(b, 3, 1).unbind(0)
-    ids = torch.tensor(
-        [(-1, -1) if d is None else (d.prompt_id, d.sample_index) for d in draws], dtype=torch.int64
-    ).reshape(b, 2).unbind(0)
+    ids = (
+        torch.tensor([(-1, -1) if d is None else (d.prompt_id, d.sample_index) for d in draws], dtype=torch.int64)
+        .reshape(b, 2)
+        .unbind(0)
+    )
     reward_t = torch.tensor(rewards, dtype=torch.float32).reshape(b, 1).unbind(0) if with_reward else None
     elements = []
     for i in range(b):

@@ -1,4 +1,5 @@
 """ChatEnv: a batched, multi-turn chat environment over a prompt dataset and a Task."""
+
 from __future__ import annotations
 
 import asyncio
@@ -138,7 +139,9 @@ class ChatEnv:
         if isinstance(task_turns, int) and task_turns > self.config.max_turns:
             logger.warning(
                 "The task allows %d turns but ChatEnvConfig.max_turns=%d truncates dialogs earlier; "
-                "raise max_turns to let the task end them.", task_turns, self.config.max_turns
+                "raise max_turns to let the task end them.",
+                task_turns,
+                self.config.max_turns,
             )
 
     # ---- protocol -----------------------------------------------------------------------------
@@ -261,9 +264,7 @@ class ChatEnv:
         flight (each element's draw, history so far, turn count and flags): everything a fresh
         env built the same way needs to continue exactly where this one is."""
         dialogs = [
-            None
-            if draw is None
-            else {"draw": draw_state(draw), "prompt": prompt, "turns": turns, "flags": list(flags)}
+            None if draw is None else {"draw": draw_state(draw), "prompt": prompt, "turns": turns, "flags": list(flags)}
             for draw, prompt, turns, flags in zip(self._draws, self._prompts, self._turns, self._flags)
         ]
         return {"seed": self._seed, "sampler": self._sampler.state_dict(), "started": self._started, "dialogs": dialogs}

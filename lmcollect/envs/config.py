@@ -1,4 +1,5 @@
 """ChatEnvConfig: the batch, grouping, turn-limit and seeding options of a ChatEnv."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
 """Prompt datasets: rows with a "prompt", read from memory, JSONL or Parquet, iterated forever."""
+
 from __future__ import annotations
 
 import json
@@ -20,9 +21,13 @@ PathOrPaths = PathLike | Sequence[PathLike]
 def _check_prompt(prompt: Any, where: str) -> None:
     if isinstance(prompt, str):
         return
-    if isinstance(prompt, Sequence) and prompt and all(
-        isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in prompt
+    if (
+        isinstance(prompt, Sequence)
+        and prompt
+        and all(
+            isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in prompt
+        )
     ):
         return
     raise ValueError(

@@ -1,4 +1,5 @@
 """AsyncEnvPool: owns the sub-envs that an ``async_envs=True`` collector steps from its threads."""
+
 from __future__ import annotations
 
 import logging

@@ -1,4 +1,5 @@
 """The environment protocol the collectors rely on (torchrl-style, no subclassing needed)."""
+
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable

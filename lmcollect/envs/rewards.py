@@ -1,4 +1,5 @@
 """Reward functions ``fn(history, sample) -> float`` and the math-answer parser they use."""
+
 from __future__ import annotations
 
 import inspect
@@ -43,9 +44,7 @@ def _num_positional(fn: Callable[..., Any]) -> int | None:
 def as_reward_fn(fn: Callable[..., float]) -> RewardFn:
     """Accept ``fn(history, sample)`` as is, and wrap a one-argument ``fn(history)``."""
     if not callable(fn):
-        raise TypeError(
-            f"reward_fn must be callable as fn(history, sample) or fn(history), got {type(fn).__name__}."
-        )
+        raise TypeError(f"reward_fn must be callable as fn(history, sample) or fn(history), got {type(fn).__name__}.")
     n = _num_positional(fn)
     if n == 0:
         raise TypeError(f"reward_fn {fn!r} takes no positional argument; it must accept (history[, sample]).")

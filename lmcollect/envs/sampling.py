@@ -1,4 +1,5 @@
 """Hands out dataset prompts to env elements so that each group answers the same prompt sequence."""
+
 from __future__ import annotations
 
 import random

@@ -10,6 +10,7 @@
 TensorBoard and W&B need ``pip install 'lmcollect[loggers]'``; asking for one that is not
 installed raises :class:`MissingLoggerPackage` naming that extra.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -28,8 +29,15 @@ from lmcollect.loggers.base import (
 from lmcollect.loggers.jsonl import JsonlLogger
 
 __all__ = [
-    "LOGGER_KINDS", "ExperimentLogger", "JsonlLogger", "LoggerBase", "LoggerKind", "MissingLoggerPackage", "MultiLogger",
-    "check_available", "make_logger",
+    "LOGGER_KINDS",
+    "ExperimentLogger",
+    "JsonlLogger",
+    "LoggerBase",
+    "LoggerKind",
+    "MissingLoggerPackage",
+    "MultiLogger",
+    "check_available",
+    "make_logger",
 ]
 
 

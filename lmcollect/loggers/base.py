@@ -1,4 +1,5 @@
 """The experiment-logger interface (scalars per step, images, close) and what each kind needs installed."""
+
 from __future__ import annotations
 
 import importlib.util

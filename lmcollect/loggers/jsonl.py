@@ -1,4 +1,5 @@
 """JSON-lines logger: metrics.jsonl (one line per step) in the run folder, needing nothing installed."""
+
 from __future__ import annotations
 
 import json
@@ -28,11 +29,15 @@ class JsonlLogger(LoggerBase):
         self.path.touch()
         self.records: list[dict[str, Any]] = []
         if config:
-            (self.run_dir / CONFIG_FILE).write_text(json.dumps(dict(config), indent=2, default=str) + "\n", encoding="utf-8")
+            (self.run_dir / CONFIG_FILE).write_text(
+                json.dumps(dict(config), indent=2, default=str) + "\n", encoding="utf-8"
+            )
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         if "step" in metrics and metrics["step"] != step:
-            raise ValueError(f"metrics['step'] is {metrics['step']} but step={step}; drop the key or pass the same step.")
+            raise ValueError(
+                f"metrics['step'] is {metrics['step']} but step={step}; drop the key or pass the same step."
+            )
         record = {"step": step, **metrics}
         self._append(self.path, record)
         self.records.append(record)

@@ -1,4 +1,5 @@
 """TensorBoard logger: event files under the run folder (needs the ``tensorboard`` package)."""
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """Weights & Biases logger: a W&B run under the run folder, offline unless WANDB_MODE says otherwise."""
+
 from __future__ import annotations
 
 import os

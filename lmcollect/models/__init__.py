@@ -1,4 +1,5 @@
 """Offline, seeded test models: a BPE tokenizer trained on a packaged corpus and a Qwen2 causal LM."""
+
 from lmcollect.models.cache import (
     CACHE_ENV_VAR,
     FORMAT_VERSION,

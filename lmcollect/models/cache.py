@@ -1,4 +1,5 @@
 """Save built models to an on-disk cache (atomically) and load any local Hugging Face model folder."""
+
 from __future__ import annotations
 
 import json
@@ -38,9 +39,7 @@ def _resolve_cache_dir(cache_dir: str | Path | None) -> Path:
     if cache_dir is None:
         return default_cache_dir()
     if not isinstance(cache_dir, (str, Path)):
-        raise TypeError(
-            f"cache_dir must be a str, Path or None, got {type(cache_dir).__name__}; pass a folder path."
-        )
+        raise TypeError(f"cache_dir must be a str, Path or None, got {type(cache_dir).__name__}; pass a folder path.")
     return Path(cache_dir).expanduser()
 
 
@@ -88,9 +87,7 @@ def get_model_path(spec: ModelSpec | None = None, *, cache_dir: str | Path | Non
     if (final / SPEC_FILE).is_file():
         return final
     if existed:
-        raise FileExistsError(
-            f"{final} exists but is not a complete lmcollect model folder; delete it and retry."
-        )
+        raise FileExistsError(f"{final} exists but is not a complete lmcollect model folder; delete it and retry.")
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
     try:

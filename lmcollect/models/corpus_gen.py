@@ -3,6 +3,7 @@
 The committed ``corpus.txt`` is the output of ``python -m lmcollect.models.corpus_gen``; the
 generator is deterministic (a fixed-seed ``random.Random``), so the file can be rebuilt exactly.
 """
+
 from __future__ import annotations
 
 import logging
@@ -156,14 +157,40 @@ VERBS_PAST = _words("""
     sketched tossed unpacked wrapped photographed decorated weighed shared chased dropped hugged
 """)
 PLACES = (
-    "in the park", "near the station", "behind the school", "at the harbor", "on the hill",
-    "under the bridge", "by the lake", "inside the museum", "across the street", "at home",
-    "in the library", "on the farm", "in the city", "at the market", "in the kitchen",
+    "in the park",
+    "near the station",
+    "behind the school",
+    "at the harbor",
+    "on the hill",
+    "under the bridge",
+    "by the lake",
+    "inside the museum",
+    "across the street",
+    "at home",
+    "in the library",
+    "on the farm",
+    "in the city",
+    "at the market",
+    "in the kitchen",
 )
 TIMES = (
-    "yesterday", "this morning", "last week", "on Monday", "after lunch", "before dinner",
-    "in the evening", "at midnight", "during the storm", "in the spring", "every day",
-    "on Friday", "last summer", "next winter", "at sunrise", "at sunset", "on Saturday",
+    "yesterday",
+    "this morning",
+    "last week",
+    "on Monday",
+    "after lunch",
+    "before dinner",
+    "in the evening",
+    "at midnight",
+    "during the storm",
+    "in the spring",
+    "every day",
+    "on Friday",
+    "last summer",
+    "next winter",
+    "at sunrise",
+    "at sunset",
+    "on Saturday",
 )
 TOPICS = (
     ("What is the capital of France?", "The capital of France is Paris."),

@@ -1,4 +1,5 @@
 """Build seeded, randomly initialised Qwen2 causal LMs from a ``ModelSpec`` (in memory, offline)."""
+
 from __future__ import annotations
 
 import logging
@@ -11,14 +12,10 @@ from lmcollect.models.spec import ModelSpec
 logger = logging.getLogger(__name__)
 
 
-def build_config(
-    spec: ModelSpec, *, eos_token_id: int | None = None, pad_token_id: int | None = None
-) -> Qwen2Config:
+def build_config(spec: ModelSpec, *, eos_token_id: int | None = None, pad_token_id: int | None = None) -> Qwen2Config:
     """The ``Qwen2Config`` of ``spec``: tied embeddings, fp32, ``spec.resolved_vocab_size`` rows."""
     if not isinstance(spec, ModelSpec):
-        raise TypeError(
-            f"spec must be a ModelSpec, got {type(spec).__name__}; pass e.g. ModelSpec(size='tiny')."
-        )
+        raise TypeError(f"spec must be a ModelSpec, got {type(spec).__name__}; pass e.g. ModelSpec(size='tiny').")
     arch = spec.preset
     return Qwen2Config(
         vocab_size=spec.resolved_vocab_size,

@@ -1,4 +1,5 @@
 """Model size presets and the ``ModelSpec`` that names one seeded, offline-built model."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -80,9 +81,7 @@ class ModelSpec:
 
 def _check_size(size: object) -> None:
     if not isinstance(size, str):
-        raise TypeError(
-            f"ModelSpec size must be a str, got {type(size).__name__}; use one of {PRESET_NAMES}."
-        )
+        raise TypeError(f"ModelSpec size must be a str, got {type(size).__name__}; use one of {PRESET_NAMES}.")
     if size not in PRESETS:
         raise ValueError(f"ModelSpec size {size!r} is unknown; use one of {PRESET_NAMES}.")
 

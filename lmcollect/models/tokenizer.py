@@ -1,4 +1,5 @@
 """A byte-level BPE tokenizer with ChatML special tokens, trained offline on the packaged corpus."""
+
 from __future__ import annotations
 
 import logging

@@ -1,10 +1,9 @@
 """Lockstep policies: callables that answer a batch of chat prompts (``EnginePolicy`` over any engine)."""
+
 from __future__ import annotations
 
-from lmcollect.lazy import lazy_attributes
-
-
 from lmcollect.engines.sampling import RequestSeeds, SamplingConfig
+from lmcollect.lazy import lazy_attributes
 from lmcollect.policies.engine_policy import EnginePolicy
 from lmcollect.policies.protocol import PolicyProtocol
 

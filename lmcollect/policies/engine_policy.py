@@ -7,6 +7,7 @@ call returns when the last one has answered. So ``LLMCollector(env, policy=Engin
 tokenizer=...))`` and ``ContinuousLLMCollector(envs, engine=engine, ...)`` run the same engine, the
 same prompts and the same turn layout; only the barrier differs.
 """
+
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
@@ -16,8 +17,8 @@ import torch
 from tensordict import TensorDictBase
 
 from lmcollect.engines.protocol import BatchGenerating, EngineProtocol, EngineRequest
-from lmcollect.policies.outputs import Generation, answer_prompts, generate_triples
 from lmcollect.engines.sampling import RequestSeeds, SamplingConfig, sampling_from_kwargs
+from lmcollect.policies.outputs import Generation, answer_prompts, generate_triples
 
 __all__ = ["EnginePolicy"]
 
@@ -94,11 +95,15 @@ class EnginePolicy:
         seeds = self._request_seeds.draw(len(prompt_ids), greedy=self.sampling.greedy) or [None] * len(prompt_ids)
         stops = tuple(self.stop_token_ids)
         return [
-            EngineRequest(prompt_ids=ids, sampling=self.sampling, stop_token_ids=stops, seed=seeds[row], request_id=f"row-{row}")
+            EngineRequest(
+                prompt_ids=ids, sampling=self.sampling, stop_token_ids=stops, seed=seeds[row], request_id=f"row-{row}"
+            )
             for row, ids in enumerate(prompt_ids)
         ]
 
-    def generate(self, prompts: Sequence[Sequence[int]] | Sequence[str]) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]] | Sequence[str]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """Prompt tokens, response tokens and raw response log-probs for each prompt (token-id
         lists, or strings tokenized without special tokens)."""
         return generate_triples(self.tokenizer, self.generate_responses, prompts)

@@ -1,4 +1,5 @@
 """Builds the per-turn TensorDict every policy backend returns (one layout for all)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
@@ -10,8 +11,8 @@ from tensordict import TensorDictBase, lazy_stack
 from lmcollect.data import keys
 from lmcollect.data.history import History
 from lmcollect.data.turns import non_tensor_values
-from lmcollect.policies.prompt_tokens import dialog_prompt_ids, tokenize_texts
 from lmcollect.engines.sampling import SamplingConfig
+from lmcollect.policies.prompt_tokens import dialog_prompt_ids, tokenize_texts
 
 __all__ = [
     "GenerateFn",
@@ -166,7 +167,11 @@ def turn_of(
     weight version. A generation whose tokens, log-probs and versions differ in length is refused.
     """
     num_tokens = generation.tokens.numel()
-    lengths = [t.numel() for t in (generation.log_probs, generation.sampled_log_probs, generation.token_versions) if t is not None]
+    lengths = [
+        t.numel()
+        for t in (generation.log_probs, generation.sampled_log_probs, generation.token_versions)
+        if t is not None
+    ]
     if any(n != num_tokens for n in lengths):
         raise ValueError(
             f"the engine returned {num_tokens} tokens but {lengths} log-probs / versions; it must return one of each per token."

@@ -14,6 +14,7 @@ the rendering of the longer history (with the generation prompt) past the render
 previous one. Templates that do not render a history as a prefix of its extension (e.g. ones that
 drop earlier reasoning) fall back to rendering the whole dialog, with one warning.
 """
+
 from __future__ import annotations
 
 import logging

@@ -1,4 +1,5 @@
 """The policy protocol: a callable that answers every prompt of a batch."""
+
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable

@@ -4,6 +4,7 @@ loopback URLs never go through a proxy, and redirects are not followed (they cou
 to another host). What :class:`~lmcollect.policies.vllm_server.VLLMServerEngine` talks to a
 vLLM server with.
 """
+
 from __future__ import annotations
 
 import http.client

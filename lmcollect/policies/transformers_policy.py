@@ -1,4 +1,5 @@
 """The lockstep policy over a Hugging Face transformers causal LM (an :class:`EnginePolicy` over a ``TransformersEngine``)."""
+
 from __future__ import annotations
 
 from collections.abc import Collection
@@ -51,7 +52,12 @@ class TransformersPolicy(EnginePolicy):
     """
 
     def __init__(
-        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, stop_token_ids: Collection[int] | None = None, **options: Any
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        stop_token_ids: Collection[int] | None = None,
+        **options: Any,
     ) -> None:
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token before building the policy.")

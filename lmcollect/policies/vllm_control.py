@@ -18,6 +18,7 @@ The guard reads its settings from environment variables (:class:`ControlSettings
 puts the token there, never on the command line, which other users can read in ``ps``. This module
 is plain ASGI: it imports neither vLLM nor Starlette, and unit tests drive it with a toy app.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -236,7 +237,8 @@ class PauseLease:
             logger.warning(
                 "the server was paused and nobody renewed the pause within %.1f s (%s); resuming it "
                 "(the client that paused it died, hung, or lost its connection)",
-                self.lease_s, PAUSE_LEASE_ENV,
+                self.lease_s,
+                PAUSE_LEASE_ENV,
             )
             await self._resume()
 

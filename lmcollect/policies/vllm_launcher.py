@@ -4,6 +4,7 @@
 are off unless ``control_endpoints=True``, and then guarded by a token (see
 :mod:`lmcollect.policies.vllm_control`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,6 +22,7 @@ import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
+from lmcollect.engines.vllm_common import engine_kwargs_for
 from lmcollect.policies.served_http import VLLMServerError, request_json
 from lmcollect.policies.vllm_control import (
     DEFAULT_PAUSE_LEASE_S,
@@ -29,7 +31,6 @@ from lmcollect.policies.vllm_control import (
     check_control_token,
     is_loopback_host,
 )
-from lmcollect.engines.vllm_common import engine_kwargs_for
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
 """The lockstep policy over a vLLM engine: prompts tokenized here, token ids in, tokens and raw log-probs out."""
+
 from __future__ import annotations
 
 import json
@@ -78,7 +79,12 @@ class VLLMPolicy(EnginePolicy):
 
             engine = VLLMEngine(model_path, engine_kwargs=engine_kwargs)
         super().__init__(
-            engine, tokenizer=tokenizer, sampling=sampling, stop_token_ids=stops, seed=sampling.seed, timeout_s=timeout_s
+            engine,
+            tokenizer=tokenizer,
+            sampling=sampling,
+            stop_token_ids=stops,
+            seed=sampling.seed,
+            timeout_s=timeout_s,
         )
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ client died resumes itself when the lease runs out. Calls are bounded as a whole
 answers are capped (:data:`MAX_RESPONSE_BYTES`), and loopback servers are reached without a proxy.
 Only the standard library talks HTTP here, and vLLM itself is never imported: the server may run anywhere.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,14 +32,20 @@ from typing import Any
 import torch
 
 from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult, check_version, refuse_stale_push
-from lmcollect.engines.weight_group import RECEIVE_METHOD, GroupPush
 from lmcollect.engines.sampling import SamplingConfig
+from lmcollect.engines.vllm_common import (
+    INITIAL_VERSION,
+    LOGPROBS_MODE,
+    checkpoint_dtype,
+    sampling_params_kwargs,
+    settle,
+)
 from lmcollect.engines.vllm_worker_ext import checkpoint_metadata
+from lmcollect.engines.weight_group import RECEIVE_METHOD, GroupPush
 from lmcollect.plumbing import forwarded
 from lmcollect.policies.served_http import MAX_RESPONSE_BYTES, VLLMServerError, request_json
 from lmcollect.policies.vllm_control import CONTROL_TOKEN_HEADER, RENEW_PAUSE_PATH, is_public_path
 from lmcollect.policies.vllm_launcher import SERVE_MODULE, VLLMServer, free_port, serve_command
-from lmcollect.engines.vllm_common import INITIAL_VERSION, LOGPROBS_MODE, checkpoint_dtype, sampling_params_kwargs, settle
 from lmcollect.policies.vllm_policy import VLLMPolicy
 
 __all__ = [  # the launcher and the HTTP client live in their own modules; their public names are here too
@@ -370,7 +377,9 @@ class VLLMServerEngine:
                 if not self._gate.wait_for(lambda: self._sending == 0, timeout=self.timeout_s):
                     self._held = False
                     self._gate.notify_all()
-                    raise VLLMServerError(f"requests to {self.base_url} still ran after timeout_s={self.timeout_s} s; not paused.")
+                    raise VLLMServerError(
+                        f"requests to {self.base_url} still ran after timeout_s={self.timeout_s} s; not paused."
+                    )
             try:
                 self.call("POST", "/pause?mode=wait&clear_cache=false")
             except BaseException:
@@ -459,7 +468,10 @@ class VLLMServerEngine:
         with self._gate:  # threads waiting out a pause give up
             self._gate.notify_all()
         for future in pending:
-            settle(future, error=EngineClosedError(f"VLLMServerEngine ({self.base_url}) was closed before this request finished."))
+            settle(
+                future,
+                error=EngineClosedError(f"VLLMServerEngine ({self.base_url}) was closed before this request finished."),
+            )
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._give_back_pause()
 
@@ -539,7 +551,11 @@ def check_server_config(config: dict[str, Any], checkpoint: str | Path, base_url
         logger.warning(
             "the vLLM server at %s runs dtype %s, the checkpoint %s: log-probs differ from a %s forward pass "
             "(start it with --dtype %s to keep them equal).",
-            base_url, served, wanted, wanted, wanted,
+            base_url,
+            served,
+            wanted,
+            wanted,
+            wanted,
         )
 
 

@@ -4,10 +4,10 @@ actors, the Ray weight updater and object-store transport, the cluster helpers, 
 Each wraps a plain class of the layers below (``LLMCollector``, an engine, ``ReplayBuffer``) at the
 edge. Importing this package does not import Ray; each name below imports its module on first use.
 """
+
 from __future__ import annotations
 
 from lmcollect.lazy import lazy_attributes
-
 
 _LAZY = {
     "RayLLMCollector": "lmcollect.ray.collector",

@@ -1,4 +1,5 @@
 """Ray calls that wait a bounded time: a hung actor raises an error naming the call and its knob."""
+
 from __future__ import annotations
 
 from typing import Any

@@ -1,4 +1,5 @@
 """RayReplayBuffer: one ReplayBuffer in a Ray actor, written by many collectors, sampled by the trainer."""
+
 from __future__ import annotations
 
 from typing import Any

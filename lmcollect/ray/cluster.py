@@ -1,5 +1,6 @@
 """Starting or attaching to Ray (and shutting down only what we started), building actor options
 without mutating the caller's dicts, and what the cluster holds."""
+
 from __future__ import annotations
 
 import contextlib

@@ -1,4 +1,5 @@
 """RayLLMCollector: the local collector running in a Ray actor, driven from the trainer process."""
+
 from __future__ import annotations
 
 import contextlib
@@ -8,8 +9,9 @@ import logging
 import time
 import uuid
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterator
+from typing import Any, ClassVar
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -17,14 +19,14 @@ from tensordict import TensorDictBase
 
 from lmcollect.buffers.replay_buffer import ReplayBuffer
 from lmcollect.collectors.collector_worker import CollectorRestartedError, CollectorWorker, ContinuousCollectorWorker
-from lmcollect.collectors.llm_collector import LLMCollector
 from lmcollect.collectors.config import CollectionConfig, ConfiguredCollector, config_from, field_names
+from lmcollect.collectors.llm_collector import LLMCollector
 from lmcollect.collectors.weights import HoldsWeightUpdater
 from lmcollect.plumbing import ShutsDownOnExit
 from lmcollect.ray.cluster import actor_options, init_ray, torch_threads_for, with_thread_env
 from lmcollect.weights.buckets import view_buckets
-from lmcollect.weights.version import PushVersion
 from lmcollect.weights.tensors import to_weight_dict
+from lmcollect.weights.version import PushVersion
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +151,10 @@ class RayLLMCollector(ConfiguredCollector, HoldsWeightUpdater, ShutsDownOnExit):
             )
         init_ray(ray_config.ray_init_config)
         self._options = actor_options(
-            ray_config.remote_config, num_cpus=ray_config.num_cpus, num_gpus=ray_config.num_gpus, defaults=_ACTOR_DEFAULTS
+            ray_config.remote_config,
+            num_cpus=ray_config.num_cpus,
+            num_gpus=ray_config.num_gpus,
+            defaults=_ACTOR_DEFAULTS,
         )
         self._collect_group = _add_collect_group(self._options)
         self._name = f"{type(self).__name__}-{uuid.uuid4().hex[:6]}"
@@ -509,12 +514,13 @@ class RayLLMCollector(ConfiguredCollector, HoldsWeightUpdater, ShutsDownOnExit):
         """name -> (dtype, shape) of the actor's model, and its tied aliases."""
         return self._call("weight_metadata", model_id)
 
-    def register_scheme_receiver(self, weight_recv_schemes: dict[str, Any], *, synchronize_weights: bool = True) -> None:
+    def register_scheme_receiver(
+        self, weight_recv_schemes: dict[str, Any], *, synchronize_weights: bool = True
+    ) -> None:
         self._call("register_scheme_receiver", weight_recv_schemes, synchronize_weights=synchronize_weights)
 
     def cascade_execute(self, attr_path: str, *args: Any, **kwargs: Any) -> Any:
         return self._call("cascade_execute", attr_path, *args, **kwargs)
-
 
     # ------------------------------------------------------------------ a vLLM policy's engine (vLLMUpdater)
     def policy_engine_num_replicas(self) -> int:
@@ -523,7 +529,9 @@ class RayLLMCollector(ConfiguredCollector, HoldsWeightUpdater, ShutsDownOnExit):
     def policy_weight_receiver_nodes(self) -> list[str | None]:
         return self._call("policy_weight_receiver_nodes")
 
-    def submit_join_weight_group(self, connection_info: dict[str, Any], *, ranks_per_replica: int) -> Callable[[float | None], Any]:
+    def submit_join_weight_group(
+        self, connection_info: dict[str, Any], *, ranks_per_replica: int
+    ) -> Callable[[float | None], Any]:
         """Start ``join_policy_weight_group`` in the actor without waiting; returns ``wait(timeout_s)``."""
         ref = self._actor.join_policy_weight_group.remote(connection_info, ranks_per_replica=ranks_per_replica)
         return lambda timeout_s=None: self._get(ref, "join_policy_weight_group", timeout_s)

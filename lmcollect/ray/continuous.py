@@ -1,4 +1,5 @@
 """RayContinuousLLMCollector: the continuous collector in a Ray actor, with RayLLMCollector's API."""
+
 from __future__ import annotations
 
 from typing import Any

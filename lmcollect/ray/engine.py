@@ -8,6 +8,7 @@ calls (``pause``, ``resume``, ``load_weights``, ``reset_prefix_cache``) wait for
 (least-loaded routing, one dialog's turns on one replica), which a ``ContinuousLLMCollector`` takes
 as its engine.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,12 +22,12 @@ import ray
 import torch
 from ray.exceptions import RayActorError
 
-from lmcollect.ray.bounded import DEFAULT_CALL_TIMEOUT_S, get_within
-from lmcollect.ray.cluster import actor_options, init_ray
 from lmcollect.engines.protocol import EngineClosedError, EngineProtocol, EngineRequest, EngineResult, WorkerRpcEngine
 from lmcollect.engines.router import EngineRouter
 from lmcollect.engines.weight_group import GroupPush
 from lmcollect.plumbing import forwarded
+from lmcollect.ray.bounded import DEFAULT_CALL_TIMEOUT_S, get_within
+from lmcollect.ray.cluster import actor_options, init_ray
 
 __all__ = ["RayEngine", "ray_engine_replicas", "start_ray_engines"]
 
@@ -88,7 +89,11 @@ class RayEngine:
         call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
     ) -> None:
         ((actor, version, worker_replicas),) = _launch(
-            engine_factory, 1, remote_config=remote_config, ray_init_config=ray_init_config, start_timeout_s=start_timeout_s
+            engine_factory,
+            1,
+            remote_config=remote_config,
+            ray_init_config=ray_init_config,
+            start_timeout_s=start_timeout_s,
         )
         self._attach(actor, version, worker_replicas, call_timeout_s)
 
@@ -120,7 +125,9 @@ class RayEngine:
             self._pending.discard(future)
 
     def _get(self, ref: Any, call: str, *, timeout_s: float | None = None) -> Any:
-        return get_within(ref, timeout_s=timeout_s or self.call_timeout_s, call=f"RayEngine.{call}", knob="call_timeout_s")
+        return get_within(
+            ref, timeout_s=timeout_s or self.call_timeout_s, call=f"RayEngine.{call}", knob="call_timeout_s"
+        )
 
     def pause(self) -> None:
         self._get(self._actor.call.remote("pause"), "pause")
@@ -159,9 +166,13 @@ class RayEngine:
         self, method: str, args_per_replica: list[tuple], kwargs: dict[str, Any] | None = None
     ) -> list[Any]:
         """``collective_rpc_each`` on the actor's engine (vLLM's workers; see ``WorkerRpcEngine``)."""
-        return self._get(self._actor.collective_rpc_each.remote(method, args_per_replica, kwargs), f"collective_rpc_each({method!r})")
+        return self._get(
+            self._actor.collective_rpc_each.remote(method, args_per_replica, kwargs), f"collective_rpc_each({method!r})"
+        )
 
-    version = forwarded("_version", "The engine's weight version: its own at start, then each load_weights / set_version made here.")
+    version = forwarded(
+        "_version", "The engine's weight version: its own at start, then each load_weights / set_version made here."
+    )
 
     @property
     def num_in_flight(self) -> int:
@@ -216,7 +227,11 @@ def start_ray_engines(
     if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
         raise ValueError(f"num_replicas must be an int >= 1, got {num_replicas!r}.")
     launched = _launch(
-        engine_factory, num_replicas, remote_config=remote_config, ray_init_config=ray_init_config, start_timeout_s=start_timeout_s
+        engine_factory,
+        num_replicas,
+        remote_config=remote_config,
+        ray_init_config=ray_init_config,
+        start_timeout_s=start_timeout_s,
     )
     return [RayEngine._of_actor(actor, version, replicas, call_timeout_s) for actor, version, replicas in launched]
 
@@ -254,5 +269,7 @@ def ray_engine_replicas(
 ) -> EngineRouter:
     """``num_replicas`` :class:`RayEngine` actors behind one :class:`EngineRouter`."""
     return EngineRouter(
-        start_ray_engines(engine_factory, num_replicas=num_replicas, remote_config=remote_config, ray_init_config=ray_init_config)
+        start_ray_engines(
+            engine_factory, num_replicas=num_replicas, remote_config=remote_config, ray_init_config=ray_init_config
+        )
     )

@@ -1,8 +1,10 @@
 """Several RayLLMCollectors with distinct seeds and worker indices, started and stopped together."""
+
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from lmcollect.plumbing import ShutsDownOnExit
 from lmcollect.ray.collector import RayLLMCollector
@@ -45,7 +47,9 @@ class RayCollectorGroup(ShutsDownOnExit):
         self.collectors: list[RayLLMCollector] = []
         try:
             for i in range(num_collectors):
-                remote_config = remote_configs[i] if remote_configs is not None else collector_kwargs.get("remote_config")
+                remote_config = (
+                    remote_configs[i] if remote_configs is not None else collector_kwargs.get("remote_config")
+                )
                 kwargs = {**collector_kwargs, "remote_config": remote_config}
                 collector = RayLLMCollector(**kwargs)
                 collector.worker_idx = i

@@ -1,13 +1,14 @@
 """Weight sync through Ray's object store: one object per push, pulled by each collector actor."""
+
 from __future__ import annotations
 
 from typing import Any
 
 import ray
 
-from lmcollect.weights.buckets import view_buckets
-from lmcollect.transports.base import WeightReceiver, WeightSender
 from lmcollect.ray.bounded import get_within
+from lmcollect.transports.base import WeightReceiver, WeightSender
+from lmcollect.weights.buckets import view_buckets
 from lmcollect.weights.tensors import WeightDict, to_weight_dict
 
 
@@ -56,8 +57,12 @@ class RayObjectStoreSender(WeightSender):
     def send(self, weights: object) -> None:
         ref = ray.put(view_buckets(to_weight_dict(weights)).to_numpy())
         self._version += 1
-        get_within(self._mailbox.publish.remote(self._version, [ref]), timeout_s=self.call_timeout_s,
-                   call="RayObjectStoreSender.send (publish)", knob="RayObjectStoreSender(call_timeout_s=...)")
+        get_within(
+            self._mailbox.publish.remote(self._version, [ref]),
+            timeout_s=self.call_timeout_s,
+            call="RayObjectStoreSender.send (publish)",
+            knob="RayObjectStoreSender(call_timeout_s=...)",
+        )
 
     def make_receiver(self, *, call_timeout_s: float = 60.0) -> RayObjectStoreReceiver:
         return RayObjectStoreReceiver(self._mailbox, call_timeout_s=call_timeout_s)
@@ -78,11 +83,17 @@ class RayObjectStoreReceiver(WeightReceiver):
     def receive(self, timeout_s: float | None = None) -> WeightDict | None:
         """Views of the newest push's tensors (valid while the caller holds them), or None."""
         knob = "make_receiver(call_timeout_s=...)"
-        found = get_within(self._mailbox.latest.remote(self._seen), timeout_s=self.call_timeout_s,
-                           call="RayObjectStoreReceiver.receive (latest)", knob=knob)
+        found = get_within(
+            self._mailbox.latest.remote(self._seen),
+            timeout_s=self.call_timeout_s,
+            call="RayObjectStoreReceiver.receive (latest)",
+            knob=knob,
+        )
         if found is None:
             return None
         version, (ref,) = found
-        buckets = get_within(ref, timeout_s=self.call_timeout_s, call="RayObjectStoreReceiver.receive (the weights)", knob=knob)
+        buckets = get_within(
+            ref, timeout_s=self.call_timeout_s, call="RayObjectStoreReceiver.receive (the weights)", knob=knob
+        )
         self._seen = version
         return buckets.tensors()

@@ -1,4 +1,5 @@
 """RayRemoteWeightUpdater: one object-store copy per push, loaded in place by every collector actor."""
+
 from __future__ import annotations
 
 import logging
@@ -23,11 +24,10 @@ from lmcollect.weights.delta import (
     distinct_tensors,
     resolve_delta,
 )
-from lmcollect.weights.version import PushVersion
 from lmcollect.weights.tensors import (
     WeightDict,
-    align_names,
     agreed_held_dtypes,
+    align_names,
     narrowest_held_dtypes,
     non_finite_problems,
     raise_if_problems,
@@ -35,6 +35,7 @@ from lmcollect.weights.tensors import (
     to_weight_dict,
     weight_problems,
 )
+from lmcollect.weights.version import PushVersion
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +202,9 @@ class RayRemoteWeightUpdater(WeightUpdaterBase):
             found = weight_problems(sent, expected, aliases=aliases, convert_dtype=convert)
             if found:
                 groups.setdefault(tuple(found), []).append(worker_id)
-        problems = [p if len(groups) == 1 else f"worker(s) {workers}: {p}" for found, workers in groups.items() for p in found]
+        problems = [
+            p if len(groups) == 1 else f"worker(s) {workers}: {p}" for found, workers in groups.items() for p in found
+        ]
         raise_if_problems(problems, where=f" for worker(s) {sorted(w for ws in groups.values() for w in ws)}")
 
     def _workers_version(self) -> int:
@@ -254,7 +257,9 @@ class RayRemoteWeightUpdater(WeightUpdaterBase):
         push; only ever up). Returns None once every targeted worker has applied the weights, or
         with ``wait=False`` a :class:`PushHandle` right away."""
         if not self._actors:
-            raise ValueError("this RayRemoteWeightUpdater has no workers: pass remote_collectors=[...] or register a collector.")
+            raise ValueError(
+                "this RayRemoteWeightUpdater has no workers: pass remote_collectors=[...] or register a collector."
+            )
         self._settle_in_flight()
         weights = self._aligned(self._resolve_weights(policy_or_weights))
         ids = self._resolve_worker_ids(worker_ids)
@@ -305,7 +310,8 @@ class RayRemoteWeightUpdater(WeightUpdaterBase):
         base = self._delta_base
         assert base is not None
         dtypes = agreed_held_dtypes(  # the base is kept, and compared, in the workers' dtypes
-            distinct_tensors(weights), self._fetch_metadata(),
+            distinct_tensors(weights),
+            self._fetch_metadata(),
             why_one="a delta base needs one: give every collector the same dtype, or push with RayPushConfig(delta=False).",
         )
         eligible = [i for i in targets if base.version is not None and self._held[i] == base.version]
@@ -316,7 +322,9 @@ class RayRemoteWeightUpdater(WeightUpdaterBase):
             raise_if_problems(non_finite_problems(plan.sent_values(), dtypes=dtypes))
         return plan
 
-    def _send_delta_plan(self, plan: _DeltaPlan, pushed: PushVersion) -> tuple[dict[int, Any], Callable[[list[int]], dict[int, Any]]]:
+    def _send_delta_plan(
+        self, plan: _DeltaPlan, pushed: PushVersion
+    ) -> tuple[dict[int, Any], Callable[[list[int]], dict[int, Any]]]:
         """Commit the plan into the base, then send the delta and/or the full weights (the base)."""
         base = self._delta_base
         assert base is not None
@@ -330,7 +338,10 @@ class RayRemoteWeightUpdater(WeightUpdaterBase):
         def send_full(worker_ids: list[int]) -> dict[int, Any]:
             if not full_ref:
                 full_ref.append(ray.put(view_buckets(tensors).to_numpy()))
-            return {i: self._sync_weights_with_worker(worker_id=i, server_weights=full_ref[0], version=pushed) for i in worker_ids}
+            return {
+                i: self._sync_weights_with_worker(worker_id=i, server_weights=full_ref[0], version=pushed)
+                for i in worker_ids
+            }
 
         refs: dict[int, Any] = {}
         if plan.delta_targets:
@@ -434,8 +445,12 @@ class PushHandle:
             results = gather_refs(self._refs, what="apply the weights", timeout_s=timeout_s, tolerate=tolerate)
             repaired = sorted(i for i, result in results.items() if isinstance(result, DeltaRejectedError))
             if repaired:
-                logger.info("worker(s) %s refused the delta push (%s); sending them a full push", repaired, results[repaired[0]])
-                gather_refs(self._repair(repaired), what="apply a full push after refusing a delta", timeout_s=timeout_s)
+                logger.info(
+                    "worker(s) %s refused the delta push (%s); sending them a full push", repaired, results[repaired[0]]
+                )
+                gather_refs(
+                    self._repair(repaired), what="apply a full push after refusing a delta", timeout_s=timeout_s
+                )
         except Exception as exc:
             self._error = exc
             if self._on_settled is not None:

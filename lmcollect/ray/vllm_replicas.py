@@ -1,4 +1,5 @@
 """vLLM engine replicas as Ray actors: :class:`~lmcollect.engines.vllm_engine.VLLMEngine` in each, one router in front."""
+
 from __future__ import annotations
 
 import functools
@@ -12,6 +13,7 @@ from lmcollect.ray.bounded import DEFAULT_CALL_TIMEOUT_S
 from lmcollect.ray.engine import start_ray_engines
 
 logger = logging.getLogger(__name__)
+
 
 def _with_env_vars(options: dict[str, Any], env_vars: dict[str, str] | None) -> dict[str, Any]:
     """``options`` with ``env_vars`` over its ``runtime_env``'s (the actor's defaults are ``start_ray_engines``')."""

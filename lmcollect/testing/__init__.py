@@ -3,6 +3,7 @@
 They answer from a script (a function of the dialog), so a test of envs, collectors or weight pushes
 sees exactly the tokens it expects; nothing here is used by lmcollect's own code paths.
 """
+
 from __future__ import annotations
 
 from lmcollect.testing.scripted_engine import ByteTokenizer, ScriptedEngine, ScriptedWeights, chat_script

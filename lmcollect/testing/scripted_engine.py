@@ -7,6 +7,7 @@ log-prob is ``-tag`` of the weights held when that token was generated, so a tes
 each token's recorded version names the weights that produced it. :class:`ByteTokenizer` is a
 byte-level tokenizer with a chat template, enough for the collectors' token-exact prompts.
 """
+
 from __future__ import annotations
 
 import threading
@@ -18,12 +19,11 @@ from typing import Any
 
 import torch
 
+from lmcollect.data.history import History
 from lmcollect.engines.loop_queue import QueuedAndRunning
+from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult, refuse_stale_push
 from lmcollect.plumbing import forwarded
 from lmcollect.weights.tensors import expected_metadata
-
-from lmcollect.data.history import History
-from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult, refuse_stale_push
 
 __all__ = ["ByteTokenizer", "ScriptedEngine", "ScriptedWeights", "chat_script"]
 

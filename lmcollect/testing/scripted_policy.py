@@ -1,7 +1,9 @@
 """A deterministic lockstep policy for tests and examples: the one lockstep policy over a scripted engine."""
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from tensordict import TensorDictBase
 

@@ -1,4 +1,5 @@
 """From collected turns (TensorDicts) to GRPO inputs: group advantages at collection time, packed tensors."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
 """Mean reward of a policy on fixed prompts: the demo's before / after measurement."""
+
 from __future__ import annotations
 
 import random

@@ -3,6 +3,7 @@
 Nothing here knows about Ray, collectors or TensorDicts: inputs are lists of token tensors and
 plain tensors, so the maths is unit-tested on its own (``tests/unit/test_grpo.py``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -69,7 +70,9 @@ def pack_turns(
 ) -> PackedTurns:
     """Pack per-turn token tensors into a :class:`PackedTurns` (``log_probs`` None: zeros, for SFT)."""
     if not prompt_tokens or len(prompt_tokens) != len(response_tokens):
-        raise ValueError(f"need as many prompts as responses (> 0), got {len(prompt_tokens)} and {len(response_tokens)}.")
+        raise ValueError(
+            f"need as many prompts as responses (> 0), got {len(prompt_tokens)} and {len(response_tokens)}."
+        )
     lengths = [p.numel() + r.numel() for p, r in zip(prompt_tokens, response_tokens)]
     n, width = len(lengths), max(lengths)
     input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
@@ -122,7 +125,9 @@ def policy_gradient_loss(
     with torch.no_grad():
         metrics = {
             "loss/policy": loss.item(),
-            "loss/clip_fraction": float(((ratio - 1).abs() > clip_epsilon).masked_fill(~mask, False).sum() / num_tokens),
+            "loss/clip_fraction": float(
+                ((ratio - 1).abs() > clip_epsilon).masked_fill(~mask, False).sum() / num_tokens
+            ),
             # k3 estimator of KL(behaviour || current), a staleness / step-size diagnostic
             "loss/approx_kl": float(((ratio - 1) - log_ratio).masked_fill(~mask, 0.0).sum() / num_tokens),
         }

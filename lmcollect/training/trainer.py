@@ -1,4 +1,5 @@
 """The learner of the demo: one GRPO optimisation step on a batch of collected turns."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,4 +1,5 @@
 """A short supervised warm-up: teach a freshly initialised model the answer format before RL."""
+
 from __future__ import annotations
 
 import logging

@@ -1,4 +1,5 @@
 """The weight-sync scheme interface: a sender on the trainer side, a receiver in each collector."""
+
 from __future__ import annotations
 
 import abc

@@ -1,4 +1,5 @@
 """Weight sync over a torch.distributed process group: metadata through the store, buffers by broadcast."""
+
 from __future__ import annotations
 
 import datetime
@@ -12,6 +13,16 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from lmcollect.transports.base import WeightReceiver, WeightSender
+from lmcollect.transports.rendezvous import (
+    GroupStore,
+    check_secret,
+    parse_header,
+    parse_layout,
+    raise_if_layout_problems,
+    version_from_json,
+    version_json,
+)
 from lmcollect.weights.buckets import (
     BucketLayout,
     WeightBuckets,
@@ -34,17 +45,6 @@ from lmcollect.weights.delta import (
     distinct_tensors,
     prepare_delta,
 )
-from lmcollect.transports.base import WeightReceiver, WeightSender
-from lmcollect.transports.rendezvous import (
-    GroupStore,
-    check_secret,
-    parse_header,
-    parse_layout,
-    raise_if_layout_problems,
-    version_from_json,
-    version_json,
-)
-from lmcollect.weights.version import PushVersion
 from lmcollect.weights.tensors import (
     WeightDict,
     agreed_held_dtypes,
@@ -53,6 +53,7 @@ from lmcollect.weights.tensors import (
     to_weight_dict,
     weight_problems,
 )
+from lmcollect.weights.version import PushVersion
 
 logger = logging.getLogger(__name__)
 
@@ -220,8 +221,11 @@ class ProcessGroupSender(WeightSender):
         self.check(weights)
         dtypes = None
         if self.config.convert_dtype:
-            dtypes = agreed_held_dtypes(weights, self._receiver_metadata,
-                                        why_one="one broadcast cannot feed them all: give every engine the same dtype.")
+            dtypes = agreed_held_dtypes(
+                weights,
+                self._receiver_metadata,
+                why_one="one broadcast cannot feed them all: give every engine the same dtype.",
+            )
         encoded = self._delta_base.encode(weights, dtypes) if self._delta_base is not None else None
         return PreparedPush(weights, dtypes, encoded)
 
@@ -280,14 +284,25 @@ class ProcessGroupSender(WeightSender):
         ``DIRECT_SEND_MIN_BYTES`` travel in buffers of their own, straight from the trainer's memory
         (without delta); the rest is packed into buffers of up to ``bucket_size_bytes``."""
         own = DIRECT_SEND_MIN_BYTES if self._delta_base is None else None
-        return plan_layout(weights, bucket_size_bytes=self.config.bucket_size_bytes, dtypes=dtypes, own_buffer_min_bytes=own)
+        return plan_layout(
+            weights, bucket_size_bytes=self.config.bucket_size_bytes, dtypes=dtypes, own_buffer_min_bytes=own
+        )
 
     def _send_delta(self, encoded: EncodedDelta, version: PushVersion) -> list[int]:
         """Broadcast a delta; returns the ranks that refused it (then a full push must follow)."""
         delta = encoded.delta
-        buckets = pack_buckets(delta.arrays.tensors(), bucket_size_bytes=self.config.bucket_size_bytes, device=self._device())
+        buckets = pack_buckets(
+            delta.arrays.tensors(), bucket_size_bytes=self.config.bucket_size_bytes, device=self._device()
+        )
         n = self._num_pushes
-        self._post_header({"kind": "delta", "version": version_json(version), "layout": layout_to_json(buckets.layout), **delta.header()})
+        self._post_header(
+            {
+                "kind": "delta",
+                "version": version_json(version),
+                "layout": layout_to_json(buckets.layout),
+                **delta.header(),
+            }
+        )
         for buffer in buckets.buffers:
             self._group.broadcast(buffer, _SENDER_RANK).wait()
         self._num_pushes += 1
@@ -391,7 +406,9 @@ class ProcessGroupReceiver(WeightReceiver):
                 "register this receiver with a collector and call set_connection_info(...) before connect()."
             )
         timeout = datetime.timedelta(seconds=self._info["timeout_s"])
-        tcp_store = dist.TCPStore(self._info["master_address"], self._info["master_port"], is_master=False, timeout=timeout)
+        tcp_store = dist.TCPStore(
+            self._info["master_address"], self._info["master_port"], is_master=False, timeout=timeout
+        )
         self._store = GroupStore(tcp_store, self._info["secret"])
         self._expected = self.context.weight_metadata(self.model_id or "policy")
         self._store.set(f"meta/{self._rank}", metadata_to_json(*self._expected))
@@ -437,7 +454,9 @@ class ProcessGroupReceiver(WeightReceiver):
         problems = weight_problems(layout.metadata(), expected, aliases=aliases)
         limit = max_layout_nbytes(expected, aliases)
         if layout.total_nbytes > limit:
-            problems.append(f"its buffers hold {layout.total_nbytes} bytes, more than this model's tensors need ({limit})")
+            problems.append(
+                f"its buffers hold {layout.total_nbytes} bytes, more than this model's tensors need ({limit})"
+            )
         raise_if_layout_problems(problems, self._rank)
         return layout
 
@@ -450,7 +469,9 @@ class ProcessGroupReceiver(WeightReceiver):
         problems = layout_problems(layout)
         limit = self._layout.total_nbytes if self._layout is not None else max_layout_nbytes(*self._expected)
         if not problems and layout.total_nbytes > limit:
-            problems.append(f"its buffers hold {layout.total_nbytes} bytes, more than the full push it patches ({limit})")
+            problems.append(
+                f"its buffers hold {layout.total_nbytes} bytes, more than the full push it patches ({limit})"
+            )
         raise_if_layout_problems(problems, self._rank)
         try:
             WeightDelta.from_header(header, WeightBuckets(layout, []))  # its entries parse; nothing is read yet
@@ -512,7 +533,11 @@ class ProcessGroupReceiver(WeightReceiver):
         return WeightBuckets(self._layout, self._buffers).tensors()
 
     def _device(self) -> torch.device:
-        return torch.device("cuda", torch.cuda.current_device()) if self._info["backend"] == "nccl" else torch.device("cpu")
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if self._info["backend"] == "nccl"
+            else torch.device("cpu")
+        )
 
     @property
     def rank(self) -> int:

@@ -5,6 +5,7 @@ A ``torch.distributed`` store answers any client that reaches its port and lists
 anyone, so nothing read from it is trusted until its signature matches the group's secret, which
 travels only over the trusted channel (``ProcessGroupSender.connection_info()``).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -17,8 +18,8 @@ from typing import Any
 import torch.distributed as dist
 
 from lmcollect.weights.buckets import BucketLayout, layout_from_json
-from lmcollect.weights.version import PushVersion
 from lmcollect.weights.tensors import raise_if_problems
+from lmcollect.weights.version import PushVersion
 
 SECRET_PATTERN = re.compile(r"[0-9a-f]{32}")  # secrets.token_hex(16)
 _MAC_CHARS = 64  # hex SHA-256

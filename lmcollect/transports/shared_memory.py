@@ -1,11 +1,12 @@
 """In-process weight sync: the sender packs a snapshot into flat buffers its receivers read directly."""
+
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
 
-from lmcollect.weights.buckets import WeightBuckets, pack_buckets
 from lmcollect.transports.base import WeightReceiver, WeightSender
+from lmcollect.weights.buckets import WeightBuckets, pack_buckets
 from lmcollect.weights.tensors import WeightDict, to_weight_dict
 
 

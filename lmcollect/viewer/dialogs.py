@@ -2,6 +2,7 @@
 
 Pure Python: no torch, no tokenizer import. A tokenizer, when given, only has to decode token ids.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
@@ -21,7 +22,9 @@ PolicyVersion = int | str  # int versions, or str for uuid versions (README, "Th
 class TokenDecoder(Protocol):
     """What the report needs of a tokenizer (a Hugging Face tokenizer fits): the text of token ids."""
 
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = ..., clean_up_tokenization_spaces: bool = ...) -> str: ...
+    def decode(
+        self, token_ids: list[int], skip_special_tokens: bool = ..., clean_up_tokenization_spaces: bool = ...
+    ) -> str: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,7 +171,7 @@ def _new_prompt_text(row: Mapping[str, Any], previous: Mapping[str, Any] | None)
         return prompt, False
     so_far = str(previous.get("prompt", "")) + str(previous["response"])
     if so_far and prompt.startswith(so_far):
-        return prompt[len(so_far):], True
+        return prompt[len(so_far) :], True
     return prompt, False
 
 

@@ -3,6 +3,7 @@
 Run: ``lmcollect view --rollouts rollouts.parquet [--output report.html] [--model PATH]``, or from
 Python ``write_rollout_report(records_or_path, "report.html", title="last batches")``.
 """
+
 from __future__ import annotations
 
 import html
@@ -14,9 +15,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from lmcollect.files import write_text_atomically
 from lmcollect.viewer.dialogs import Dialog, TokenDecoder, Turn, check_columns, group_dialogs, read_rollout_records
 from lmcollect.viewer.page import PAGE_SCRIPT, PAGE_STYLE, PAGE_TEMPLATE
-from lmcollect.files import write_text_atomically
 
 DATA_ELEMENT_ID = "rollout-data"
 """Id of the ``<script type="application/json">`` element that holds the report's data (as in the page's script)."""

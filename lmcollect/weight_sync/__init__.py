@@ -6,17 +6,16 @@ build on :mod:`lmcollect.weights` (named tensors, checks, buckets, deltas, versi
 :mod:`lmcollect.transports` (sender/receiver pairs that collectors pull from); the names of both
 that users reach for are re-exported here. torch.distributed is imported only when first used.
 """
+
 from __future__ import annotations
 
 from lmcollect.lazy import lazy_attributes
-
-
-from lmcollect.weight_sync.base import WeightPushError, WeightUpdaterBase
-from lmcollect.weights.buckets import BucketLayout, TensorSlot, WeightBuckets, pack_buckets, view_buckets
-from lmcollect.weights.delta import DeltaConfig, DeltaRejectedError, PushStats, WeightDelta
-from lmcollect.weight_sync.local import LocalWeightUpdater
 from lmcollect.transports.base import WeightReceiver, WeightSender
 from lmcollect.transports.shared_memory import SharedMemoryReceiver, SharedMemorySender
+from lmcollect.weight_sync.base import WeightPushError, WeightUpdaterBase
+from lmcollect.weight_sync.local import LocalWeightUpdater
+from lmcollect.weights.buckets import BucketLayout, TensorSlot, WeightBuckets, pack_buckets, view_buckets
+from lmcollect.weights.delta import DeltaConfig, DeltaRejectedError, PushStats, WeightDelta
 from lmcollect.weights.tensors import check_weights, load_weights_, to_weight_dict
 
 _LAZY = {

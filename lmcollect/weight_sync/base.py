@@ -1,4 +1,5 @@
 """WeightUpdaterBase: the trainer-side object that pushes weights into collectors' inference engines."""
+
 from __future__ import annotations
 
 import abc
@@ -9,8 +10,8 @@ from typing import Any
 
 import torch
 
-from lmcollect.weights.version import PushVersion
 from lmcollect.weights.tensors import WeightDict, expected_metadata, to_weight_dict
+from lmcollect.weights.version import PushVersion
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +90,9 @@ class WeightUpdaterBase(abc.ABC):
         """name -> (dtype, shape) of the distinct tensors of ``model`` (or of ``policy.model``)."""
         module = model if isinstance(model, torch.nn.Module) else getattr(model, "model", None)
         if not isinstance(module, torch.nn.Module):
-            raise TypeError(f"get_model_metadata needs an nn.Module or a policy with a .model, got {type(model).__name__}.")
+            raise TypeError(
+                f"get_model_metadata needs an nn.Module or a policy with a .model, got {type(model).__name__}."
+            )
         return expected_metadata(module)[0]
 
     # ------------------------------------------------------------------ hooks and versions
@@ -226,7 +229,11 @@ def resolve_updater(updater: Any, policy: Any = None) -> WeightUpdaterBase | Non
         built = updater.from_policy(policy)
         if built is not None:
             return resolve_updater(built)
-    if updater is not None and (isinstance(updater, type) or not hasattr(updater, "push_weights")) and callable(updater):
+    if (
+        updater is not None
+        and (isinstance(updater, type) or not hasattr(updater, "push_weights"))
+        and callable(updater)
+    ):
         updater = updater()
     if updater is not None and not hasattr(updater, "push_weights"):
         raise TypeError(

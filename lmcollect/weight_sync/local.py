@@ -1,11 +1,11 @@
 """LocalWeightUpdater: pushes weights into an in-process collector's policy."""
+
 from __future__ import annotations
 
 from collections.abc import Hashable
 from typing import Any
 
 from lmcollect.weight_sync.base import WeightUpdaterBase
-from lmcollect.weights.version import PushVersion
 from lmcollect.weights.tensors import (
     WeightDict,
     narrowest_held_dtypes,
@@ -13,6 +13,7 @@ from lmcollect.weights.tensors import (
     raise_if_problems,
     to_weight_dict,
 )
+from lmcollect.weights.version import PushVersion
 
 
 class LocalWeightUpdater(WeightUpdaterBase):
@@ -38,7 +39,9 @@ class LocalWeightUpdater(WeightUpdaterBase):
             collector.update_policy_weights_()  # pushes trainer_model's current weights
     """
 
-    def __init__(self, policy_weights: Any = None, *, convert_dtype: bool = False, allow_non_finite: bool = False) -> None:
+    def __init__(
+        self, policy_weights: Any = None, *, convert_dtype: bool = False, allow_non_finite: bool = False
+    ) -> None:
         super().__init__()
         self._policy_weights = policy_weights
         self.convert_dtype = convert_dtype
@@ -65,7 +68,9 @@ class LocalWeightUpdater(WeightUpdaterBase):
             held = narrowest_held_dtypes(weights, [self.collector.weight_metadata()])
         raise_if_problems(non_finite_problems(weights, dtypes=held))
 
-    def _sync_weights_with_worker(self, *, worker_id: Hashable, server_weights: WeightDict, version: PushVersion) -> None:
+    def _sync_weights_with_worker(
+        self, *, worker_id: Hashable, server_weights: WeightDict, version: PushVersion
+    ) -> None:
         collector = self.collector
         if collector is None:
             raise RuntimeError(

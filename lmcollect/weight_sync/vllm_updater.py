@@ -1,4 +1,5 @@
 """vLLMUpdater: pushes a trainer's weights into the vLLM engine behind a collector over a process group."""
+
 from __future__ import annotations
 
 import logging
@@ -10,12 +11,11 @@ from typing import Any, Protocol
 import torch
 
 from lmcollect.engines.protocol import EngineProtocol, WorkerRpcEngine, refuse_stale_push, worker_rpc_engine_of
+from lmcollect.engines.vllm_worker_ext import RayNode, current_ray_node
 from lmcollect.engines.weight_group import GroupPush, join_weight_group, weight_receiver_nodes
+from lmcollect.transports.process_group import PreparedPush, ProcessGroupConfig, ProcessGroupSender
 from lmcollect.weight_sync.base import WeightPushError, WeightUpdaterBase
 from lmcollect.weights.delta import DeltaConfig, PushStats, resolve_delta
-from lmcollect.weights.version import PushVersion
-from lmcollect.transports.process_group import PreparedPush, ProcessGroupConfig, ProcessGroupSender
-from lmcollect.engines.vllm_worker_ext import RayNode, current_ray_node
 from lmcollect.weights.tensors import (
     WeightDict,
     non_finite_problems,
@@ -23,6 +23,7 @@ from lmcollect.weights.tensors import (
     tensor_metadata,
     weight_problems,
 )
+from lmcollect.weights.version import PushVersion
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def default_master_address(trainer_node: RayNode | None, engine_node_ids: Sequen
     return trainer_node.ip
 
 
-class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.collectors.llm.vLLMUpdater)
+class vLLMUpdater(WeightUpdaterBase):
     """Sends a trainer's weights to the vLLM workers of a collector's ``VLLMPolicy``.
 
     The trainer is rank 0 of a process group whose other ranks are the engine's workers (ranks
@@ -286,13 +287,17 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
             raise_if_problems(non_finite_problems(prepared.sent_values(), dtypes=prepared.dtypes))
         self._prepared = prepared
 
-    def _sync_weights_with_worker(self, *, worker_id: Hashable, server_weights: WeightDict, version: PushVersion) -> None:
+    def _sync_weights_with_worker(
+        self, *, worker_id: Hashable, server_weights: WeightDict, version: PushVersion
+    ) -> None:
         sender = self._sender
         assert sender is not None, "_validate forms the group"
         deadline = time.monotonic() + self.timeout_s
         # The engine's load: its workers receive while the trainer sends, then the prefix-cache
         # reset and the version, in one hold of the engine (a collector's policy lock or pause).
-        received = self._target().submit_receive_weights(GroupPush(timeout_s=self.timeout_s, verify=self.verify), version=version)
+        received = self._target().submit_receive_weights(
+            GroupPush(timeout_s=self.timeout_s, verify=self.verify), version=version
+        )
         prepared, self._prepared = self._prepared, None
         try:
             sender.send(prepared if prepared is not None else server_weights, version=version)
@@ -309,7 +314,9 @@ class vLLMUpdater(WeightUpdaterBase):  # noqa: N801 - the spec's name (torchrl.c
         bad = [info.get("rank") for info in self.last_push_info if info.get("checksums") != sent]
         if bad:
             self.close()
-            raise WeightPushError(f"vLLM worker rank(s) {bad} received buckets whose checksums differ from the sent ones.")
+            raise WeightPushError(
+                f"vLLM worker rank(s) {bad} received buckets whose checksums differ from the sent ones."
+            )
 
     # ------------------------------------------------------------------ reaching the engine
     # Through the registered collector (in-process or a Ray actor), else the from_policy engine:
@@ -401,7 +408,9 @@ class _BareEngine:
         return weight_receiver_nodes(self.engine)
 
     def submit_join_weight_group(self, connection_info: dict[str, Any], *, ranks_per_replica: int) -> Wait:
-        return self._thread.submit(join_weight_group, self.engine, connection_info, ranks_per_replica=ranks_per_replica).result
+        return self._thread.submit(
+            join_weight_group, self.engine, connection_info, ranks_per_replica=ranks_per_replica
+        ).result
 
     def version_index(self) -> int:
         """The version the engine holds (what a new updater counts on from)."""

@@ -15,6 +15,7 @@ Receivers get zero-copy views with :meth:`WeightBuckets.tensors` and validate
 from another process is checked with :func:`layout_problems` and :func:`max_layout_nbytes`
 before any buffer is allocated for it.
 """
+
 from __future__ import annotations
 
 import json
@@ -118,7 +119,14 @@ def _align(offset: int) -> int:
 
 def tie_key(tensor: torch.Tensor) -> tuple:
     """Tensors with equal keys are the same memory (tied weights): sent once."""
-    return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+    return (
+        tensor.device,
+        tensor.untyped_storage().data_ptr(),
+        tensor.storage_offset(),
+        tensor.dtype,
+        tuple(tensor.shape),
+        tensor.stride(),
+    )
 
 
 def plan_layout(
@@ -190,10 +198,17 @@ def pack_buckets(
     layout = layout if layout is not None else plan_layout(weights, bucket_size_bytes=bucket_size_bytes, dtypes=dtypes)
     device = torch.device(device) if device is not None else _common_device(weights)
     views = _direct_views(layout, weights, device) if direct else {}
-    if not direct and out is not None and [(b.numel(), b.device) for b in out] == [(n, device) for n in layout.buffer_nbytes]:
+    if (
+        not direct
+        and out is not None
+        and [(b.numel(), b.device) for b in out] == [(n, device) for n in layout.buffer_nbytes]
+    ):
         buffers = out
     else:
-        buffers = [views[i] if i in views else torch.empty(n, dtype=torch.uint8, device=device) for i, n in enumerate(layout.buffer_nbytes)]
+        buffers = [
+            views[i] if i in views else torch.empty(n, dtype=torch.uint8, device=device)
+            for i, n in enumerate(layout.buffer_nbytes)
+        ]
     last_slot = {slot.buffer_index: position for position, slot in enumerate(layout.slots)}
     full, announced = [False] * len(buffers), 0
     copied: set[tuple] = set()
@@ -211,16 +226,24 @@ def pack_buckets(
     return WeightBuckets(layout, buffers)
 
 
-def _direct_views(layout: BucketLayout, weights: Mapping[str, torch.Tensor], device: torch.device) -> dict[int, torch.Tensor]:
+def _direct_views(
+    layout: BucketLayout, weights: Mapping[str, torch.Tensor], device: torch.device
+) -> dict[int, torch.Tensor]:
     """Buffer index -> the bytes of the one tensor it holds, where they can be sent as they are."""
     counts: dict[int, int] = {}
     for slot in layout.slots:
         counts[slot.buffer_index] = counts.get(slot.buffer_index, 0) + 1
     views: dict[int, torch.Tensor] = {}
     for slot, tensor in zip(layout.slots, weights.values()):
-        usable = tensor.dtype == slot.dtype and tensor.device == device and tensor.is_contiguous() and tensor.numel() > 0
+        usable = (
+            tensor.dtype == slot.dtype and tensor.device == device and tensor.is_contiguous() and tensor.numel() > 0
+        )
         # tied aliases name the same tensor; any other second slot means a shared buffer
-        if usable and slot.buffer_index not in views and (counts[slot.buffer_index] == 1 or _all_tied(layout, slot.buffer_index)):
+        if (
+            usable
+            and slot.buffer_index not in views
+            and (counts[slot.buffer_index] == 1 or _all_tied(layout, slot.buffer_index))
+        ):
             views[slot.buffer_index] = tensor.detach().reshape(-1).view(torch.uint8)
     return views
 
@@ -263,7 +286,9 @@ def layout_problems(layout: BucketLayout) -> list[str]:
     or :func:`view_buckets` could have made: sizes that are not non-negative integers, slots outside
     their buffer or off the ``ALIGN_BYTES`` grid, repeated names, buffers no slot uses. Empty: sound."""
     sizes = layout.buffer_nbytes
-    problems = [f"buffer {i} has size {n!r}, not a non-negative integer" for i, n in enumerate(sizes) if not _is_count(n)]
+    problems = [
+        f"buffer {i} has size {n!r}, not a non-negative integer" for i, n in enumerate(sizes) if not _is_count(n)
+    ]
     if problems:
         return problems
     names: set[str] = set()
@@ -279,7 +304,11 @@ def layout_problems(layout: BucketLayout) -> list[str]:
 def _slot_problems(slot: TensorSlot, sizes: tuple[int, ...], names: set[str]) -> list[str]:
     if slot.name in names:
         return [f"{slot.name!r} appears twice"]
-    if not all(_is_count(d) for d in slot.shape) or not _is_count(slot.offset_bytes) or not _is_count(slot.buffer_index):
+    if (
+        not all(_is_count(d) for d in slot.shape)
+        or not _is_count(slot.offset_bytes)
+        or not _is_count(slot.buffer_index)
+    ):
         return [f"{slot.name!r} has a shape, offset or buffer index that is not a non-negative integer"]
     if slot.buffer_index >= len(sizes):
         return [f"{slot.name!r} is in buffer {slot.buffer_index}, of {len(sizes)} buffers"]
@@ -304,13 +333,19 @@ def max_layout_nbytes(metadata: Mapping[str, tuple[torch.dtype, torch.Size]], al
 
 def layout_to_json(layout: BucketLayout) -> str:
     """The layout as JSON (what travels ahead of the buffers; no pickle on the wire)."""
-    slots = [[s.name, str(s.dtype).removeprefix("torch."), list(s.shape), s.buffer_index, s.offset_bytes] for s in layout.slots]
+    slots = [
+        [s.name, str(s.dtype).removeprefix("torch."), list(s.shape), s.buffer_index, s.offset_bytes]
+        for s in layout.slots
+    ]
     return json.dumps({"slots": slots, "buffer_nbytes": list(layout.buffer_nbytes)})
 
 
 def layout_from_json(text: str | bytes) -> BucketLayout:
     data = json.loads(text)
-    slots = tuple(TensorSlot(name, dtype_from_name(dtype), tuple(shape), index, offset) for name, dtype, shape, index, offset in data["slots"])
+    slots = tuple(
+        TensorSlot(name, dtype_from_name(dtype), tuple(shape), index, offset)
+        for name, dtype, shape, index, offset in data["slots"]
+    )
     return BucketLayout(slots, tuple(data["buffer_nbytes"]))
 
 

@@ -21,6 +21,7 @@ Encodings of the changed positions, per tensor (``DeltaConfig.encoding``):
 
 Pure torch and numpy: no Ray, no torch.distributed.
 """
+
 from __future__ import annotations
 
 import functools
@@ -112,7 +113,9 @@ class WeightDelta:
     @classmethod
     def from_header(cls, header: dict, arrays: WeightBuckets) -> WeightDelta:
         index, uid = header["base"]
-        entries = tuple(TensorDelta(n, enc, int(numel), int(k), int(crc)) for n, enc, numel, k, crc in header["entries"])
+        entries = tuple(
+            TensorDelta(n, enc, int(numel), int(k), int(crc)) for n, enc, numel, k, crc in header["entries"]
+        )
         return cls(PushVersion(int(index), str(uid)), entries, arrays)
 
 
@@ -203,7 +206,9 @@ class DeltaBase:
         """Forget the base: the next push is a full push."""
         self.version, self.tensors, self._names = None, {}, ()
 
-    def snapshot(self, weights: Mapping[str, torch.Tensor], version: PushVersion, dtypes: Mapping[str, torch.dtype] | None = None) -> dict[str, torch.Tensor]:
+    def snapshot(
+        self, weights: Mapping[str, torch.Tensor], version: PushVersion, dtypes: Mapping[str, torch.dtype] | None = None
+    ) -> dict[str, torch.Tensor]:
         """Copy ``weights`` (each distinct tensor once, cast to ``dtypes[name]``) as the base of ``version``."""
         reuse = self.tensors
         copies: dict[str, torch.Tensor] = {}
@@ -217,7 +222,13 @@ class DeltaBase:
         self.adopt(copies, weights, version, dtypes)
         return copies
 
-    def adopt(self, tensors: dict[str, torch.Tensor], weights: Mapping[str, torch.Tensor], version: PushVersion, dtypes: Mapping[str, torch.dtype] | None = None) -> None:
+    def adopt(
+        self,
+        tensors: dict[str, torch.Tensor],
+        weights: Mapping[str, torch.Tensor],
+        version: PushVersion,
+        dtypes: Mapping[str, torch.dtype] | None = None,
+    ) -> None:
         """Take ``tensors`` (name -> the pushed values, contiguous) as the base of ``version``;
         ``weights`` (what was pushed, before any cast) fixes which later pushes fit it."""
         self.tensors, self.version = tensors, version
@@ -227,7 +238,9 @@ class DeltaBase:
         """True when ``weights`` have the names, shapes and dtypes of the base's push."""
         return self.version is not None and _signature(weights, dtypes) == self._names
 
-    def encode(self, weights: Mapping[str, torch.Tensor], dtypes: Mapping[str, torch.dtype] | None = None) -> EncodedDelta | None:
+    def encode(
+        self, weights: Mapping[str, torch.Tensor], dtypes: Mapping[str, torch.dtype] | None = None
+    ) -> EncodedDelta | None:
         """The delta from the base to ``weights``, or None when a full push is due (no base, other
         names/shapes/dtypes, or a delta above ``max_fraction`` of a full push). Changes nothing.
 
@@ -268,7 +281,9 @@ class DeltaBase:
                     target.index_copy_(0, positions.to(target.device), values)
         self.version = version
 
-    def _encode_one(self, weights: Mapping[str, torch.Tensor], name: str) -> tuple[TensorDelta, dict[str, torch.Tensor], torch.Tensor | None] | None:
+    def _encode_one(
+        self, weights: Mapping[str, torch.Tensor], name: str
+    ) -> tuple[TensorDelta, dict[str, torch.Tensor], torch.Tensor | None] | None:
         base = self.tensors[name]
         with torch.no_grad():
             new = _bits(weights[name].detach().to(base.dtype))
@@ -313,7 +328,9 @@ def changed_positions(new_bits: torch.Tensor, base_bits: torch.Tensor, mask: np.
     return torch.from_numpy(np.flatnonzero(mask))
 
 
-def _encode_tensor(name: str, new: torch.Tensor, base: torch.Tensor, wanted: str, mask: np.ndarray | None) -> tuple[TensorDelta, dict[str, torch.Tensor], torch.Tensor | None] | None:
+def _encode_tensor(
+    name: str, new: torch.Tensor, base: torch.Tensor, wanted: str, mask: np.ndarray | None
+) -> tuple[TensorDelta, dict[str, torch.Tensor], torch.Tensor | None] | None:
     """One tensor's entry, its arrays ("positions", "blocks", "values") and the positions to commit
     (None: all of them, "dense"); None when nothing changed. ``new``, ``base``: flat integer views."""
     positions = changed_positions(new, base, mask)
@@ -386,7 +403,9 @@ class PreparedDelta:
                 bad.append(change.entry.name)
         if bad:
             self._undo()
-            raise DeltaRejectedError(f"delta checksum mismatch after applying {bad[:5]} ({len(bad)} tensor(s)); old weights kept.")
+            raise DeltaRejectedError(
+                f"delta checksum mismatch after applying {bad[:5]} ({len(bad)} tensor(s)); old weights kept."
+            )
 
     def _undo(self) -> None:
         for change in self._changes:
@@ -417,10 +436,14 @@ def prepare_delta(
             raise DeltaRejectedError(f"delta entry {entry.name!r} does not fit this receiver's tensor.")
         bits = _bits(target)
         if values.dtype != bits.dtype:
-            raise DeltaRejectedError(f"delta entry {entry.name!r} has {values.dtype} values for a {target.dtype} tensor.")
+            raise DeltaRejectedError(
+                f"delta entry {entry.name!r} has {values.dtype} values for a {target.dtype} tensor."
+            )
         positions = _decode_positions(entry, arrays, i, values.numel())
         positions = None if positions is None else positions.to(target.device)
-        changes.append(_Change(bits, entry, positions, _position_arrays(arrays, i), values.reshape(-1).to(target.device)))
+        changes.append(
+            _Change(bits, entry, positions, _position_arrays(arrays, i), values.reshape(-1).to(target.device))
+        )
     return PreparedDelta(changes)
 
 
@@ -434,7 +457,9 @@ def check_delta_base(delta: WeightDelta, held_version: PushVersion | None) -> No
         )
 
 
-def _decode_positions(entry: TensorDelta, arrays: dict[str, torch.Tensor], i: int, num_values: int) -> torch.Tensor | None:
+def _decode_positions(
+    entry: TensorDelta, arrays: dict[str, torch.Tensor], i: int, num_values: int
+) -> torch.Tensor | None:
     numel, k = entry.numel, entry.num_changed
     if entry.encoding == "dense":
         if num_values != numel:
@@ -442,7 +467,9 @@ def _decode_positions(entry: TensorDelta, arrays: dict[str, torch.Tensor], i: in
         return None
     raw = arrays.get(f"{i}.positions")
     if raw is None or num_values != k:
-        raise DeltaRejectedError(f"delta entry {entry.name!r} has {num_values} values for {k} changes, or no positions.")
+        raise DeltaRejectedError(
+            f"delta entry {entry.name!r} has {num_values} values for {k} changes, or no positions."
+        )
     raw = raw.reshape(-1).cpu().numpy()
     if entry.encoding == "bitmask":
         if raw.size != -(-numel // 8):

@@ -1,4 +1,5 @@
 """Weights as flat name -> tensor dicts: extraction from any source, checks, and in-place loading."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
@@ -184,7 +185,8 @@ def cast_to_held(
 
 
 def narrowest_held_dtypes(
-    weights: Mapping[str, torch.Tensor], receivers: Iterable[tuple[Mapping[str, tuple[torch.dtype, Any]], Mapping[str, str]]]
+    weights: Mapping[str, torch.Tensor],
+    receivers: Iterable[tuple[Mapping[str, tuple[torch.dtype, Any]], Mapping[str, str]]],
 ) -> dict[str, torch.dtype]:
     """name -> the floating dtype of least range that any receiver holds the tensor in, where it
     differs from the pushed one (``receivers``: each one's ``(metadata, aliases)``); for
@@ -273,7 +275,9 @@ def share_weights_(model: torch.nn.Module, weights: Mapping[str, torch.Tensor], 
     tensor cast by ``convert_dtype`` is a private copy.
     """
     groups, aliases = _tensors_by_target(model)
-    check_weights(weights, {n: (g[0].dtype, g[0].shape) for n, g in groups.items()}, aliases=aliases, convert_dtype=convert_dtype)
+    check_weights(
+        weights, {n: (g[0].dtype, g[0].shape) for n, g in groups.items()}, aliases=aliases, convert_dtype=convert_dtype
+    )
     for name, tensor in weights.items():
         group = groups[aliases.get(name, name)]
         data = tensor if tensor.dtype == group[0].dtype else tensor.to(group[0].dtype)

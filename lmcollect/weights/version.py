@@ -1,4 +1,5 @@
 """The version a weight push carries (assigned by the trainer side, taken by every receiver)."""
+
 from __future__ import annotations
 
 import uuid

@@ -1,28 +1,29 @@
 """Dialog tasks for ChatEnv: the Task interface, single-turn scoring, arithmetic, guessing games and a calculator tool."""
+
 from lmcollect.envs.tasks.arithmetic import arithmetic_dataset
 from lmcollect.envs.tasks.base import AsyncTask, SingleTurnTask, Task, TaskReply, respond_async
-from lmcollect.envs.tasks.guessing import GuessingGameTask, GuessingState, binary_search_player, guessing_game_dataset
 from lmcollect.envs.tasks.comparison import comparison_dataset
-from lmcollect.envs.tasks.tool_calc import ToolCalcState, ToolCalcTask, tool_calc_dataset, tool_calc_player
+from lmcollect.envs.tasks.guessing import GuessingGameTask, GuessingState, binary_search_player, guessing_game_dataset
 from lmcollect.envs.tasks.shipped import SHIPPED_TASKS, ShippedTask, get_shipped_task
+from lmcollect.envs.tasks.tool_calc import ToolCalcState, ToolCalcTask, tool_calc_dataset, tool_calc_player
 
 __all__ = [
+    "SHIPPED_TASKS",
     "AsyncTask",
-    "ToolCalcState",
-    "ToolCalcTask",
-    "respond_async",
-    "tool_calc_dataset",
-    "tool_calc_player",
     "GuessingGameTask",
     "GuessingState",
+    "ShippedTask",
     "SingleTurnTask",
     "Task",
     "TaskReply",
+    "ToolCalcState",
+    "ToolCalcTask",
     "arithmetic_dataset",
-    "guessing_game_dataset",
     "binary_search_player",
-    "SHIPPED_TASKS",
-    "ShippedTask",
     "comparison_dataset",
     "get_shipped_task",
+    "guessing_game_dataset",
+    "respond_async",
+    "tool_calc_dataset",
+    "tool_calc_player",
 ]

@@ -1,4 +1,5 @@
 """Generated arithmetic questions ("What is 12 + 7?") small enough for a tiny model to learn."""
+
 from __future__ import annotations
 
 import operator

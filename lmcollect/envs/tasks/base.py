@@ -1,4 +1,5 @@
 """The Task interface ChatEnv drives turn by turn (sync, or async for tools that wait), and the default single-turn task."""
+
 from __future__ import annotations
 
 import asyncio

@@ -1,4 +1,5 @@
 """Generated comparison questions ("Which is larger, 3 or 7?"): learnable by a tiny model in minutes."""
+
 from __future__ import annotations
 
 import random

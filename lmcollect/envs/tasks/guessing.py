@@ -1,4 +1,5 @@
 """A multi-turn number guessing game: the env answers "Higher." / "Lower." until the guess is right."""
+
 from __future__ import annotations
 
 import random

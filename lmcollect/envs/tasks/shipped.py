@@ -1,4 +1,5 @@
 """The tasks that ship with lmcollect, by name: how to generate their prompts and how to score replies."""
+
 from __future__ import annotations
 
 import random

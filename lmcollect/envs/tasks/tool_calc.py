@@ -7,6 +7,7 @@ with reward 1.0 if right, else 0.0. The chain length sets the turns of a dialog 
 operation, then the answer: 3 to 5 turns by default), drawn from the dataset's seed, so every
 collector and benchmark mode sees the same work and the same latencies.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -128,7 +129,9 @@ def tool_calc_dataset(
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}.")
     if not 2 <= min_turns <= max_turns:
-        raise ValueError(f"need 2 <= min_turns <= max_turns (one call and the answer at least), got {min_turns}, {max_turns}.")
+        raise ValueError(
+            f"need 2 <= min_turns <= max_turns (one call and the answer at least), got {min_turns}, {max_turns}."
+        )
     rng = random.Random(seed)
     rows = []
     for _ in range(num_samples):
