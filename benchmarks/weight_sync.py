@@ -25,7 +25,7 @@ plain updater without delta, the baseline), medians. They report the changed fra
 bytes over a full push's, and the time ratio; ``delta-vllm`` also times ``verify`` on and off.
 ``delta-encodings`` times the sender's encode and a receiver's check + apply in one process for
 each ``DeltaConfig.encoding``. Prints a table; the last line is JSON (with the load average
-before and after). Targets are the constants below; measured figures live in the README only.
+before and after). Targets are the constants below; measured figures live in the README and docs/benchmarks.md only.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What a ChatEnv does by default that the README warns about: shuffled prompt order, 0.0 rewards without a scorer."""
+"""What a ChatEnv does by default that docs/collectors.md warns about: shuffled prompt order, 0.0 rewards without a scorer."""
 from __future__ import annotations
 
 import logging

@@ -426,11 +426,11 @@ def test_a_failing_env_surfaces_naming_the_slot_and_collection_goes_on() -> None
         assert turns_of(collector.next())  # a new dialog takes the slot
 
 
-def test_readme_example_runs_as_written() -> None:
-    from tests.unit.test_readme import readme_block
+def test_docs_example_runs_as_written() -> None:
+    from tests.unit.test_readme import doc_block
 
     namespace: dict = {}
-    exec(readme_block("ContinuousLLMCollector(envs"), namespace)  # noqa: S102 - our own README
+    exec(doc_block("ContinuousLLMCollector(envs"), namespace)  # noqa: S102 - our own docs (docs/continuous.md)
     collector = namespace["collector"]
     assert collector.turns_run == 128 and collector.policy_version == 4
     collector.shutdown()

@@ -1,4 +1,4 @@
-"""The layout the README's architecture table shows: each layer imports only the layers below it,
+"""The layout the architecture table of docs/architecture.md shows: each layer imports only the layers below it,
 only ``lmcollect/ray`` imports Ray, and no private name is imported from another module."""
 from __future__ import annotations
 

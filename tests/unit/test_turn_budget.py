@@ -1,6 +1,6 @@
 """A finite collector keeps its promise: it yields the turns ``total_dialog_turns`` counts, never fewer.
 
-The rule (README, "Turn budget"): a collector yields whole batches until it has yielded
+The rule (docs/collectors.md, "Turn budget"): a collector yields whole batches until it has yielded
 ``total_dialog_turns`` turns; steps mode yields exactly ``ceil(total / B) * B`` turns, last-steps
 mode ``ceil(total / dialog_turns_per_batch)`` full batches, trajectories mode at least ``total``
 (its last batch takes every trajectory completed by then). Every yielded (trajectory, step) is
