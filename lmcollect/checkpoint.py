@@ -128,7 +128,9 @@ def load_checkpoint(folder: str | Path, collectors: Sequence[Any], *, replay_buf
             f"{folder}: the replay buffer was saved with capacity={buffer_state['capacity']}, the given one has "
             f"capacity={replay_buffer_capacity(replay_buffer)}; build it with the same capacity."
         )
-    for i, (collector, state) in enumerate(zip(collectors, states)):  # check every collector before loading any
+    for i, (collector, state) in enumerate(
+        zip(collectors, states, strict=True)
+    ):  # check every collector before loading any
         mine, saved = collector.layout(), state.get("layout")
         wrong = [
             f"{k}={saved.get(k)!r} (given collector: {v!r})" for k, v in mine.items() if saved and saved.get(k) != v
@@ -138,7 +140,7 @@ def load_checkpoint(folder: str | Path, collectors: Sequence[Any], *, replay_buf
                 f"{folder}: collector {i} was saved with another configuration: {'; '.join(wrong)}. Build the "
                 "collectors with the same envs and batching arguments as the saved run."
             )
-    for collector, state in zip(collectors, states):
+    for collector, state in zip(collectors, states, strict=True):
         collector.load_state_dict(state)
     if buffer_state is not None:
         replay_buffer.load_state_dict(buffer_state)

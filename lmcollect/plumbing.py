@@ -7,12 +7,14 @@ import operator
 from typing import Any, Self
 
 
-def forwarded(path: str, doc: str) -> property:
+def forwarded(path: str, doc: str) -> Any:
     """A read-only property returning ``self.<path>``; ``path`` may be dotted (``"_flow.num_consumed"``).
 
     For an attribute that only passes on one the object holds, or one of its parts holds:
     ``turns_yielded = forwarded("_flow.num_consumed", "Turns that left in batches so far.")``.
     Setting or deleting it raises AttributeError, as for any property without a setter.
+    Annotated ``Any`` (it is a ``property``): the value's type is that of the attribute ``path``
+    names, which a type checker cannot follow through a string, so it must not read it as ``property``.
     """
     return property(operator.attrgetter(path), doc=doc)
 

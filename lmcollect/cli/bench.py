@@ -71,11 +71,18 @@ def _selected(only: str) -> list[str]:
 
 
 def benchmarks_dir() -> Path:
-    """``benchmarks/`` next to the ``lmcollect`` package (a source checkout or an editable install)."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks"  # lmcollect/cli/bench.py -> the checkout
-    if not path.is_dir():
+    """``benchmarks/`` next to the ``lmcollect`` package (a source checkout or an editable install).
+
+    The scripts are not in the wheel (they import each other and the checkout's layout): an installed
+    package has no checkout around it, which ``pyproject.toml`` beside ``benchmarks/`` tells apart
+    (site-packages may hold some other distribution's top-level ``benchmarks``).
+    """
+    root = Path(__file__).resolve().parents[2]  # lmcollect/cli/bench.py -> the checkout
+    path = root / "benchmarks"
+    if not (path.is_dir() and (root / "pyproject.toml").is_file()):
         raise UsageError(
-            f"lmcollect bench runs the scripts in benchmarks/ of a source checkout; there is none at {path}."
+            "lmcollect bench needs a source checkout (its benchmarks/ scripts are not installed with the package): "
+            "git clone the lmcollect repository, then run `make bench` in it."
         )
     return path
 
@@ -89,6 +96,8 @@ def _load_path(path: Path) -> ModuleType:
     from lmcollect.ray.cluster import pickle_by_value  # imports Ray: only when a script is loaded
 
     spec = importlib.util.spec_from_file_location(f"lmcollect_benchmarks_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load the benchmark script {path}.")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # as an import would: the script may look itself up (e.g. for pickling)
     spec.loader.exec_module(module)
@@ -98,7 +107,7 @@ def _load_path(path: Path) -> ModuleType:
 
 def _rows_of(module: ModuleType, config: BenchConfig) -> list[dict[str, Any]]:
     if hasattr(module, "run"):
-        options = {"quick": config.quick}
+        options: dict[str, Any] = {"quick": config.quick}
         if module.__name__.endswith("_collect"):  # these options are the collection benchmark's
             options.update(
                 sizes=config.sizes, rows=config.rows, batch_size=config.batch_size, max_new_tokens=config.max_new_tokens
@@ -113,7 +122,7 @@ def _rows_of(module: ModuleType, config: BenchConfig) -> list[dict[str, Any]]:
 def _json_of_main(module: ModuleType, argv: list[str]) -> Any:
     """Run a script's ``main()`` with ``argv``; the JSON line it printed last."""
     stdout, saved_argv = io.StringIO(), sys.argv
-    sys.argv = [module.__file__, *argv]
+    sys.argv = [module.__file__ or module.__name__, *argv]
     try:
         with contextlib.redirect_stdout(stdout):
             module.main()

@@ -51,6 +51,7 @@ def run_check_logprobs(config: CheckLogprobsConfig) -> int:
     from lmcollect.diagnostics.logprobs import StoredSequence, compare_log_probs
     from lmcollect.models import load_model_and_tokenizer
 
+    assert config.rollouts is not None  # checked in __post_init__
     records = read_rollouts(Path(config.rollouts))
     sequences = [
         StoredSequence(

@@ -29,6 +29,7 @@ from lmcollect.cli.builders import (
 from lmcollect.cli.configs import CollectConfig, UsageError
 from lmcollect.cli.progress import turns_progress
 from lmcollect.cli.rollouts import batch_records, write_records
+from lmcollect.envs import ShippedTask
 from lmcollect.policies import SamplingConfig
 from lmcollect.ray.cluster import ray_session
 from lmcollect.ray.group import RayCollectorGroup
@@ -57,6 +58,7 @@ def run_collect(config: CollectConfig) -> int:
 
 def _env_factory(config: CollectConfig) -> EnvFactory:
     """The envs' prompts and scoring; checks --task and --prompts before anything starts."""
+    task: ShippedTask | None
     if config.prompts is None:
         task = resolve_task(config.task or DEFAULT_TASK)
         rows = task.make_rows(NUM_GENERATED_PROMPTS, seed=config.seed)

@@ -224,6 +224,7 @@ class DemoRun:
         self.console.print(
             f"mean reward {self.rewards['initial']:.3f} at init, {self.rewards['before_rl']:.3f} before RL"
         )
+        assert self.group is not None, "run() builds the collectors first"
         push_weights = make_weight_pusher(self.model, list(self.group), self.config.backend)
         push_weights()  # version 1: the warmed-up weights
         self.version = 1
@@ -238,6 +239,7 @@ class DemoRun:
     def _train(self, push_weights: Callable[[], None]) -> None:
         """The RL loop: wait for fresh turns, one GRPO step, push the new weights to every collector."""
         config = self.config
+        assert self.buffer is not None, "run() builds the buffer first"
         learner = GRPOLearner(self.model, GRPOConfig(lr=config.lr, clip_epsilon=config.clip_epsilon))
         throughput = _Throughput(self.buffer.write_count)
         start = time.perf_counter()
@@ -271,6 +273,7 @@ class DemoRun:
     def _sample_batch(self) -> TrainBatch:
         """``turns_per_step`` turns generated at most ``max_staleness`` versions ago, packed for the learner."""
         min_version = max(0, self.version - self.config.max_staleness)
+        assert self.buffer is not None, "run() builds the buffer first"
         turns = self.buffer.sample(self.config.turns_per_step, min_policy_version=min_version)
         self.recent_turns.append(turns)
         return train_batch_from_turns(turns, pad_token_id=self.tokenizer.pad_token_id)
@@ -279,6 +282,7 @@ class DemoRun:
         """Block until the buffer has had ``target`` writes (collectors are checked every few seconds)."""
         deadline = time.monotonic() + WAIT_TIMEOUT_S
         next_check = time.monotonic() + HEALTH_CHECK_S
+        assert self.buffer is not None and self.collection is not None, "_run_phases() starts them first"
         while self.buffer.write_count < target:
             now = time.monotonic()
             if now > next_check:
@@ -365,7 +369,8 @@ class DemoRun:
             versions = [_policy_version_or_none(c) for c in self.group]
             self.group.shutdown()
             collectors = [
-                {"policy_version": v, "shut_down": not c.is_initialized()} for v, c in zip(versions, self.group)
+                {"policy_version": v, "shut_down": not c.is_initialized()}
+                for v, c in zip(versions, self.group, strict=True)
             ]
         if self.buffer is not None:
             self.buffer.shutdown()

@@ -85,13 +85,20 @@ def _arg_type(annotation: Any) -> tuple[type, tuple[Any, ...] | None]:
 def _field_docs(config_cls: type) -> dict[str, str]:
     import ast
     import inspect
+    import itertools
     import textwrap
 
     tree = ast.parse(textwrap.dedent(inspect.getsource(config_cls)))
-    body = tree.body[0].body
+    class_def = tree.body[0]
+    assert isinstance(class_def, ast.ClassDef), "getsource of a class starts with its definition"
     docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+    for node, nxt in itertools.pairwise(class_def.body):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+        ):
             docs[node.target.id] = str(nxt.value.value).strip()
     return docs
 

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 STATUS_COLUMNS = (
@@ -75,13 +75,11 @@ class PlainTrainingProgress:
     def update(self, record: Mapping[str, float]) -> None:
         self._pending = record
         if time.monotonic() - self._last_print >= self.interval_s:
-            self._print()
+            self._print(record)
 
-    def _print(self) -> None:
+    def _print(self, record: Mapping[str, float]) -> None:
         now = time.monotonic()
-        self.console.print(
-            status_line(self._pending, self.total_steps, now - self._start), highlight=False, soft_wrap=True
-        )
+        self.console.print(status_line(record, self.total_steps, now - self._start), highlight=False, soft_wrap=True)
         self._last_print, self._pending = now, None
 
     def __enter__(self) -> PlainTrainingProgress:
@@ -92,7 +90,7 @@ class PlainTrainingProgress:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         if self._pending is not None:
-            self._print()
+            self._print(self._pending)
 
 
 class TrainingProgress:
@@ -149,16 +147,16 @@ class PlainTurnsProgress:
 
     def __init__(self, console: Console, *, interval_s: float = PLAIN_INTERVAL_S) -> None:
         self.console, self.interval_s = console, interval_s
-        self._tasks: dict[int, dict[str, Any]] = {}
+        self._tasks: dict[TaskID, dict[str, Any]] = {}
         self._start = self._last_print = time.monotonic()
         self._dirty = False
 
-    def add_task(self, description: str, *, total: float | None = None, **fields: Any) -> int:
-        task_id = len(self._tasks)
+    def add_task(self, description: str, *, total: float | None = None, **fields: Any) -> TaskID:
+        task_id = TaskID(len(self._tasks))
         self._tasks[task_id] = {"description": description, "total": total, "completed": 0, "visible": True, **fields}
         return task_id
 
-    def update(self, task_id: int, **changes: Any) -> None:
+    def update(self, task_id: TaskID, **changes: Any) -> None:
         self._tasks[task_id].update(changes)
         self._dirty = True
         if time.monotonic() - self._last_print >= self.interval_s:

@@ -66,7 +66,7 @@ def plot_training(records: Sequence[Mapping[str, Any]], path: Path) -> Path | No
         ("timing/weight_sync/push_s", "weight push (s)", False),
     )
     fig, axes = plt.subplots(len(panels), 1, figsize=(7, 8), sharex=True)
-    for ax, (key, label, smooth) in zip(axes, panels):
+    for ax, (key, label, smooth) in zip(axes, panels, strict=True):
         values = [float(r[key]) for r in records]
         ax.plot(steps, values, lw=0.8, alpha=0.5 if smooth else 1.0)
         if smooth:

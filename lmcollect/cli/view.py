@@ -52,8 +52,10 @@ class ViewConfig:
 def run_view(config: ViewConfig) -> int:
     from lmcollect.viewer import read_rollout_records, write_rollout_report
 
+    rollouts = config.rollouts
+    assert rollouts is not None  # checked in __post_init__
     try:
-        records = read_rollout_records(config.rollouts)
+        records = read_rollout_records(rollouts)
     except ValueError as exc:  # no such file, no rows, missing columns: the message names the file
         raise UsageError(f"--rollouts {exc}") from exc
     tokenizer = _load_tokenizer(config.model) if config.model is not None else None
@@ -61,7 +63,7 @@ def run_view(config: ViewConfig) -> int:
         records,
         config.output_path,
         title=config.title,
-        source=Path(config.rollouts).name,
+        source=Path(rollouts).name,
         tokenizer=tokenizer,
         max_dialogs=config.max_dialogs,
     )

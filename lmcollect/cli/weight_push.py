@@ -33,4 +33,9 @@ def make_weight_pusher(
                 collector.update_policy_weights_(model)
 
         return push
-    return RayRemoteWeightUpdater(model, list(collectors)).push_weights
+    updater = RayRemoteWeightUpdater(model, list(collectors))
+
+    def push_all() -> None:
+        updater.push_weights()  # waits for every collector
+
+    return push_all

@@ -41,7 +41,11 @@ def parse_attr_path(path: str) -> list[tuple[str, str | int]]:
 def resolve_attr_path(root: Any, path: str) -> Any:
     obj = root
     for kind, name in parse_attr_path(path):
-        obj = getattr(obj, name) if kind == "attr" else obj[name]
+        if kind == "attr":
+            assert isinstance(name, str), "parse_attr_path gives attribute steps as names"
+            obj = getattr(obj, name)
+        else:
+            obj = obj[name]
     return obj
 
 

@@ -5,14 +5,16 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDictBase
 
 from lmcollect.collectors.continuous import ContinuousLLMCollector
 from lmcollect.collectors.llm_collector import LLMCollector
+from lmcollect.collectors.versioning import PolicyVersion
 from lmcollect.data.transport import pack
 from lmcollect.weights.version import PushVersion
 
@@ -33,7 +35,35 @@ class CollectorRestartedError(RuntimeError):
     """A restarted collector actor was asked to collect before it was restored."""
 
 
-class WorkerMethods:
+if TYPE_CHECKING:
+
+    class _CollectorHost:
+        """What :class:`WorkerMethods` uses of the collector class it is mixed into (for the type checker only)."""
+
+        _policy_version: PolicyVersion | None
+
+        def _apply_weights(
+            self,
+            weights: Any,
+            *,
+            model_id: str = "policy",
+            convert_dtype: bool = False,
+            version: PushVersion | None = None,
+            zero_copy: bool = False,
+        ) -> Any: ...
+        def set_worker_idx(self, worker_idx: int | None, restarts: int = 0) -> None: ...
+        def set_seed(self, seed: int, static_seed: bool = False) -> int: ...
+        def receive_weights(self, *args: Any, **kwargs: Any) -> Any: ...
+        def start(self) -> None: ...
+        def next(self) -> TensorDictBase | None: ...
+        def rollout(self) -> Callable[[], Any]: ...
+        def _finished(self) -> bool: ...
+
+else:
+    _CollectorHost = object
+
+
+class WorkerMethods(_CollectorHost):
     """What a collector needs to be called through an actor handle (mixed into a collector class).
 
     It is a plain class (Ray is applied where the actor is created); env and policy (or engine)

@@ -164,7 +164,7 @@ class ContinuousLLMCollector(CollectorShell, CollectorVersionMixin, ContinuousSt
 
     turns_run = forwarded("_tasks.turns_run", "Turns finished so far (including turns not yet yielded).")
     turns_yielded = forwarded(
-        "_flow.num_consumed", 'Turns that left in batches so far (see "Turn budget" in the README).'
+        "_flow.num_consumed", 'Turns that left in batches so far (see "Turn budget" in docs/collectors.md).'
     )
     num_buffered_turns = forwarded(
         "_flow.num_buffered_turns",
@@ -229,7 +229,7 @@ class ContinuousLLMCollector(CollectorShell, CollectorVersionMixin, ContinuousSt
             try:
                 batch = self._postprocess(batch)
                 if batch is not None:
-                    self.replay_buffer.extend(batch)
+                    self._write_to_buffer(batch)
             finally:
                 self._batch_written()
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmcollect.collectors.config import CollectionConfig
 from lmcollect.collectors.dialog_tasks import DialogTasks
 from lmcollect.collectors.llm_collector import state_of
 from lmcollect.collectors.trajectories import TrajectoryTracker
 from lmcollect.collectors.turn_flow import TurnFlow
+from lmcollect.collectors.versioning import PolicyVersion
 from lmcollect.weights.version import PushVersion
 
 
@@ -26,10 +27,25 @@ class ContinuousStateMixin:
     _tasks: DialogTasks
     _flow: TurnFlow
     _tracker: TrajectoryTracker
-    _policy_version: Any
+    _policy_version: PolicyVersion | None
     _batches: int
     config: CollectionConfig
     max_policy_lag: int | None
+
+    if TYPE_CHECKING:  # defined by the collector's other bases (CollectorShell, WeightReceiverMixin)
+
+        def pause(self, timeout_s: float = 600.0) -> contextlib.AbstractContextManager[None]: ...
+        def _weights_for_state(self) -> Any: ...
+        def _apply_weights(
+            self,
+            weights: Any,
+            *,
+            model_id: str = "policy",
+            convert_dtype: bool = False,
+            version: PushVersion | None = None,
+            zero_copy: bool = False,
+        ) -> Any: ...
+        def _check_version(self, version: PushVersion | None) -> None: ...
 
     def set_seed(self, seed: int, static_seed: bool = False) -> int:
         """Seed slot envs ``seed, seed+1, ...`` (as LLMCollector seeds its envs); new dialogs in every slot.
@@ -118,13 +134,13 @@ class ContinuousStateMixin:
             self._tasks.call(self._restore(state_dict))
 
     async def _restore(self, state: OrderedDict) -> None:
-        for env, env_state in zip(self.envs, state["env_state_dict"]):
+        for env, env_state in zip(self.envs, state["env_state_dict"], strict=True):
             if env_state is not None:
                 env.load_state_dict(env_state)
         self._tasks.turns_run = int(state["turns_run"])
         self._batches = int(state["batches"])
         self._tracker.load_state_dict(state["trajectories"])
-        for slot, saved in zip(self._tasks.slots, state["observations"]):
+        for slot, saved in zip(self._tasks.slots, state["observations"], strict=True):
             slot.obs, slot.was_reset = saved["obs"], bool(saved["was_reset"])
         self._flow.load_state_dict(state["pending_turns"])
         self._flow.num_dialogs_running = sum(slot.obs is not None for slot in self._tasks.slots)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Collection, Coroutine
@@ -316,7 +317,5 @@ async def _make_condition() -> asyncio.Condition:
 
 async def _wait(cond: asyncio.Condition, timeout_s: float) -> None:
     """``cond.wait()`` for at most ``timeout_s`` (the lock is held again either way)."""
-    try:
+    with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(cond.wait(), timeout_s)
-    except TimeoutError:
-        pass

@@ -13,6 +13,7 @@ from lmcollect.collectors.batcher import CollectedTurn
 from lmcollect.collectors.rwlock import ReadWriteLock
 from lmcollect.collectors.trajectories import TrajectoryTracker
 from lmcollect.data import keys
+from lmcollect.envs.protocol import EnvProtocol
 
 # (version written into turns, integer index of that version)
 VersionFn = Callable[[], tuple[int | str, int]]
@@ -81,7 +82,7 @@ class EnvRunner:
     ``async_envs``); group ids depend on both.
     """
 
-    env: object
+    env: EnvProtocol
     policy: Callable[[TensorDictBase], TensorDictBase]
     _: KW_ONLY
     tracker: TrajectoryTracker
@@ -103,7 +104,7 @@ class EnvRunner:
             self._obs = list(self.env.reset().unbind(0))
             index = list(range(self.num_envs))
         else:
-            self._reset_rows(index)
+            self._reset_rows(self._obs, index)
         _, version_index = self.version_fn()
         for i in index:
             self.tracker.end(self.slot_offset + i, version_index)
@@ -118,17 +119,18 @@ class EnvRunner:
             raise ValueError(f"got {len(observations)} observations for an env with {self.num_envs} elements.")
         self._obs = None if observations is None else list(observations)
 
-    def _reset_rows(self, index: list[int]) -> None:
+    def _reset_rows(self, obs: list[TensorDictBase], index: list[int]) -> None:
         mask = torch.zeros(self.num_envs, 1, dtype=torch.bool)
         mask[index] = True
         fresh = self.env.reset(TensorDict({keys.RESET: mask}, batch_size=[self.num_envs]))
         for i in index:
-            self._obs[i] = fresh[i]
+            obs[i] = fresh[i]
 
     def step(self) -> list[CollectedTurn]:
         """One policy call and one env step for every element; the turns in element order."""
         if self._obs is None:
             self.reset()
+        assert self._obs is not None, "reset() sets the observations"
         with self.policy_lock.read():  # weights never change under a running policy call
             version, version_index = self.version_fn()
             with self._named_errors(f"policy {type(self.policy).__name__}"):
@@ -161,7 +163,7 @@ class EnvRunner:
                 next_obs[i] = next_observation(turn, nxt_i)
         self._obs = next_obs
         if done_rows:
-            self._reset_rows(done_rows)
+            self._reset_rows(next_obs, done_rows)
         return turns
 
     @contextlib.contextmanager

@@ -100,7 +100,7 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin):
         self._tracker = TrajectoryTracker(sum(sizes), first_id=id_base(random_namespace()))
         self._steps_taken = [0] * len(self.envs)  # steps of each env whose turns reached the batcher
         runners, offset = [], 0
-        for number, (env, size) in enumerate(zip(self.envs, sizes)):
+        for number, (env, size) in enumerate(zip(self.envs, sizes, strict=True)):
             runners.append(
                 EnvRunner(
                     env,
@@ -179,7 +179,9 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin):
             return False  # the batch under way and the next one are covered: wait for the slow envs
         if budget is None:
             return True
-        batches_left = -(-budget // self._batcher.batch_rows)
+        batch_rows = self._batcher.batch_rows
+        assert batch_rows is not None, "steps mode: every batch has the same rows"
+        batches_left = -(-budget // batch_rows)
         return pending < batches_left * per_slot
 
     def _rows_needed(self, budget: int) -> int:
@@ -261,7 +263,7 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin):
             while not self._stop.is_set() and not self._finished():
                 batch = self._collect_output()
                 if batch is not None:
-                    self.replay_buffer.extend(batch)
+                    self._write_to_buffer(batch)
         except _Stopped:
             pass
         finally:
@@ -435,7 +437,7 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin):
                 self._check_version(pushed)
                 with self._policy_lock.write():
                     self._finish_update(pushed)
-        for env, env_state in zip(self.envs, state_dict.get("env_state_dict", [])):
+        for env, env_state in zip(self.envs, state_dict.get("env_state_dict", []), strict=False):
             if env_state is not None:
                 env.load_state_dict(env_state)
         self._turns_run = state_dict.get("turns_run", self._turns_run)
@@ -451,7 +453,7 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin):
             self._turns_yielded = state_dict.get("turns_yielded", self._turns_run)
             self.reset()  # an older state without dialogs in flight: they restart from the env state
             return
-        for runner, observations in zip(self._runners.runners, state_dict["observations"]):
+        for runner, observations in zip(self._runners.runners, state_dict["observations"], strict=False):
             runner.set_observations(observations)
         self._batcher.load_state_dict(state_dict["pending_turns"])
         # a state from before turns_yielded was saved: every turn run and not pending was yielded
@@ -497,9 +499,10 @@ def state_of(obj: Any) -> Any:
 def _build_policy(policy: Policy | None, policy_factory: Callable[[], Policy] | None) -> Policy:
     if policy is not None and policy_factory is not None:
         raise TypeError("pass either policy or policy_factory, not both.")
-    if policy is None and policy_factory is None:
-        raise TypeError("a policy is needed: pass policy=... or policy_factory=... .")
-    policy = policy if policy is not None else policy_factory()
+    if policy is None:
+        if policy_factory is None:
+            raise TypeError("a policy is needed: pass policy=... or policy_factory=... .")
+        policy = policy_factory()
     if not callable(policy):
         raise TypeError(f"policy must be callable (td -> td), got {type(policy).__name__}.")
     return policy

@@ -76,6 +76,11 @@ class CollectorShell(ShutsDownOnExit):
     def _run_in_background(self) -> None:
         raise NotImplementedError
 
+    def _write_to_buffer(self, batch: TensorDictBase) -> None:
+        """``replay_buffer.extend(batch)``, from the background loop (start() checked there is a buffer)."""
+        assert self.replay_buffer is not None, "start() checks that there is a replay buffer"
+        self.replay_buffer.extend(batch)
+
     def _guarded_background(self) -> None:
         try:
             self._run_in_background()

@@ -211,6 +211,7 @@ class TurnFlow:
             and not self.budget_left()
             and not self.num_in_flight
             and not self.num_dialogs_running
+            and self._batcher is not None  # it is in trajectories mode
             and self._batcher.num_completed_turns > 0
         )
 

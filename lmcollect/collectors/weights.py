@@ -8,12 +8,13 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lmcollect.collectors.attr_path import resolve_attr_path
 from lmcollect.collectors.trajectories import id_base
+from lmcollect.collectors.versioning import PolicyVersion
 from lmcollect.engines.protocol import EngineProtocol, WorkerRpcEngine, engine_of, worker_rpc_engine_of
 from lmcollect.engines.weight_group import GroupPush, join_weight_group, weight_receiver_nodes
 from lmcollect.weight_sync.base import resolve_updater
@@ -77,6 +78,11 @@ class WeightReceiverMixin(HoldsWeightUpdater):
     policy: Any
     _policy_lock: Any  # a ReadWriteLock owned by the collector
     _tracker: Any  # the collector's TrajectoryTracker
+    _policy_version: PolicyVersion | None  # set by the collector (None: versions not tracked)
+
+    if TYPE_CHECKING:  # defined by the collector's CollectorVersionMixin
+
+        def version_index(self) -> int: ...
 
     def _init_weight_sync(self, weight_updater: Any) -> None:
         self._receiver_schemes: dict[str, Any] = {}

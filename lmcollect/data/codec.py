@@ -132,5 +132,5 @@ def load(path: str | Path) -> Any:
         metadata = f.metadata() or {}
         if "lmcollect" not in metadata:
             raise ValueError(f"{path} was not written by lmcollect (no 'lmcollect' metadata).")
-        tensors = {name: f.get_tensor(name) for name in f.keys()}
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 - a safe_open handle is not iterable
     return decode(json.loads(metadata["lmcollect"]), tensors)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 if TYPE_CHECKING:  # transformers is heavy; only needed for type hints here
     from transformers import PreTrainedTokenizerBase
@@ -44,13 +44,13 @@ class History:
     def from_text(cls, text: str, *, system_prompt: str | None = None) -> History:
         """A one-question history: an optional system message, then ``text`` as the user."""
         msgs = [Message("system", system_prompt)] if system_prompt else []
-        return cls(tuple(msgs) + (Message("user", text),))
+        return cls((*msgs, Message("user", text)))
 
     def to_dicts(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.content} for m in self.messages]
 
     def append(self, role: str, content: str) -> History:
-        return History(self.messages + (Message(role, content),))
+        return History((*self.messages, Message(role, content)))
 
     def extend(self, other: History) -> History:
         return History(self.messages + other.messages)
@@ -73,6 +73,10 @@ class History:
     def __len__(self) -> int:
         return len(self.messages)
 
+    @overload
+    def __getitem__(self, index: int) -> Message: ...
+    @overload
+    def __getitem__(self, index: slice) -> History: ...
     def __getitem__(self, index: int | slice) -> Message | History:
         if isinstance(index, slice):
             return History(self.messages[index])

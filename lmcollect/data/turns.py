@@ -18,10 +18,8 @@ def flatten_turns(batch: TensorDictBase) -> list[TensorDictBase]:
     """Every one-turn TensorDict (empty batch size) in ``batch``, in row-major order."""
     if batch.batch_dims == 0:
         return [batch]
-    if isinstance(batch, LazyStackedTensorDict) and batch.stack_dim == 0:
-        parts = batch.tensordicts
-    else:
-        parts = batch.unbind(0)
+    lazy_rows = isinstance(batch, LazyStackedTensorDict) and batch.stack_dim == 0
+    parts = batch.tensordicts if lazy_rows else batch.unbind(0)
     out: list[TensorDictBase] = []
     for part in parts:
         out.extend(flatten_turns(part))

@@ -106,7 +106,7 @@ def compare_log_probs(
         [s.log_probs.numel() for s in sequences],
         tokens_per_forward=tokens_per_forward,
     )
-    diffs = [r - s.log_probs.double() for r, s in zip(recomputed, sequences)]
+    diffs = [r - s.log_probs.double() for r, s in zip(recomputed, sequences, strict=True)]
     return _report(diffs)
 
 
@@ -127,7 +127,7 @@ def recompute_log_probs(
     out: list[torch.Tensor | None] = [None] * len(tokens)
     for chunk in _chunks(order, [tokens[i].numel() for i in order], tokens_per_forward):
         for i, log_probs in zip(
-            chunk, _forward_chunk(model, [tokens[i] for i in chunk], [num_response[i] for i in chunk])
+            chunk, _forward_chunk(model, [tokens[i] for i in chunk], [num_response[i] for i in chunk]), strict=True
         ):
             out[i] = log_probs
     return out
@@ -135,7 +135,9 @@ def recompute_log_probs(
 
 def _chunks(order: list[int], lengths: list[int], tokens_per_forward: int) -> list[list[int]]:
     chunks: list[list[int]] = [[]]
-    for index, length in zip(order, lengths):  # sorted by length: the padded size is count x current length
+    for index, length in zip(
+        order, lengths, strict=True
+    ):  # sorted by length: the padded size is count x current length
         if chunks[-1] and (len(chunks[-1]) + 1) * length > tokens_per_forward:
             chunks.append([])
         chunks[-1].append(index)

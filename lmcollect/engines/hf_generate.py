@@ -126,7 +126,7 @@ def response_lengths(
     else:
         lengths = [width + 1] * generated.shape[0]
     ends = []
-    for n, by_string in zip(lengths, stop_string_lengths or [width + 1] * len(lengths)):
+    for n, by_string in zip(lengths, stop_string_lengths or [width + 1] * len(lengths), strict=True):
         ends.append((min(n, by_string, width), min(n, by_string) <= width))
     return ends
 

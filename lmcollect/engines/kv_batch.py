@@ -42,6 +42,7 @@ class LeftPaddedKVCache:
         if self.cache is None:
             self.cache, self.mask = DynamicCache(ddp_cache_data=row_layers), row_mask
             return
+        assert self.mask is not None, "the cache and the mask are set together"
         width = max(self.mask.shape[1], length)
         for layer, (keys, values) in zip(self.cache.layers, row_layers, strict=True):
             layer.keys = torch.cat([_pad_left(layer.keys, width), _pad_left(keys, width)])
@@ -55,6 +56,7 @@ class LeftPaddedKVCache:
             return
         if self.cache is None or rows == list(range(self.num_rows)):
             return
+        assert self.mask is not None, "the cache and the mask are set together"
         index = torch.tensor(rows, device=self.mask.device)
         mask = self.mask.index_select(0, index)
         start = int(mask.any(dim=0).int().argmax())  # first column some row still attends to

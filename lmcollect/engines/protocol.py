@@ -23,11 +23,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
 from lmcollect.engines.sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    from lmcollect.engines.weight_group import GroupPush
 
 __all__ = [
     "BatchGenerating", "EngineClosedError", "EngineProtocol", "EngineRequest", "EngineResult", "StalePushError", "WorkerRpcEngine",
@@ -113,8 +116,10 @@ class EngineProtocol(Protocol):
         """Continue decoding every in-flight and queued request."""
         ...
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> list[Any] | None:
         """Load weights (all names and shapes checked before any is written) and take ``version``.
+
+        Returns None (a :class:`WorkerRpcEngine` returns its workers' reports for a ``GroupPush``).
 
         A ``version`` older than :attr:`version` is refused with :class:`StalePushError` where the
         load would take effect (see :func:`refuse_stale_push`), so an out-of-order push changes nothing.
@@ -188,6 +193,11 @@ class WorkerRpcEngine(Protocol):
     ) -> list[Any]:
         """``method`` on every worker of every replica, replica ``i`` with ``args_per_replica[i]``;
         returns every worker's answer (replica by replica)."""
+        ...
+
+    def load_weights(self, source: Iterable[tuple[str, torch.Tensor]] | GroupPush, *, version: int) -> list[Any] | None:
+        """:meth:`EngineProtocol.load_weights`, or, for a :class:`~lmcollect.engines.weight_group.GroupPush`,
+        the workers receive the trainer's broadcast inside the load; returns their reports (replica by replica)."""
         ...
 
     def reset_prefix_cache(self) -> None:

@@ -56,7 +56,7 @@ class EngineRouter:
                 raise TypeError(f"engines[{index}] is a {type(engine).__name__}, not an EngineProtocol engine.")
         if isinstance(max_affinities, bool) or not isinstance(max_affinities, int) or max_affinities < 1:
             raise ValueError(f"max_affinities must be an int >= 1 (affinities remembered), got {max_affinities!r}.")
-        self.engines = engines
+        self.engines: Sequence[EngineProtocol] = engines
         self.max_affinities = max_affinities
         self._affinities: OrderedDict[str, int] = OrderedDict()  # affinity -> replica index, LRU order
         self._last_pick = [0] * len(engines)  # pick counter at each replica's last pick (tie-break)
@@ -114,19 +114,21 @@ class EngineRouter:
             return self._load_group_push(source, version)
         weights = dict(source)  # every replica reads them
         errors = self._on_every(lambda engine: engine.load_weights(weights.items(), version=version), raise_first=False)
-        failed = [i for i, error in enumerate(errors) if error is not None]
+        failures = {i: error for i, error in enumerate(errors) if error is not None}
+        if not failures:
+            return None
+        failed, first = list(failures), next(iter(failures.values()))
         if len(failed) == len(self.engines):
-            raise errors[0]
-        if failed:
-            versions = {i: engine.version for i, engine in enumerate(self.engines)}
-            raise ReplicaLoadError(
-                f"loading version {version} failed on replicas {failed} ({errors[failed[0]]!r}) and succeeded on "
-                f"the others; versions now {versions}. Push again, or close the failed replicas."
-            ) from errors[failed[0]]
-        return None
+            raise first
+        versions = {i: engine.version for i, engine in enumerate(self.engines)}
+        raise ReplicaLoadError(
+            f"loading version {version} failed on replicas {failed} ({first!r}) and succeeded on "
+            f"the others; versions now {versions}. Push again, or close the failed replicas."
+        ) from first
 
     def _load_group_push(self, push: GroupPush, version: int) -> list[Any]:
-        futures = [self._fan_out.submit(engine.load_weights, push, version=version) for engine in self.engines]
+        engines = [self._worker_engine(i) for i in range(len(self.engines))]  # all checked before any receives
+        futures = [self._fan_out.submit(engine.load_weights, push, version=version) for engine in engines]
         return self._gather(futures, "receive_weights")
 
     def weight_metadata(self) -> tuple[dict[str, tuple[torch.dtype, torch.Size]], dict[str, str]]:
@@ -152,8 +154,10 @@ class EngineRouter:
             raise ValueError(f"got arguments for {len(args_per_replica)} replicas; this router has {sum(counts)}.")
         starts = [sum(counts[:i]) for i in range(len(counts))]
         futures = [
-            self._fan_out.submit(engine.collective_rpc_each, method, args_per_replica[s : s + n], kwargs)
-            for engine, s, n in zip(self.engines, starts, counts)
+            self._fan_out.submit(
+                self._worker_engine(i).collective_rpc_each, method, args_per_replica[s : s + n], kwargs
+            )
+            for i, (s, n) in enumerate(zip(starts, counts, strict=True))
         ]
         return self._gather(futures, method)
 

@@ -102,9 +102,10 @@ class RunningRequest:
         num_new = len(self.tokens)
         if token in self.stop_ids:  # masked while num_new <= min_new_tokens
             return "stop"
-        if self.stop_strings is not None:
-            if self.stop_strings.matched(self.tokens, check=num_new >= self.sampling.min_new_tokens):
-                return "stop"
+        if self.stop_strings is not None and self.stop_strings.matched(
+            self.tokens, check=num_new >= self.sampling.min_new_tokens
+        ):
+            return "stop"
         return "length" if num_new >= self.sampling.max_new_tokens else None
 
     def result(self) -> EngineResult:

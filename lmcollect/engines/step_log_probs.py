@@ -116,12 +116,13 @@ class StepLogProbs:
             scores = warper(input_ids, scores)
         if self.sampling.sampled_log_probs:
             self._sampled = scores
-        return self._drawn(scores) if self.generators is not None else scores
+        return self._drawn(scores, self.generators) if self.generators is not None else scores
 
-    def _drawn(self, scores: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _drawn(scores: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
         """Each row's token drawn from its own generator (:func:`draw_tokens`), returned as scores
         only that token survives: ``generate`` then decodes greedily and picks it."""
-        chosen = draw_tokens(scores, self.generators).unsqueeze(-1)
+        chosen = draw_tokens(scores, generators).unsqueeze(-1)
         return torch.full_like(scores, -float("inf")).scatter_(1, chosen, 0.0)
 
     def gather(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -139,6 +140,7 @@ class StepLogProbs:
     def _sampled_log_probs(self, chosen: torch.Tensor) -> torch.Tensor:
         if self.sampling.greedy:  # argmax: the chosen token had probability 1
             return torch.zeros(chosen.shape[0], device=chosen.device)
+        assert self._sampled is not None, "warp() keeps the sampled scores when sampled_log_probs is set"
         return self._sampled.log_softmax(-1).gather(-1, chosen).squeeze(-1)
 
     def log_probs(self, num_steps: int) -> tuple[torch.Tensor, torch.Tensor | None]:

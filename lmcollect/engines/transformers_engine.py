@@ -357,7 +357,7 @@ class TransformersEngine:
 
     def _admit(self) -> list[RunningRequest]:
         """Queued requests that fit in the batch (cancelled ones are dropped)."""
-        admitted = []
+        admitted: list[RunningRequest] = []
         with self._state:
             while self._queue and len(self._rows) + len(admitted) < self.max_batch_size:
                 row = self._queue.popleft()
@@ -422,7 +422,7 @@ def _closed_error(row: RunningRequest) -> EngineClosedError:
 
 
 def _is_token_id(value: object, vocab_size: int) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and 0 <= value < vocab_size
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and 0 <= int(value) < vocab_size
 
 
 def _check_int(name: str, value: object, *, minimum: int, hint: str) -> None:

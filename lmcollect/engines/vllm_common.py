@@ -158,7 +158,7 @@ def result_of(output: RequestOutput) -> EngineResult:
     tokens = list(completion.token_ids)
     if completion.logprobs is None or len(completion.logprobs) != len(tokens):
         raise RuntimeError(f"vLLM returned {len(completion.logprobs or [])} log-probs for {len(tokens)} tokens.")
-    log_probs = [position[token].logprob for position, token in zip(completion.logprobs, tokens)]
+    log_probs = [position[token].logprob for position, token in zip(completion.logprobs, tokens, strict=True)]
     return EngineResult(
         tokens=torch.tensor(tokens, dtype=torch.long),
         log_probs=torch.tensor(log_probs, dtype=torch.float32),

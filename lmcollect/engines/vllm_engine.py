@@ -166,7 +166,7 @@ class VLLMEngine(QueuedAndRunning):
         weights = dict(source)
         check_weights(weights, self._metadata, aliases=self._aliases)  # before anything is sent or written
         layout_json, buffers = packed_weights(weights)
-        payload = (layout_json, [memoryview(buffer) for buffer in buffers])  # sent without a copy
+        payload = (layout_json, [buffer.data for buffer in buffers])  # memoryviews: sent without a copy
 
         def load() -> None:
             refuse_stale_push(version, self._version, "VLLMEngine")  # here: loads run one at a time
@@ -278,7 +278,7 @@ class VLLMEngine(QueuedAndRunning):
     def _add(self, queued: list[tuple[Future[EngineResult], str, list[int], SamplingParams]]) -> None:
         from vllm.inputs import TokensPrompt
 
-        for future, request_id, prompt_ids, params in queued:
+        for _future, request_id, prompt_ids, params in queued:
             try:
                 self._llm.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids), params)
             except Exception as error:  # designed: a request vLLM refuses fails its own future only

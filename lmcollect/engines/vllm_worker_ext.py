@@ -94,7 +94,7 @@ def checkpoint_metadata(
     metadata: dict[str, tuple[torch.dtype, torch.Size]] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():
+            for name in handle.keys():  # noqa: SIM118 - a safe_open handle is not iterable
                 tensor = handle.get_slice(name)
                 stored = _SAFETENSORS_DTYPES[tensor.get_dtype()]
                 wanted = dtype if dtype is not None and stored.is_floating_point else stored

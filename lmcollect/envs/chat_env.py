@@ -204,7 +204,7 @@ class ChatEnv:
         # Nothing is committed before every element has been scored: a failure leaves the env intact.
         max_turns = self.config.max_turns
         rewards: list[float] = []
-        for i, (full, reply) in enumerate(zip(fulls, replies)):
+        for i, (full, reply) in enumerate(zip(fulls, replies, strict=True)):
             self._turns[i] += 1
             truncated = not reply.done and self._turns[i] >= max_turns
             self._flags[i] = (reply.done or truncated, reply.done, truncated)
@@ -265,7 +265,7 @@ class ChatEnv:
         env built the same way needs to continue exactly where this one is."""
         dialogs = [
             None if draw is None else {"draw": draw_state(draw), "prompt": prompt, "turns": turns, "flags": list(flags)}
-            for draw, prompt, turns, flags in zip(self._draws, self._prompts, self._turns, self._flags)
+            for draw, prompt, turns, flags in zip(self._draws, self._prompts, self._turns, self._flags, strict=True)
         ]
         return {"seed": self._seed, "sampler": self._sampler.state_dict(), "started": self._started, "dialogs": dialogs}
 
@@ -284,7 +284,7 @@ class ChatEnv:
         self._seed = int(state["seed"])
         self._sampler.load_state_dict(state["sampler"])
         self._started = bool(state.get("started", False)) and dialogs is not None
-        if not self._started:
+        if not self._started or dialogs is None:  # started only with dialogs
             return
         for i, dialog in enumerate(dialogs):
             if dialog is None:
@@ -294,7 +294,8 @@ class ChatEnv:
             self._draws[i] = draw
             self._prompts[i] = dialog["prompt"]
             self._turns[i] = int(dialog["turns"])
-            self._flags[i] = tuple(bool(f) for f in dialog["flags"])
+            done, terminated, truncated = (bool(f) for f in dialog["flags"])
+            self._flags[i] = (done, terminated, truncated)
 
     def close(self) -> None:
         self._closed = True

@@ -59,7 +59,7 @@ def row_to_history(row: Mapping[str, Any], *, system_prompt: str | None = None) 
         return History.from_text(prompt, system_prompt=system_prompt)
     history = History.from_dicts(prompt)
     if system_prompt and history.messages[0].role != "system":
-        history = History((Message("system", system_prompt),) + history.messages)
+        history = History((Message("system", system_prompt), *history.messages))
     return history
 
 

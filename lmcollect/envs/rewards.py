@@ -50,7 +50,7 @@ def as_reward_fn(fn: Callable[..., float]) -> RewardFn:
         raise TypeError(f"reward_fn {fn!r} takes no positional argument; it must accept (history[, sample]).")
     if n == 1:
         return _HistoryOnlyReward(fn)
-    return fn  # type: ignore[return-value]
+    return fn
 
 
 def _last_assistant_text(history: History) -> str:

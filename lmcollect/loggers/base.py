@@ -54,7 +54,15 @@ class ExperimentLogger(Protocol):
 
 
 class LoggerBase(ClosesOnExit):
-    """Context-manager support for loggers: ``with make_logger(...) as log:`` closes it on the way out."""
+    """Context-manager support for loggers: ``with make_logger(...) as log:`` closes it on the way out.
+
+    A subclass implements the :class:`ExperimentLogger` methods."""
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        raise NotImplementedError
+
+    def log_image(self, name: str, path: str | Path, step: int) -> None:
+        raise NotImplementedError
 
     def close(self) -> None:
         raise NotImplementedError

@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 from lmcollect.loggers.base import LoggerBase
 
 DEFAULT_PROJECT = "lmcollect"
+WandbMode = Literal["online", "offline", "disabled", "shared"]
 
 
 class WandbLogger(LoggerBase):
@@ -40,7 +41,7 @@ class WandbLogger(LoggerBase):
             project=project or os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,
             name=name or self.run_dir.name,
             dir=str(self.run_dir),
-            mode=self.mode,
+            mode=cast(WandbMode, self.mode),  # a user's string: wandb's settings validate it
             config=dict(config or {}),
             reinit="create_new",  # a trainer may hold runs of its own
             settings=wandb.Settings(console="off"),

@@ -321,7 +321,7 @@ def generate_corpus(*, seed: int = CORPUS_SEED, target_chars: int = 75_000) -> s
     if target_chars <= 0:
         raise ValueError(f"target_chars must be positive, got {target_chars}; pass e.g. 75_000.")
     rng = random.Random(seed)
-    makers, weights = zip(*_MAKERS)
+    makers, weights = zip(*_MAKERS, strict=True)
     lines = _prose_lines()
     size = sum(len(line) + 1 for line in lines)
     while size < target_chars:

@@ -92,7 +92,8 @@ class EnginePolicy:
         return [Generation(r.tokens, r.log_probs, r.sampled_log_probs, r.token_versions) for r in results]
 
     def _requests(self, prompt_ids: list[list[int]]) -> list[EngineRequest]:
-        seeds = self._request_seeds.draw(len(prompt_ids), greedy=self.sampling.greedy) or [None] * len(prompt_ids)
+        drawn = self._request_seeds.draw(len(prompt_ids), greedy=self.sampling.greedy)
+        seeds: list[int | None] = list(drawn) if drawn else [None] * len(prompt_ids)
         stops = tuple(self.stop_token_ids)
         return [
             EngineRequest(

@@ -145,7 +145,7 @@ def answer_prompts(
     generations = generate(prompt_ids)
     return stack_outputs([
         turn_of(element, prompt=prompt, prompt_text=text, prompt_ids=ids, generation=generation, tokenizer=tokenizer, sampling=sampling)
-        for element, prompt, text, ids, generation in zip(elements, prompts, texts, prompt_ids, generations)
+        for element, prompt, text, ids, generation in zip(elements, prompts, texts, prompt_ids, generations, strict=True)
     ])  # fmt: skip
 
 

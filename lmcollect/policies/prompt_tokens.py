@@ -33,12 +33,12 @@ _warned_templates: set[str] = set()
 
 def tokenize_texts(tokenizer: Any, prompts: Sequence[Sequence[int]] | Sequence[str]) -> list[list[int]]:
     """Token-id lists as they are; strings tokenized without added special tokens (one batched call)."""
-    prompts = list(prompts)
-    texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
-    ids = [list(p) if not isinstance(p, str) else [] for p in prompts]
+    items: list[Sequence[int] | str] = list(prompts)
+    texts = [i for i, p in enumerate(items) if isinstance(p, str)]
+    ids = [list(p) if not isinstance(p, str) else [] for p in items]
     if texts:
-        encoded = tokenizer([prompts[i] for i in texts], add_special_tokens=False)["input_ids"]
-        for i, tokens in zip(texts, encoded):
+        encoded = tokenizer([items[i] for i in texts], add_special_tokens=False)["input_ids"]
+        for i, tokens in zip(texts, encoded, strict=True):
             ids[i] = list(tokens)
     return ids
 
@@ -52,13 +52,12 @@ def dialog_prompt_ids(
 ) -> list[list[int]]:
     """Prompt token ids of each element: its prefix extended (see the module docstring), or ``texts[i]`` tokenized."""
     ids: list[list[int] | None] = []
-    for element, prompt in zip(elements, prompts):
+    for element, prompt in zip(elements, prompts, strict=True):
         prefix = _prefix_of(element)
         ids.append(None if prefix is None else extend_prefix(tokenizer, prompt, *prefix, stop_token_ids))
     missing = [i for i, tokens in enumerate(ids) if tokens is None]
-    for i, tokens in zip(missing, tokenize_texts(tokenizer, [texts[i] for i in missing])):
-        ids[i] = tokens
-    return ids
+    rendered = dict(zip(missing, tokenize_texts(tokenizer, [texts[i] for i in missing]), strict=True))
+    return [tokens if tokens is not None else rendered[i] for i, tokens in enumerate(ids)]
 
 
 def extend_prefix(

@@ -7,6 +7,7 @@ vLLM server with.
 
 from __future__ import annotations
 
+import functools
 import http.client
 import io
 import json
@@ -143,7 +144,10 @@ class _DeadlineSocket:
         self._sock.sendall(data)
 
     def makefile(self, mode: str = "rb", *args: Any, **kwargs: Any) -> io.BufferedReader:
-        return io.BufferedReader(_DeadlineReader(self, self._sock.makefile(mode, buffering=0)))
+        # http.client reads responses through makefile("rb"): the reader is binary and read-only
+        if mode not in ("rb", "br"):
+            raise ValueError(f"a deadline socket only makes binary readers (mode 'rb'), not mode {mode!r}.")
+        return io.BufferedReader(_DeadlineReader(self, self._sock.makefile("rb", buffering=0)))
 
     def close(self) -> None:
         self._sock.close()  # the reader's own reference keeps the connection open until it is closed
@@ -198,9 +202,9 @@ class _DeadlineHandlerMixin:
 
 class _DeadlineHTTPHandler(_DeadlineHandlerMixin, urllib.request.HTTPHandler):
     def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
-        return self.do_open(_DeadlineHTTPConnection, req, deadline=self.deadline)
+        return self.do_open(functools.partial(_DeadlineHTTPConnection, deadline=self.deadline), req)
 
 
 class _DeadlineHTTPSHandler(_DeadlineHandlerMixin, urllib.request.HTTPSHandler):
     def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
-        return self.do_open(_DeadlineHTTPSConnection, req, deadline=self.deadline)
+        return self.do_open(functools.partial(_DeadlineHTTPSConnection, deadline=self.deadline), req)

@@ -18,7 +18,12 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from tensordict import TensorDictBase
 
 from lmcollect.buffers.replay_buffer import ReplayBuffer
-from lmcollect.collectors.collector_worker import CollectorRestartedError, CollectorWorker, ContinuousCollectorWorker
+from lmcollect.collectors.collector_worker import (
+    CollectorRestartedError,
+    CollectorWorker,
+    ContinuousCollectorWorker,
+    WorkerMethods,
+)
 from lmcollect.collectors.config import CollectionConfig, ConfiguredCollector, config_from, field_names
 from lmcollect.collectors.llm_collector import LLMCollector
 from lmcollect.collectors.weights import HoldsWeightUpdater
@@ -291,7 +296,7 @@ class RayLLMCollector(ConfiguredCollector, HoldsWeightUpdater, ShutsDownOnExit):
     def next(self) -> TensorDictBase | None:
         """The next batch (None with a replay buffer: the batch went there)."""
         self._check_open()
-        batch, finished = self._take_prefetched() if self._prefetch is not None else self._collect("collect_next")
+        batch, _finished = self._take_prefetched() if self._prefetch is not None else self._collect("collect_next")
         if batch is None and not self._has_replay_buffer:
             raise StopIteration(
                 f"{self._name} has run total_dialog_turns={self.total_dialog_turns} turns; "
@@ -534,13 +539,21 @@ class RayLLMCollector(ConfiguredCollector, HoldsWeightUpdater, ShutsDownOnExit):
     ) -> Callable[[float | None], Any]:
         """Start ``join_policy_weight_group`` in the actor without waiting; returns ``wait(timeout_s)``."""
         ref = self._actor.join_policy_weight_group.remote(connection_info, ranks_per_replica=ranks_per_replica)
-        return lambda timeout_s=None: self._get(ref, "join_policy_weight_group", timeout_s)
+
+        def wait(timeout_s: float | None = None) -> Any:
+            return self._get(ref, "join_policy_weight_group", timeout_s)
+
+        return wait
 
     def submit_receive_weights(self, source: Any, *, version: PushVersion | None) -> Callable[[float | None], Any]:
         """Start ``receive_weights(source)`` in the actor without waiting (a process-group push:
         its receive returns only once the trainer has sent); ``wait(timeout_s)`` gives the report."""
         ref = self._actor.receive_weights.remote(source, version=version)
-        return lambda timeout_s=None: self._get(ref, "receive_weights", timeout_s).report
+
+        def wait(timeout_s: float | None = None) -> Any:
+            return self._get(ref, "receive_weights", timeout_s).report
+
+        return wait
 
     def __repr__(self) -> str:
         return self._name
@@ -556,7 +569,7 @@ def _node_id() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-class _RayEdge:
+class _RayEdge(WorkerMethods):
     """What a collector's actor body knows only under Ray: whether Ray reconstructed it after a
     crash, and its node (mixed in before the collector worker; Ray stays at this edge)."""
 

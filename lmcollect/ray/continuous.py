@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from lmcollect.collectors.continuous import ContinuousLLMCollector
 from lmcollect.ray.collector import RayContinuousWorker, RayLLMCollector
@@ -31,7 +31,7 @@ class RayContinuousLLMCollector(RayLLMCollector):
     """
 
     local_collector = ContinuousLLMCollector
-    _renamed = {"engine_factory": "engine"}  # built inside the actor: only a factory travels
+    _renamed: ClassVar[dict[str, str]] = {"engine_factory": "engine"}  # built inside the actor: only a factory travels
 
     def _collector_arguments(self, env: Any, arguments: dict[str, Any]) -> dict[str, Any]:
         engine_factory = arguments.get("engine_factory")

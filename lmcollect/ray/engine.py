@@ -48,8 +48,10 @@ class _EngineHost:
         return await asyncio.to_thread(getattr(self.engine, method), *args, **kwargs)
 
     async def load_weights(self, source: dict[str, torch.Tensor] | GroupPush, version: int) -> list[Any] | None:
-        weights = source if isinstance(source, GroupPush) else source.items()
-        return await asyncio.to_thread(self.engine.load_weights, weights, version=version)
+        if isinstance(source, GroupPush):  # the engine's workers receive the broadcast
+            engine = _worker_rpc_engine(self.engine)
+            return await asyncio.to_thread(engine.load_weights, source, version=version)
+        return await asyncio.to_thread(self.engine.load_weights, source.items(), version=version)
 
     async def version(self) -> int:
         return self.engine.version
@@ -257,7 +259,7 @@ def _launch(
         for actor in actors:
             ray.kill(actor)
         raise
-    return list(zip(actors, started[0::2], started[1::2]))
+    return list(zip(actors, started[0::2], started[1::2], strict=True))
 
 
 def ray_engine_replicas(

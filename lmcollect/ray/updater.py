@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -87,7 +87,7 @@ class RayPushConfig:
             raise ValueError(f"bucket_size_bytes must be positive or None, got {self.bucket_size_bytes}.")
 
 
-class RayRemoteWeightUpdater(WeightUpdaterBase):
+class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
     """Pushes weights to collectors running as Ray actors (``RayLLMCollector`` s or actor handles).
 
     One push, in order: (1) check the weights on the driver against the metadata every worker
@@ -164,7 +164,7 @@ class RayRemoteWeightUpdater(WeightUpdaterBase):
         """Fetch every worker's weight metadata now, so the first push does not wait for it."""
         self._fetch_metadata()
 
-    def all_worker_ids(self) -> list[Hashable]:
+    def all_worker_ids(self) -> list[int]:
         """Indices of the remote collectors: ``[0, ..., len(remote_collectors) - 1]``."""
         return list(range(len(self._actors)))
 
@@ -178,14 +178,14 @@ class RayRemoteWeightUpdater(WeightUpdaterBase):
             self._settle_in_flight()
             self._delta_base.reset()
 
-    def _skip_update(self, worker_id: Hashable) -> bool:
+    def _skip_update(self, worker_id: int) -> bool:
         if self._missed[worker_id] < self.max_interval:
             self._missed[worker_id] += 1
             return True
         self._missed[worker_id] = 0
         return False
 
-    def _validate(self, weights: WeightDict, worker_ids: list[Hashable]) -> None:
+    def _validate(self, weights: WeightDict, worker_ids: list[int]) -> None:
         """Check against what every targeted worker reported, so a bad push reaches none of them."""
         convert = self.config.convert_dtype
         check_finite = not self.config.allow_non_finite and self._delta_base is None  # with delta: on what is sent
@@ -196,7 +196,7 @@ class RayRemoteWeightUpdater(WeightUpdaterBase):
             held = narrowest_held_dtypes(weights, (metadata[worker_id] for worker_id in worker_ids))
             raise_if_problems(non_finite_problems(weights, dtypes=held))
         sent = tensor_metadata(weights)
-        groups: dict[tuple[str, ...], list[Hashable]] = {}  # the same problems -> the workers that have them
+        groups: dict[tuple[str, ...], list[int]] = {}  # the same problems -> the workers that have them
         for worker_id in worker_ids:
             expected, aliases = metadata[worker_id]
             found = weight_problems(sent, expected, aliases=aliases, convert_dtype=convert)
@@ -228,7 +228,7 @@ class RayRemoteWeightUpdater(WeightUpdaterBase):
         self._pack_out = buckets.buffers  # reused next push: ray.put copies, so this is free again
         return buckets.to_numpy()
 
-    def _sync_weights_with_worker(self, *, worker_id: Hashable, server_weights: Any, version: PushVersion) -> Any:
+    def _sync_weights_with_worker(self, *, worker_id: int, server_weights: Any, version: PushVersion) -> Any:
         """Ask worker ``worker_id`` to apply the payload behind the ObjectRef ``server_weights``."""
         convert_dtype = self.config.convert_dtype
         remember = getattr(self._collectors[worker_id], "remember_push", None)
@@ -345,6 +345,7 @@ class RayRemoteWeightUpdater(WeightUpdaterBase):
 
         refs: dict[int, Any] = {}
         if plan.delta_targets:
+            assert plan.encoded is not None, "a plan has delta targets only when the delta was encoded"
             delta = plan.encoded.delta
             delta_ref = ray.put(WeightDelta(delta.base_version, delta.entries, delta.arrays.to_numpy()))
             convert_dtype = self.config.convert_dtype
@@ -445,6 +446,7 @@ class PushHandle:
             results = gather_refs(self._refs, what="apply the weights", timeout_s=timeout_s, tolerate=tolerate)
             repaired = sorted(i for i, result in results.items() if isinstance(result, DeltaRejectedError))
             if repaired:
+                assert self._repair is not None, "refusals are tolerated only by a push that can repair them"
                 logger.info(
                     "worker(s) %s refused the delta push (%s); sending them a full push", repaired, results[repaired[0]]
                 )

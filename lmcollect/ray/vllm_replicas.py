@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from lmcollect.engines.router import EngineRouter
 from lmcollect.engines.vllm_engine import VLLMEngine
 from lmcollect.ray.bounded import DEFAULT_CALL_TIMEOUT_S
-from lmcollect.ray.engine import start_ray_engines
+from lmcollect.ray.engine import RayEngine, start_ray_engines
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,8 @@ class VLLMReplicas(EngineRouter):
             RPC) waits; a hung actor raises :class:`~lmcollect.ray.bounded.CallTimeoutError`.
             Generation requests are futures: their callers bound them.
     """
+
+    engines: Sequence[RayEngine]  # every replica is the proxy of an engine actor
 
     def __init__(
         self,

@@ -68,7 +68,7 @@ class GroupAdvantage:
         rewards = torch.stack([turn.get(keys.NEXT_REWARD).sum() for turn in turns])
         groups = torch.stack([_group_of(turn) for turn in turns])
         advantages = group_advantages(rewards, groups, normalize_std=self.normalize_std, eps=self.eps)
-        for turn, advantage in zip(turns, advantages):
+        for turn, advantage in zip(turns, advantages, strict=True):
             turn.set(ADVANTAGE, advantage)
         if self.keep_keys is not None:
             turns = [turn.select(*self.keep_keys, strict=False) for turn in turns]
@@ -127,7 +127,7 @@ def train_batch_from_turns(batch: TensorDictBase, *, pad_token_id: int) -> Train
         [turn.get(keys.LOG_PROBS_RESPONSE) for turn in turns],
         pad_token_id=pad_token_id,
     )
-    if any(ADVANTAGE not in turn.keys() for turn in turns):
+    if any(ADVANTAGE not in turn for turn in turns):
         raise KeyError(f"turns have no {ADVANTAGE!r}; collect them with postproc=GroupAdvantage().")
     return TrainBatch(
         packed=packed,

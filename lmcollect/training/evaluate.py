@@ -26,7 +26,7 @@ def mean_reward(policy: TransformersPolicy, rows: Sequence[Mapping[str, Any]], t
         torch.manual_seed(seed)
         _, responses, _ = policy.generate([h.apply_chat_template(policy.tokenizer) for h in histories])
     total = 0.0
-    for row, history, response in zip(rows, histories, responses):
+    for row, history, response in zip(rows, histories, responses, strict=True):
         text = policy.tokenizer.decode(response, skip_special_tokens=True)
         state = task.start(row, random.Random(seed))
         total += task.respond(state, history.append("assistant", text)).reward

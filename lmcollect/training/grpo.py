@@ -73,13 +73,13 @@ def pack_turns(
         raise ValueError(
             f"need as many prompts as responses (> 0), got {len(prompt_tokens)} and {len(response_tokens)}."
         )
-    lengths = [p.numel() + r.numel() for p, r in zip(prompt_tokens, response_tokens)]
+    lengths = [p.numel() + r.numel() for p, r in zip(prompt_tokens, response_tokens, strict=True)]
     n, width = len(lengths), max(lengths)
     input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((n, width), dtype=torch.long)
     targets_mask = torch.zeros((n, width - 1), dtype=torch.bool)
     old = torch.zeros((n, width - 1), dtype=torch.float32)
-    for i, (prompt, response) in enumerate(zip(prompt_tokens, response_tokens)):
+    for i, (prompt, response) in enumerate(zip(prompt_tokens, response_tokens, strict=True)):
         start, end = prompt.numel(), lengths[i]
         input_ids[i, :end] = torch.cat([prompt, response]).long()
         attention_mask[i, :end] = 1

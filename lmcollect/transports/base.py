@@ -17,8 +17,8 @@ class WeightSender(abc.ABC):
     def send(self, weights: Any) -> None:
         """Publish ``weights`` (a module, TensorDict or dict); returns when receivers can take them."""
 
-    def close(self) -> None:
-        """Release what the sender holds (connections, buffers)."""
+    def close(self) -> None:  # noqa: B027 - optional hook, not abstract: a sender may hold nothing
+        """Release what the sender holds (connections, buffers); a no-op unless a sender overrides it."""
 
 
 class WeightReceiver(abc.ABC):
@@ -64,5 +64,5 @@ class WeightReceiver(abc.ABC):
         apply(weights)
         return True
 
-    def close(self) -> None:
-        """Release what the receiver holds."""
+    def close(self) -> None:  # noqa: B027 - optional hook, not abstract: a receiver may hold nothing
+        """Release what the receiver holds; a no-op unless a receiver overrides it."""

@@ -309,7 +309,7 @@ class ProcessGroupSender(WeightSender):
         ranks = range(1, self.config.num_receivers + 1)
         keys = [f"ack/{n}/{rank}" for rank in ranks]
         self._store.wait(keys, self._timeout)
-        answers = {rank: self._read_ack(key) for rank, key in zip(ranks, keys)}
+        answers = {rank: self._read_ack(key) for rank, key in zip(ranks, keys, strict=True)}
         for key in keys:
             self._store.delete(key)
         refused = [rank for rank, answer in answers.items() if answer != "ok"]
@@ -421,7 +421,8 @@ class ProcessGroupReceiver(WeightReceiver):
         it, the full push that follows is taken in the same call."""
         if self._group is None:
             raise RuntimeError("call connect() before receiving weights.")
-        wait_s = timeout_s if timeout_s is not None else self._info["timeout_s"]
+        info, _ = self._joined()
+        wait_s = timeout_s if timeout_s is not None else info["timeout_s"]
         header = self._wait_header(wait_s)
         if header is None:
             return None
@@ -430,7 +431,7 @@ class ProcessGroupReceiver(WeightReceiver):
             if self._receive_delta(header):
                 return self._weights()
             refused_delta = self.last_receive_info
-            header = self._wait_header(self._info["timeout_s"])  # the sender sends the full push next
+            header = self._wait_header(info["timeout_s"])  # the sender sends the full push next
             if header is None or header["kind"] != "full":
                 raise RuntimeError("the sender announced a full push after a refused delta, and none came.")
         self._receive_full(header)
@@ -438,13 +439,19 @@ class ProcessGroupReceiver(WeightReceiver):
             self.last_receive_info["after_refused_delta"] = refused_delta
         return self._weights()
 
+    def _joined(self) -> tuple[dict[str, Any], GroupStore]:
+        """The sender's connection info and the group's store (both set by :meth:`connect`)."""
+        assert self._info is not None and self._store is not None, "connect() joins the group first"
+        return self._info, self._store
+
     def _wait_header(self, wait_s: float) -> dict | None:
         key = f"push/{self._num_pushes}"
+        _, store = self._joined()
         try:
-            self._store.wait([key], datetime.timedelta(seconds=wait_s))
+            store.wait([key], datetime.timedelta(seconds=wait_s))
         except dist.DistStoreError:
             return None
-        return parse_header(self._store.get(key), key)
+        return parse_header(store.get(key), key)
 
     def _check_full_layout(self, header: dict) -> BucketLayout:
         """The layout of a full push, if it is exactly this model's (ValueError otherwise)."""
@@ -510,7 +517,8 @@ class ProcessGroupReceiver(WeightReceiver):
         except DeltaRejectedError as exc:
             refused = str(exc)
             logger.warning("refusing delta push %d: %s", n, exc)
-        self._store.set(f"ack/{n}/{self._rank}", "ok" if refused is None else f"refused: {refused}")
+        _, store = self._joined()
+        store.set(f"ack/{n}/{self._rank}", "ok" if refused is None else f"refused: {refused}")
         self._held = None  # the buffers are the new version only once the sender says so
         accepted = self._read_verdict(n)
         self._held = version_from_json(header["version"]) if accepted else None
@@ -522,8 +530,9 @@ class ProcessGroupReceiver(WeightReceiver):
         for any other value or an unsigned one (this receiver then holds no base: the next
         delta is refused and a full push repairs it)."""
         key = f"verdict/{n}"
-        self._store.wait([key], datetime.timedelta(seconds=self._info["timeout_s"]))
-        verdict = self._store.get(key)
+        info, store = self._joined()
+        store.wait([key], datetime.timedelta(seconds=info["timeout_s"]))
+        verdict = store.get(key)
         if verdict not in ("ok", "full"):
             raise ValueError(f"the verdict on delta push {n} is {verdict[:40]!r}, neither 'ok' nor 'full': refused.")
         return verdict == "ok"
@@ -535,7 +544,7 @@ class ProcessGroupReceiver(WeightReceiver):
     def _device(self) -> torch.device:
         return (
             torch.device("cuda", torch.cuda.current_device())
-            if self._info["backend"] == "nccl"
+            if self._joined()[0]["backend"] == "nccl"
             else torch.device("cpu")
         )
 

@@ -57,6 +57,7 @@ class SharedMemorySender(WeightSender):
         with self._cond:
             if not self._cond.wait_for(lambda: self._version > seen, timeout=timeout_s or 0):
                 return None
+            assert self._buckets is not None, "every push (version > 0) packs buckets"
             read(self._buckets.tensors())
             return self._version
 

@@ -5,7 +5,7 @@ Pure Python: no torch, no tokenizer import. A tokenizer, when given, only has to
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -16,7 +16,7 @@ REQUIRED_COLUMNS = ("traj_id", "step", "response", "tokens_response", "log_probs
 """Columns a rollouts file needs; ``prompt``, ``tokens_prompt``, ``done``, ``policy_version``,
 ``group_id``, ``prompt_id`` and ``token_versions`` (one version per response token) are optional."""
 
-PolicyVersion = int | str  # int versions, or str for uuid versions (README, "The data")
+PolicyVersion = int | str  # int versions, or str for uuid versions (docs/collectors.md, "The data")
 
 
 class TokenDecoder(Protocol):
@@ -108,7 +108,7 @@ def read_rollout_records(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def check_columns(records: list[Mapping[str, Any]], *, source: str) -> None:
+def check_columns(records: Sequence[Mapping[str, Any]], *, source: str) -> None:
     if not records:
         raise ValueError(f"{source}: no rows.")
     missing = [c for c in REQUIRED_COLUMNS if c not in records[0]]
@@ -163,7 +163,7 @@ def _turn(row: Mapping[str, Any], previous: Mapping[str, Any] | None, token_text
 def _new_prompt_text(row: Mapping[str, Any], previous: Mapping[str, Any] | None) -> tuple[str, bool]:
     """The part of the prompt after the previous turn's prompt and response, when the prompt extends them.
 
-    Prompts are rendered token-exactly (README, "Tokens are the truth"), so turn t+1's prompt starts
+    Prompts are rendered token-exactly (docs/collectors.md, "Tokens are the truth"), so turn t+1's prompt starts
     with turn t's prompt and response; a file that skips turns shows the whole prompt instead.
     """
     prompt = str(row.get("prompt", ""))

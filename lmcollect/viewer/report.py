@@ -41,6 +41,7 @@ def write_rollout_report(
     page shows token ids); ``max_dialogs`` keeps the last dialogs of the input (0: all).
     Returns the written path.
     """
+    records: Sequence[Mapping[str, Any]]
     if isinstance(records_or_path, (str, Path)):
         source = source or Path(records_or_path).name
         records = read_rollout_records(records_or_path)

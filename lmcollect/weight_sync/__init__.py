@@ -26,30 +26,28 @@ _LAZY = {
     "VLLMUpdater": "lmcollect.weight_sync.vllm_updater",
 }
 
-__all__ = sorted(
-    [
-        "BucketLayout",
-        "DeltaConfig",
-        "DeltaRejectedError",
-        "LocalWeightUpdater",
-        "PushStats",
-        "SharedMemoryReceiver",
-        "SharedMemorySender",
-        "TensorSlot",
-        "WeightBuckets",
-        "WeightDelta",
-        "WeightPushError",
-        "WeightReceiver",
-        "WeightSender",
-        "WeightUpdaterBase",
-        "check_weights",
-        "load_weights_",
-        "pack_buckets",
-        "to_weight_dict",
-        "view_buckets",
-        *_LAZY,
-    ]
-)
+__all__ = [
+    "BucketLayout",
+    "DeltaConfig",
+    "DeltaRejectedError",
+    "LocalWeightUpdater",
+    "PushStats",
+    "SharedMemoryReceiver",
+    "SharedMemorySender",
+    "TensorSlot",
+    "WeightBuckets",
+    "WeightDelta",
+    "WeightPushError",
+    "WeightReceiver",
+    "WeightSender",
+    "WeightUpdaterBase",
+    "check_weights",
+    "load_weights_",
+    "pack_buckets",
+    "to_weight_dict",
+    "view_buckets",
+    *_LAZY,
+]
 
 
 __getattr__ = lazy_attributes(__name__, _LAZY)

@@ -6,7 +6,7 @@ import abc
 import logging
 import weakref
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, Generic, TypeAlias, TypeVar
 
 import torch
 
@@ -15,14 +15,16 @@ from lmcollect.weights.version import PushVersion
 
 logger = logging.getLogger(__name__)
 
-WorkerIds = int | torch.device | Sequence[int] | Sequence[torch.device] | None
+WorkerIds: TypeAlias = int | torch.device | Sequence[int] | Sequence[torch.device] | None
+WorkerId = TypeVar("WorkerId", bound=Hashable)
+"""How an updater names its workers (the updaters here number them: ``int``)."""
 
 
 class WeightPushError(RuntimeError):
     """A worker died, or did not apply a push within the updater's timeout."""
 
 
-class WeightUpdaterBase(abc.ABC):
+class WeightUpdaterBase(abc.ABC, Generic[WorkerId]):
     """Pushes a trainer's weights to the inference workers behind a collector.
 
     One push, in order:
@@ -152,7 +154,7 @@ class WeightUpdaterBase(abc.ABC):
 
     # ------------------------------------------------------------------ what subclasses define
     @abc.abstractmethod
-    def all_worker_ids(self) -> list[Hashable]:
+    def all_worker_ids(self) -> list[WorkerId]:
         """Every worker this updater can push to."""
 
     def _get_server_weights(self) -> Any:
@@ -163,24 +165,28 @@ class WeightUpdaterBase(abc.ABC):
         """Rename or convert the weights for the receivers (identity here)."""
         return server_weights
 
-    def _validate(self, weights: WeightDict, worker_ids: list[Hashable]) -> None:
-        """Raise ValueError before anything is sent if the weights do not fit (receivers check too)."""
+    def _validate(self, weights: WeightDict, worker_ids: list[WorkerId]) -> None:
+        """Raise ValueError before anything is sent if the weights do not fit (receivers check too).
 
-    def _skip_update(self, worker_id: Hashable) -> bool:
+        A no-op here (accept everything); updaters that can check before sending override it.
+        """
+
+    def _skip_update(self, worker_id: WorkerId) -> bool:
         """True to leave ``worker_id`` out of this push (every worker is updated here)."""
         return False
 
     @abc.abstractmethod
-    def _sync_weights_with_worker(self, *, worker_id: Hashable, server_weights: Any, version: PushVersion) -> Any:
+    def _sync_weights_with_worker(self, *, worker_id: WorkerId, server_weights: Any, version: PushVersion) -> Any:
         """Send ``server_weights`` to one worker, which takes ``version`` when it applies them
         (what it returns is the subclass's business)."""
 
     # ------------------------------------------------------------------ pushing
     def push_weights(
         self, policy_or_weights: Any = None, worker_ids: WorkerIds = None, *, version: int | None = None
-    ) -> None:
+    ) -> object:
         """Push weights (see the class docstring for the steps) to ``worker_ids`` (default: all),
-        as ``version`` (default: one more than the last push)."""
+        as ``version`` (default: one more than the last push). Returns None here; a subclass may
+        return a handle of the push (``RayRemoteWeightUpdater(...).push_weights(wait=False)``)."""
         weights = self._resolve_weights(policy_or_weights)
         ids = self._resolve_worker_ids(worker_ids)
         pushed = self.next_version(version)
@@ -191,6 +197,7 @@ class WeightUpdaterBase(abc.ABC):
             self._sync_weights_with_worker(worker_id=worker_id, server_weights=weights, version=pushed)
         if targets:
             self._run_post_hooks()
+        return None
 
     def __call__(self, policy_or_weights: Any = None, worker_ids: WorkerIds = None, **kwargs: Any) -> Any:
         return self.push_weights(policy_or_weights, worker_ids, **kwargs)
@@ -204,7 +211,7 @@ class WeightUpdaterBase(abc.ABC):
             )
         return self._maybe_map_weights(to_weight_dict(source))
 
-    def _resolve_worker_ids(self, worker_ids: WorkerIds) -> list[Hashable]:
+    def _resolve_worker_ids(self, worker_ids: WorkerIds) -> list[WorkerId]:
         """``worker_ids`` as a list without repeats, each one checked against all_worker_ids()."""
         known = self.all_worker_ids()
         if worker_ids is None:
@@ -216,7 +223,8 @@ class WeightUpdaterBase(abc.ABC):
                 f"worker_ids={worker_ids!r} names unknown worker(s) {bad}; this {type(self).__name__} has "
                 f"workers {known} (see all_worker_ids())."
             )
-        return list(dict.fromkeys(ids))
+        # each id as all_worker_ids() names it (found by equality, as the check above)
+        return [next(k for k in known if k == i) for i in dict.fromkeys(ids)]
 
 
 def resolve_updater(updater: Any, policy: Any = None) -> WeightUpdaterBase | None:
@@ -225,8 +233,9 @@ def resolve_updater(updater: Any, policy: Any = None) -> WeightUpdaterBase | Non
     A class is first asked ``from_policy(policy)`` (when there is a policy); its plain
     constructor is the fallback when that returns None.
     """
-    if isinstance(updater, type) and policy is not None and callable(getattr(updater, "from_policy", None)):
-        built = updater.from_policy(policy)
+    from_policy = getattr(updater, "from_policy", None) if isinstance(updater, type) else None
+    if policy is not None and callable(from_policy):
+        built = from_policy(policy)
         if built is not None:
             return resolve_updater(built)
     if (

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from typing import Any
 
 from lmcollect.weight_sync.base import WeightUpdaterBase
@@ -16,7 +15,7 @@ from lmcollect.weights.tensors import (
 from lmcollect.weights.version import PushVersion
 
 
-class LocalWeightUpdater(WeightUpdaterBase):
+class LocalWeightUpdater(WeightUpdaterBase[int]):
     """Loads weights into the collector it is registered with, in this process.
 
     The collector checks every name, shape and dtype first, then (under its policy write lock,
@@ -52,13 +51,13 @@ class LocalWeightUpdater(WeightUpdaterBase):
         """An updater with no default weights: in-process collectors need no setup."""
         return cls()
 
-    def all_worker_ids(self) -> list[Hashable]:
+    def all_worker_ids(self) -> list[int]:
         return [0]
 
     def _get_server_weights(self) -> WeightDict | None:
         return None if self._policy_weights is None else to_weight_dict(self._policy_weights)
 
-    def _validate(self, weights: WeightDict, worker_ids: list[Hashable]) -> None:
+    def _validate(self, weights: WeightDict, worker_ids: list[int]) -> None:
         """Refuse NaN/Inf here (as the model will hold the values, with ``convert_dtype``); names,
         shapes and dtypes are checked by the collector as it loads."""
         if self.allow_non_finite:
@@ -68,9 +67,7 @@ class LocalWeightUpdater(WeightUpdaterBase):
             held = narrowest_held_dtypes(weights, [self.collector.weight_metadata()])
         raise_if_problems(non_finite_problems(weights, dtypes=held))
 
-    def _sync_weights_with_worker(
-        self, *, worker_id: Hashable, server_weights: WeightDict, version: PushVersion
-    ) -> None:
+    def _sync_weights_with_worker(self, *, worker_id: int, server_weights: WeightDict, version: PushVersion) -> None:
         collector = self.collector
         if collector is None:
             raise RuntimeError(

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -28,7 +28,9 @@ from lmcollect.weights.version import PushVersion
 logger = logging.getLogger(__name__)
 
 Metadata = dict[str, tuple[torch.dtype, torch.Size]]
-Wait = Callable[[float | None], list[Any]]
+Wait = Callable[[float | None], Any]
+"""``wait(timeout_s)``: the call's result once it is done (a join: None; a receive: the workers' reports)."""
+Backend = Literal["auto", "gloo", "nccl"]
 LOOPBACK = "127.0.0.1"
 CAUSE_WAIT_S = 5.0  # how long a failed push waits for the worker side's own error
 
@@ -45,7 +47,7 @@ def default_master_address(trainer_node: RayNode | None, engine_node_ids: Sequen
     return trainer_node.ip
 
 
-class vLLMUpdater(WeightUpdaterBase):
+class vLLMUpdater(WeightUpdaterBase[int]):
     """Sends a trainer's weights to the vLLM workers of a collector's ``VLLMPolicy``.
 
     The trainer is rank 0 of a process group whose other ranks are the engine's workers (ranks
@@ -120,7 +122,7 @@ class vLLMUpdater(WeightUpdaterBase):
         verify: bool = False,
         timeout_s: float = 300.0,
         bucket_size_bytes: int = 64 * 2**20,
-        backend: str = "auto",
+        backend: Backend = "auto",
         convert_dtype: bool = False,
         allow_non_finite: bool = False,
         delta: bool | DeltaConfig = False,
@@ -182,7 +184,7 @@ class vLLMUpdater(WeightUpdaterBase):
             return checkpoint_metadata(model.model_path, dtype=getattr(torch, name) if name else None)[0]
         raise TypeError(f"get_model_metadata needs an nn.Module or a (vLLM) policy, got {type(model).__name__}.")
 
-    def all_worker_ids(self) -> list[Hashable]:
+    def all_worker_ids(self) -> list[int]:
         """[0]: the engine (all its replicas and tensor-parallel workers) is one worker."""
         return [0]
 
@@ -252,11 +254,11 @@ class vLLMUpdater(WeightUpdaterBase):
     def _engine_node_ids(self, trainer_node_id: str) -> list[str]:
         """The Ray node of every engine worker, as the workers report it."""
         reported = self._target().policy_weight_receiver_nodes()
-        if None not in reported:
-            return reported
-        # a worker without Ray is a subprocess of the engine's owner: the collector's process
-        process_info = getattr(self._target(), "process_info", None)  # a Ray collector reports its actor's node
-        owner_node_id = process_info()["node_id"] if callable(process_info) else trainer_node_id
+        owner_node_id = trainer_node_id
+        if None in reported:
+            # a worker without Ray is a subprocess of the engine's owner: the collector's process
+            process_info = getattr(self._target(), "process_info", None)  # a Ray collector reports its actor's node
+            owner_node_id = process_info()["node_id"] if callable(process_info) else trainer_node_id
         return [owner_node_id if node_id is None else node_id for node_id in reported]
 
     def reset_delta_base(self) -> None:
@@ -271,7 +273,7 @@ class vLLMUpdater(WeightUpdaterBase):
         self._sender = None
 
     # ------------------------------------------------------------------ one push
-    def _validate(self, weights: WeightDict, worker_ids: list[Hashable]) -> None:
+    def _validate(self, weights: WeightDict, worker_ids: list[int]) -> None:
         self._prepared = None
         convert = self.convert_dtype
         if not self.allow_non_finite and self.delta is None and not convert:  # before the group forms
@@ -287,9 +289,7 @@ class vLLMUpdater(WeightUpdaterBase):
             raise_if_problems(non_finite_problems(prepared.sent_values(), dtypes=prepared.dtypes))
         self._prepared = prepared
 
-    def _sync_weights_with_worker(
-        self, *, worker_id: Hashable, server_weights: WeightDict, version: PushVersion
-    ) -> None:
+    def _sync_weights_with_worker(self, *, worker_id: int, server_weights: WeightDict, version: PushVersion) -> None:
         sender = self._sender
         assert sender is not None, "_validate forms the group"
         deadline = time.monotonic() + self.timeout_s
@@ -340,7 +340,7 @@ class vLLMUpdater(WeightUpdaterBase):
     def _call_num_replicas(self) -> int:
         return self._target().policy_engine_num_replicas()
 
-    def _wait(self, wait: Wait, deadline: float, what: str) -> list[Any]:
+    def _wait(self, wait: Wait, deadline: float, what: str) -> Any:
         try:
             return wait(max(deadline - time.monotonic(), 0.0))
         except Exception as exc:  # dead actor, worker error or timeout: the group cannot be trusted
@@ -360,7 +360,7 @@ class vLLMUpdater(WeightUpdaterBase):
             return f"{worker_exc} (trainer side: {exc})"
         return str(exc)
 
-    def _choose_backend(self, device: torch.device | str | None) -> str:
+    def _choose_backend(self, device: torch.device | str | None) -> Backend:
         if self.backend != "auto":
             return self.backend
         if device is None:
@@ -399,7 +399,7 @@ class _BareEngine:
         return {"engine": self.engine}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["engine"])
+        _BareEngine.__init__(self, state["engine"])
 
     def policy_engine_num_replicas(self) -> int:
         return self.engine.num_replicas

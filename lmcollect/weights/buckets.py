@@ -213,7 +213,7 @@ def pack_buckets(
     full, announced = [False] * len(buffers), 0
     copied: set[tuple] = set()
     with torch.no_grad():
-        for position, (slot, tensor) in enumerate(zip(layout.slots, weights.values())):
+        for position, (slot, tensor) in enumerate(zip(layout.slots, weights.values(), strict=True)):
             key = tie_key(tensor)
             if key not in copied and slot.buffer_index not in views:  # else a tied alias, or sent as it is
                 copied.add(key)
@@ -234,7 +234,7 @@ def _direct_views(
     for slot in layout.slots:
         counts[slot.buffer_index] = counts.get(slot.buffer_index, 0) + 1
     views: dict[int, torch.Tensor] = {}
-    for slot, tensor in zip(layout.slots, weights.values()):
+    for slot, tensor in zip(layout.slots, weights.values(), strict=True):
         usable = (
             tensor.dtype == slot.dtype and tensor.device == device and tensor.is_contiguous() and tensor.numel() > 0
         )

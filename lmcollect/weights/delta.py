@@ -16,7 +16,7 @@ Encodings of the changed positions, per tensor (``DeltaConfig.encoding``):
   grows with the changes only;
 * ``"bitmask"``: one bit per element; fewer bytes once more than 1 element in 16 changed, but
   the receiver unpacks it (a pass over every element), slower at equal changes (see the
-  README's delta-encodings rows, ``benchmarks/weight_sync.py --rows delta-encodings``);
+  delta-encodings rows of docs/benchmarks.md, ``benchmarks/weight_sync.py --rows delta-encodings``);
 * ``"dense"``: the whole tensor, whenever that is smaller (e.g. a bias every element of which moved).
 
 Pure torch and numpy: no Ray, no torch.distributed.
@@ -245,7 +245,8 @@ class DeltaBase:
         names/shapes/dtypes, or a delta above ``max_fraction`` of a full push). Changes nothing.
 
         CPU tensors are compared on ``torch.get_num_threads()`` threads, a tensor at a time each."""
-        if not self.fits(weights, dtypes):
+        base_version = self.version
+        if base_version is None or not self.fits(weights, dtypes):
             return None
         full_nbytes = sum(t.numel() * t.element_size() for t in self.tensors.values())
         budget = self.config.max_fraction * full_nbytes
@@ -255,7 +256,7 @@ class DeltaBase:
         values_of: dict[str, torch.Tensor] = {}
         nbytes = 0
         names = list(self.tensors)
-        for name, found in zip(names, self._map(functools.partial(self._encode_one, weights), names)):
+        for name, found in zip(names, self._map(functools.partial(self._encode_one, weights), names), strict=True):
             if found is None:
                 continue  # unchanged
             entry, tensor_arrays, positions = found
@@ -266,7 +267,7 @@ class DeltaBase:
             entries.append(entry)
             positions_of[name] = positions
             values_of[name] = tensor_arrays["values"].view(self.tensors[name].dtype)
-        delta = WeightDelta(self.version, tuple(entries), view_buckets(arrays))
+        delta = WeightDelta(base_version, tuple(entries), view_buckets(arrays))
         numel = sum(t.numel() for t in self.tensors.values())
         return EncodedDelta(delta, positions_of, values_of, numel=numel, full_nbytes=full_nbytes)
 
@@ -329,7 +330,11 @@ def changed_positions(new_bits: torch.Tensor, base_bits: torch.Tensor, mask: np.
 
 
 def _encode_tensor(
-    name: str, new: torch.Tensor, base: torch.Tensor, wanted: str, mask: np.ndarray | None
+    name: str,
+    new: torch.Tensor,
+    base: torch.Tensor,
+    wanted: Literal["auto", "indices", "bitmask"],
+    mask: np.ndarray | None,
 ) -> tuple[TensorDelta, dict[str, torch.Tensor], torch.Tensor | None] | None:
     """One tensor's entry, its arrays ("positions", "blocks", "values") and the positions to commit
     (None: all of them, "dense"); None when nothing changed. ``new``, ``base``: flat integer views."""
@@ -337,12 +342,12 @@ def _encode_tensor(
     numel, k, itemsize = new.numel(), positions.numel(), new.element_size()
     if k == 0:
         return None
-    sizes = {
+    sizes: dict[Encoding, int] = {
         "indices": 2 * k + 4 * _num_blocks(numel) + k * itemsize,
         "bitmask": -(-numel // 8) + k * itemsize,
         "dense": numel * itemsize,
     }
-    encoding = min(sizes if wanted == "auto" else (wanted, "dense"), key=sizes.__getitem__)
+    encoding: Encoding = min(sizes if wanted == "auto" else (wanted, "dense"), key=sizes.__getitem__)
     if encoding == "dense":
         arrays, old = {"values": new}, base
     else:
