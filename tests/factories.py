@@ -292,3 +292,30 @@ def make_holdable_tiny_engine(model_path: str):
     engine.arm_hold = arm_hold
     engine.hold_reached = lambda: state["reached"].is_set()
     return engine
+
+
+def trained_lora(
+    model_path, *, seed: int, rank: int = 4, targets=("q_proj", "v_proj"), steps: int = 3, base=None, **config
+):
+    """A peft LoRA model on ``base`` (default: the perturbed base ``perturbed_model(model_path, seed=1)``),
+    trained ``steps`` AdamW steps on seeded random tokens so its adapter is not the identity."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    lora_config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets), **config)
+    model = get_peft_model(base if base is not None else perturbed_model(model_path, seed=1), lora_config)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    tokens = torch.randint(3, 1000, (2, 12), generator=torch.Generator().manual_seed(seed))
+    for _ in range(steps):
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.eval()
+
+
+def merged_copy(peft_model) -> torch.nn.Module:
+    """What the peft model computes, as a plain model: its adapter merged into a copy of the base."""
+    import copy
+
+    return copy.deepcopy(peft_model).merge_and_unload()

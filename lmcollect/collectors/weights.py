@@ -19,6 +19,7 @@ from lmcollect.engines.protocol import EngineProtocol, WorkerRpcEngine, engine_o
 from lmcollect.engines.weight_group import GroupPush, join_weight_group, weight_receiver_nodes
 from lmcollect.weight_sync.base import resolve_updater
 from lmcollect.weights.delta import WeightDelta, check_delta_base, prepare_delta
+from lmcollect.weights.lora import LoraAdapter, is_lora_source, lora_adapter
 from lmcollect.weights.tensors import (
     cast_to_held,
     expected_metadata,
@@ -35,6 +36,11 @@ logger = logging.getLogger(__name__)
 _NO_GROUP_ENGINE = (
     "this collector's policy ({policy}) has no engine with worker processes (lmcollect.engines.WorkerRpcEngine); "
     "a vLLMUpdater needs a VLLMPolicy or a VLLMEngine. Push with RayRemoteWeightUpdater instead."
+)
+_NO_LORA_ENGINE = (
+    "this collector's policy ({policy}) has no engine that loads LoRA adapters (TransformersEngine, VLLMEngine "
+    "and the engines routing to them do); use a TransformersPolicy, a VLLMPolicy or a continuous collector over "
+    "one of those engines, or push the merged model (model.merge_and_unload()) as full weights."
 )
 
 
@@ -250,9 +256,11 @@ class WeightReceiverMixin(HoldsWeightUpdater):
         zero_copy: bool = False,
     ) -> Any:
         """:meth:`receive_weights` of given weights (see there)."""
+        if is_lora_source(weights):
+            weights = lora_adapter(weights)
         children = getattr(self, "_sub_collectors", None)
         if children:  # a collector holding collectors passes weights down; each leaf takes the version
-            weights = weights if isinstance(weights, WeightDelta) else to_weight_dict(weights)
+            weights = weights if isinstance(weights, (WeightDelta, LoraAdapter)) else to_weight_dict(weights)
             for child in children:
                 child._apply_weights(
                     weights, model_id=model_id, convert_dtype=convert_dtype, version=version, zero_copy=zero_copy
@@ -273,6 +281,12 @@ class WeightReceiverMixin(HoldsWeightUpdater):
             return self._load_into_engine(engine, weights, convert_dtype=convert_dtype, version=version)
         if isinstance(weights, GroupPush):
             raise TypeError(_NO_GROUP_ENGINE.format(policy=type(self.policy).__name__))
+        if isinstance(weights, LoraAdapter):  # merged by the policy's engine, which keeps the base
+            policy_engine = engine_of(self.policy) if model_id == "policy" else None
+            if policy_engine is None:
+                raise TypeError(_NO_LORA_ENGINE.format(policy=type(self.policy).__name__))
+            self._unshare(target)
+            return self._load_into_engine(policy_engine, weights, convert_dtype=convert_dtype, version=version)
         if isinstance(weights, WeightDelta):
             self._apply_delta(target, weights, version)
             return
@@ -321,6 +335,10 @@ class WeightReceiverMixin(HoldsWeightUpdater):
         if isinstance(weights, GroupPush):
             if not isinstance(engine, WorkerRpcEngine):
                 raise TypeError(_NO_GROUP_ENGINE.format(policy=type(self.policy).__name__))
+            return weights
+        if isinstance(weights, LoraAdapter):
+            if not getattr(engine, "loads_lora_adapters", False):
+                raise TypeError(_NO_LORA_ENGINE.format(policy=type(self.policy).__name__))
             return weights
         delta = weights if isinstance(weights, WeightDelta) else None
         if delta is not None and version is None:
@@ -418,7 +436,7 @@ class WeightReceiverMixin(HoldsWeightUpdater):
         return self._submit(self.join_policy_weight_group, connection_info, ranks_per_replica=ranks_per_replica)
 
     def submit_receive_weights(
-        self, source: GroupPush, *, version: PushVersion | None
+        self, source: GroupPush | LoraAdapter, *, version: PushVersion | None
     ) -> Callable[[float | None], Any]:
         """Start :meth:`receive_weights` of a process-group push on a thread; returns ``wait(timeout_s)``
         for the workers' reports (the receive returns only once the trainer has sent). A push older

@@ -31,6 +31,7 @@ from lmcollect.engines.sampling import SamplingConfig
 
 if TYPE_CHECKING:
     from lmcollect.engines.weight_group import GroupPush
+    from lmcollect.weights.lora import LoraAdapter
 
 __all__ = [
     "BatchGenerating", "EngineClosedError", "EngineProtocol", "EngineRequest", "EngineResult", "StalePushError", "WorkerRpcEngine",
@@ -116,10 +117,16 @@ class EngineProtocol(Protocol):
         """Continue decoding every in-flight and queued request."""
         ...
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> list[Any] | None:
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | LoraAdapter, *, version: int
+    ) -> list[Any] | None:
         """Load weights (all names and shapes checked before any is written) and take ``version``.
 
         Returns None (a :class:`WorkerRpcEngine` returns its workers' reports for a ``GroupPush``).
+
+        An engine whose ``loads_lora_adapters`` is True also takes a
+        :class:`~lmcollect.weights.lora.LoraAdapter`: it merges the adapter into its kept copy of
+        the adapted layers' base weights (adapters replace each other; a full push is a new base).
 
         A ``version`` older than :attr:`version` is refused with :class:`StalePushError` where the
         load would take effect (see :func:`refuse_stale_push`), so an out-of-order push changes nothing.
@@ -195,7 +202,9 @@ class WorkerRpcEngine(Protocol):
         returns every worker's answer (replica by replica)."""
         ...
 
-    def load_weights(self, source: Iterable[tuple[str, torch.Tensor]] | GroupPush, *, version: int) -> list[Any] | None:
+    def load_weights(
+        self, source: Iterable[tuple[str, torch.Tensor]] | GroupPush | LoraAdapter, *, version: int
+    ) -> list[Any] | None:
         """:meth:`EngineProtocol.load_weights`, or, for a :class:`~lmcollect.engines.weight_group.GroupPush`,
         the workers receive the trainer's broadcast inside the load; returns their reports (replica by replica)."""
         ...

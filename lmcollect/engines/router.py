@@ -12,6 +12,7 @@ import torch
 
 from lmcollect.engines.protocol import EngineClosedError, EngineProtocol, EngineRequest, EngineResult, WorkerRpcEngine
 from lmcollect.engines.weight_group import GroupPush
+from lmcollect.weights.lora import LoraAdapter
 
 __all__ = ["EngineRouter", "ReplicaLoadError"]
 
@@ -102,7 +103,9 @@ class EngineRouter:
         """Resume every replica."""
         self._on_every(lambda engine: engine.resume())
 
-    def load_weights(self, source: Iterable[tuple[str, torch.Tensor]] | GroupPush, *, version: int) -> list[Any] | None:
+    def load_weights(
+        self, source: Iterable[tuple[str, torch.Tensor]] | GroupPush | LoraAdapter, *, version: int
+    ) -> list[Any] | None:
         """Load the same weights into every replica (each checks them before writing any).
 
         A push every replica refuses raises that refusal (nothing changed anywhere); one that only
@@ -112,8 +115,8 @@ class EngineRouter:
         """
         if isinstance(source, GroupPush):
             return self._load_group_push(source, version)
-        weights = dict(source)  # every replica reads them
-        errors = self._on_every(lambda engine: engine.load_weights(weights.items(), version=version), raise_first=False)
+        weights = source if isinstance(source, LoraAdapter) else list(dict(source).items())  # every replica reads them
+        errors = self._on_every(lambda engine: engine.load_weights(weights, version=version), raise_first=False)
         failures = {i: error for i, error in enumerate(errors) if error is not None}
         if not failures:
             return None
@@ -125,6 +128,11 @@ class EngineRouter:
             f"loading version {version} failed on replicas {failed} ({first!r}) and succeeded on "
             f"the others; versions now {versions}. Push again, or close the failed replicas."
         ) from first
+
+    @property
+    def loads_lora_adapters(self) -> bool:
+        """Whether ``load_weights`` takes a LoRA adapter: when every replica's engine does."""
+        return all(getattr(engine, "loads_lora_adapters", False) for engine in self.engines)
 
     def _load_group_push(self, push: GroupPush, version: int) -> list[Any]:
         engines = [self._worker_engine(i) for i in range(len(self.engines))]  # all checked before any receives

@@ -21,6 +21,7 @@ from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineR
 from lmcollect.engines.running_request import RunningRequest
 from lmcollect.engines.sampling import eos_token_ids
 from lmcollect.plumbing import forwarded
+from lmcollect.weights.lora import KeptBase, LoraAdapter, check_adapter
 from lmcollect.weights.tensors import (
     align_names,
     expected_metadata,
@@ -108,6 +109,7 @@ class TransformersEngine:
         self._batch = LeftPaddedKVCache()
         self._paused = self._closed = self._weights_changed = False
         self._num_in_flight = 0
+        self._kept_base = KeptBase()  # base weights of the layers LoRA adapters touch
         self._between_steps_waiting = 0  # loads and version changes waiting for the step lock
         self._outcomes: list[Outcome] = []  # the current step's ended requests (loop thread only)
         self._thread: threading.Thread | None = None  # the loop, started by the first submit()
@@ -174,7 +176,11 @@ class TransformersEngine:
             self._state.notify_all()
 
     def load_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int, convert_dtype: bool = False
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | LoraAdapter,
+        *,
+        version: int,
+        convert_dtype: bool = False,
     ) -> None:
         """Check every tensor against the model, then copy them in place between two steps and take ``version``.
 
@@ -183,13 +189,28 @@ class TransformersEngine:
         tensors instead). Tied weights may come under either name. Names carrying one extra leading
         component (``model.`` of a policy wrapping the model) are accepted. Works paused or running;
         running requests continue under the new weights (their prefixes are re-prefilled).
+
+        A :class:`~lmcollect.weights.lora.LoraAdapter` is merged into a kept copy of the base
+        weights of the layers it adapts (``base + scaling * B @ A``, see
+        :class:`~lmcollect.weights.lora.KeptBase`): adapters replace each other, and a later full
+        push becomes the new base.
         """
         _check_int("version", version, minimum=-1, hint="the pushed weights' version")
-        targets, writes = self._planned_writes(named_tensors, convert_dtype=convert_dtype)
+        adapter = named_tensors if isinstance(named_tensors, LoraAdapter) else None
+        writes: dict[str, torch.Tensor] = {}
+        if isinstance(named_tensors, LoraAdapter):
+            check_adapter(named_tensors, self.weight_metadata()[0], receiver="TransformersEngine's model")
+            targets = unique_targets(self.model)[0]
+        else:
+            targets, writes = self._planned_writes(named_tensors, convert_dtype=convert_dtype)
         with self._between_steps(), torch.no_grad():
             if self._closed:
                 raise EngineClosedError("this TransformersEngine is closed; it cannot load weights.")
             refuse_stale_push(version, self._version, "TransformersEngine")
+            if adapter is not None:
+                writes = self._kept_base.merged(adapter.to(self._device), targets)
+            else:
+                self._kept_base.forget()
             for name, tensor in writes.items():
                 targets[name].copy_(tensor)
             self._version = version
@@ -209,6 +230,7 @@ class TransformersEngine:
         """Nothing to forget: no prefix is cached across requests, and a load re-prefills running ones."""
 
     version = forwarded("_version", "The version of the weights loaded now (-1 before any push).")
+    loads_lora_adapters = True  # load_weights takes a LoraAdapter
 
     @property
     def num_in_flight(self) -> int:

@@ -33,10 +33,11 @@ from lmcollect.engines.vllm_common import (
     result_of,
     settle,
 )
-from lmcollect.engines.vllm_worker_ext import checkpoint_metadata
+from lmcollect.engines.vllm_worker_ext import LOAD_LORA_ADAPTER, checkpoint_metadata
 from lmcollect.engines.weight_group import RECEIVE_METHOD, GroupPush
 from lmcollect.plumbing import forwarded
 from lmcollect.weights.buckets import LOAD_PACKED_WEIGHTS, packed_weights
+from lmcollect.weights.lora import LoraAdapter, check_adapter
 from lmcollect.weights.tensors import check_weights
 
 if TYPE_CHECKING:  # vllm is an optional extra and slow to import; the engine imports it when built
@@ -149,7 +150,9 @@ class VLLMEngine(QueuedAndRunning):
         """Continue every in-flight request and the ones submitted while paused."""
         self._between_steps(lambda: setattr(self, "_paused", False))
 
-    def load_weights(self, source: Iterable[tuple[str, torch.Tensor]] | GroupPush, *, version: int) -> list[Any] | None:
+    def load_weights(
+        self, source: Iterable[tuple[str, torch.Tensor]] | GroupPush | LoraAdapter, *, version: int
+    ) -> list[Any] | None:
         """Check every name, shape and dtype, then reload the weights in every worker and take ``version``.
 
         Names are the checkpoint's (Hugging Face) names; a tied output embedding may be sent or
@@ -163,6 +166,8 @@ class VLLMEngine(QueuedAndRunning):
         check_version(version)
         if isinstance(source, GroupPush):
             return self._between_steps(lambda: self._receive_group_push(source, version))
+        if isinstance(source, LoraAdapter):
+            return self._load_adapter(source, version)
         weights = dict(source)
         check_weights(weights, self._metadata, aliases=self._aliases)  # before anything is sent or written
         layout_json, buffers = packed_weights(weights)
@@ -175,6 +180,25 @@ class VLLMEngine(QueuedAndRunning):
 
         self._between_steps(load)
         return None
+
+    loads_lora_adapters = True  # load_weights takes a LoraAdapter (merged in the workers)
+
+    def _load_adapter(self, adapter: LoraAdapter, version: int) -> list[Any]:
+        """A LoRA adapter: checked here, sent to every worker in the call (a few MB), merged there into
+        the kept base weights of the adapted layers, which alone are reloaded (see the worker's
+        ``load_lora_adapter``)."""
+        check_adapter(adapter, self._metadata, receiver="VLLMEngine's model")
+        tensors, scalings = adapter.cpu_flat()
+        layout_json, buffers = packed_weights(tensors)
+        args = (layout_json, [buffer.data for buffer in buffers], scalings, adapter.rank)
+
+        def load() -> list[Any]:
+            refuse_stale_push(version, self._version, "VLLMEngine")
+            reports = self._llm.collective_rpc(LOAD_LORA_ADAPTER, args=args)
+            self._take_version(version)
+            return reports
+
+        return self._between_steps(load)
 
     def _receive_group_push(self, push: GroupPush, version: int) -> list[Any]:
         refuse_stale_push(version, self._version, "VLLMEngine")

@@ -48,9 +48,11 @@ the patched copy; a refused delta is followed by the full weights before the rel
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -60,11 +62,17 @@ import torch
 
 from lmcollect.transports.process_group import ProcessGroupReceiver
 from lmcollect.weights.buckets import WeightBuckets, layout_from_json
+from lmcollect.weights.lora import LoraAdapter
 from lmcollect.weights.tensors import raise_if_problems, weight_problems
 
 logger = logging.getLogger(__name__)
 
 VLLM_EXTENSION = "lmcollect.engines.vllm_worker_ext.VLLMWeightReceiverExtension"
+LOAD_LORA_ADAPTER = "load_lora_adapter"
+
+# What vLLM's in-place reload logs for every layer a partial reload leaves as it was: expected
+# for a LoRA reload, which sends only the adapted blocks' tensors.
+_PARTIAL_RELOAD_NOTES = ("Failed to load weights", "Following weights were not loaded")
 
 # safetensors header dtype names -> torch dtypes
 _SAFETENSORS_DTYPES = {
@@ -162,6 +170,8 @@ class VLLMWeightReceiverExtension:
     _lmcollect_receiver: ProcessGroupReceiver | None = None
     _lmcollect_context: EngineWeights | None = None  # held here: the receiver keeps only a weakref
     _lmcollect_num_pushes: int = 0
+    _lmcollect_base: dict[str, torch.Tensor] | None = None  # the last full push (checkpoint names), LoRA's base
+    _lmcollect_adapted: frozenset[str] = frozenset()  # blocks the last LoRA adapter touched
 
     def init_weight_group(self, connection_info: dict[str, Any], first_rank: int = 1) -> None:
         """Join the sender's group as rank ``first_rank + worker rank`` (blocks until the group forms).
@@ -194,6 +204,8 @@ class VLLMWeightReceiverExtension:
             raise TimeoutError(f"no weight push arrived within timeout_s={timeout_s} (None: the group's timeout).")
         received = time.perf_counter()
         self._lmcollect_reload(weights)
+        self._lmcollect_base = weights  # the receiver's copy of this push: the base LoRA adapters merge into
+        self._lmcollect_adapted = frozenset()
         info: dict[str, Any] = {
             "rank": self._lmcollect_receiver.rank,
             "num_pushes": self._lmcollect_num_pushes,
@@ -218,12 +230,58 @@ class VLLMWeightReceiverExtension:
         problems = weight_problems(buckets.layout.metadata(), metadata, aliases=aliases)
         raise_if_problems(problems, where=" by the vLLM worker")
         start = time.perf_counter()
-        self._lmcollect_reload(buckets.tensors())
+        weights = buckets.tensors()
+        self._lmcollect_reload(weights)
+        self._lmcollect_base = weights  # views of this call's buffers, kept as the base LoRA adapters merge into
+        self._lmcollect_adapted = frozenset()
         return {
             "num_pushes": self._lmcollect_num_pushes,
             "num_tensors": len(buckets.layout.slots),
             "reload_s": time.perf_counter() - start,
         }
+
+    def load_lora_adapter(
+        self, layout_json: str, buffers: list[bytes], scalings: dict[str, float], rank: int
+    ) -> dict[str, Any]:
+        """Merge a LoRA adapter into the base weights and reload only the adapted blocks.
+
+        The base is the last full push this worker reloaded (the checkpoint on disk before any):
+        every tensor of each block an adapter touches now or touched before (``...self_attn.``,
+        ``...mlp.``) is reloaded, adapted layers as ``base + scaling * B @ A``, the others as
+        their base, so fused layers (q/k/v -> qkv_proj) get all their parts and an earlier
+        adapter's layers go back to the base. Checked by the engine before it calls this.
+        """
+        buckets = WeightBuckets(layout_from_json(layout_json), [np.frombuffer(b, dtype=np.uint8) for b in buffers])
+        adapter = LoraAdapter.from_flat(buckets.tensors(), scalings, rank)
+        start = time.perf_counter()
+        blocks = {_block_of(name) for name in adapter.layers} | self._lmcollect_adapted
+        base = self._lmcollect_base_weights(blocks)
+        weights = {**base, **adapter.merged_into(base)}
+        self._lmcollect_reload(weights, partial=True)
+        self._lmcollect_adapted = frozenset(_block_of(name) for name in adapter.layers)
+        return {
+            "num_pushes": self._lmcollect_num_pushes,
+            "num_tensors": len(weights),
+            "reload_s": time.perf_counter() - start,
+        }
+
+    def _lmcollect_base_weights(self, blocks: set[str]) -> dict[str, torch.Tensor]:
+        """Every base tensor (checkpoint names) inside ``blocks``, from the last full push, or from
+        the checkpoint files in the engine's dtype before any."""
+        kept = getattr(self, "_lmcollect_base", None)
+        if kept is not None:
+            return {name: t for name, t in kept.items() if _block_of(name) in blocks}
+        from safetensors import safe_open
+
+        model_config = self.model_config  # type: ignore[attr-defined]
+        found: dict[str, torch.Tensor] = {}
+        for file in sorted(Path(model_config.model).glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 - a safe_open handle is not iterable
+                    if _block_of(name) in blocks:
+                        tensor = handle.get_tensor(name)
+                        found[name] = tensor.to(model_config.dtype) if tensor.is_floating_point() else tensor
+        return found
 
     def _lmcollect_weight_metadata(self) -> tuple[dict[str, tuple[torch.dtype, torch.Size]], dict[str, str]]:
         """What this worker's model accepts (checkpoint names, the engine's dtype, tied aliases)."""
@@ -234,10 +292,15 @@ class VLLMWeightReceiverExtension:
             tie_word_embeddings=bool(getattr(model_config.hf_config, "tie_word_embeddings", False)),
         )
 
-    def _lmcollect_reload(self, weights: dict[str, torch.Tensor]) -> None:
-        """Hand checked weights (Hugging Face names) to vLLM's reload, then rebuild tied modules."""
+    def _lmcollect_reload(self, weights: dict[str, torch.Tensor], *, partial: bool = False) -> None:
+        """Hand checked weights (Hugging Face names) to vLLM's reload, then rebuild tied modules.
+
+        ``partial``: only some blocks are sent (a LoRA reload); vLLM keeps the others as they are
+        and its notes about each of them are dropped.
+        """
         reload = self.reload_weights  # type: ignore[attr-defined]
-        reload(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
+        with _quiet_partial_reload() if partial else contextlib.nullcontext():
+            reload(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
         refresh_tied_modules(self.model_runner.get_model())  # type: ignore[attr-defined]
         self._lmcollect_num_pushes += 1
 
@@ -251,3 +314,30 @@ class VLLMWeightReceiverExtension:
         if self._lmcollect_receiver is not None:
             self._lmcollect_receiver.close()
         self._lmcollect_receiver = None
+
+
+def _block_of(name: str) -> str:
+    """The block a checkpoint tensor belongs to: ``model.layers.0.self_attn.q_proj.weight`` ->
+    ``model.layers.0.self_attn`` (fused layers never cross it)."""
+    return name.rsplit(".", 2)[0]
+
+
+class _DropNotes(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(note in str(record.msg) for note in _PARTIAL_RELOAD_NOTES)
+
+
+@contextlib.contextmanager
+def _quiet_partial_reload() -> Iterator[None]:
+    """vLLM's reload loggers without the per-layer notes a partial reload makes (see _PARTIAL_RELOAD_NOTES)."""
+    loggers = [
+        logging.getLogger(f"vllm.model_executor.model_loader.reload.{name}") for name in ("inplace", "layerwise")
+    ]
+    note_filter = _DropNotes()
+    for each in loggers:
+        each.addFilter(note_filter)
+    try:
+        yield
+    finally:
+        for each in loggers:
+            each.removeFilter(note_filter)

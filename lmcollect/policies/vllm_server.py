@@ -47,6 +47,7 @@ from lmcollect.policies.served_http import MAX_RESPONSE_BYTES, VLLMServerError, 
 from lmcollect.policies.vllm_control import CONTROL_TOKEN_HEADER, RENEW_PAUSE_PATH, is_public_path
 from lmcollect.policies.vllm_launcher import SERVE_MODULE, VLLMServer, free_port, serve_command
 from lmcollect.policies.vllm_policy import VLLMPolicy
+from lmcollect.weights.lora import LoraAdapter
 
 __all__ = [  # the launcher and the HTTP client live in their own modules; their public names are here too
     "MAX_RESPONSE_BYTES", "SERVE_MODULE", "VLLMServer", "VLLMServerEngine", "VLLMServerError", "VLLMServerPolicy",
@@ -347,7 +348,9 @@ class VLLMServerEngine:
         name = checkpoint_dtype(folder)
         return checkpoint_metadata(folder, dtype=getattr(torch, name) if name else None)
 
-    def load_weights(self, source: Iterable[tuple[str, torch.Tensor]] | GroupPush, *, version: int) -> list[Any]:
+    def load_weights(
+        self, source: Iterable[tuple[str, torch.Tensor]] | GroupPush | LoraAdapter, *, version: int
+    ) -> list[Any]:
         """A :class:`~lmcollect.engines.weight_group.GroupPush`: paused, the server's workers receive
         the trainer's broadcast and reload, the prefix cache is reset and ``version`` taken; returns
         the workers' reports. Tensors themselves are refused, before anything is sent: they do not

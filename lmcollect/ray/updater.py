@@ -24,6 +24,7 @@ from lmcollect.weights.delta import (
     distinct_tensors,
     resolve_delta,
 )
+from lmcollect.weights.lora import LoraAdapter, check_adapter, is_lora_source, lora_adapter
 from lmcollect.weights.tensors import (
     WeightDict,
     agreed_held_dtypes,
@@ -261,6 +262,8 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
                 "this RayRemoteWeightUpdater has no workers: pass remote_collectors=[...] or register a collector."
             )
         self._settle_in_flight()
+        if is_lora_source(policy_or_weights):
+            return self._push_ray_adapter(lora_adapter(policy_or_weights), worker_ids, wait=wait, version=version)
         weights = self._aligned(self._resolve_weights(policy_or_weights))
         ids = self._resolve_worker_ids(worker_ids)
         pushed = self.next_version(version)
@@ -285,6 +288,18 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
                 for i in targets
             }
             self.last_push_stats = PushStats.full(payload.nbytes, num_full=len(targets))
+        return self._handle(refs, targets, pushed, repair=repair, wait=wait)
+
+    def _handle(
+        self,
+        refs: dict[int, Any],
+        targets: list[int],
+        pushed: PushVersion,
+        *,
+        repair: Callable[[list[int]], dict[int, Any]] | None,
+        wait: bool,
+    ) -> PushHandle | None:
+        """Wait for the push's ``refs`` (or hand them back in a :class:`PushHandle` with ``wait=False``)."""
         handle = PushHandle(
             refs,
             timeout_s=self.config.timeout_s,
@@ -297,6 +312,27 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
             return None
         self._in_flight = handle
         return handle
+
+    def _push_ray_adapter(
+        self, adapter: LoraAdapter, worker_ids: WorkerIds, *, wait: bool, version: int | None
+    ) -> PushHandle | None:
+        """A LoRA push: every targeted worker's model checked first, then one object-store copy of
+        the adapter's tensors, which each worker's engine merges into its kept base weights.
+        Never a delta (an adapter is already small); the workers' delta base stays as it was, so
+        the next delta push goes full to them (their held version moved on)."""
+        ids = self._resolve_worker_ids(worker_ids)
+        pushed = self.next_version(version)
+        metadata = self._fetch_metadata()
+        for i in ids:
+            check_adapter(adapter, metadata[i][0], receiver=f"worker {i}'s model")
+        targets = [i for i in ids if not self._skip_update(i)]
+        self._commit_version(pushed)
+        adapter_ref = ray.put(adapter.to("cpu"))
+        refs = {
+            i: self._sync_weights_with_worker(worker_id=i, server_weights=adapter_ref, version=pushed) for i in targets
+        }
+        self.last_push_stats = PushStats.lora(adapter.nbytes, num_receivers=len(targets))
+        return self._handle(refs, targets, pushed, repair=None, wait=wait)
 
     def _settle_in_flight(self) -> None:
         handle, self._in_flight = self._in_flight, None

@@ -10,7 +10,8 @@ from typing import Any, Generic, TypeAlias, TypeVar
 
 import torch
 
-from lmcollect.weights.tensors import WeightDict, expected_metadata, to_weight_dict
+from lmcollect.weights.lora import LoraAdapter, check_adapter, is_lora_source, lora_adapter
+from lmcollect.weights.tensors import Metadata, WeightDict, expected_metadata, to_weight_dict
 from lmcollect.weights.version import PushVersion
 
 logger = logging.getLogger(__name__)
@@ -187,6 +188,8 @@ class WeightUpdaterBase(abc.ABC, Generic[WorkerId]):
         """Push weights (see the class docstring for the steps) to ``worker_ids`` (default: all),
         as ``version`` (default: one more than the last push). Returns None here; a subclass may
         return a handle of the push (``RayRemoteWeightUpdater(...).push_weights(wait=False)``)."""
+        if is_lora_source(policy_or_weights):
+            return self._push_adapter(lora_adapter(policy_or_weights), worker_ids, version=version)
         weights = self._resolve_weights(policy_or_weights)
         ids = self._resolve_worker_ids(worker_ids)
         pushed = self.next_version(version)
@@ -198,6 +201,41 @@ class WeightUpdaterBase(abc.ABC, Generic[WorkerId]):
         if targets:
             self._run_post_hooks()
         return None
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def _push_adapter(self, adapter: LoraAdapter, worker_ids: WorkerIds, *, version: int | None) -> Any:
+        """A LoRA push (a peft model or a :class:`~lmcollect.weights.lora.LoraAdapter` given to
+        ``push_weights``): the same steps as a full push, with only the adapter's tensors sent.
+
+        Every targeted worker's model is checked first (:meth:`_adapter_metadata`), so an adapter
+        that does not fit changes nothing anywhere; each worker's engine then merges it into its
+        kept base weights between two decoding steps and takes the version.
+        """
+        ids = self._resolve_worker_ids(worker_ids)
+        pushed = self.next_version(version)
+        for worker_id in ids:
+            metadata = self._adapter_metadata(worker_id)
+            if metadata is not None:
+                check_adapter(adapter, metadata, receiver=f"worker {worker_id}'s model")
+        targets = [i for i in ids if not self._skip_update(i)]
+        self._commit_version(pushed)
+        for worker_id in targets:
+            self._send_adapter(worker_id=worker_id, adapter=adapter, version=pushed)
+        if targets:
+            self._run_post_hooks()
+        return None
+
+    def _adapter_metadata(self, worker_id: WorkerId) -> Metadata | None:
+        """name -> (dtype, shape) of worker ``worker_id``'s model (here: the registered collector's);
+        None: not known here (the worker's engine checks the adapter before loading it)."""
+        collector = self.collector
+        if collector is None:
+            raise RuntimeError(f"this {type(self).__name__} has no live collector; register one before pushing.")
+        return collector.weight_metadata()[0]
+
+    def _send_adapter(self, *, worker_id: WorkerId, adapter: LoraAdapter, version: PushVersion) -> None:
+        """Send ``adapter`` to one worker (here: as :meth:`_sync_weights_with_worker` sends weights)."""
+        self._sync_weights_with_worker(worker_id=worker_id, server_weights=adapter, version=version)
 
     def __call__(self, policy_or_weights: Any = None, worker_ids: WorkerIds = None, **kwargs: Any) -> Any:
         return self.push_weights(policy_or_weights, worker_ids, **kwargs)

@@ -16,6 +16,7 @@ from lmcollect.engines.weight_group import GroupPush, join_weight_group, weight_
 from lmcollect.transports.process_group import PreparedPush, ProcessGroupConfig, ProcessGroupSender
 from lmcollect.weight_sync.base import WeightPushError, WeightUpdaterBase
 from lmcollect.weights.delta import DeltaConfig, PushStats, resolve_delta
+from lmcollect.weights.lora import LoraAdapter
 from lmcollect.weights.tensors import (
     WeightDict,
     non_finite_problems,
@@ -310,6 +311,20 @@ class vLLMUpdater(WeightUpdaterBase[int]):
         if sent is not None:
             self._check_checksums(sent)
 
+    # ------------------------------------------------------------------ LoRA adapters
+    def _adapter_metadata(self, worker_id: int) -> Metadata | None:
+        """The trainer's ``model_metadata`` when given; else None: the engine checks the adapter
+        itself before any worker changes (every replica serves the same model)."""
+        return self.model_metadata
+
+    def _send_adapter(self, *, worker_id: int, adapter: LoraAdapter, version: PushVersion) -> None:
+        """An adapter is a few MB: it goes in the engine's load call itself (``VLLMEngine`` sends it
+        to its workers, which merge it), not through the process group's broadcast."""
+        deadline = time.monotonic() + self.timeout_s
+        received = self._target().submit_receive_weights(adapter.to("cpu"), version=version)
+        self.last_push_info = self._wait(received, deadline, "receive_weights")
+        self.last_push_stats = PushStats.lora(adapter.nbytes, num_receivers=1)
+
     def _check_checksums(self, sent: list[int]) -> None:
         bad = [info.get("rank") for info in self.last_push_info if info.get("checksums") != sent]
         if bad:
@@ -380,7 +395,7 @@ class EngineTarget(Protocol):
 
     def submit_join_weight_group(self, connection_info: dict[str, Any], *, ranks_per_replica: int) -> Wait: ...
 
-    def submit_receive_weights(self, source: GroupPush, *, version: PushVersion | None) -> Wait: ...
+    def submit_receive_weights(self, source: GroupPush | LoraAdapter, *, version: PushVersion | None) -> Wait: ...
 
 
 class _BareEngine:
@@ -416,7 +431,7 @@ class _BareEngine:
         """The version the engine holds (what a new updater counts on from)."""
         return max(self.engine.version, 0) if isinstance(self.engine, EngineProtocol) else 0
 
-    def submit_receive_weights(self, source: GroupPush, *, version: PushVersion | None) -> Wait:
+    def submit_receive_weights(self, source: GroupPush | LoraAdapter, *, version: PushVersion | None) -> Wait:
         engine = self.engine
         index = version.index if version is not None else self.version_index() + 1
         if isinstance(engine, EngineProtocol):  # here, before the trainer sends to workers that would not receive

@@ -123,7 +123,7 @@ class WeightDelta:
 class PushStats:
     """What one push moved (``updater.last_push_stats``)."""
 
-    kind: Literal["full", "delta"]
+    kind: Literal["full", "delta", "lora"]
     nbytes: int
     """Bytes of weights (or of the delta's arrays) sent once to all receivers."""
     full_nbytes: int
@@ -142,6 +142,12 @@ class PushStats:
     def full(cls, nbytes: int, *, num_full: int, num_repaired: int = 0) -> PushStats:
         """A full push of ``nbytes`` to ``num_full`` receivers (``num_repaired`` of them had refused a delta)."""
         return cls("full", nbytes, nbytes, num_full=num_full, num_repaired=num_repaired)
+
+    @classmethod
+    def lora(cls, nbytes: int, *, num_receivers: int) -> PushStats:
+        """A LoRA push of an adapter of ``nbytes`` to ``num_receivers`` (``full_nbytes``: the same,
+        the merged model is never sent)."""
+        return cls("lora", nbytes, nbytes, num_full=num_receivers)
 
 
 @dataclass

@@ -7,6 +7,7 @@ Skipped where vLLM is not installed.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from lmcollect.engines import EngineProtocol, EngineRequest, EngineResult, Worke
 from lmcollect.models import load_model_and_tokenizer
 from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.weight_sync import vLLMUpdater
-from tests.engine_contract import CHECKS, EngineCase, eos_free, hf_case
+from tests.engine_contract import CHECKS, EngineCase, eos_free, generate_greedy, hf_case
 from tests.factories import perturbed_model, run_in_thread
 from tests.integration.conftest import MAX_NEW_TOKENS, QUESTIONS, chat_batch
 from tests.vllm_hold import held_step
@@ -292,6 +293,46 @@ def test_a_bare_engine_takes_process_group_pushes(engine, model_dir, hf_model) -
     finally:
         updater.close()
         engine.load_weights(hf_model.state_dict().items(), version=engine.version + 1)
+
+
+def test_lora_adapters_merge_in_the_workers_as_in_the_merged_model(engine, model_dir, hf_model) -> None:
+    """An adapter through the engine, then another (other layers) through vLLMUpdater: each answers
+    greedily and with the log-probs of its merged model; a misshapen one changes nothing; a full
+    push afterwards is the base again."""
+    pytest.importorskip("peft")
+    from lmcollect.weights.lora import lora_adapter
+    from tests.factories import merged_copy, trained_lora
+
+    base = load_model_and_tokenizer(model_dir)[0].eval()
+    peft_qv = trained_lora(model_dir, seed=21, base=base)
+    peft_o = trained_lora(model_dir, seed=22, targets=("o_proj",), base=load_model_and_tokenizer(model_dir)[0].eval())
+    prompt = [1, 2, 3, 4, 5]
+    updater = vLLMUpdater.from_policy(engine)
+    assert updater is not None
+    try:
+        reports = engine.load_weights(lora_adapter(peft_qv), version=engine.version + 1)
+        assert reports and all(report["num_tensors"] > 0 for report in reports)
+        expect_answers_of(merged_copy(peft_qv), engine, prompt)
+        updater.push_weights(peft_o)  # q/v go back to the base, o_proj adapted
+        assert updater.last_push_stats.kind == "lora" and updater.last_push_stats.nbytes == lora_adapter(peft_o).nbytes
+        expect_answers_of(merged_copy(peft_o), engine, prompt)
+        held = engine.version
+        bad = lora_adapter(trained_lora(model_dir, seed=23, rank=8, steps=0, base=load_model_and_tokenizer(model_dir)[0]))
+        with pytest.raises(ValueError, match="rank 8|do not fit"):
+            engine.load_weights(dataclasses.replace(bad, rank=4), version=held + 1)
+        assert engine.version == held
+        expect_answers_of(merged_copy(peft_o), engine, prompt)
+    finally:
+        updater.close()
+        engine.load_weights(hf_model.state_dict().items(), version=engine.version + 1)
+    expect_answers_of(hf_model, engine, prompt)
+
+
+def expect_answers_of(model: torch.nn.Module, engine: VLLMEngine, prompt: list[int]) -> None:
+    result = answer(engine, prompt, greedy(8, ignore_eos=True))
+    assert int(result.token_versions[0]) == engine.version
+    assert result.tokens.tolist() == generate_greedy(model, prompt, 8, min_new_tokens=8)
+    torch.testing.assert_close(result.log_probs, forward_log_probs(model, prompt, result.tokens), atol=ATOL, rtol=0)
 
 
 # ---------------------------------------------------------------------- the engine contract (tests/engine_contract.py)

@@ -295,3 +295,39 @@ def test_zero_copy_push_maps_the_object_and_a_copying_push_unshares(tiny_collect
     for c in tiny_collectors:
         assert offset(c) == 0
         assert same_state(remote_state(c), other.state_dict())
+
+
+def test_a_lora_push_sends_only_the_adapter_and_every_worker_merges_it(tiny_collectors, tiny_model_path) -> None:
+    """A peft model through RayRemoteWeightUpdater (with delta on): only the adapter's tensors go
+    into the object store; each worker's engine merges them into its base; a bad adapter changes
+    nothing anywhere; a later delta push still lands whole on workers whose held version moved on."""
+    pytest.importorskip("peft")
+    import dataclasses
+
+    from lmcollect.weights.lora import lora_adapter
+    from tests.factories import merged_copy, trained_lora
+
+    base = perturbed_model(tiny_model_path, seed=7)
+    updater = RayRemoteWeightUpdater(None, tiny_collectors, config=RayPushConfig(timeout_s=60, delta=True))
+    updater.push_weights(base)  # a known base on every worker (the delta base too)
+    peft_model = trained_lora(tiny_model_path, seed=31, base=perturbed_model(tiny_model_path, seed=7))
+    adapter = lora_adapter(peft_model)
+    updater.push_weights(peft_model)
+    stats = updater.last_push_stats
+    full_nbytes = sum(t.numel() * t.element_size() for t in base.state_dict().values())
+    assert stats.kind == "lora" and stats.nbytes == adapter.nbytes < 0.05 * full_nbytes
+    merged = merged_copy(peft_model).state_dict()
+    for c in tiny_collectors:
+        state = remote_state(c)
+        for name, tensor in merged.items():
+            torch.testing.assert_close(state[name], tensor, rtol=0, atol=1e-6, msg=name)
+        assert {int(t[keys.POLICY_VERSION]) for t in flatten_turns(c.next())} == {updater.version}
+    held, states = versions(tiny_collectors), [remote_state(c) for c in tiny_collectors]
+    with pytest.raises(ValueError, match="rank 4 but the adapter's rank is 8"):
+        updater.push_weights(dataclasses.replace(adapter, rank=8))
+    assert versions(tiny_collectors) == held
+    assert all(same_state(remote_state(c), s) for c, s in zip(tiny_collectors, states, strict=True))
+    after = perturbed_model(tiny_model_path, seed=8)
+    updater.push_weights(after)
+    assert updater.last_push_stats.kind == "full"  # the workers no longer hold the delta base
+    assert all(same_state(remote_state(c), after.state_dict()) for c in tiny_collectors)

@@ -1,0 +1,288 @@
+"""LoRA adapters as a push: the adapter's own tensors travel, the engine merges them into a kept
+copy of its base weights (pure torch; ``peft`` is only read, and only when given a peft model).
+
+A low-rank adapter on a linear layer ``W`` (out x in) is ``A`` (r x in) and ``B`` (out x r); the
+layer then computes with ``W + scaling * B @ A``. An engine that takes a :class:`LoraAdapter`
+keeps the base ``W`` of every adapted layer the first time an adapter arrives, and every adapter
+push rewrites ``W = base + scaling * B @ A`` from that copy: adapters replace each other, never
+stack, and the base model's weights are never sent again. A full push (or a delta) gives the
+engine a new base; the copy is taken again at the next adapter push.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+Metadata = Mapping[str, tuple[torch.dtype, torch.Size]]
+
+_PEFT_PREFIX = "base_model.model."
+_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])(?:\.(?P<adapter>[^.]+))?\.weight$")
+
+
+@dataclass(frozen=True)
+class LoraLayerWeights:
+    """One adapted linear layer: ``A`` (rank x in), ``B`` (out x rank) and its ``scaling``."""
+
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    scaling: float
+
+    @property
+    def rank(self) -> int:
+        return int(self.lora_a.shape[0])
+
+    def delta(self) -> torch.Tensor:
+        """``scaling * B @ A`` in float32 (out x in): what the adapter adds to the base weight."""
+        return (self.lora_b.float() @ self.lora_a.float()) * self.scaling
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """A LoRA adapter to push: ``layers`` maps the adapted layer's weight name, as the receiving
+    model spells it (``model.layers.0.self_attn.q_proj.weight``), to its :class:`LoraLayerWeights`;
+    ``rank`` is the rank the adapter was configured with (every layer must have it, unless
+    ``rank_pattern`` gave a layer its own).
+
+    Build one with :func:`lora_adapter` from a ``peft`` model or from an adapter state dict and
+    its ``LoraConfig``; ``push_weights`` / ``update_policy_weights_`` accept a peft model directly.
+    """
+
+    layers: Mapping[str, LoraLayerWeights]
+    rank: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of adapter tensors (what a push sends)."""
+        return sum(t.numel() * t.element_size() for layer in self.layers.values() for t in (layer.lora_a, layer.lora_b))
+
+    def merged_into(self, base: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``name -> base + scaling * B @ A`` for every adapted layer, in the base tensor's dtype."""
+        return {
+            name: (base[name].float() + layer.delta().to(base[name].device)).to(base[name].dtype)
+            for name, layer in self.layers.items()
+        }
+
+    def to(self, device: torch.device | str) -> LoraAdapter:
+        """The same adapter with its tensors on ``device``."""
+        moved = {
+            name: LoraLayerWeights(layer.lora_a.to(device), layer.lora_b.to(device), layer.scaling)
+            for name, layer in self.layers.items()
+        }
+        return LoraAdapter(layers=moved, rank=self.rank)
+
+    def flat(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """The adapter as plain data to send: ``<weight name>.lora_A`` / ``.lora_B`` -> tensor, and
+        weight name -> scaling (:meth:`from_flat` rebuilds it)."""
+        tensors: dict[str, torch.Tensor] = {}
+        for name, layer in self.layers.items():
+            tensors[f"{name}.lora_A"], tensors[f"{name}.lora_B"] = layer.lora_a, layer.lora_b
+        return tensors, {name: layer.scaling for name, layer in self.layers.items()}
+
+    def cpu_flat(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """:meth:`flat` with contiguous CPU tensors (to pack and send)."""
+        tensors, scalings = self.flat()
+        return {name: t.detach().cpu().contiguous() for name, t in tensors.items()}, scalings
+
+    @classmethod
+    def from_flat(cls, tensors: Mapping[str, torch.Tensor], scalings: Mapping[str, float], rank: int) -> LoraAdapter:
+        """The adapter :meth:`flat` gave."""
+        layers = {
+            name: LoraLayerWeights(tensors[f"{name}.lora_A"], tensors[f"{name}.lora_B"], float(scaling))
+            for name, scaling in scalings.items()
+        }
+        return cls(layers=layers, rank=rank)
+
+
+# ---------------------------------------------------------------------- building an adapter
+def is_lora_source(source: Any) -> bool:
+    """True for a :class:`LoraAdapter` or a peft model with a LoRA adapter."""
+    return isinstance(source, LoraAdapter) or _is_peft_model(source)
+
+
+def lora_adapter(source: Any, config: Any = None) -> LoraAdapter:
+    """The :class:`LoraAdapter` of ``source``: a :class:`LoraAdapter` (returned as is), a peft model
+    (its active LoRA adapter), or an adapter state dict (``get_peft_model_state_dict``'s keys,
+    ``...q_proj.lora_A.weight``) with ``config``, its ``LoraConfig`` (or a dict of its fields).
+
+    Refused with a ValueError naming the fix: DoRA, bias training, ``modules_to_save`` and
+    ``fan_in_fan_out`` layers (they change more than the low-rank product), and an A/B pair with
+    a missing half or mismatched rank.
+    """
+    if isinstance(source, LoraAdapter):
+        return source
+    if _is_peft_model(source):
+        return _from_peft_model(source)
+    if isinstance(source, Mapping):
+        if config is None:
+            raise TypeError(
+                "an adapter state dict needs its LoraConfig: lora_adapter(state_dict, config) "
+                "(or push the peft model itself)."
+            )
+        return _from_state_dict(source, _config_fields(config))
+    raise TypeError(
+        f"a LoRA push takes a peft model, a LoraAdapter or (adapter state dict, LoraConfig); got {type(source).__name__}."
+    )
+
+
+def _is_peft_model(source: Any) -> bool:
+    return type(source).__module__.startswith("peft") and hasattr(source, "peft_config")
+
+
+def _config_fields(config: Any) -> dict[str, Any]:
+    fields = dict(config) if isinstance(config, Mapping) else dict(vars(config))
+    _refuse_unsupported(fields)
+    return fields
+
+
+def _refuse_unsupported(fields: Mapping[str, Any]) -> None:
+    problems = []
+    if fields.get("use_dora"):
+        problems.append("use_dora=True (DoRA rescales the base weight; push the merged model instead)")
+    if fields.get("bias", "none") not in (None, "none"):
+        problems.append(f"bias={fields.get('bias')!r} (trained biases are not LoRA tensors; use bias='none')")
+    if fields.get("modules_to_save"):
+        problems.append("modules_to_save (whole trained modules; push them with a full push)")
+    if fields.get("fan_in_fan_out"):
+        problems.append("fan_in_fan_out=True (Conv1D layers; this push supports nn.Linear layers)")
+    if problems:
+        raise ValueError("this LoRA config cannot be pushed as an adapter: " + "; ".join(problems) + ".")
+
+
+def _from_peft_model(model: Any) -> LoraAdapter:
+    name = model.active_adapter
+    name = name[0] if isinstance(name, (list, tuple)) else name
+    _refuse_unsupported(vars(model.peft_config[name]))
+    layers: dict[str, LoraLayerWeights] = {}
+    for module_name, module in model.named_modules():
+        lora_a, lora_b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
+        if lora_a is None or lora_b is None or name not in lora_a:
+            continue
+        layers[_base_name(module_name) + ".weight"] = LoraLayerWeights(
+            lora_a[name].weight.detach(), lora_b[name].weight.detach(), float(module.scaling[name])
+        )
+    if not layers:
+        raise ValueError(f"the peft model has no LoRA layers for its active adapter {name!r}: nothing to push.")
+    return LoraAdapter(layers=layers, rank=int(model.peft_config[name].r))
+
+
+def _from_state_dict(state: Mapping[str, torch.Tensor], fields: Mapping[str, Any]) -> LoraAdapter:
+    rank, alpha = int(fields["r"]), float(fields.get("lora_alpha", fields["r"]))
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in state.items():
+        match = _KEY.match(key)
+        if match is None:
+            raise ValueError(
+                f"adapter key {key!r} is not a LoRA tensor (<layer>.lora_A.weight / <layer>.lora_B.weight); "
+                "pass get_peft_model_state_dict(model), or push the peft model itself."
+            )
+        halves.setdefault(_base_name(match["module"]), {})[match["which"]] = tensor
+    missing = [
+        f"{module}.lora_{'B' if 'A' in pair else 'A'}.weight" for module, pair in halves.items() if len(pair) != 2
+    ]
+    if missing:
+        raise ValueError(f"the adapter state dict misses half of a LoRA pair: {missing[:5]}.")
+    layers = {}
+    for module, pair in halves.items():
+        layer_rank = _pattern_value(fields.get("rank_pattern"), module, rank)
+        layer_alpha = _pattern_value(fields.get("alpha_pattern"), module, alpha)
+        root = math.sqrt(layer_rank) if fields.get("use_rslora") else layer_rank
+        layers[module + ".weight"] = LoraLayerWeights(pair["A"], pair["B"], layer_alpha / root)
+    return LoraAdapter(layers=layers, rank=rank)
+
+
+def _base_name(module: str) -> str:
+    return module[len(_PEFT_PREFIX) :] if module.startswith(_PEFT_PREFIX) else module
+
+
+def _pattern_value(patterns: Mapping[str, Any] | None, module: str, default: float) -> Any:
+    for pattern, value in (patterns or {}).items():
+        if re.fullmatch(rf"(.*\.)?{pattern}", module):
+            return value
+    return default
+
+
+# ---------------------------------------------------------------------- checks
+def adapter_problems(adapter: LoraAdapter, metadata: Metadata) -> list[str]:
+    """What keeps ``adapter`` from fitting a model with ``metadata`` (name -> (dtype, shape)):
+    an adapted layer the model lacks or that is not a 2-D weight, A/B shapes that do not match the
+    layer, a rank other than the adapter's, non-floating or non-finite tensors. Empty: it fits."""
+    problems: list[str] = []
+    for name, layer in adapter.layers.items():
+        problems.extend(f"{name}: {p}" for p in _layer_problems(layer, metadata.get(name), adapter.rank))
+    return problems
+
+
+def _layer_problems(layer: LoraLayerWeights, held: tuple[torch.dtype, torch.Size] | None, rank: int) -> list[str]:
+    if held is None:
+        return ["the model has no such weight"]
+    shape = tuple(held[1])
+    if len(shape) != 2:
+        return [f"not a linear layer's weight (shape {shape})"]
+    out_features, in_features = shape
+    a, b = tuple(layer.lora_a.shape), tuple(layer.lora_b.shape)
+    problems: list[str] = []
+    if len(a) != 2 or len(b) != 2 or a[1] != in_features or b[0] != out_features or a[0] != b[1]:
+        problems.append(
+            f"lora_A {a} and lora_B {b} do not fit the weight {shape} (want (r, {in_features}) and ({out_features}, r))"
+        )
+    elif a[0] != rank:
+        problems.append(f"rank {a[0]} but the adapter's rank is {rank}")
+    for which, tensor in (("lora_A", layer.lora_a), ("lora_B", layer.lora_b)):
+        if not tensor.is_floating_point():
+            problems.append(f"{which} has dtype {tensor.dtype}, not a floating type")
+        elif not bool(torch.isfinite(tensor).all()):
+            problems.append(f"{which} holds non-finite values")
+    if not math.isfinite(layer.scaling):
+        problems.append(f"scaling {layer.scaling} is not finite")
+    return problems
+
+
+def check_adapter(adapter: LoraAdapter, metadata: Metadata, *, receiver: str = "the model") -> None:
+    """Raise one ValueError naming every problem of :func:`adapter_problems` (nothing is loaded)."""
+    problems = adapter_problems(adapter, metadata)
+    if problems:
+        raise ValueError(
+            f"this LoRA adapter does not fit {receiver} ({len(problems)} problem(s)); nothing was loaded: "
+            + "; ".join(problems[:8])
+            + ". Build the adapter on the model the engine serves, with the same rank as its LoraConfig."
+        )
+
+
+class KeptBase:
+    """The base weights of the layers adapters touch, kept by an engine so adapters replace each
+    other: :meth:`merged` takes the copy at the first adapter push and answers
+    ``base + scaling * B @ A``. When the model's tensors are no longer what the last merge wrote
+    (a full or delta push went in, by any path), the model holds a new base: the copy is taken
+    again. :meth:`forget` does that explicitly."""
+
+    def __init__(self) -> None:
+        self._base: dict[str, torch.Tensor] = {}
+        self._written: dict[str, torch.Tensor] = {}
+
+    def merged(self, adapter: LoraAdapter, current: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The weights to write for ``adapter``, given the model's ``current`` tensors by name
+        (the caller copies them into the model; they are kept to notice a later new base)."""
+        if any(not torch.equal(current[name], written) for name, written in self._written.items()):
+            self.forget()
+        for name in adapter.layers:
+            if name not in self._base:
+                self._base[name] = current[name].detach().clone()
+        # a layer an earlier adapter touched and this one does not goes back to its base
+        self._written = {**self._base, **adapter.merged_into(self._base)}
+        return self._written
+
+    def forget(self) -> None:
+        """The model got new base weights: take the copy again at the next adapter push."""
+        self._base.clear()
+        self._written = {}
+
+    @property
+    def names(self) -> set[str]:
+        """The weights whose base is kept now."""
+        return set(self._base)
