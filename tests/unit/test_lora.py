@@ -177,6 +177,12 @@ def test_a_collector_push_of_a_peft_model_loads_the_adapter_and_versions_the_tur
         assert_same_weights(policy.model, merged_copy(peft_a))
         batch = collector.next()
         assert set(batch[keys.POLICY_VERSION].flatten().tolist()) == {1}
+        from lmcollect.diagnostics import check_logprobs
+
+        report = check_logprobs(peft_a, batch)  # the trainer's peft model is the reference
+        assert report.num_tokens > 0 and report.max_abs_diff < 1e-4, report.summary()
+        base_report = check_logprobs(perturbed_model(tiny_model_path, seed=1), batch)
+        assert base_report.max_abs_diff > 1e-3, "the adapter should change the log-probs"
     finally:
         collector.shutdown()
         policy.close()
