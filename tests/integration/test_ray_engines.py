@@ -105,6 +105,34 @@ def test_replicas_in_actors_answer_like_one_engine_and_keep_dialogs_on_one_repli
         router.load_weights(actor_case.old_weights.items(), version=router.version + 1)  # the contract's start weights
 
 
+def test_a_lora_adapter_reaches_every_replica_in_its_actor(actor_case: EngineCase, tiny_model_path) -> None:
+    """Before the contract checks: the adapter travels to both actors' engines, each merges it."""
+    pytest.importorskip("peft")
+    from lmcollect.engines import EngineRequest
+    from lmcollect.weights.lora import lora_adapter
+    from tests.engine_contract import generate_greedy
+    from tests.factories import merged_copy, trained_lora
+
+    router = actor_case.engine
+    start = load_model_and_tokenizer(tiny_model_path)[0]
+    start.load_state_dict(actor_case.old_weights)
+    peft_model = trained_lora(tiny_model_path, seed=41, base=start)
+    merged = merged_copy(peft_model)
+    try:
+        router.load_weights(lora_adapter(peft_model), version=router.version + 1)
+        assert len({engine.version for engine in router.engines}) == 1
+        sampling = SamplingConfig(temperature=0, max_new_tokens=6, ignore_eos=True)
+        prompts = [[3, 4, 5 + i, 6] for i in range(4)]
+        futures = [
+            router.submit(EngineRequest(prompt_ids=p, sampling=sampling, request_id=f"lora-{i}", affinity=f"d{i}"))
+            for i, p in enumerate(prompts)
+        ]
+        for prompt, future in zip(prompts, futures, strict=True):
+            assert future.result(60).tokens.tolist() == generate_greedy(merged, prompt, 6, min_new_tokens=6)
+    finally:
+        router.load_weights(actor_case.old_weights.items(), version=router.version + 1)  # the contract's start weights
+
+
 @pytest.mark.parametrize("check", list(CHECKS))  # in order: "close" is the last check
 def test_engine_contract_through_actors(actor_case: EngineCase, check: str) -> None:
     CHECKS[check](actor_case)
