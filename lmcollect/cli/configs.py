@@ -28,6 +28,13 @@ def _check_positive(config: object, *names: str) -> None:
             raise ValueError(f"{flag} must be positive, got {value}.")
 
 
+LORA_LR = 2e-3
+"""The demo's GRPO learning rate with --lora-rank > 0: 4x the full fine-tuning one (--lr). Tuned with
+``lmcollect demo --lora-rank 8`` (tiny model, comparison): at 2e-3 the adapter learns step for step as
+fast as full fine-tuning at 5e-4; at 5e-4 it learns more slowly, at 5e-3 it stalls near 0.83 mean
+reward, at 1e-2 it collapses to 0."""
+
+
 @dataclass(kw_only=True)
 class DemoConfig:
     """GRPO on a shipped task: Ray collectors fill a buffer while the driver trains and pushes weights."""
@@ -57,7 +64,13 @@ class DemoConfig:
     max_staleness: int = 2
     """Train on turns generated at most this many policy versions ago (>= 1)."""
     lr: float = 5e-4
-    """AdamW learning rate of the GRPO steps."""
+    """AdamW learning rate of the GRPO steps (with --lora-rank > 0: --lora-lr instead)."""
+    lora_rank: int = 0
+    """LoRA rank of the RL phase (0: full fine-tuning). > 0: the GRPO steps train only a peft LoRA adapter
+    on every linear layer of the decoder blocks (alpha 2 x rank) and each push sends only the adapter,
+    which the collectors merge into the warmed-up base; needs pip install 'lmcollect[lora]'."""
+    lora_lr: float = LORA_LR
+    """AdamW learning rate of the GRPO steps with --lora-rank > 0 (LoRA wants a larger one than --lr)."""
     clip_epsilon: float = 0.2
     """PPO clip range of the importance ratio between the trained and the collecting weights."""
     warmup_steps: int = 150
@@ -93,6 +106,7 @@ class DemoConfig:
             "max_steps",
             "max_train_s",
             "lr",
+            "lora_lr",
             "max_new_tokens",
             "num_eval_prompts",
             "warmup_batch_size",
@@ -105,6 +119,11 @@ class DemoConfig:
                 f"--max-staleness must be >= 1, got {self.max_staleness}: a batch generated while weights "
                 "are pushed is one version old, so 0 would starve the trainer."
             )
+        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise ValueError(
+                f"--lora-rank must be an integer >= 0 (0: full fine-tuning, > 0: a LoRA adapter of that rank), "
+                f"got {self.lora_rank!r}."
+            )
         if self.warmup_steps < 0:
             raise ValueError(f"--warmup-steps must be >= 0, got {self.warmup_steps}.")
         if not 0 < self.clip_epsilon < 1:
@@ -116,6 +135,11 @@ class DemoConfig:
     def turns_per_batch(self) -> int:
         """Turns in one collector batch: every answer of ``prompts_per_batch`` prompts."""
         return self.prompts_per_batch * self.group_size
+
+    @property
+    def rl_lr(self) -> float:
+        """Learning rate of the GRPO steps: ``lora_lr`` when training a LoRA adapter, else ``lr``."""
+        return self.lora_lr if self.lora_rank else self.lr
 
 
 @dataclass(kw_only=True)

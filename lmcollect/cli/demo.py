@@ -7,7 +7,11 @@ After a short supervised warm-up (the model starts from random weights), the loo
     for step in range(max_steps):
         turns = buffer.sample(turns_per_step, min_policy_version=version - max_staleness)
         learner.train_step(turns)        # clipped policy gradient on group-normalised advantages
-        push_weights()                   # every collector now generates with version + 1
+        push_weights(model)              # every collector now generates with version + 1
+
+With ``--lora-rank R`` the warm-up still trains every weight (it stands in for pre-training), then RL
+trains a LoRA adapter of rank R on the warmed-up base: the collectors get the base once (version 1),
+and every later push sends only the adapter, which their engines merge into that base.
 
 Collectors compute each turn's advantage when they write it (a batch holds whole groups), and go
 on collecting while the driver trains: collection overlaps training, and the importance ratio
@@ -52,7 +56,7 @@ from lmcollect.cli.report import (
     summary_table,
     write_summary,
 )
-from lmcollect.cli.weight_push import make_weight_pusher
+from lmcollect.cli.weight_push import WeightPusher
 from lmcollect.envs import ShippedTask
 from lmcollect.loggers import JsonlLogger, MissingLoggerPackage, MultiLogger, check_available, make_logger
 from lmcollect.loggers.jsonl import METRICS_FILE
@@ -63,8 +67,10 @@ from lmcollect.ray.cluster import ray_session
 from lmcollect.ray.group import RayCollectorGroup
 from lmcollect.training.batch import LEARNER_KEYS, GroupAdvantage, TrainBatch, train_batch_from_turns
 from lmcollect.training.evaluate import mean_reward
+from lmcollect.training.lora import MISSING_PEFT, count_parameters, peft_available, wrap_lora
 from lmcollect.training.trainer import GRPOConfig, GRPOLearner
 from lmcollect.training.warmup import WarmupConfig, warm_up
+from lmcollect.weights.delta import PushStats
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +85,7 @@ def run_demo(config: DemoConfig) -> int:
     task = _single_turn_task(config.task)
     check_backend(config.backend)
     _check_logger(config.logger)
+    _check_lora(config.lora_rank)
     model_path = resolve_model_path(config.model)
     console = Console()
     run_dir = make_run_dir(config.output_dir, "demo")
@@ -126,6 +133,11 @@ def _check_logger(kind: str) -> None:
         raise UsageError(f"--logger {kind}: {exc}") from exc
 
 
+def _check_lora(rank: int) -> None:
+    if rank and not peft_available():
+        raise UsageError(f"--lora-rank {rank}: {MISSING_PEFT}; or --lora-rank 0 for full fine-tuning.")
+
+
 def _single_turn_task(name: str) -> ShippedTask:
     task = resolve_task(name)
     if task.max_turns != 1 or not task.has_reference_answers:
@@ -163,6 +175,7 @@ class DemoRun:
         self.group: RayCollectorGroup | None = None
         self.collection: Collection | None = None
         self.recent_turns: deque[Any] = deque(maxlen=REPORT_STEPS)  # for rollouts.html
+        self.pushes: dict[str, PushStats | None] = {"initial": None, "last": None}  # version 1, the latest
         self.files: dict[str, str | None] = {"metrics": METRICS_FILE, "plot": None, "report": None}
 
     def run(self) -> dict[str, Any]:
@@ -225,22 +238,41 @@ class DemoRun:
             f"mean reward {self.rewards['initial']:.3f} at init, {self.rewards['before_rl']:.3f} before RL"
         )
         assert self.group is not None, "run() builds the collectors first"
-        push_weights = make_weight_pusher(self.model, list(self.group), self.config.backend)
-        push_weights()  # version 1: the warmed-up weights
+        push_weights = WeightPusher(list(self.group), self.config.backend)
+        self.pushes["initial"] = push_weights(self.model)  # version 1: the warmed-up weights, in full
         self.version = 1
+        trained = self._rl_model()
         self.collection = background_collection(list(self.group), self.config.backend)
         self.collection.start()
-        self._timed("rl", lambda: self._train(push_weights))
+        self._timed("rl", lambda: self._train(trained, push_weights))
         self.rewards["final"] = self._evaluate()
         self.console.print(
             f"mean reward {self.rewards['before_rl']:.3f} before RL, {self.rewards['final']:.3f} after RL"
         )
 
-    def _train(self, push_weights: Callable[[], None]) -> None:
+    def _rl_model(self) -> torch.nn.Module:
+        """What RL trains and pushes: the model itself, or (``--lora-rank``) a peft LoRA adapter on it.
+
+        With an adapter, ``self.model`` computes with it too (peft adapts its layers in place), so the
+        evaluation after RL scores the adapted model; the push of the peft model sends the adapter only.
+        """
+        rank = self.config.lora_rank
+        if not rank:
+            return self.model
+        peft_model = wrap_lora(self.model, rank)
+        trainable, total = count_parameters(peft_model)
+        self.console.print(
+            f"RL trains a LoRA adapter of rank {rank} on every linear layer of the decoder blocks: "
+            f"{trainable:,} of {total:,} parameters ({100 * trainable / total:.1f}%), lr {self.config.lora_lr:g}; "
+            "each push sends the adapter only"
+        )
+        return peft_model
+
+    def _train(self, trained: torch.nn.Module, push_weights: WeightPusher) -> None:
         """The RL loop: wait for fresh turns, one GRPO step, push the new weights to every collector."""
         config = self.config
         assert self.buffer is not None, "run() builds the buffer first"
-        learner = GRPOLearner(self.model, GRPOConfig(lr=config.lr, clip_epsilon=config.clip_epsilon))
+        learner = GRPOLearner(trained, GRPOConfig(lr=config.rl_lr, clip_epsilon=config.clip_epsilon))
         throughput = _Throughput(self.buffer.write_count)
         start = time.perf_counter()
         with self._progress() as progress:
@@ -255,7 +287,7 @@ class DemoRun:
                 with clock.lap("timing/train_s"):
                     metrics = learner.train_step(batch)
                 with clock.lap("timing/weight_sync/push_s"):
-                    push_weights()
+                    pushed = self.pushes["last"] = push_weights(trained)
                 self.version += 1
                 record = {
                     "step": step,
@@ -266,6 +298,7 @@ class DemoRun:
                     **_staleness(self.version - 1, batch),
                     **metrics,
                     **clock.laps,
+                    **({"weight_sync/push_bytes": pushed.nbytes} if pushed is not None else {}),
                 }
                 self.logger.log({k: v for k, v in record.items() if k != "step"}, step=step)
                 progress.update(record)
@@ -396,12 +429,23 @@ class DemoRun:
                 "mean": _mean(records, "timing/weight_sync/push_s"),
                 "max": _max(records, "timing/weight_sync/push_s"),
             },
+            "weight_push_bytes": _push_bytes(self.pushes),
             "staleness": {"mean": _mean(records, "staleness/mean"), "max": _max(records, "staleness/max")},
             "timings_s": self.timings_s,
             "collectors": collectors,
             "files": {**self.files, "logger": LOGGER_DIRS.get(self.config.logger)},
             "config": asdict(self.config),
         }
+
+
+def _push_bytes(pushes: dict[str, PushStats | None]) -> dict[str, Any]:
+    """Bytes of the first push (version 1, full) and of the latest one, and the latest one's kind."""
+    initial, last = pushes["initial"], pushes["last"]
+    return {
+        "initial": None if initial is None else initial.nbytes,
+        "per_step": None if last is None else last.nbytes,
+        "kind": None if last is None else last.kind,
+    }
 
 
 class _Stopwatch:
@@ -463,9 +507,23 @@ def _fmt(value: float | None, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _fmt_bytes(nbytes: int | None) -> str:
+    if nbytes is None:
+        return "-"
+    return f"{nbytes / 2**20:.2f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
+
+
+def _push_kind(summary: dict[str, Any]) -> str:
+    """`` (LoRA rank 8)`` / `` (full)`` after the per-step push bytes."""
+    kind, rank = summary["weight_push_bytes"]["kind"], summary["config"]["lora_rank"]
+    if kind is None:
+        return ""
+    return f" (LoRA rank {rank})" if kind == "lora" else f" ({kind})"
+
+
 def _table_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     reward, train = summary["reward"], summary["train_reward"]
-    push, staleness = summary["weight_push_s"], summary["staleness"]
+    push, pushed, staleness = summary["weight_push_s"], summary["weight_push_bytes"], summary["staleness"]
     return [
         (
             "mean reward at init / before RL / after RL",
@@ -475,6 +533,10 @@ def _table_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         ("training steps / final policy version", f"{summary['steps']} / {summary['policy_version']}"),
         ("turns collected, turns/s", f"{summary['turns_collected']}, {_fmt(summary['turns_per_s'], '.1f')}"),
         ("weight push s (mean / max)", f"{_fmt(push['mean'])} / {_fmt(push['max'])}"),
+        (
+            "weight push bytes: first (full) / per step",
+            f"{_fmt_bytes(pushed['initial'])} / {_fmt_bytes(pushed['per_step'])}{_push_kind(summary)}",
+        ),
         ("staleness in versions (mean / max)", f"{_fmt(staleness['mean'], '.2f')} / {_fmt(staleness['max'], '.0f')}"),
         (
             "warm-up s / RL s / total s",

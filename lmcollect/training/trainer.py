@@ -31,12 +31,16 @@ class GRPOConfig:
 
 
 class GRPOLearner:
-    """Owns the trained model's optimiser; :meth:`train_step` is one policy-gradient update."""
+    """Owns the trained model's optimiser; :meth:`train_step` is one policy-gradient update.
+
+    Only parameters with ``requires_grad`` are trained: of a peft model, its adapter's.
+    """
 
     def __init__(self, model: torch.nn.Module, config: GRPOConfig) -> None:
         self.model = model
         self.config = config
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
+        self.params = trainable_parameters(model)
+        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, weight_decay=0.0)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """Forward the batch, clipped PG loss, backward, clip, step; returns the loss metrics."""
@@ -46,7 +50,15 @@ class GRPOLearner:
         loss, metrics = policy_gradient_loss(log_probs, batch.packed, batch.advantages, clip_epsilon=clip)
         self.optimizer.zero_grad()
         loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
         self.optimizer.step()
         self.model.eval()
         return {**metrics, "loss/grad_norm": float(grad_norm)}
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """``model``'s parameters that require gradients (all of a plain model, the adapter's of a peft one)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(f"{type(model).__name__} has no parameter that requires gradients: nothing to train.")
+    return params

@@ -12,6 +12,7 @@ import torch
 
 from lmcollect.envs.datasets import row_to_history
 from lmcollect.training.grpo import pack_turns, sft_loss, token_log_probs
+from lmcollect.training.trainer import trainable_parameters
 
 if TYPE_CHECKING:  # transformers is heavy; the caller has already imported it to build the model
     from transformers import PreTrainedTokenizerBase
@@ -57,11 +58,14 @@ def warm_up(
     rows: Sequence[Mapping[str, Any]],
     config: WarmupConfig,
 ) -> list[float]:
-    """Train ``model`` in place on ``config.num_steps`` batches of reference answers; returns the losses."""
+    """Train ``model`` in place on ``config.num_steps`` batches of reference answers; returns the losses.
+
+    The parameters that require gradients are trained: all of a plain model, the adapter's of a peft model.
+    """
     if not rows:
         raise ValueError("the warm-up needs at least one row with a reference answer.")
     examples = [encode_example(row, tokenizer) for row in rows]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=config.lr, weight_decay=0.0)
     rng = random.Random(config.seed)
     losses = []
     model.train()

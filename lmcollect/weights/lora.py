@@ -41,6 +41,11 @@ class LoraLayerWeights:
         """``scaling * B @ A`` in float32 (out x in): what the adapter adds to the base weight."""
         return (self.lora_b.float() @ self.lora_a.float()) * self.scaling
 
+    def merged(self, base: torch.Tensor) -> torch.Tensor:
+        """``base + scaling * B @ A`` in ``base``'s dtype, computed in float32 in one fused matmul-add."""
+        a, b = self.lora_a.to(base.device, torch.float32), self.lora_b.to(base.device, torch.float32)
+        return torch.addmm(base.float(), b, a, alpha=self.scaling).to(base.dtype)
+
 
 @dataclass(frozen=True)
 class LoraAdapter:
@@ -63,10 +68,7 @@ class LoraAdapter:
 
     def merged_into(self, base: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``name -> base + scaling * B @ A`` for every adapted layer, in the base tensor's dtype."""
-        return {
-            name: (base[name].float() + layer.delta().to(base[name].device)).to(base[name].dtype)
-            for name, layer in self.layers.items()
-        }
+        return {name: layer.merged(base[name]) for name, layer in self.layers.items()}
 
     def to(self, device: torch.device | str) -> LoraAdapter:
         """The same adapter with its tensors on ``device``."""

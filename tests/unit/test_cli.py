@@ -374,3 +374,79 @@ def test_plain_progress_lines_are_not_wrapped() -> None:
     with PlainTrainingProgress(400, console=Console(file=out, width=40), interval_s=3600.0) as progress:
         progress.update(record)
     assert len(out.getvalue().splitlines()) == 1 and "staleness 1.25" in out.getvalue()
+
+
+# ---------------------------------------------------------------------------------------- the demo's LoRA mode
+def test_lora_rank_must_be_an_integer_of_at_least_zero(tmp_path: Path, capsys) -> None:
+    assert "--lora-rank must be an integer >= 0" in _error(["demo", "--lora-rank", "-1"], capsys)
+    assert "argument --lora-rank: invalid int value: '2.5'" in _error(["demo", "--lora-rank", "2.5"], capsys)
+    assert "--lora-lr must be positive" in _error(["demo", "--lora-rank", "8", "--lora-lr", "0"], capsys)
+    config = tmp_path / "demo.toml"
+    config.write_text("lora_rank = 1.5\n")
+    assert "lora_rank must be an integer, got 1.5" in _error(["demo", "--config", str(config)], capsys)
+    for bad in (True, 2.0, "8"):
+        with pytest.raises(ValueError, match="--lora-rank must be an integer >= 0"):
+            DemoConfig(lora_rank=bad)  # type: ignore[arg-type]
+    assert (DemoConfig().lora_rank, DemoConfig().rl_lr) == (0, DemoConfig().lr)  # full fine-tuning by default
+    lora = DemoConfig(lora_rank=8, lora_lr=1e-3)
+    assert lora.rl_lr == 1e-3
+
+
+def test_lora_rank_from_a_config_file_and_print_config(tmp_path: Path, capsys) -> None:
+    config = tmp_path / "demo.toml"
+    config.write_text("lora_rank = 4\nlora-lr = 0.003\n")
+    assert main(["demo", "--config", str(config), "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert "\nlora_rank = 4\n" in out and "\nlora_lr = 0.003\n" in out
+    assert main(["demo", "--config", str(config), "--lora-rank", "0", "--print-config"]) == 0  # flags win
+    assert "\nlora_rank = 0\n" in capsys.readouterr().out
+
+
+def test_lora_without_peft_names_the_extra_to_install(monkeypatch, capsys) -> None:
+    monkeypatch.setitem(sys.modules, "peft", None)  # `import peft` fails, find_spec("peft") is None
+    err = _error(["demo", "--lora-rank", "8"], capsys)
+    assert "--lora-rank 8: LoRA training needs peft: pip install 'lmcollect[lora]'" in err
+    import torch
+
+    from lmcollect.training.lora import wrap_lora
+
+    with pytest.raises(ImportError, match=r"pip install 'lmcollect\[lora\]'"):
+        wrap_lora(torch.nn.Sequential(torch.nn.Linear(4, 4)), 4)
+
+
+def test_a_lora_learner_trains_only_the_adapter_and_the_wrapped_model_computes_with_it(tiny_model_path: Path) -> None:
+    """What the demo's RL phase does with --lora-rank: the learner's optimiser holds the adapter's
+    parameters only, the base stays as it was, and the model peft wrapped answers with the adapter
+    (the demo evaluates it after RL); its push is the adapter of every decoder linear layer."""
+    pytest.importorskip("peft", reason="needs the lora extra: pip install 'lmcollect[lora]'")
+    import torch
+
+    from lmcollect.envs import get_shipped_task
+    from lmcollect.models import load_model_and_tokenizer
+    from lmcollect.training.lora import count_parameters, wrap_lora
+    from lmcollect.training.trainer import GRPOConfig, GRPOLearner
+    from lmcollect.training.warmup import WarmupConfig, warm_up
+    from lmcollect.weights.lora import lora_adapter
+
+    model, tokenizer = load_model_and_tokenizer(tiny_model_path)  # its own copy: wrapping changes it in place
+    base = {name: t.clone() for name, t in model.state_dict().items()}
+    peft_model = wrap_lora(model, 4)
+    learner = GRPOLearner(peft_model, GRPOConfig(lr=1e-3))
+    lora_params = {name: p for name, p in peft_model.named_parameters() if "lora_" in name}
+    assert {id(p) for p in learner.params} == {id(p) for p in lora_params.values()}
+    assert count_parameters(peft_model)[0] == sum(p.numel() for p in lora_params.values())
+    before = {name: p.detach().clone() for name, p in lora_params.items()}
+    rows = get_shipped_task("comparison").make_rows(32, seed=0)
+    warm_up(peft_model, tokenizer, rows, WarmupConfig(num_steps=2, batch_size=4, lr=1e-2))  # SFT: nonzero gradients
+    assert any(not torch.equal(p, before[name]) for name, p in lora_params.items()), "the adapter did not train"
+    for name, tensor in peft_model.get_base_model().state_dict().items():
+        if "lora_" not in name:  # base_layer.weight is the base's weight, unchanged
+            assert torch.equal(tensor, base[name.replace(".base_layer", "")]), name
+    ids = torch.tensor([[5, 17, 230, 41]])
+    with torch.no_grad():
+        adapted = peft_model(input_ids=ids).logits
+        torch.testing.assert_close(model(input_ids=ids).logits, adapted)  # the wrapped model has the adapter
+        with peft_model.disable_adapter():
+            assert not torch.allclose(peft_model(input_ids=ids).logits, adapted), "the adapter changed nothing"
+    adapter = lora_adapter(peft_model)
+    assert adapter.rank == 4 and len(adapter.layers) == 7 * model.config.num_hidden_layers  # q k v o gate up down
