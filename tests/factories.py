@@ -150,6 +150,32 @@ def perturbed_model(model_path, seed: int) -> torch.nn.Module:
     return model
 
 
+def sparsely_trained(model_path, seed: int) -> torch.nn.Module:
+    """The model with the noise of :func:`perturbed_model` in its last decoder layer only: a change that a
+    delta push carries in a fraction of a full push's bytes, and that still moves the answers."""
+    from lmcollect.models import load_model_and_tokenizer
+
+    model, _ = load_model_and_tokenizer(model_path)
+    noisy = perturbed_model(model_path, seed=seed).state_dict()
+    last = f"layers.{model.config.num_hidden_layers - 1}."
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if last in name:
+                tensor.copy_(noisy[name])
+    return model.eval()
+
+
+def corrupted_delta(delta):
+    """``delta`` with one bit of its last buffer flipped (the sender's checksums unchanged): a delta
+    damaged on its way, which a receiver must refuse after applying it, with nothing changed."""
+    from lmcollect.weights.buckets import WeightBuckets
+    from lmcollect.weights.delta import WeightDelta
+
+    buffers = [torch.as_tensor(b).clone() for b in delta.arrays.buffers]
+    buffers[-1][0] ^= 1
+    return WeightDelta(delta.base_version, delta.entries, WeightBuckets(delta.arrays.layout, buffers))
+
+
 def run_in_thread(fn, timeout_s: float = 30.0):
     """Start ``fn`` in a thread; the returned function joins it (at most ``timeout_s``) and re-raises its error."""
     import threading

@@ -126,6 +126,12 @@ class TurnFlow:
         advanced = min(version_index - self.base_version, self.num_batches)  # at most one per batch
         return self.num_started < (self.max_policy_lag + advanced + 1) * self.turns_per_batch
 
+    def rebase(self, version_index: int) -> None:
+        """A push landed before any turn started: count versions from ``version_index`` (a push
+        before collection begins is where it begins, not a version it advanced)."""
+        if self.num_started == 0 and self.num_batches == 0:
+            self.base_version = version_index
+
     def stalled(self, version_index: int) -> bool:
         """Nothing can move until a push: no batch is ready, none in flight, and the lag rule admits no turn."""
         return (

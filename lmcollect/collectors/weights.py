@@ -18,7 +18,7 @@ from lmcollect.collectors.versioning import PolicyVersion
 from lmcollect.engines.protocol import EngineProtocol, WorkerRpcEngine, engine_of, worker_rpc_engine_of
 from lmcollect.engines.weight_group import GroupPush, join_weight_group, weight_receiver_nodes
 from lmcollect.weight_sync.base import resolve_updater
-from lmcollect.weights.delta import WeightDelta, check_delta_base, prepare_delta
+from lmcollect.weights.delta import DeltaRejectedError, WeightDelta, check_delta_base, prepare_delta
 from lmcollect.weights.lora import LoraAdapter, is_lora_source, lora_adapter
 from lmcollect.weights.tensors import (
     cast_to_held,
@@ -33,6 +33,10 @@ from lmcollect.weights.version import PushVersion
 
 logger = logging.getLogger(__name__)
 
+_NO_DELTA_ENGINE = (
+    "delta pushes need an engine that loads them ({engine} does not; TransformersEngine and VLLMEngine do): "
+    "push full weights (RayPushConfig(delta=False))."
+)
 _NO_GROUP_ENGINE = (
     "this collector's policy ({policy}) has no engine with worker processes (lmcollect.engines.WorkerRpcEngine); "
     "a vLLMUpdater needs a VLLMPolicy or a VLLMEngine. Push with RayRemoteWeightUpdater instead."
@@ -312,17 +316,22 @@ class WeightReceiverMixin(HoldsWeightUpdater):
         """A push into an engine that holds its own weights: checked by the engine, loaded while no
         token is generated (see :meth:`_engine_held`), then the cache reset and the version taken.
 
-        A :class:`~lmcollect.weights.delta.WeightDelta` (with ``version``) is first decoded
-        against a copy of the engine's current weights (its ``.model``, as ``TransformersEngine``
-        exposes; same checks as an in-place delta: a rejected one changes nothing), then loads as a
-        full push. An engine without a model refuses deltas, naming the fix.
+        A :class:`~lmcollect.weights.delta.WeightDelta` (with ``version``) must apply to the push
+        held (index and uuid, checked here), then goes to the engine as it is: engines whose
+        ``loads_weight_deltas`` is True (``TransformersEngine`` writes it in place, ``VLLMEngine``
+        in its workers) check and apply it, and a rejected one changes nothing. Other engines refuse
+        deltas, naming the fix.
         """
         self._check_version(version)
         source = self._engine_source(engine, weights, convert_dtype=convert_dtype, version=version)
         index = version.index if version is not None else self._loaded_version_index(engine)
-        self._held_push = None  # until the load succeeded
+        held, self._held_push = self._held_push, None  # until the load succeeded
         with self._engine_held():
-            report = engine.load_weights(source, version=index)
+            try:
+                report = engine.load_weights(source, version=index)
+            except DeltaRejectedError:
+                self._held_push = held  # a refused delta changed nothing
+                raise
             self._finish_update(version)
             self._held_push = version
         return report
@@ -330,8 +339,8 @@ class WeightReceiverMixin(HoldsWeightUpdater):
     def _engine_source(
         self, engine: EngineProtocol, weights: Any, *, convert_dtype: bool, version: PushVersion | None
     ) -> Any:
-        """What ``engine.load_weights`` takes for ``weights``: a process-group push as it is, a delta
-        decoded into full weights, tensors cast to the engine's dtypes with ``convert_dtype``."""
+        """What ``engine.load_weights`` takes for ``weights``: a process-group push, a LoRA adapter or
+        a delta as they are, tensors cast to the engine's dtypes with ``convert_dtype``."""
         if isinstance(weights, GroupPush):
             if not isinstance(engine, WorkerRpcEngine):
                 raise TypeError(_NO_GROUP_ENGINE.format(policy=type(self.policy).__name__))
@@ -340,10 +349,14 @@ class WeightReceiverMixin(HoldsWeightUpdater):
             if not getattr(engine, "loads_lora_adapters", False):
                 raise TypeError(_NO_LORA_ENGINE.format(policy=type(self.policy).__name__))
             return weights
-        delta = weights if isinstance(weights, WeightDelta) else None
-        if delta is not None and version is None:
-            raise TypeError("a delta push needs the version it brings (version=PushVersion(...)).")
-        weights = _decode_delta(engine, delta, self._held_push) if delta is not None else to_weight_dict(weights)
+        if isinstance(weights, WeightDelta):
+            if version is None:
+                raise TypeError("a delta push needs the version it brings (version=PushVersion(...)).")
+            if not getattr(engine, "loads_weight_deltas", False):
+                raise TypeError(_NO_DELTA_ENGINE.format(engine=type(engine).__name__))
+            check_delta_base(weights, self._held_push)
+            return weights
+        weights = to_weight_dict(weights)
         if convert_dtype:  # cast here to what the engine holds: every engine then checks dtypes strictly
             weights = cast_to_held(weights, *engine.weight_metadata())
         return weights.items()
@@ -473,26 +486,6 @@ class WeightReceiverMixin(HoldsWeightUpdater):
         if not callable(target):
             raise TypeError(f"{attr_path!r} resolves to a {type(target).__name__}, which is not callable.")
         return target(*args, **kwargs)
-
-
-def _decode_delta(engine: EngineProtocol, delta: WeightDelta, held: PushVersion | None) -> dict[str, torch.Tensor]:
-    """The full weights ``delta`` makes of the engine's current ones (a copy: the engine is untouched).
-
-    Same checks as an in-place delta (base version, names, dtypes, sizes, checksums): a
-    :class:`~lmcollect.weights.delta.DeltaRejectedError` leaves everything as it was.
-    """
-    model = getattr(engine, "model", None)  # the weights of an engine that runs in this process
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(
-            f"delta pushes need the engine's current weights, and {type(engine).__name__} exposes no "
-            "torch module as .model (TransformersEngine does); push full weights (RayPushConfig(delta=False)), "
-            "or use a vLLMUpdater (its delta pushes decode in vLLM's workers)."
-        )
-    targets, aliases = unique_targets(model)
-    with torch.no_grad():
-        copies = {name: tensor.detach().clone() for name, tensor in targets.items()}
-    prepare_delta(delta, copies, held_version=held, aliases=aliases).apply_()
-    return copies
 
 
 def _refuse_push_options_without_weights(*, convert_dtype: bool, version: Any, zero_copy: bool) -> None:

@@ -28,14 +28,16 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 
 from lmcollect.engines.sampling import SamplingConfig
+from lmcollect.weights.delta import DeltaRejectedError
 
 if TYPE_CHECKING:
     from lmcollect.engines.weight_group import GroupPush
+    from lmcollect.weights.delta import WeightDelta
     from lmcollect.weights.lora import LoraAdapter
 
 __all__ = [
     "BatchGenerating", "EngineClosedError", "EngineProtocol", "EngineRequest", "EngineResult", "StalePushError", "WorkerRpcEngine",
-    "check_version", "engine_of", "refuse_stale_push", "worker_rpc_engine_of",
+    "check_version", "engine_of", "refuse_delta_base", "refuse_stale_push", "worker_rpc_engine_of",
 ]  # fmt: skip
 
 
@@ -63,6 +65,19 @@ def refuse_stale_push(version: int, held: int, engine: str) -> None:
         raise StalePushError(
             f"{engine}.load_weights(version={version}) refused: the engine holds version {held}, which is newer; "
             "no weight was changed (a push older than the weights held never overwrites them)."
+        )
+
+
+def refuse_delta_base(delta: WeightDelta, held: int, engine: str) -> None:
+    """Raise :class:`~lmcollect.weights.delta.DeltaRejectedError` unless the engine holds the version
+    ``delta`` was computed against (its ``base_version.index``); the sender then pushes in full.
+
+    The collector that owns the engine also checks the base's uuid (it holds the push's
+    :class:`~lmcollect.weights.version.PushVersion`); an engine knows only the version index."""
+    if delta.base_version.index != held:
+        raise DeltaRejectedError(
+            f"{engine} holds version {held}; the delta applies to version {delta.base_version.index}: "
+            "nothing was changed (push the full weights)."
         )
 
 
@@ -118,7 +133,7 @@ class EngineProtocol(Protocol):
         ...
 
     def load_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | LoraAdapter, *, version: int
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | LoraAdapter | WeightDelta, *, version: int
     ) -> list[Any] | None:
         """Load weights (all names and shapes checked before any is written) and take ``version``.
 
@@ -127,6 +142,12 @@ class EngineProtocol(Protocol):
         An engine whose ``loads_lora_adapters`` is True also takes a
         :class:`~lmcollect.weights.lora.LoraAdapter`: it merges the adapter into its kept copy of
         the adapted layers' base weights (adapters replace each other; a full push is a new base).
+
+        An engine whose ``loads_weight_deltas`` is True also takes a
+        :class:`~lmcollect.weights.delta.WeightDelta`: the changed elements of the weights it holds
+        (its version must be the delta's base, see :func:`refuse_delta_base`). It checks names,
+        dtypes and positions, writes, verifies the checksums, and on any failure raises
+        :class:`~lmcollect.weights.delta.DeltaRejectedError` with nothing changed.
 
         A ``version`` older than :attr:`version` is refused with :class:`StalePushError` where the
         load would take effect (see :func:`refuse_stale_push`), so an out-of-order push changes nothing.

@@ -12,6 +12,7 @@ import torch
 
 from lmcollect.engines.protocol import EngineClosedError, EngineProtocol, EngineRequest, EngineResult, WorkerRpcEngine
 from lmcollect.engines.weight_group import GroupPush
+from lmcollect.weights.delta import WeightDelta
 from lmcollect.weights.lora import LoraAdapter
 
 __all__ = ["EngineRouter", "ReplicaLoadError"]
@@ -104,7 +105,7 @@ class EngineRouter:
         self._on_every(lambda engine: engine.resume())
 
     def load_weights(
-        self, source: Iterable[tuple[str, torch.Tensor]] | GroupPush | LoraAdapter, *, version: int
+        self, source: Iterable[tuple[str, torch.Tensor]] | GroupPush | LoraAdapter | WeightDelta, *, version: int
     ) -> list[Any] | None:
         """Load the same weights into every replica (each checks them before writing any).
 
@@ -115,7 +116,8 @@ class EngineRouter:
         """
         if isinstance(source, GroupPush):
             return self._load_group_push(source, version)
-        weights = source if isinstance(source, LoraAdapter) else list(dict(source).items())  # every replica reads them
+        # every replica reads them: an adapter or a delta as it is, tensors as a list
+        weights = source if isinstance(source, (LoraAdapter, WeightDelta)) else list(dict(source).items())
         errors = self._on_every(lambda engine: engine.load_weights(weights, version=version), raise_first=False)
         failures = {i: error for i, error in enumerate(errors) if error is not None}
         if not failures:
@@ -133,6 +135,11 @@ class EngineRouter:
     def loads_lora_adapters(self) -> bool:
         """Whether ``load_weights`` takes a LoRA adapter: when every replica's engine does."""
         return all(getattr(engine, "loads_lora_adapters", False) for engine in self.engines)
+
+    @property
+    def loads_weight_deltas(self) -> bool:
+        """Whether ``load_weights`` takes a weight delta: when every replica's engine does."""
+        return all(getattr(engine, "loads_weight_deltas", False) for engine in self.engines)
 
     def _load_group_push(self, push: GroupPush, version: int) -> list[Any]:
         engines = [self._worker_engine(i) for i in range(len(self.engines))]  # all checked before any receives

@@ -17,10 +17,17 @@ from transformers import DynamicCache
 
 from lmcollect.engines.hf_generate import generate_together
 from lmcollect.engines.kv_batch import LeftPaddedKVCache
-from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult, refuse_stale_push
+from lmcollect.engines.protocol import (
+    EngineClosedError,
+    EngineRequest,
+    EngineResult,
+    refuse_delta_base,
+    refuse_stale_push,
+)
 from lmcollect.engines.running_request import RunningRequest
 from lmcollect.engines.sampling import eos_token_ids
 from lmcollect.plumbing import forwarded
+from lmcollect.weights.delta import WeightDelta, prepare_delta
 from lmcollect.weights.lora import KeptBase, LoraAdapter, check_adapter
 from lmcollect.weights.tensors import (
     align_names,
@@ -177,7 +184,7 @@ class TransformersEngine:
 
     def load_weights(
         self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]] | LoraAdapter,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | LoraAdapter | WeightDelta,
         *,
         version: int,
         convert_dtype: bool = False,
@@ -194,8 +201,16 @@ class TransformersEngine:
         weights of the layers it adapts (``base + scaling * B @ A``, see
         :class:`~lmcollect.weights.lora.KeptBase`): adapters replace each other, and a later full
         push becomes the new base.
+
+        A :class:`~lmcollect.weights.delta.WeightDelta` is written in place into the model (no
+        copy of the weights) between two steps: checked first (base version, names, dtypes,
+        positions), its checksums verified after writing, and undone on a mismatch, so a refused
+        delta (:class:`~lmcollect.weights.delta.DeltaRejectedError`) changes nothing.
         """
         _check_int("version", version, minimum=-1, hint="the pushed weights' version")
+        if isinstance(named_tensors, WeightDelta):
+            self._load_delta(named_tensors, version)
+            return
         adapter = named_tensors if isinstance(named_tensors, LoraAdapter) else None
         writes: dict[str, torch.Tensor] = {}
         if isinstance(named_tensors, LoraAdapter):
@@ -215,6 +230,21 @@ class TransformersEngine:
                 targets[name].copy_(tensor)
             self._version = version
             self._weights_changed = True
+
+    def _load_delta(self, delta: WeightDelta, version: int) -> None:
+        targets, aliases = unique_targets(self.model)
+        with self._between_steps(), torch.no_grad():
+            if self._closed:
+                raise EngineClosedError("this TransformersEngine is closed; it cannot load weights.")
+            refuse_stale_push(version, self._version, "TransformersEngine")
+            refuse_delta_base(delta, self._version, "TransformersEngine")
+            # the base's index matched; its uuid is the owning collector's to check
+            prepare_delta(delta, targets, held_version=delta.base_version, aliases=aliases).apply_()
+            self._kept_base.forget()
+            self._version = version
+            self._weights_changed = True
+
+    loads_weight_deltas = True  # load_weights takes a WeightDelta (written in place)
 
     def weight_metadata(self) -> tuple[dict[str, tuple[torch.dtype, torch.Size]], dict[str, str]]:
         """The model's distinct tensors (name -> (dtype, shape)) and tied aliases."""

@@ -23,7 +23,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from lmcollect.engines.loop_queue import QueuedAndRunning
-from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult, check_version, refuse_stale_push
+from lmcollect.engines.protocol import (
+    EngineClosedError,
+    EngineRequest,
+    EngineResult,
+    check_version,
+    refuse_delta_base,
+    refuse_stale_push,
+)
 from lmcollect.engines.vllm_common import (
     INITIAL_VERSION,
     engine_config,
@@ -33,10 +40,17 @@ from lmcollect.engines.vllm_common import (
     result_of,
     settle,
 )
-from lmcollect.engines.vllm_worker_ext import LOAD_LORA_ADAPTER, checkpoint_metadata
+from lmcollect.engines.vllm_worker_ext import (
+    COMMIT_STAGED_WEIGHTS,
+    DROP_STAGED_WEIGHTS,
+    LOAD_LORA_ADAPTER,
+    STAGE_WEIGHT_DELTA,
+    checkpoint_metadata,
+)
 from lmcollect.engines.weight_group import RECEIVE_METHOD, GroupPush
 from lmcollect.plumbing import forwarded
-from lmcollect.weights.buckets import LOAD_PACKED_WEIGHTS, packed_weights
+from lmcollect.weights.buckets import LOAD_PACKED_WEIGHTS, layout_to_json, packed_weights
+from lmcollect.weights.delta import DeltaRejectedError, WeightDelta
 from lmcollect.weights.lora import LoraAdapter, check_adapter
 from lmcollect.weights.tensors import check_weights
 
@@ -151,7 +165,7 @@ class VLLMEngine(QueuedAndRunning):
         self._between_steps(lambda: setattr(self, "_paused", False))
 
     def load_weights(
-        self, source: Iterable[tuple[str, torch.Tensor]] | GroupPush | LoraAdapter, *, version: int
+        self, source: Iterable[tuple[str, torch.Tensor]] | GroupPush | LoraAdapter | WeightDelta, *, version: int
     ) -> list[Any] | None:
         """Check every name, shape and dtype, then reload the weights in every worker and take ``version``.
 
@@ -168,6 +182,8 @@ class VLLMEngine(QueuedAndRunning):
             return self._between_steps(lambda: self._receive_group_push(source, version))
         if isinstance(source, LoraAdapter):
             return self._load_adapter(source, version)
+        if isinstance(source, WeightDelta):
+            return self._load_delta(source, version)
         weights = dict(source)
         check_weights(weights, self._metadata, aliases=self._aliases)  # before anything is sent or written
         layout_json, buffers = packed_weights(weights)
@@ -195,6 +211,30 @@ class VLLMEngine(QueuedAndRunning):
         def load() -> list[Any]:
             refuse_stale_push(version, self._version, "VLLMEngine")
             reports = self._llm.collective_rpc(LOAD_LORA_ADAPTER, args=args)
+            self._take_version(version)
+            return reports
+
+        return self._between_steps(load)
+
+    loads_weight_deltas = True  # load_weights takes a WeightDelta (applied in the workers)
+
+    def _load_delta(self, delta: WeightDelta, version: int) -> list[Any]:
+        """A delta push (e.g. a ``RayRemoteWeightUpdater(delta=True)`` push into a continuous
+        collector): sent to every worker in the call, applied there to a copy of the tensors it
+        changes (from the worker's last full push), and reloaded only once every worker accepted
+        it; a refusal anywhere raises ``DeltaRejectedError`` with no worker changed."""
+        arrays = delta.arrays.to_numpy()
+        args = (delta.header(), layout_to_json(arrays.layout), [buffer.data for buffer in arrays.buffers])
+
+        def load() -> list[Any]:
+            refuse_stale_push(version, self._version, "VLLMEngine")
+            refuse_delta_base(delta, self._version, "VLLMEngine")
+            staged = self._llm.collective_rpc(STAGE_WEIGHT_DELTA, args=args)
+            refused = [report["refused"] for report in staged if "refused" in report]
+            if refused:
+                self._llm.collective_rpc(DROP_STAGED_WEIGHTS)
+                raise DeltaRejectedError(f"VLLMEngine's workers refused the delta ({refused[0]}); nothing was changed.")
+            reports = self._llm.collective_rpc(COMMIT_STAGED_WEIGHTS)
             self._take_version(version)
             return reports
 

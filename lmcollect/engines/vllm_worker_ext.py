@@ -62,6 +62,7 @@ import torch
 
 from lmcollect.transports.process_group import ProcessGroupReceiver
 from lmcollect.weights.buckets import WeightBuckets, layout_from_json
+from lmcollect.weights.delta import DeltaRejectedError, WeightDelta, prepare_delta
 from lmcollect.weights.lora import LoraAdapter
 from lmcollect.weights.tensors import raise_if_problems, weight_problems
 
@@ -69,6 +70,9 @@ logger = logging.getLogger(__name__)
 
 VLLM_EXTENSION = "lmcollect.engines.vllm_worker_ext.VLLMWeightReceiverExtension"
 LOAD_LORA_ADAPTER = "load_lora_adapter"
+STAGE_WEIGHT_DELTA = "stage_weight_delta"
+COMMIT_STAGED_WEIGHTS = "commit_staged_weights"
+DROP_STAGED_WEIGHTS = "drop_staged_weights"
 
 # What vLLM's in-place reload logs for every layer a partial reload leaves as it was: expected
 # for a LoRA reload, which sends only the adapted blocks' tensors.
@@ -172,6 +176,7 @@ class VLLMWeightReceiverExtension:
     _lmcollect_num_pushes: int = 0
     _lmcollect_base: dict[str, torch.Tensor] | None = None  # the last full push (checkpoint names), LoRA's base
     _lmcollect_adapted: frozenset[str] = frozenset()  # blocks the last LoRA adapter touched
+    _lmcollect_staged: dict[str, torch.Tensor] | None = None  # a checked delta's result, not yet reloaded
 
     def init_weight_group(self, connection_info: dict[str, Any], first_rank: int = 1) -> None:
         """Join the sender's group as rank ``first_rank + worker rank`` (blocks until the group forms).
@@ -264,6 +269,48 @@ class VLLMWeightReceiverExtension:
             "num_tensors": len(weights),
             "reload_s": time.perf_counter() - start,
         }
+
+    def stage_weight_delta(self, header: dict[str, Any], layout_json: str, buffers: list[bytes]) -> dict[str, Any]:
+        """Apply a delta push to a copy of the tensors it changes, taken from the weights this worker
+        holds (its last full push), and keep the result for :meth:`commit_staged_weights`; the model
+        is not touched. Returns ``{"refused": reason}`` when the delta does not fit (no full push
+        held, a LoRA adapter merged since, unknown names, wrong sizes or dtypes, a checksum that
+        fails), else the number of tensors changed.
+
+        The engine stages on every worker, then commits on all of them, or drops on all when any
+        refused: the workers never hold different weights.
+        """
+        self._lmcollect_staged = None
+        base = getattr(self, "_lmcollect_base", None)
+        if base is None:
+            return {"refused": "this worker holds no pushed weights yet (the checkpoint's): push in full first"}
+        if self._lmcollect_adapted:
+            return {"refused": "a LoRA adapter is merged into the weights this worker holds: push in full"}
+        delta = WeightDelta.from_header(
+            header, WeightBuckets(layout_from_json(layout_json), [np.frombuffer(b, dtype=np.uint8) for b in buffers])
+        )
+        _, aliases = self._lmcollect_weight_metadata()
+        changed = {aliases.get(e.name, e.name) for e in delta.entries}
+        copies = {name: base[name].clone() for name in changed if name in base}
+        try:  # the engine checked the base version; names, sizes, dtypes and checksums are checked here
+            prepare_delta(delta, copies, held_version=delta.base_version, aliases=aliases).apply_()
+        except DeltaRejectedError as exc:
+            return {"refused": str(exc)}
+        self._lmcollect_staged = {**base, **copies}
+        return {"num_changed": len(copies)}
+
+    def commit_staged_weights(self) -> dict[str, Any]:
+        """Reload the weights :meth:`stage_weight_delta` prepared; they become the held weights."""
+        staged = self._lmcollect_staged
+        if staged is None:
+            raise RuntimeError("commit_staged_weights without a staged delta; call stage_weight_delta first.")
+        start = time.perf_counter()
+        self._lmcollect_reload(staged)
+        self._lmcollect_base, self._lmcollect_staged = staged, None
+        return {"num_pushes": self._lmcollect_num_pushes, "reload_s": time.perf_counter() - start}
+
+    def drop_staged_weights(self) -> None:
+        self._lmcollect_staged = None
 
     def _lmcollect_base_weights(self, blocks: set[str]) -> dict[str, torch.Tensor]:
         """Every base tensor (checkpoint names) inside ``blocks``, from the last full push, or from

@@ -47,6 +47,7 @@ from lmcollect.policies.served_http import MAX_RESPONSE_BYTES, VLLMServerError, 
 from lmcollect.policies.vllm_control import CONTROL_TOKEN_HEADER, RENEW_PAUSE_PATH, is_public_path
 from lmcollect.policies.vllm_launcher import SERVE_MODULE, VLLMServer, free_port, serve_command
 from lmcollect.policies.vllm_policy import VLLMPolicy
+from lmcollect.weights.delta import WeightDelta
 from lmcollect.weights.lora import LoraAdapter
 
 __all__ = [  # the launcher and the HTTP client live in their own modules; their public names are here too
@@ -349,7 +350,7 @@ class VLLMServerEngine:
         return checkpoint_metadata(folder, dtype=getattr(torch, name) if name else None)
 
     def load_weights(
-        self, source: Iterable[tuple[str, torch.Tensor]] | GroupPush | LoraAdapter, *, version: int
+        self, source: Iterable[tuple[str, torch.Tensor]] | GroupPush | LoraAdapter | WeightDelta, *, version: int
     ) -> list[Any]:
         """A :class:`~lmcollect.engines.weight_group.GroupPush`: paused, the server's workers receive
         the trainer's broadcast and reload, the prefix cache is reset and ``version`` taken; returns

@@ -28,6 +28,7 @@ from lmcollect.engines.weight_group import GroupPush
 from lmcollect.plumbing import forwarded
 from lmcollect.ray.bounded import DEFAULT_CALL_TIMEOUT_S, get_within
 from lmcollect.ray.cluster import actor_options, init_ray
+from lmcollect.weights.delta import WeightDelta
 from lmcollect.weights.lora import LoraAdapter
 
 __all__ = ["RayEngine", "ray_engine_replicas", "start_ray_engines"]
@@ -49,17 +50,13 @@ class _EngineHost:
         return await asyncio.to_thread(getattr(self.engine, method), *args, **kwargs)
 
     async def load_weights(
-        self, source: dict[str, torch.Tensor] | GroupPush | LoraAdapter, version: int
+        self, source: dict[str, torch.Tensor] | GroupPush | LoraAdapter | WeightDelta, version: int
     ) -> list[Any] | None:
         if isinstance(source, GroupPush):  # the engine's workers receive the broadcast
             engine = _worker_rpc_engine(self.engine)
             return await asyncio.to_thread(engine.load_weights, source, version=version)
-        if isinstance(source, LoraAdapter):
-            if not getattr(self.engine, "loads_lora_adapters", False):
-                raise TypeError(
-                    f"this actor's {type(self.engine).__name__} does not load LoRA adapters; serve the model with "
-                    "a TransformersEngine or a VLLMEngine, or push the merged model as full weights."
-                )
+        if isinstance(source, (LoraAdapter, WeightDelta)):
+            _check_loads(self.engine, source)
             return await asyncio.to_thread(self.engine.load_weights, source, version=version)
         return await asyncio.to_thread(self.engine.load_weights, source.items(), version=version)
 
@@ -147,13 +144,15 @@ class RayEngine:
     def resume(self) -> None:
         self._get(self._actor.call.remote("resume"), "resume")
 
-    loads_lora_adapters = True  # passed on to the actor's engine, which refuses them if it cannot
+    # passed on to the actor's engine, which refuses them if it cannot
+    loads_lora_adapters = True
+    loads_weight_deltas = True
 
     def load_weights(
-        self, source: Iterable[tuple[str, torch.Tensor]] | GroupPush | LoraAdapter, *, version: int
+        self, source: Iterable[tuple[str, torch.Tensor]] | GroupPush | LoraAdapter | WeightDelta, *, version: int
     ) -> list[Any] | None:
         # weights: one object-store copy, checked by the engine before it writes
-        payload = source if isinstance(source, (GroupPush, LoraAdapter)) else dict(source)
+        payload = source if isinstance(source, (GroupPush, LoraAdapter, WeightDelta)) else dict(source)
         wait_s = max(self.call_timeout_s, source.timeout_s or 0.0) if isinstance(source, GroupPush) else None
         reports = self._get(self._actor.load_weights.remote(payload, version), "load_weights", timeout_s=wait_s)
         self._version = version
@@ -289,3 +288,17 @@ def ray_engine_replicas(
             engine_factory, num_replicas=num_replicas, remote_config=remote_config, ray_init_config=ray_init_config
         )
     )
+
+
+def _check_loads(engine: EngineProtocol, source: LoraAdapter | WeightDelta) -> None:
+    """Refuse a LoRA adapter or a weight delta that this actor's engine cannot load, naming the fix."""
+    if isinstance(source, LoraAdapter) and not getattr(engine, "loads_lora_adapters", False):
+        raise TypeError(
+            f"this actor's {type(engine).__name__} does not load LoRA adapters; serve the model with "
+            "a TransformersEngine or a VLLMEngine, or push the merged model as full weights."
+        )
+    if isinstance(source, WeightDelta) and not getattr(engine, "loads_weight_deltas", False):
+        raise TypeError(
+            f"this actor's {type(engine).__name__} does not load weight deltas; serve the model with "
+            "a TransformersEngine or a VLLMEngine, or push full weights (RayPushConfig(delta=False))."
+        )

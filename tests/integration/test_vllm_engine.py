@@ -25,7 +25,7 @@ from lmcollect.models import load_model_and_tokenizer
 from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.weight_sync import vLLMUpdater
 from tests.engine_contract import CHECKS, EngineCase, eos_free, generate_greedy, hf_case
-from tests.factories import perturbed_model, run_in_thread
+from tests.factories import corrupted_delta, perturbed_model, run_in_thread, sparsely_trained
 from tests.integration.conftest import MAX_NEW_TOKENS, QUESTIONS, chat_batch
 from tests.vllm_hold import held_step
 
@@ -324,6 +324,37 @@ def test_lora_adapters_merge_in_the_workers_as_in_the_merged_model(engine, model
         expect_answers_of(merged_copy(peft_o), engine, prompt)
     finally:
         updater.close()
+        engine.load_weights(hf_model.state_dict().items(), version=engine.version + 1)
+    expect_answers_of(hf_model, engine, prompt)
+
+
+def test_a_delta_loads_in_the_workers_and_a_refused_one_changes_nothing(engine, model_dir, hf_model) -> None:
+    """A WeightDelta (what RayRemoteWeightUpdater(delta=True) sends a continuous collector) is staged
+    in every worker, then reloaded: answers equal the trainer's. A corrupted delta (checksum) or one
+    for another base version is refused with the engine's weights and version unchanged."""
+    from lmcollect.weights.delta import DeltaBase, DeltaConfig, DeltaRejectedError
+    from lmcollect.weights.version import PushVersion
+
+    trainer = sparsely_trained(model_dir, seed=31)
+    prompt = [1, 2, 3, 4, 5]
+    base = DeltaBase(DeltaConfig())
+    held = PushVersion(engine.version + 1)
+    try:
+        engine.load_weights(hf_model.state_dict().items(), version=held.index)  # the delta's base, in full
+        base.snapshot(hf_model.state_dict(), held)
+        encoded = base.encode(trainer.state_dict())
+        assert encoded is not None, "a change of one layer should go as a delta"
+        delta = encoded.delta
+        with pytest.raises(DeltaRejectedError, match="checksum"):
+            engine.load_weights(corrupted_delta(delta), version=held.index + 1)
+        with pytest.raises(DeltaRejectedError, match=f"holds version {held.index}"):
+            engine.load_weights(dataclasses.replace(delta, base_version=PushVersion(held.index + 5)), version=held.index + 1)
+        assert engine.version == held.index
+        expect_answers_of(hf_model, engine, prompt)
+        reports = engine.load_weights(delta, version=held.index + 1)
+        assert reports and all(report["reload_s"] >= 0 for report in reports)
+        expect_answers_of(trainer, engine, prompt)
+    finally:
         engine.load_weights(hf_model.state_dict().items(), version=engine.version + 1)
     expect_answers_of(hf_model, engine, prompt)
 

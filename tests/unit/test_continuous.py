@@ -21,7 +21,7 @@ from lmcollect.envs.tasks.tool_calc import ToolCalcTask, tool_calc_dataset, tool
 from lmcollect.policies import SamplingConfig
 from lmcollect.policies.outputs import Generation, answer_prompts
 from lmcollect.weights.delta import WeightDelta
-from tests.factories import run_in_thread
+from tests.factories import corrupted_delta, run_in_thread
 
 ROWS = tool_calc_dataset(256, seed=0)
 SAMPLING = SamplingConfig(max_new_tokens=64)
@@ -390,6 +390,22 @@ def test_a_consumer_that_never_pushes_is_told_instead_of_hanging() -> None:
         assert turns_of(collector.next())
 
 
+@pytest.mark.parametrize("pushes_before", [1, 3])
+def test_pushes_before_collection_begins_do_not_let_more_batches_run(pushes_before: int) -> None:
+    """The trainer's first weights, pushed before the first batch, are where versions start counting:
+    with max_policy_lag=1 two batches may still come without a push, not a third."""
+    envs = [tool_env(seed) for seed in range(4)]
+    with make_collector(envs, dialog_turns_per_batch=4, max_policy_lag=1, track_policy_version=True) as collector:
+        for tag in range(pushes_before):
+            collector.update_policy_weights_({"tag": torch.tensor([float(tag)])})
+        first = collector.version_index()
+        assert first == pushes_before
+        for _ in range(2):
+            assert {int(t[keys.POLICY_VERSION]) for t in turns_of(collector.next())} == {first}
+        with pytest.raises(RuntimeError, match="update_policy_weights_"):
+            collector.next()
+
+
 # ---------------------------------------------------------------------- arguments
 def test_arguments_are_checked_naming_the_knob() -> None:
     with pytest.raises(ValueError, match="batch_size=1"):
@@ -554,7 +570,12 @@ def test_a_delta_push_over_the_transformers_engine_equals_the_full_push(tiny_par
             before = {k: v.clone() for k, v in engine.model.state_dict().items()}
             with pytest.raises(DeltaRejectedError):  # applies to version 1, not to a version 7
                 collector.receive_weights(WeightDelta(PushVersion(7), delta.entries, delta.arrays), version=v2)
+            with pytest.raises(DeltaRejectedError, match="checksum"):  # one bit flipped in transit
+                collector.receive_weights(corrupted_delta(delta), version=v2)
+            with pytest.raises(DeltaRejectedError, match="holds version 1"):  # the engine checks the base too
+                engine.load_weights(WeightDelta(PushVersion(3), delta.entries, delta.arrays), version=4)
             assert all(torch.equal(before[k], v) for k, v in engine.model.state_dict().items())
+            assert engine.version == collector.version_index() == 1
         collector.receive_weights(delta if use_delta else second, version=v2)
         with collector:
             turns = turns_of(collector.next())
@@ -566,12 +587,12 @@ def test_a_delta_push_over_the_transformers_engine_equals_the_full_push(tiny_par
     assert all(torch.equal(a, b) for a, b in zip(*outputs))
 
 
-def test_a_delta_push_into_an_engine_without_a_model_names_the_fix() -> None:
+def test_a_delta_push_into_an_engine_that_cannot_load_deltas_names_the_fix() -> None:
     from lmcollect.weights.version import PushVersion
 
     env = ChatEnv(arithmetic_dataset(8, seed=0), task=SingleTurnTask(), batch_size=1, seed=0)
-    engine = ScriptedEngine()
-    engine.model = None  # an engine whose weights live elsewhere (a vLLM server's, say)
+    engine = ScriptedEngine()  # no loads_weight_deltas (as a vLLM server's engine)
+    assert not getattr(engine, "loads_weight_deltas", False)
     collector = ContinuousLLMCollector([env], engine=engine, tokenizer=ByteTokenizer(), dialog_turns_per_batch=1)
     delta = WeightDelta(PushVersion(1), (), None)
     with pytest.raises(TypeError, match="delta=False"):
