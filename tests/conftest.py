@@ -60,6 +60,7 @@ SLOWEST_FIRST = (  # summed seconds of each file in a full run of 2026-12-03 (2 
     "faults/test_fault_collector_actor.py",  # ~38
     "integration/test_delta_sync_ray.py",  # ~37
     "faults/test_fault_process_group.py",  # ~24
+    "integration/test_vllm_engine_multiprocess.py",  # ~25 (2026-12-04), an engine core process of its own
     "unit/test_resume.py",  # ~20
     "integration/test_continuous_ray.py",  # ~16
 )

@@ -32,7 +32,7 @@ from lmcollect.files import write_text_atomically
 
 logger = logging.getLogger(__name__)
 
-BENCHMARKS = ("collect", "weight_sync", "memory", "startup", "agentic")
+BENCHMARKS = ("collect", "weight_sync", "push_latency", "memory", "startup", "agentic")
 
 
 def run_bench(config: BenchConfig) -> int:

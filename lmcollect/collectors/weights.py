@@ -332,7 +332,7 @@ class WeightReceiverMixin(HoldsWeightUpdater):
             except DeltaRejectedError:
                 self._held_push = held  # a refused delta changed nothing
                 raise
-            self._finish_update(version)
+            self._finish_update(version, cache_reset=True)  # load_weights resets the engine's cache
             self._held_push = version
         return report
 
@@ -390,11 +390,12 @@ class WeightReceiverMixin(HoldsWeightUpdater):
         if version is not None and self._policy_version is not None:
             self._policy_version.check(version)
 
-    def _finish_update(self, version: PushVersion | None) -> None:
-        """After new weights are in (while no token is generated): reset the prefix cache, take the
-        version; an engine behind the policy labels the tokens it generates from now on with it."""
+    def _finish_update(self, version: PushVersion | None, *, cache_reset: bool = False) -> None:
+        """After new weights are in (while no token is generated): reset the prefix cache (unless
+        ``cache_reset``: an engine's ``load_weights`` did), take the version; an engine behind the
+        policy labels the tokens it generates from now on with it."""
         reset_cache = getattr(self.policy, "reset_prefix_cache", None)
-        if callable(reset_cache):
+        if callable(reset_cache) and not cache_reset:
             reset_cache()
         if self._policy_version is None:
             return  # untracked (-1) stays untracked; an engine counts its loads itself

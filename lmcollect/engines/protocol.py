@@ -137,6 +137,9 @@ class EngineProtocol(Protocol):
     ) -> list[Any] | None:
         """Load weights (all names and shapes checked before any is written) and take ``version``.
 
+        A successful load also forgets the cached prefixes (computed with the old weights): callers
+        need not call :meth:`reset_prefix_cache` after it.
+
         Returns None (a :class:`WorkerRpcEngine` returns its workers' reports for a ``GroupPush``).
 
         An engine whose ``loads_lora_adapters`` is True also takes a

@@ -12,6 +12,7 @@ process, which overlaps scheduling with this process's output handling on a GPU)
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -31,6 +32,7 @@ from lmcollect.engines.protocol import (
     refuse_delta_base,
     refuse_stale_push,
 )
+from lmcollect.engines.shm_payload import buffers_in_shared_memory, shared_memory_available
 from lmcollect.engines.vllm_common import (
     INITIAL_VERSION,
     engine_config,
@@ -44,6 +46,7 @@ from lmcollect.engines.vllm_worker_ext import (
     COMMIT_STAGED_WEIGHTS,
     DROP_STAGED_WEIGHTS,
     LOAD_LORA_ADAPTER,
+    LOAD_SHARED_WEIGHTS,
     STAGE_WEIGHT_DELTA,
     checkpoint_metadata,
 )
@@ -137,6 +140,9 @@ class VLLMEngine(QueuedAndRunning):
             raise
         config = self._llm.model_config
         tied = bool(getattr(config.hf_config, "tie_word_embeddings", False))
+        # vLLM's engine core in a process of its own, or workers in processes of their own (tensor
+        # parallel): collective_rpc serialises its arguments, so a push's bytes go through shared memory
+        self._workers_elsewhere = multiprocess or _world_size(self._llm) > 1
         # what load_weights accepts: the worker's own check, made here before anything is sent
         self._metadata, self._aliases = checkpoint_metadata(
             self.model_path, dtype=config.dtype, tie_word_embeddings=tied
@@ -187,14 +193,20 @@ class VLLMEngine(QueuedAndRunning):
         weights = dict(source)
         check_weights(weights, self._metadata, aliases=self._aliases)  # before anything is sent or written
         layout_json, buffers = packed_weights(weights)
-        payload = (layout_json, [buffer.data for buffer in buffers])  # memoryviews: sent without a copy
+        payload: tuple[str, Any]
+        with contextlib.ExitStack() as stack:
+            if self._workers_elsewhere and shared_memory_available():  # one copy, not one through the RPC
+                shared = stack.enter_context(buffers_in_shared_memory(buffers))
+                method, payload = LOAD_SHARED_WEIGHTS, (layout_json, shared.as_args())
+            else:  # memoryviews: handed to an in-process worker as they are
+                method, payload = LOAD_PACKED_WEIGHTS, (layout_json, [buffer.data for buffer in buffers])
 
-        def load() -> None:
-            refuse_stale_push(version, self._version, "VLLMEngine")  # here: loads run one at a time
-            self._llm.collective_rpc(LOAD_PACKED_WEIGHTS, args=payload)
-            self._take_version(version)
+            def load() -> None:
+                refuse_stale_push(version, self._version, "VLLMEngine")  # here: loads run one at a time
+                self._llm.collective_rpc(method, args=payload)
+                self._take_version(version)
 
-        self._between_steps(load)
+            self._between_steps(load)
         return None
 
     loads_lora_adapters = True  # load_weights takes a LoraAdapter (merged in the workers)
@@ -411,6 +423,11 @@ class VLLMEngine(QueuedAndRunning):
             self._closed = True
             self._wake.notify_all()
         self._thread.join(timeout=self.timeout_s)
+
+
+def _world_size(llm: LLMEngine) -> int:
+    parallel = getattr(getattr(llm, "vllm_config", None), "parallel_config", None)
+    return int(getattr(parallel, "world_size", 1) or 1)
 
 
 def _build(model_path: str, kwargs: dict[str, Any], multiprocess: bool) -> LLMEngine:

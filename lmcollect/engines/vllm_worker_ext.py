@@ -60,6 +60,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from lmcollect.engines.shm_payload import map_shared_buffers
 from lmcollect.transports.process_group import ProcessGroupReceiver
 from lmcollect.weights.buckets import WeightBuckets, layout_from_json
 from lmcollect.weights.delta import DeltaRejectedError, WeightDelta, prepare_delta
@@ -70,6 +71,7 @@ logger = logging.getLogger(__name__)
 
 VLLM_EXTENSION = "lmcollect.engines.vllm_worker_ext.VLLMWeightReceiverExtension"
 LOAD_LORA_ADAPTER = "load_lora_adapter"
+LOAD_SHARED_WEIGHTS = "load_shared_weights"
 STAGE_WEIGHT_DELTA = "stage_weight_delta"
 COMMIT_STAGED_WEIGHTS = "commit_staged_weights"
 DROP_STAGED_WEIGHTS = "drop_staged_weights"
@@ -230,14 +232,23 @@ class VLLMWeightReceiverExtension:
         on one host, no process group): every name, shape and dtype is checked against the
         checkpoint before anything is written, so a refused load changes nothing.
         """
-        buckets = WeightBuckets(layout_from_json(layout_json), [np.frombuffer(b, dtype=np.uint8) for b in buffers])
+        return self._lmcollect_load_buckets(layout_json, [np.frombuffer(b, dtype=np.uint8) for b in buffers])
+
+    def load_shared_weights(self, layout_json: str, shared: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`load_packed_weights` with the buffers in a shared-memory file (see
+        :mod:`lmcollect.engines.shm_payload`): what the engine sends when this worker runs in
+        another process, so the bytes are not copied through the RPC."""
+        return self._lmcollect_load_buckets(layout_json, map_shared_buffers(shared))
+
+    def _lmcollect_load_buckets(self, layout_json: str, arrays: list[np.ndarray]) -> dict[str, Any]:
+        buckets = WeightBuckets(layout_from_json(layout_json), arrays)
         metadata, aliases = self._lmcollect_weight_metadata()
         problems = weight_problems(buckets.layout.metadata(), metadata, aliases=aliases)
         raise_if_problems(problems, where=" by the vLLM worker")
         start = time.perf_counter()
         weights = buckets.tensors()
         self._lmcollect_reload(weights)
-        self._lmcollect_base = weights  # views of this call's buffers, kept as the base LoRA adapters merge into
+        self._lmcollect_base = weights  # views of this push's buffers, kept as the base LoRA adapters merge into
         self._lmcollect_adapted = frozenset()
         return {
             "num_pushes": self._lmcollect_num_pushes,

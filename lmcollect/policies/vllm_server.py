@@ -365,6 +365,7 @@ class VLLMServerEngine:
         with self.paused():
             refuse_stale_push(version, self._version, "VLLMServerEngine")
             reports = self.collective_rpc(RECEIVE_METHOD, source.worker_args())
+            self._reset_prefix_cache_now()  # its prefixes were computed with the old weights
             self._version = version
         return reports
 
