@@ -201,6 +201,7 @@ class ScriptedEngine(QueuedAndRunning):
             refuse_stale_push(int(version), self._version, "ScriptedEngine")
             self.model.tag.data.copy_(weights["tag"])
             self._version = int(version)
+            self.num_prefix_cache_resets += 1  # a load forgets cached prefixes (EngineProtocol.load_weights)
 
     def weight_metadata(self) -> tuple[dict[str, tuple[torch.dtype, torch.Size]], dict[str, str]]:
         """The model's distinct tensors (name -> (dtype, shape)) and tied aliases."""
