@@ -328,6 +328,34 @@ def test_lora_adapters_merge_in_the_workers_as_in_the_merged_model(engine, model
     expect_answers_of(hf_model, engine, prompt)
 
 
+def test_a_refused_full_push_leaves_the_workers_base_as_it_was(engine, model_dir, hf_model) -> None:
+    """The engine packs full pushes into two buffer sets in turn (the worker keeps the last push's as
+    its base): a push refused after packing (here a stale version) must not touch the base that a
+    LoRA adapter then merges into."""
+    pytest.importorskip("peft")
+    from lmcollect.engines import StalePushError
+    from lmcollect.weights.lora import lora_adapter
+    from tests.factories import merged_copy, trained_lora
+
+    new, other = perturbed_model(model_dir, seed=51).eval(), perturbed_model(model_dir, seed=52).eval()
+    adapted = trained_lora(model_dir, seed=53, base=perturbed_model(model_dir, seed=51).eval())
+    prompt = [1, 2, 3, 4, 5]
+    held = engine.version + 2
+    try:
+        engine.load_weights(hf_model.state_dict().items(), version=held - 1)
+        engine.load_weights(new.state_dict().items(), version=held)
+        with pytest.raises(StalePushError):
+            engine.load_weights(other.state_dict().items(), version=held - 1)  # packed, then refused
+        with pytest.raises(StalePushError):
+            engine.load_weights(other.state_dict().items(), version=held - 1)  # and again: the same spare set
+        expect_answers_of(new, engine, prompt)
+        engine.load_weights(lora_adapter(adapted), version=held + 1)  # merged into the base: `new`
+        expect_answers_of(merged_copy(adapted), engine, prompt)
+    finally:
+        engine.load_weights(hf_model.state_dict().items(), version=engine.version + 1)
+    expect_answers_of(hf_model, engine, prompt)
+
+
 def test_a_delta_loads_in_the_workers_and_a_refused_one_changes_nothing(engine, model_dir, hf_model) -> None:
     """A WeightDelta (what RayRemoteWeightUpdater(delta=True) sends a continuous collector) is staged
     in every worker, then reloaded: answers equal the trainer's. A corrupted delta (checksum) or one
