@@ -305,7 +305,6 @@ class ContinuousLLMCollector(CollectorShell, CollectorVersionMixin, ContinuousSt
             raise ValueError(f"model_id={model_id!r}: a ContinuousLLMCollector receives weights for 'policy' only.")
         report = self._load_into_engine(self.engine, weights, convert_dtype=convert_dtype, version=version)
         if not self._shut_down:
-            self._tasks.call(_rebase(self._flow, self.version_index()))  # before any turn: versions count from here
             self._tasks.wake()  # the lag rule may admit turns under the new version
         return report
 
@@ -319,10 +318,6 @@ class ContinuousLLMCollector(CollectorShell, CollectorVersionMixin, ContinuousSt
 
 async def _exhausted(flow: TurnFlow) -> bool:
     return flow.exhausted()
-
-
-async def _rebase(flow: TurnFlow, version_index: int) -> None:
-    flow.rebase(version_index)
 
 
 async def _drain(flow: TurnFlow) -> TensorDictBase | None:

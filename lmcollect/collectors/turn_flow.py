@@ -126,12 +126,6 @@ class TurnFlow:
         advanced = min(version_index - self.base_version, self.num_batches)  # at most one per batch
         return self.num_started < (self.max_policy_lag + advanced + 1) * self.turns_per_batch
 
-    def rebase(self, version_index: int) -> None:
-        """A push landed before any turn started: count versions from ``version_index`` (a push
-        before collection begins is where it begins, not a version it advanced)."""
-        if self.num_started == 0 and self.num_batches == 0:
-            self.base_version = version_index
-
     def stalled(self, version_index: int) -> bool:
         """Nothing can move until a push: no batch is ready, none in flight, and the lag rule admits no turn."""
         return (
@@ -143,6 +137,9 @@ class TurnFlow:
         )
 
     def start_turn(self, version_index: int, *, new_dialog: bool) -> None:
+        if self.num_started == 0 and self.num_batches == 0:
+            # collection begins here: versions pushed before it are where it begins, not versions it advanced
+            self.base_version = version_index
         self.num_started += 1
         self._in_flight[version_index] += 1
         self._num_in_flight += 1

@@ -232,16 +232,15 @@ class VLLMWeightReceiverExtension:
         on one host, no process group): every name, shape and dtype is checked against the
         checkpoint before anything is written, so a refused load changes nothing.
         """
-        return self._lmcollect_load_buckets(layout_json, [np.frombuffer(b, dtype=np.uint8) for b in buffers])
+        return self._lmcollect_load_buckets(_received_buckets(layout_json, buffers))
 
     def load_shared_weights(self, layout_json: str, shared: dict[str, Any]) -> dict[str, Any]:
         """:meth:`load_packed_weights` with the buffers in a shared-memory file (see
         :mod:`lmcollect.engines.shm_payload`): what the engine sends when this worker runs in
         another process, so the bytes are not copied through the RPC."""
-        return self._lmcollect_load_buckets(layout_json, map_shared_buffers(shared))
+        return self._lmcollect_load_buckets(WeightBuckets(layout_from_json(layout_json), map_shared_buffers(shared)))
 
-    def _lmcollect_load_buckets(self, layout_json: str, arrays: list[np.ndarray]) -> dict[str, Any]:
-        buckets = WeightBuckets(layout_from_json(layout_json), arrays)
+    def _lmcollect_load_buckets(self, buckets: WeightBuckets) -> dict[str, Any]:
         metadata, aliases = self._lmcollect_weight_metadata()
         problems = weight_problems(buckets.layout.metadata(), metadata, aliases=aliases)
         raise_if_problems(problems, where=" by the vLLM worker")
@@ -267,7 +266,7 @@ class VLLMWeightReceiverExtension:
         their base, so fused layers (q/k/v -> qkv_proj) get all their parts and an earlier
         adapter's layers go back to the base. Checked by the engine before it calls this.
         """
-        buckets = WeightBuckets(layout_from_json(layout_json), [np.frombuffer(b, dtype=np.uint8) for b in buffers])
+        buckets = _received_buckets(layout_json, buffers)
         adapter = LoraAdapter.from_flat(buckets.tensors(), scalings, rank)
         start = time.perf_counter()
         blocks = {_block_of(name) for name in adapter.layers} | self._lmcollect_adapted
@@ -297,9 +296,7 @@ class VLLMWeightReceiverExtension:
             return {"refused": "this worker holds no pushed weights yet (the checkpoint's): push in full first"}
         if self._lmcollect_adapted:
             return {"refused": "a LoRA adapter is merged into the weights this worker holds: push in full"}
-        delta = WeightDelta.from_header(
-            header, WeightBuckets(layout_from_json(layout_json), [np.frombuffer(b, dtype=np.uint8) for b in buffers])
-        )
+        delta = WeightDelta.from_header(header, _received_buckets(layout_json, buffers))
         _, aliases = self._lmcollect_weight_metadata()
         changed = {aliases.get(e.name, e.name) for e in delta.entries}
         copies = {name: base[name].clone() for name in changed if name in base}
@@ -372,6 +369,11 @@ class VLLMWeightReceiverExtension:
         if self._lmcollect_receiver is not None:
             self._lmcollect_receiver.close()
         self._lmcollect_receiver = None
+
+
+def _received_buckets(layout_json: str, buffers: list[bytes]) -> WeightBuckets:
+    """The buckets sent in a call: a layout (JSON) and its byte buffers, viewed without a copy."""
+    return WeightBuckets(layout_from_json(layout_json), [np.frombuffer(b, dtype=np.uint8) for b in buffers])
 
 
 def _block_of(name: str) -> str:
