@@ -7,7 +7,11 @@ Two ``RayLLMCollector`` s (the tiny model through transformers, multi-turn guess
 from the buffer, takes one clipped policy-gradient step and pushes the weights to both collectors
 (``RayRemoteWeightUpdater``), until the time is up. Every few seconds it records the RSS of each
 process (trainer, collectors, buffer, and Ray's own daemons when this process started the cluster)
-and the object store's use. At the end it pauses the collectors and accounts for every turn:
+and the object store's use. Before each sample the trainer hands its allocator's free pages back
+to the system (glibc ``malloc_trim``): a training step's activations vary in size with the batch,
+and glibc keeps what they freed, so without it the trainer's RSS swings by ~100 MiB between
+steps and its floor drifts with the batches it happened to see, a leak or not (a CI run saw +9%
+with no leak). What is still in use (a leak) survives the trim. At the end it pauses the collectors and accounts for every turn:
 
 * each collector's ``postproc`` is a :class:`TurnLedger`, which checks every turn the collector
   yields against its trajectory (step counts must follow 0, 1, 2, ... per trajectory id: a repeat
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import json
@@ -207,6 +212,7 @@ class Sampler:
         if now < self._next:
             return
         self._next = now + self.every_s
+        _release_free_heap()
         row: dict[str, Any] = {"t_s": round(now - self._start, 1)}
         for name, pid in self.pids.items():
             rss_mb = _rss_mb(pid)
@@ -214,6 +220,15 @@ class Sampler:
                 row[f"rss_mb/{name}"] = round(rss_mb, 1)
         row.update(_object_store_use(self._ray_state))
         self.rows.append(row)
+
+
+def _release_free_heap() -> None:
+    """Return this process's free heap pages to the system (glibc ``malloc_trim(0)``; a no-op elsewhere)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (macOS, musl): RSS then includes what the allocator keeps
+        return
+    libc.malloc_trim(0)
 
 
 def _rss_mb(pid: int) -> float | None:
