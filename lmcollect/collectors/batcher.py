@@ -116,8 +116,8 @@ class Batcher:
     def state_dict(self) -> dict:
         """The turns run but not yet yielded (they go into the next batches after a restore)."""
         return {
-            "per_slot": [[_turn_state(t) for t in q] for q in self._per_slot],
-            "completed": [[_turn_state(t) for t in traj] for traj in self._completed],
+            "per_slot": [[turn_state(t) for t in q] for q in self._per_slot],
+            "completed": [[turn_state(t) for t in traj] for traj in self._completed],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -135,5 +135,5 @@ class Batcher:
         return sum(len(q) for q in self._per_slot) + self._num_completed_turns
 
 
-def _turn_state(turn: CollectedTurn) -> dict:
+def turn_state(turn: CollectedTurn) -> dict:
     return {"slot": turn.slot, "traj_id": turn.traj_id, "done": turn.done, "td": turn.td}

@@ -11,15 +11,17 @@ import torch
 from tensordict import TensorDictBase
 
 from lmcollect.collectors.common import CollectorVersionMixin
-from lmcollect.collectors.config import collection_config, takes_collection_config
+from lmcollect.collectors.config import CollectionConfig, collection_config, takes_collection_config
 from lmcollect.collectors.continuous_state import ContinuousStateMixin
 from lmcollect.collectors.dialog_tasks import DialogTasks, EngineSide, Slot
+from lmcollect.collectors.group_flow import GroupFlow
 from lmcollect.collectors.llm_collector import instantiate_env
 from lmcollect.collectors.shell import CollectorShell
 from lmcollect.collectors.trajectories import TrajectoryTracker, id_base, random_namespace
 from lmcollect.collectors.turn_flow import TurnFlow
 from lmcollect.collectors.versioning import PolicyVersion, make_policy_version
 from lmcollect.collectors.weights import WeightReceiverMixin
+from lmcollect.data.turns import stack_turns
 from lmcollect.engines.protocol import EngineProtocol
 from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.plumbing import forwarded
@@ -47,11 +49,24 @@ class ContinuousLLMCollector(CollectorShell, CollectorVersionMixin, ContinuousSt
     spans it has tokens of two versions; ``policy_version`` is the version when the turn started
     (never newer than any of its tokens).
 
-    Slots and envs: a slot holds an env of batch size 1. ``env`` is a list of such envs (one per
-    slot) or a callable building one, called ``max_dialogs_in_flight`` times (the envs are then
-    alike: call :meth:`set_seed` to give slot ``i`` its own seed, as ``LLMCollector`` seeds its
-    envs). GRPO groups across slots (``ChatEnv(repeats=k)``) need envs of batch size k and are not
-    supported yet; group ids are still unique per prompt draw and slot.
+    Slots and envs: a slot runs one dialog at a time. ``env`` is a list of envs or a callable
+    building one (called until there are ``max_dialogs_in_flight`` slots; the envs are then
+    alike: call :meth:`set_seed` to give env ``i`` its own seed, as ``LLMCollector`` seeds its
+    envs). An env of batch size 1 is one slot; a larger env must split into batch-1 elements
+    (``split_elements()``, as :class:`~lmcollect.envs.ChatEnv` does), one slot each.
+
+    GRPO groups across slots: with ``ChatEnv(repeats=k, batch_size=k)`` (any env that declares
+    ``group_size > 1``) the ``k`` elements of a group answer the same prompt draws, each as its own
+    dialog in its own slot, at its own pace, sharing ``("collector", "group_id")``. A group's turns
+    leave together: a batch holds ``max(1, dialog_turns_per_batch // k)`` whole groups with every
+    turn of their dialogs (so ``dialog_turns_per_batch`` counts dialogs: exactly that many turns for
+    single-turn tasks), and the replay buffer gets only whole groups, so
+    ``GroupAdvantage(group_size=k)`` (single-turn) or ``GroupAdvantage()`` (multi-turn) normalises
+    every group. ``max_policy_lag`` then holds per group: a group admitted under version ``v`` leaves
+    by version ``v + max_policy_lag`` (see :mod:`lmcollect.collectors.group_flow`);
+    ``total_dialog_turns`` counts dialogs and ``max_buffered_turns`` is divided by ``k`` into groups.
+    At :meth:`shutdown` the turns of groups not complete go to :attr:`leftover_turns` (never to the
+    buffer).
 
     Staleness and memory: with ``max_policy_lag=k`` a turn starts only while
     ``started < (k + v + 1) * dialog_turns_per_batch`` (AReaL's rule; ``v`` counts the versions
@@ -123,25 +138,20 @@ class ContinuousLLMCollector(CollectorShell, CollectorVersionMixin, ContinuousSt
         self._init_shell(config, thread_name="lmcollect-continuous-writer")
         self.engine = engine
         self.policy = engine  # what the weight-receiving side resets and reports (get_policy_model)
-        self.envs = _build_slot_envs(env, max_dialogs_in_flight)
+        self.envs, slots = _build_slot_envs(env, max_dialogs_in_flight)
+        self.group_size = _group_size(self.envs)
         self.max_policy_lag = max_policy_lag
         self._policy_version = _policy_version_for(engine, config.track_policy_version, max_policy_lag)
-        self._tracker = TrajectoryTracker(len(self.envs), first_id=id_base(random_namespace()))
-        self._flow = TurnFlow(
-            mode=config.mode,
-            num_slots=len(self.envs),
-            turns_per_batch=config.dialog_turns_per_batch,
-            capacity=_capacity(config.dialog_turns_per_batch, len(self.envs), max_policy_lag, max_buffered_turns),
-            max_policy_lag=max_policy_lag,
-            max_turns=None if config.total_dialog_turns == -1 else config.total_dialog_turns,
-            base_version=self.version_index(),
+        self._tracker = TrajectoryTracker(len(slots), first_id=id_base(random_namespace()))
+        self._flow = _flow(
+            config, len(slots), self.group_size, max_policy_lag, max_buffered_turns, self.version_index()
         )
         stop_ids = list(stop_token_ids) if stop_token_ids is not None else [tokenizer.eos_token_id]
         side = EngineSide(
             engine=engine, tokenizer=tokenizer, sampling=sampling or SamplingConfig(), stop_token_ids=stop_ids
         )
         self._tasks = DialogTasks(
-            [Slot(env) for env in self.envs],
+            slots,
             engine_side=side,
             flow=self._flow,
             tracker=self._tracker,
@@ -160,7 +170,7 @@ class ContinuousLLMCollector(CollectorShell, CollectorVersionMixin, ContinuousSt
     # ------------------------------------------------------------------ properties
     @property
     def max_dialogs_in_flight(self) -> int:
-        return len(self.envs)
+        return len(self._tasks.slots)
 
     turns_run = forwarded("_tasks.turns_run", "Turns finished so far (including turns not yet yielded).")
     turns_yielded = forwarded(
@@ -269,18 +279,20 @@ class ContinuousLLMCollector(CollectorShell, CollectorVersionMixin, ContinuousSt
     def _stop_scheduler(self, timeout: float | None) -> None:
         self._tasks.call(self._tasks.stop(timeout))
         self._join_background(timeout)
-        self._keep_leftovers(self._tasks.call(_drain(self._flow)))
+        self._keep_leftovers(*self._tasks.call(_drain(self._flow)))
         self._tasks.close()
 
-    def _keep_leftovers(self, turns: TensorDictBase | None) -> None:
-        if turns is None:
-            return
-        if self.replay_buffer is None:
-            self.leftover_turns = turns
-            return
-        batch = self._postprocess(turns)
-        if batch is not None:
-            self.replay_buffer.extend(batch)
+    def _keep_leftovers(self, turns: TensorDictBase | None, incomplete: TensorDictBase | None) -> None:
+        """Finished turns no batch took: to the buffer (after postproc) or :attr:`leftover_turns`;
+        turns of incomplete groups always to :attr:`leftover_turns` (the buffer gets whole groups)."""
+        if turns is not None and self.replay_buffer is not None:
+            batch = self._postprocess(turns)
+            if batch is not None:
+                self.replay_buffer.extend(batch)
+            turns = None
+        kept = [td for td in (turns, incomplete) if td is not None]
+        if kept:
+            self.leftover_turns = kept[0] if len(kept) == 1 else stack_turns([*kept[0].unbind(0), *kept[1].unbind(0)])
 
     # ------------------------------------------------------------------ weights
     def _apply_leaf(
@@ -316,19 +328,57 @@ class ContinuousLLMCollector(CollectorShell, CollectorVersionMixin, ContinuousSt
         return getattr(self.engine, attr)
 
 
-async def _exhausted(flow: TurnFlow) -> bool:
+async def _exhausted(flow: TurnFlow | GroupFlow) -> bool:
     return flow.exhausted()
 
 
-async def _drain(flow: TurnFlow) -> TensorDictBase | None:
-    return flow.drain()
+async def _drain(flow: TurnFlow | GroupFlow) -> tuple[TensorDictBase | None, TensorDictBase | None]:
+    return flow.drain(), flow.drain_incomplete()
 
 
-def _capacity(turns_per_batch: int, num_slots: int, max_policy_lag: int | None, max_buffered_turns: int | None) -> int:
+def _flow(
+    config: CollectionConfig,
+    num_slots: int,
+    group_size: int,
+    max_policy_lag: int | None,
+    max_buffered_turns: int | None,
+    base_version: int,
+) -> TurnFlow | GroupFlow:
+    """The admission and release rules: per turn, or per GRPO group when the envs declare groups."""
+    max_turns = None if config.total_dialog_turns == -1 else config.total_dialog_turns
+    if group_size == 1:
+        return TurnFlow(
+            mode=config.mode,
+            num_slots=num_slots,
+            turns_per_batch=config.dialog_turns_per_batch,
+            capacity=_capacity(config.dialog_turns_per_batch, num_slots, max_policy_lag, max_buffered_turns),
+            max_policy_lag=max_policy_lag,
+            max_turns=max_turns,
+            base_version=base_version,
+        )
+    if config.mode != "steps":
+        raise ValueError(
+            f"the envs have GRPO groups (group_size={group_size}): batches hold whole groups of whole dialogs "
+            "already; drop yield_completed_trajectories / yield_only_last_steps."
+        )
+    per_batch = max(1, config.dialog_turns_per_batch // group_size)
+    buffered = None if max_buffered_turns is None else max(1, max_buffered_turns // group_size)
+    return GroupFlow(
+        group_size=group_size,
+        turns_per_batch=config.dialog_turns_per_batch,
+        capacity=_capacity(per_batch, num_slots // group_size, max_policy_lag, buffered),
+        max_policy_lag=max_policy_lag,
+        max_turns=max_turns,
+        base_version=base_version,
+    )
+
+
+def _capacity(per_batch: int, num_slots: int, max_policy_lag: int | None, max_buffered: int | None) -> int:
+    """Units (turns, or groups) started and not consumed beyond which none starts."""
     if max_policy_lag is not None:
-        lag_bound = (max_policy_lag + 1) * turns_per_batch
-        return lag_bound if max_buffered_turns is None else min(lag_bound, max_buffered_turns)
-    return max_buffered_turns if max_buffered_turns is not None else turns_per_batch + num_slots
+        lag_bound = (max_policy_lag + 1) * per_batch
+        return lag_bound if max_buffered is None else min(lag_bound, max_buffered)
+    return max_buffered if max_buffered is not None else per_batch + num_slots
 
 
 def _check_optional_int(name: str, value: Any, *, minimum: int, hint: str) -> None:
@@ -336,31 +386,67 @@ def _check_optional_int(name: str, value: Any, *, minimum: int, hint: str) -> No
         raise ValueError(f"{name} must be an int >= {minimum} or None, got {value!r} ({hint}).")
 
 
-def _build_slot_envs(env: Any, max_dialogs_in_flight: int | None) -> list[Any]:
+def _build_slot_envs(env: Any, max_dialogs_in_flight: int | None) -> tuple[list[Any], list[Slot]]:
+    """The envs (as given or built) and one slot per dialog run at once (an env's elements: a slot each)."""
     if isinstance(env, (list, tuple)):
-        if max_dialogs_in_flight is not None and max_dialogs_in_flight != len(env):
-            raise ValueError(
-                f"max_dialogs_in_flight={max_dialogs_in_flight} but env lists {len(env)} envs (one per slot); "
-                "drop max_dialogs_in_flight or pass that many envs."
-            )
         envs = [instantiate_env(e) for e in env]
+        slots = _slots_of(envs)
+        if max_dialogs_in_flight is not None and max_dialogs_in_flight != len(slots):
+            raise ValueError(
+                f"max_dialogs_in_flight={max_dialogs_in_flight} but env lists {len(slots)} slots (one per env "
+                "element); drop max_dialogs_in_flight or pass that many envs."
+            )
     elif callable(env) and not hasattr(env, "batch_size"):
-        envs = [instantiate_env(env) for _ in range(max_dialogs_in_flight or DEFAULT_DIALOGS_IN_FLIGHT)]
+        wanted = max_dialogs_in_flight or DEFAULT_DIALOGS_IN_FLIGHT
+        envs = [instantiate_env(env)]
+        size = _env_size(envs[0])
+        if wanted % size:
+            raise ValueError(
+                f"the env has batch_size {size} (one slot per element) but max_dialogs_in_flight={wanted} is not "
+                f"a multiple of it; pass max_dialogs_in_flight={size * max(1, round(wanted / size))}."
+            )
+        envs += [instantiate_env(env) for _ in range(wanted // size - 1)]
+        slots = _slots_of(envs)
     else:
         raise TypeError(
-            "env must be a list of batch-1 envs (one per slot) or a callable building one, got "
-            f"{type(env).__name__}; each dialog runs on its own, so every slot needs its own env."
+            "env must be a list of envs or a callable building one, got "
+            f"{type(env).__name__}; each dialog runs on its own, so every slot needs its own env (or env element)."
         )
-    for i, built in enumerate(envs):
-        size = int(torch.Size(built.batch_size).numel())
-        if size != 1:
-            raise ValueError(
-                f"slot {i}'s env has batch_size {tuple(built.batch_size)}; each slot runs one dialog, so "
-                "build envs with batch_size=1 (e.g. ChatEnv(..., batch_size=1)) and set max_dialogs_in_flight."
-            )
     if not envs:
         raise ValueError("env is an empty list; pass one env per slot.")
-    return envs
+    return envs, slots
+
+
+def _env_size(env: Any) -> int:
+    return int(torch.Size(env.batch_size).numel())
+
+
+def _slots_of(envs: list[Any]) -> list[Slot]:
+    slots: list[Slot] = []
+    for i, built in enumerate(envs):
+        size = _env_size(built)
+        if size == 1 and getattr(built, "group_size", 1) == 1:
+            slots.append(Slot(built, parent=i))
+            continue
+        split = getattr(built, "split_elements", None)
+        if split is None:
+            raise ValueError(
+                f"env {i} has batch_size {tuple(built.batch_size)}; each slot runs one dialog, so build envs with "
+                "batch_size=1 (e.g. ChatEnv(..., batch_size=1)) and set max_dialogs_in_flight, or give the env "
+                "split_elements() (batch-1 views of its elements), as ChatEnv has."
+            )
+        slots += [Slot(element, parent=i) for element in split()]
+    return slots
+
+
+def _group_size(envs: list[Any]) -> int:
+    """Dialogs per GRPO group (1: no groups); every env must declare the same."""
+    sizes = {int(getattr(env, "group_size", 1)) for env in envs}
+    if len(sizes) > 1:
+        raise ValueError(
+            f"the envs declare different group sizes {sorted(sizes)}; build every env with the same repeats."
+        )
+    return sizes.pop()
 
 
 def _built_engine(engine: EngineProtocol | Callable[[], EngineProtocol]) -> EngineProtocol:

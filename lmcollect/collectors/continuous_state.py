@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from lmcollect.collectors.config import CollectionConfig
 from lmcollect.collectors.dialog_tasks import DialogTasks
+from lmcollect.collectors.group_flow import GroupFlow
 from lmcollect.collectors.llm_collector import state_of
 from lmcollect.collectors.trajectories import TrajectoryTracker
 from lmcollect.collectors.turn_flow import TurnFlow
@@ -25,7 +26,7 @@ class ContinuousStateMixin:
 
     envs: list[Any]
     _tasks: DialogTasks
-    _flow: TurnFlow
+    _flow: TurnFlow | GroupFlow
     _tracker: TrajectoryTracker
     _policy_version: PolicyVersion | None
     _batches: int
@@ -101,7 +102,7 @@ class ContinuousStateMixin:
         state["batches"] = self._batches
         state["policy_version"] = None if self._policy_version is None else self._policy_version.state_dict()
         state["trajectories"] = self._tracker.state_dict()
-        state["observations"] = [{"obs": s.obs, "was_reset": s.was_reset} for s in self._tasks.slots]
+        state["observations"] = [{"obs": s.obs, "was_reset": s.was_reset, "fresh": s.fresh} for s in self._tasks.slots]
         state["pending_turns"] = self._flow.state_dict()
         return state
 
@@ -109,7 +110,7 @@ class ContinuousStateMixin:
         return {
             "mode": self.config.mode,
             "dialog_turns_per_batch": self.config.dialog_turns_per_batch,
-            "max_dialogs_in_flight": len(self.envs),
+            "max_dialogs_in_flight": len(self._tasks.slots),
             "max_policy_lag": self.max_policy_lag,
         }
 
@@ -141,7 +142,7 @@ class ContinuousStateMixin:
         self._batches = int(state["batches"])
         self._tracker.load_state_dict(state["trajectories"])
         for slot, saved in zip(self._tasks.slots, state["observations"], strict=True):
-            slot.obs, slot.was_reset = saved["obs"], bool(saved["was_reset"])
+            slot.obs, slot.was_reset, slot.fresh = saved["obs"], bool(saved["was_reset"]), bool(saved.get("fresh"))
         self._flow.load_state_dict(state["pending_turns"])
         self._flow.num_dialogs_running = sum(slot.obs is not None for slot in self._tasks.slots)
 
@@ -154,6 +155,6 @@ async def _restart_dialogs(tasks: DialogTasks, slots: list[int] | None, *, full_
         if slot.obs is not None:
             tasks.flow.num_dialogs_running -= 1
             tasks.flow.drop_dialog(i)
-        slot.obs = None
+        slot.obs, slot.fresh = None, False
         slot.was_reset = slot.was_reset and not full_reset  # a reseeded env starts with a full reset
         tasks.tracker.end(i, index)

@@ -24,6 +24,7 @@ from tensordict import TensorDict, TensorDictBase, lazy_stack
 from lmcollect.collectors.batcher import CollectedTurn
 from lmcollect.collectors.engine_turns import prompt_of, request_of, turn_from_result
 from lmcollect.collectors.env_runner import VersionFn, check_turn, env_next, next_observation, record_turn
+from lmcollect.collectors.group_flow import GroupFlow
 from lmcollect.collectors.trajectories import TrajectoryTracker
 from lmcollect.collectors.turn_flow import TurnFlow
 from lmcollect.data import keys
@@ -66,11 +67,18 @@ class LoopThread:
 
 @dataclass
 class Slot:
-    """One env slot: a batch-1 env and the observation of its dialog under way (None: none)."""
+    """One env slot: a batch-1 env and the observation of its dialog under way (None: none).
+
+    ``parent`` is the index of the env the slot's env is an element of (its own index when the
+    slot holds a whole env): group ids are unique per parent env. ``fresh``: the dialog was reset
+    and has run no turn yet (with groups, a slot resets before its group is admitted).
+    """
 
     env: Any
+    parent: int = 0
     obs: TensorDictBase | None = None
     was_reset: bool = False
+    fresh: bool = False
 
 
 @dataclass(kw_only=True)
@@ -91,13 +99,15 @@ class DialogTasks:
         slots: list[Slot],
         *,
         engine_side: EngineSide,
-        flow: TurnFlow,
+        flow: TurnFlow | GroupFlow,
         tracker: TrajectoryTracker,
         version_fn: VersionFn,
     ) -> None:
         self.slots = slots
+        self.num_parents = 1 + max(slot.parent for slot in slots)
         self.engine_side = engine_side
         self.flow = flow
+        self.grouped = isinstance(flow, GroupFlow)
         self.tracker = tracker
         self.version_fn = version_fn
         self.turns_run = 0
@@ -107,6 +117,7 @@ class DialogTasks:
         self._tasks: list[asyncio.Task] = []
         self._paused = False
         self._stopping = False
+        self._resetting = 0  # grouped: slots resetting their env outside a turn
         self._errors: list[BaseException] = []
 
     def call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
@@ -169,7 +180,7 @@ class DialogTasks:
         async with self._cond:
             self._paused = True
             self._cond.notify_all()
-            await self._cond.wait_for(lambda: self.flow.num_in_flight == 0)
+            await self._cond.wait_for(lambda: self.flow.num_in_flight == 0 and self._resetting == 0)
 
     async def resume(self) -> None:
         async with self._cond:
@@ -217,19 +228,25 @@ class DialogTasks:
     async def _run_slot(self, i: int) -> None:
         slot = self.slots[i]
         while True:
+            if self.grouped and slot.obs is None and not await self._open_dialog(i, slot):
+                return
             async with self._cond:
                 # read the slot each time: set_seed / load_state_dict may change its dialog while it waits
-                await self._cond.wait_for(lambda: self._stopping or self._may_start(slot.obs is None))
+                await self._cond.wait_for(lambda: self._stopping or self._may_start(i, slot))
                 if self._stopping:
                     return
-                new_dialog = slot.obs is None
+                if self.grouped and slot.obs is None:
+                    continue  # reset / set_seed cut the dialog it was about to start
+                new_dialog = slot.obs is None or slot.fresh
                 version, index = self.version_fn()
-                self.flow.start_turn(index, new_dialog=new_dialog)
+                self.flow.start_turn(index, new_dialog=new_dialog, group=self._group_of(i, slot))
+                slot.fresh = False
             try:
                 turn = await self._run_turn(i, slot, version, index)
             except Exception as exc:  # designed: surfaced by the consumer's next(); this dialog is dropped
                 exc.add_note(f"raised in dialog slot {i} (env index {i}) of a ContinuousLLMCollector")
                 async with self._cond:
+                    self.flow.abandon_turn(index, end_dialog=True)
                     self._drop_dialog(i, slot, index)
                     self._errors.append(exc)
                     self._cond.notify_all()
@@ -239,17 +256,59 @@ class DialogTasks:
                 self.turns_run += 1
                 self._cond.notify_all()
 
-    def _may_start(self, new_dialog: bool) -> bool:
+    async def _open_dialog(self, i: int, slot: Slot) -> bool:
+        """Grouped: reset the slot's env now, so its group is known before admission (False: stopping)."""
+        async with self._cond:
+            await self._cond.wait_for(lambda: self._stopping or not (self._paused or self._errors))
+            if self._stopping:
+                return False
+            self._resetting += 1
+        try:
+            obs = await self._new_dialog(i, slot, self.version_fn()[1])
+        except Exception as exc:  # designed: surfaced by the consumer's next(); the slot tries again
+            exc.add_note(f"raised resetting dialog slot {i} (env index {i}) of a ContinuousLLMCollector")
+            async with self._cond:
+                self._resetting -= 1
+                self._errors.append(exc)
+                self._cond.notify_all()
+            return True
+        async with self._cond:
+            self._resetting -= 1
+            slot.obs, slot.fresh = obs, True
+            group = self._group_of(i, slot)
+            assert group is not None  # grouped, with an observation
+            self.flow.assign(i, group)
+            self._cond.notify_all()
+        return True
+
+    def _group_of(self, i: int, slot: Slot) -> int | None:
+        """The collector-wide group id of the slot's dialog (grouped envs only)."""
+        if not self.grouped or slot.obs is None:
+            return None
+        prompt_id = slot.obs.get(keys.ENV_PROMPT_ID, None)
+        if prompt_id is None:
+            raise ValueError(
+                f"slot {i}'s env declares groups (group_size > 1) but its reset() output has no "
+                f"{keys.ENV_PROMPT_ID}; write the prompt draw's id there (dialogs of one draw share it)."
+            )
+        return self.tracker.group_id(slot.parent, self.num_parents, int(prompt_id))
+
+    def _may_start(self, i: int, slot: Slot) -> bool:
         if self._paused or self._errors:
             return False
-        return self.flow.may_start(new_dialog=new_dialog, version_index=self.version_fn()[1])
+        if self.grouped and slot.obs is None:
+            return True  # cut while waiting: go back and reset
+        return self.flow.may_start(
+            new_dialog=slot.obs is None or slot.fresh,
+            version_index=self.version_fn()[1],
+            group=self._group_of(i, slot),
+        )
 
     def _drop_dialog(self, i: int, slot: Slot, index: int) -> None:
-        self.flow.abandon_turn(index, end_dialog=True)
         dropped = self.flow.drop_dialog(i)
         if dropped:
             logger.info("slot %d: dropped %d turns of a trajectory that failed", i, dropped)
-        slot.obs = None
+        slot.obs, slot.fresh = None, False
         self.tracker.end(i, index)
 
     async def _run_turn(self, i: int, slot: Slot, version: int | str, index: int) -> CollectedTurn:
@@ -277,8 +336,8 @@ class DialogTasks:
             version=version,
             version_index=index,
             done=done,
-            env_number=i,
-            num_envs=len(self.slots),
+            env_number=slot.parent,
+            num_envs=self.num_parents,
         )
         slot.obs = None if done else next_observation(turn, nxt)
         return collected

@@ -110,8 +110,8 @@ class TurnFlow:
         started = self.num_dialogs_started if self.mode == "last_steps" else self.num_started
         return started < self.max_turns
 
-    def may_start(self, *, new_dialog: bool, version_index: int) -> bool:
-        """Whether a dialog may start its next turn (a new dialog: its first one)."""
+    def may_start(self, *, new_dialog: bool, version_index: int, group: int | None = None) -> bool:
+        """Whether a dialog may start its next turn (a new dialog: its first one; ``group``: see GroupFlow)."""
         if self._batcher is not None and not new_dialog:
             return True  # a dialog under way always finishes: its trajectory is needed whole
         if not self.budget_left():
@@ -136,7 +136,10 @@ class TurnFlow:
             and not self._lag_admits(version_index)
         )
 
-    def start_turn(self, version_index: int, *, new_dialog: bool) -> None:
+    def assign(self, slot: int, group: int) -> None:
+        """(GroupFlow's: which group a slot's new dialog answers; turns here have no groups.)"""
+
+    def start_turn(self, version_index: int, *, new_dialog: bool, group: int | None = None) -> None:
         if self.num_started == 0 and self.num_batches == 0:
             # collection begins here: versions pushed before it are where it begins, not versions it advanced
             self.base_version = version_index
@@ -186,7 +189,7 @@ class TurnFlow:
             return True
         _, left = self._split()
         # with no turn in flight, waiting cannot help (only extra pushes make deadlines unmeetable)
-        return not self._in_flight or _deadlines_met(left, version_index, self.max_policy_lag, self.turns_per_batch)
+        return not self._in_flight or deadlines_met(left, version_index, self.max_policy_lag, self.turns_per_batch)
 
     def pop(self, version_index: int) -> TensorDictBase:
         """The next batch (call only when :meth:`ready`)."""
@@ -243,6 +246,10 @@ class TurnFlow:
         self.num_consumed += len(tds)
         return stack_turns(tds) if tds else None
 
+    def drain_incomplete(self) -> TensorDictBase | None:
+        """(GroupFlow's: turns of groups under way; here every finished turn was drained.)"""
+        return None
+
     def state_dict(self) -> dict:
         """The finished turns not consumed yet and the counters (taken with no turn in flight)."""
         assert not self._in_flight, "state_dict() with turns in flight"
@@ -258,6 +265,10 @@ class TurnFlow:
         return {**counters, "pending": pending}
 
     def load_state_dict(self, state: dict) -> None:
+        if "open" in state:
+            raise ValueError(
+                "this state holds GRPO groups; restore it into a collector whose envs have the same repeats."
+            )
         for name in _COUNTERS:
             setattr(self, name, int(state[name]))
         # a state from before dialogs were counted: as many as rows were taken (last-steps mode)
@@ -275,7 +286,7 @@ class TurnFlow:
 _COUNTERS = ("base_version", "num_started", "num_consumed", "num_batches")
 
 
-def _deadlines_met(versions: list[int], version_index: int, max_policy_lag: int, turns_per_batch: int) -> bool:
+def deadlines_met(versions: list[int], version_index: int, max_policy_lag: int, turns_per_batch: int) -> bool:
     """Whether turns of these versions can all leave in time, one batch (and at most one version) at a time."""
     for i, version in enumerate(sorted(versions)):
         if version + max_policy_lag < version_index + math.ceil((i + 1) / turns_per_batch):

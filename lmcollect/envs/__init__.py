@@ -1,7 +1,7 @@
 """Chat environments: prompt datasets, reward functions, tasks, ChatEnv and the async env pool."""
 
 from lmcollect.envs._td import PROMPT_ID, SAMPLE_INDEX
-from lmcollect.envs.chat_env import ChatEnv, RewardError
+from lmcollect.envs.chat_env import ChatEnv, ChatEnvElement, RewardError
 from lmcollect.envs.config import ChatEnvConfig
 from lmcollect.envs.datasets import PromptDataset, row_to_history
 from lmcollect.envs.pool import AsyncEnvPool
@@ -41,6 +41,7 @@ __all__ = [
     "AsyncTask",
     "ChatEnv",
     "ChatEnvConfig",
+    "ChatEnvElement",
     "EnvProtocol",
     "ExactMatchReward",
     "GuessingGameTask",

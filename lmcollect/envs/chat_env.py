@@ -160,8 +160,8 @@ class ChatEnv:
             if reset:
                 self._start(i)
         self._started = True
-        flags = self._flags
-        return build_batch(self._prompts, [0.0] * len(flags), flags, self._draws, with_reward=False)
+        elements = range(self.config.batch_size)
+        return self._outputs(elements, [0.0] * len(elements), with_reward=False)
 
     def _start(self, i: int) -> None:
         draw = self._sampler.draw_for(i)
@@ -179,9 +179,10 @@ class ChatEnv:
 
     def step(self, td: TensorDictBase) -> TensorDictBase:
         """Score the policy's ``("history", "full")`` and write ``"next"`` into ``td`` (returned)."""
-        fulls = self._step_inputs(td)
-        replies = [self._respond(i, full) for i, full in enumerate(fulls)]
-        return self._commit(td, fulls, replies)
+        elements = range(self.config.batch_size)
+        fulls = self._step_inputs(td, len(elements))
+        replies = [self._respond(i, full) for i, full in zip(elements, fulls, strict=True)]
+        return self._commit(td, elements, fulls, replies)
 
     async def astep(self, td: TensorDictBase) -> TensorDictBase:
         """:meth:`step` for an event loop: every element's reply is awaited at once.
@@ -190,28 +191,72 @@ class ChatEnv:
         waits without blocking the loop); any other task's ``respond`` runs in a worker thread.
         Same checks, same result and same state changes as :meth:`step`.
         """
-        fulls = self._step_inputs(td)
-        replies = await asyncio.gather(*(self._arespond(i, full) for i, full in enumerate(fulls)))
-        return self._commit(td, fulls, list(replies))
+        elements = range(self.config.batch_size)
+        fulls = self._step_inputs(td, len(elements))
+        replies = await asyncio.gather(*(self._arespond(i, full) for i, full in zip(elements, fulls, strict=True)))
+        return self._commit(td, elements, fulls, list(replies))
 
-    def _step_inputs(self, td: TensorDictBase) -> list[History]:
+    def _step_inputs(self, td: TensorDictBase, batch: int) -> list[History]:
         self._check_open()
         if not self._started:
             raise RuntimeError("ChatEnv.step called before reset(); call env.reset() first.")
-        return read_histories(td, keys.HISTORY_FULL, self.config.batch_size)
+        return read_histories(td, keys.HISTORY_FULL, batch)
 
-    def _commit(self, td: TensorDictBase, fulls: list[History], replies: list[TaskReply]) -> TensorDictBase:
+    def _commit(
+        self, td: TensorDictBase, elements: Sequence[int], fulls: list[History], replies: list[TaskReply]
+    ) -> TensorDictBase:
         # Nothing is committed before every element has been scored: a failure leaves the env intact.
         max_turns = self.config.max_turns
         rewards: list[float] = []
-        for i, (full, reply) in enumerate(zip(fulls, replies, strict=True)):
+        for i, full, reply in zip(elements, fulls, replies, strict=True):
             self._turns[i] += 1
             truncated = not reply.done and self._turns[i] >= max_turns
             self._flags[i] = (reply.done or truncated, reply.done, truncated)
             self._prompts[i] = full if reply.env_message is None else full.append("user", reply.env_message)
             rewards.append(reply.reward)
-        td.set("next", build_batch(self._prompts, rewards, self._flags, self._draws, with_reward=True))
+        td.set("next", self._outputs(elements, rewards, with_reward=True))
         return td
+
+    def _outputs(self, elements: Sequence[int], rewards: Sequence[float], *, with_reward: bool) -> TensorDictBase:
+        return build_batch(
+            [self._prompts[i] for i in elements],
+            rewards,
+            [self._flags[i] for i in elements],
+            [self._draws[i] for i in elements],
+            with_reward=with_reward,
+        )
+
+    # ---- one element as an env of its own (GRPO groups across continuous slots) ----------------
+    @property
+    def group_size(self) -> int:
+        """Dialogs that answer each prompt draw (``repeats``): a GRPO group."""
+        return self.config.repeats
+
+    def split_elements(self) -> list[ChatEnvElement]:
+        """Each element as a batch-1 env (:class:`ChatEnvElement`) that resets and steps on its own.
+
+        The elements keep sharing this env's prompt draws, so the ``repeats`` elements of a group
+        still answer the same prompts, each at its own pace. This is how the continuous collector
+        runs GRPO groups: one slot per element. Seeding and checkpoints stay with this env.
+        """
+        return [ChatEnvElement(self, i) for i in range(self.config.batch_size)]
+
+    def reset_element(self, i: int) -> TensorDictBase:
+        """Start a new dialog in element ``i`` only (its group's next draw); a batch-1 output."""
+        self._check_open()
+        self._started = True  # the others stay as they are (before any reset: no dialog)
+        self._start(i)
+        return self._outputs([i], [0.0], with_reward=False)
+
+    def step_element(self, i: int, td: TensorDictBase) -> TensorDictBase:
+        """:meth:`step` of element ``i`` alone (``td`` has batch size 1)."""
+        fulls = self._step_inputs(td, 1)
+        return self._commit(td, [i], fulls, [self._respond(i, fulls[0])])
+
+    async def astep_element(self, i: int, td: TensorDictBase) -> TensorDictBase:
+        """:meth:`astep` of element ``i`` alone (``td`` has batch size 1)."""
+        fulls = self._step_inputs(td, 1)
+        return self._commit(td, [i], fulls, [await self._arespond(i, fulls[0])])
 
     def _respond(self, i: int, full: History) -> TaskReply:
         self._check_reply_input(i, full)
@@ -316,3 +361,30 @@ def _checked_reply(i: int, reply: object) -> TaskReply:
     if not isinstance(reply, TaskReply):
         raise TypeError(f"Task.respond must return a TaskReply, got {type(reply).__name__} for element {i}.")
     return reply
+
+
+class ChatEnvElement:
+    """Element ``index`` of a :class:`ChatEnv` as a batch-1 env: it resets and steps on its own.
+
+    Built by :meth:`ChatEnv.split_elements`. Its dialogs draw prompts from the parent's groups (the
+    ``repeats`` elements of a group answer the same draws), its state lives in the parent, so seed
+    and checkpoint the parent. Implements :class:`~lmcollect.envs.AsyncEnvProtocol`.
+    """
+
+    def __init__(self, parent: ChatEnv, index: int) -> None:
+        self.parent = parent
+        self.index = index
+        self.batch_size = torch.Size([1])
+
+    def reset(self, td: TensorDictBase | None = None) -> TensorDictBase:
+        """A new dialog in this element (``td``'s reset mask, if any, is this element's)."""
+        return self.parent.reset_element(self.index)
+
+    def step(self, td: TensorDictBase) -> TensorDictBase:
+        return self.parent.step_element(self.index, td)
+
+    async def astep(self, td: TensorDictBase) -> TensorDictBase:
+        return await self.parent.astep_element(self.index, td)
+
+    def __repr__(self) -> str:
+        return f"ChatEnvElement({self.index} of {self.parent!r})"

@@ -24,7 +24,10 @@ class EnvProtocol(Protocol):
     ``(B, 1)``) and ``"done"`` / ``"terminated"`` / ``"truncated"`` (bool, ``(B, 1)``).
 
     Optional: ``set_seed(seed, static_seed=False) -> int``, ``state_dict()``, ``load_state_dict()``,
-    ``close()``.
+    ``close()``. An env with GRPO groups also declares ``group_size`` (dialogs per prompt draw) and
+    ``split_elements()`` (its elements as batch-1 envs that reset and step on their own, still
+    drawing prompts group by group), as :class:`~lmcollect.envs.ChatEnv` does: the continuous
+    collector then runs one element per slot and keeps each group together.
     """
 
     batch_size: torch.Size

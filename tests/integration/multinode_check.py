@@ -1,21 +1,27 @@
 """The multi-node paths for real, on one three-node Ray cluster started on this machine.
 
 Run by tests/integration/test_multinode.py in its own process (it starts its own cluster, once for
-both checks):
+all checks). With ``--links`` the two worker nodes run in network namespaces of their own, each
+behind a 1 Gbit/s rate-limited link to the head (tests/links.py), so every byte between nodes
+crosses a real link; without it, all three nodes share loopback. The checks:
 
 - two RayLLMCollectors on two nodes fill a RayReplayBuffer on a third; prints "MULTINODE OK <json>";
 - with ``--vllm``: a vLLMUpdater built without a master_address pushes into a vLLM engine in a
   RayLLMCollector on another node. It must pick this node's IP as Ray reports it (not loopback),
   the engine's worker must join the group there, and collection must go on with the new version;
-  prints "VLLM MULTINODE OK <json>".
+  prints "VLLM MULTINODE OK <json>";
+- with ``--links``: prints "LINKS <json>": each node's address and the bytes its link carried.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import ray
 from ray.cluster_utils import Cluster
@@ -29,6 +35,8 @@ from lmcollect.ray.collector import RayLLMCollector
 from lmcollect.ray.group import RayCollectorGroup
 
 ENGINE_KWARGS = {"kv_cache_memory_bytes": 1 << 30, "enforce_eager": True}
+LINK_RATE_MBIT = 1000
+NODES = ("node_a", "node_b")
 
 
 def check_collectors_and_buffer() -> None:
@@ -90,6 +98,7 @@ def check_vllm_push_across_nodes() -> None:
                 "collector_node": collector_node,
                 "master_address": address,
                 "versions": batch[keys.POLICY_VERSION].tolist(),
+                "pushed_bytes": updater.last_push_stats.nbytes if updater.last_push_stats else None,
             }
         finally:
             collector.shutdown()
@@ -99,19 +108,45 @@ def check_vllm_push_across_nodes() -> None:
     print("VLLM MULTINODE OK", json.dumps(result), flush=True)
 
 
-def main(argv: list[str]) -> None:
+@contextlib.contextmanager
+def loopback_cluster() -> Iterator[None]:
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"buffer_node": 1}})
-    for name in ("node_a", "node_b"):
+    for name in NODES:
         cluster.add_node(num_cpus=1, resources={name: 1})
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, include_dashboard=False)
     try:
-        check_collectors_and_buffer()
-        if "--vllm" in argv:
-            check_vllm_push_across_nodes()
+        yield
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def main(argv: list[str]) -> None:
+    if "--links" not in argv:
+        with loopback_cluster():
+            run_checks(argv)
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests.links, run as a script
+    from tests.links import LinkedCluster, NodeLink
+
+    nodes = [NodeLink(name=name, rate_mbit=LINK_RATE_MBIT) for name in NODES]
+    with LinkedCluster(nodes, head_resources={"buffer_node": 1}) as cluster:
+        run_checks(argv)
+        result = {
+            "head_ip": cluster.head_ip,
+            "node_ips": {name: cluster.node_ip(name) for name in NODES},
+            "rate_mbit": LINK_RATE_MBIT,
+            "bytes": cluster.link_bytes(),
+            "ray_node_ips": sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]),
+        }
+        print("LINKS", json.dumps(result), flush=True)
+
+
+def run_checks(argv: list[str]) -> None:
+    check_collectors_and_buffer()
+    if "--vllm" in argv:
+        check_vllm_push_across_nodes()
 
 
 if __name__ == "__main__":

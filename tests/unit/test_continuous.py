@@ -409,8 +409,15 @@ def test_pushes_before_collection_begins_do_not_let_more_batches_run(pushes_befo
 
 # ---------------------------------------------------------------------- arguments
 def test_arguments_are_checked_naming_the_knob() -> None:
+    class PairEnv:  # batch size 2 and no split_elements(): its elements cannot run as slots
+        batch_size = torch.Size([2])
+
+        def reset(self, td=None): ...
+
+        def step(self, td): ...
+
     with pytest.raises(ValueError, match="batch_size=1"):
-        make_collector([ChatEnv(ROWS, task=ToolCalcTask(), batch_size=2, max_turns=5)])
+        make_collector([PairEnv()])
     with pytest.raises(ValueError, match="flatten_data"):
         make_collector([tool_env(0)], flatten_data=False)
     with pytest.raises(ValueError, match="max_policy_lag"):

@@ -1,0 +1,289 @@
+"""Admission and release of whole GRPO groups in continuous collection (pure logic).
+
+With envs that declare groups (``ChatEnv(repeats=k)``), ``k`` dialogs answer each prompt draw,
+one per slot, each at its own pace (a slot that ends early starts its next draw's dialog at once).
+:class:`GroupFlow` holds a group's turns until all its dialogs ended and releases whole groups: a
+batch holds ``G = max(1, dialog_turns_per_batch // k)`` complete groups with every turn of their
+dialogs (exactly ``dialog_turns_per_batch`` turns for single-turn tasks when ``k`` divides it).
+So ``GroupAdvantage`` sees every group whole, in one batch.
+
+The unit is a group, and :class:`~lmcollect.collectors.turn_flow.TurnFlow`'s rules apply to it:
+
+* **Admission.** A group is admitted when its first dialog is about to start its first turn, if the
+  groups admitted and not consumed stay below ``capacity`` and, with ``max_policy_lag=L``, AReaL's
+  rule holds in groups: ``admitted < (L + v + 1) * G`` (``v``: versions advanced, at most one per
+  batch). Every later turn of an admitted group starts at once: a group under way completes without
+  waiting for a push, so the rules never deadlock.
+* **Release.** ``G`` complete groups with the oldest admission versions leave together, and only if
+  every group left behind (complete, or under way) can still leave within ``L`` versions of its
+  admission when each later batch brings one version (the deadline rule, counted in groups).
+
+So ``max_policy_lag`` holds per group: a group admitted under version ``s`` leaves in a batch
+released while the collector holds at most ``s + L`` (and each turn's own version is ``>= s``).
+A dialog that fails, or that ``reset()`` / ``set_seed()`` cuts, leaves its group: the group then
+completes with one answer fewer, and the cut dialog's turns are dropped (logged by the caller).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+from tensordict import TensorDictBase
+
+from lmcollect.collectors.batcher import CollectedTurn, turn_state
+from lmcollect.collectors.turn_flow import deadlines_met
+from lmcollect.data.turns import stack_turns
+
+
+@dataclass
+class _Group:
+    """A group under way: its admission version, the dialogs it waits for and its turns so far."""
+
+    version: int
+    expected: int
+    done: int = 0
+    turns: list[CollectedTurn] = field(default_factory=list)
+
+
+class GroupFlow:
+    """Counts groups admitted, under way, complete and consumed; decides admission and release.
+
+    Same interface as :class:`~lmcollect.collectors.turn_flow.TurnFlow` (the dialog tasks call
+    either), plus :meth:`assign` (which group a slot's new dialog answers) and
+    :meth:`drain_incomplete`.
+
+    Args:
+        group_size: ``k``, dialogs per prompt draw.
+        turns_per_batch: ``dialog_turns_per_batch``; a batch holds ``max(1, turns_per_batch // k)`` groups.
+        capacity: groups admitted and not consumed beyond which no group is admitted.
+        max_policy_lag: ``L``, or None for no lag bound.
+        max_turns: dialogs to start in the collector's life (None: endless), rounded up to whole batches.
+        base_version: the version index when the flow began.
+    """
+
+    mode = "steps"
+
+    def __init__(
+        self,
+        *,
+        group_size: int,
+        turns_per_batch: int,
+        capacity: int,
+        max_policy_lag: int | None,
+        max_turns: int | None,
+        base_version: int = 0,
+    ) -> None:
+        self.group_size = group_size
+        self.turns_per_batch = turns_per_batch
+        self.groups_per_batch = max(1, turns_per_batch // group_size)
+        self.capacity = capacity
+        self.max_policy_lag = max_policy_lag
+        per_batch = self.groups_per_batch * group_size
+        self.max_groups = None if max_turns is None else math.ceil(max_turns / per_batch) * self.groups_per_batch
+        self.base_version = base_version
+        self.num_started = 0  # groups admitted
+        self.num_consumed = 0  # turns that left in batches
+        self.num_batches = 0
+        self.num_dialogs_running = 0
+        self.num_dialogs_started = 0
+        self._open: dict[int, _Group] = {}  # group id -> group under way
+        self._finished: list[tuple[int, int, list[CollectedTurn]]] = []  # (admission version, seq, turns)
+        self._seq = 0
+        self._num_in_flight = 0  # turns (read from other threads: an int)
+        self._slot_group: dict[int, int] = {}  # slot -> the group its current dialog answers
+        self._missing: Counter[int] = Counter()  # groups not admitted yet -> dialogs cut before they began
+
+    # ------------------------------------------------------------------ counts
+    @property
+    def num_in_flight(self) -> int:
+        """Turns started and not finished."""
+        return self._num_in_flight
+
+    @property
+    def num_buffered_turns(self) -> int:
+        """Finished turns not consumed: those of complete groups and those held for groups under way."""
+        held = sum(len(g.turns) for g in self._open.values())
+        return held + sum(len(turns) for _, _, turns in self._finished)
+
+    @property
+    def num_groups_open(self) -> int:
+        """Groups admitted and not complete."""
+        return len(self._open)
+
+    def budget_left(self) -> bool:
+        return self.max_groups is None or self.num_started < self.max_groups
+
+    # ------------------------------------------------------------------ admission
+    def assign(self, slot: int, group: int) -> None:
+        """Slot ``slot`` holds a new dialog (reset, not started) answering ``group``."""
+        self._slot_group[slot] = group
+
+    def may_start(self, *, new_dialog: bool, version_index: int, group: int | None = None) -> bool:
+        if group in self._open or not new_dialog:
+            return True  # a group under way always completes
+        if not self.budget_left():
+            return False
+        if len(self._open) + len(self._finished) >= self.capacity:
+            return False
+        return self._lag_admits(version_index)
+
+    def _lag_admits(self, version_index: int) -> bool:
+        if self.max_policy_lag is None:
+            return True
+        advanced = min(version_index - self.base_version, self.num_batches)
+        return self.num_started < (self.max_policy_lag + advanced + 1) * self.groups_per_batch
+
+    def stalled(self, version_index: int) -> bool:
+        """Nothing can move until a push: no group under way, no batch ready, no group admitted."""
+        return (
+            self.max_policy_lag is not None
+            and self.budget_left()
+            and not self._num_in_flight
+            and not self._open
+            and not self.ready(version_index)
+            and not self._lag_admits(version_index)
+        )
+
+    def start_turn(self, version_index: int, *, new_dialog: bool, group: int | None = None) -> None:
+        if group is None:
+            raise ValueError("GroupFlow.start_turn needs the turn's group")
+        if self.num_started == 0 and self.num_batches == 0:
+            self.base_version = version_index  # as TurnFlow: versions pushed before collection do not count
+        if group not in self._open:
+            expected = self.group_size - self._missing.pop(group, 0)
+            self._open[group] = _Group(version=version_index, expected=max(1, expected))
+            self.num_started += 1
+        self._num_in_flight += 1
+        if new_dialog:
+            self.num_dialogs_running += 1
+            self.num_dialogs_started += 1
+
+    def abandon_turn(self, version_index: int, *, end_dialog: bool) -> None:
+        """A turn that failed; with ``end_dialog`` its dialog ends (:meth:`drop_dialog` follows)."""
+        self._num_in_flight -= 1
+        if end_dialog:
+            self.num_dialogs_running -= 1
+
+    def finish_turn(self, version_index: int, turn: CollectedTurn) -> None:
+        self._num_in_flight -= 1
+        group = self._slot_group[turn.slot]
+        held = self._open[group]
+        held.turns.append(turn)
+        if turn.done:
+            self.num_dialogs_running -= 1
+            held.done += 1
+            del self._slot_group[turn.slot]
+            self._complete_if_done(group)
+
+    def drop_dialog(self, slot: int) -> int:
+        """The dialog of ``slot`` was cut: it leaves its group; returns its turns dropped."""
+        group = self._slot_group.pop(slot, None)
+        if group is None:
+            return 0
+        held = self._open.get(group)
+        if held is None:  # its group was not admitted yet: it will wait for one dialog fewer
+            self._missing[group] += 1
+            return 0
+        kept = [t for t in held.turns if t.slot != slot]
+        dropped = len(held.turns) - len(kept)
+        held.turns = kept
+        held.expected -= 1
+        self._complete_if_done(group)
+        return dropped
+
+    def _complete_if_done(self, group: int) -> None:
+        held = self._open[group]
+        if held.done < held.expected:
+            return
+        del self._open[group]
+        if held.turns:
+            self._finished.append((held.version, self._seq, held.turns))
+            self._seq += 1
+
+    # ------------------------------------------------------------------ release
+    def ready(self, version_index: int) -> bool:
+        if len(self._finished) < self.groups_per_batch:
+            return False
+        if self.max_policy_lag is None or not self._open:
+            return True
+        ordered = sorted(self._finished, key=lambda item: item[:2])
+        left = [v for v, _, _ in ordered[self.groups_per_batch :]] + [g.version for g in self._open.values()]
+        return deadlines_met(left, version_index, self.max_policy_lag, self.groups_per_batch)
+
+    def pop(self, version_index: int) -> TensorDictBase:
+        """The next batch: ``G`` whole groups, oldest admission first (call only when :meth:`ready`)."""
+        assert self.ready(version_index), "pop() called before a batch was ready"
+        taken = sorted(self._finished, key=lambda item: item[:2])[: self.groups_per_batch]
+        chosen = {id(item) for item in taken}
+        self._finished = [item for item in self._finished if id(item) not in chosen]
+        taken.sort(key=lambda item: item[1])  # groups in completion order, each group's turns in finish order
+        tds = [turn.td for _, _, turns in taken for turn in turns]
+        self.num_consumed += len(tds)
+        self.num_batches += 1
+        return stack_turns(tds)
+
+    def exhausted(self) -> bool:
+        """The group budget is spent and nothing more can ever make a batch."""
+        if self.budget_left() or self._num_in_flight or self._open:
+            return False
+        return len(self._finished) < self.groups_per_batch
+
+    def drain(self) -> TensorDictBase | None:
+        """Every complete group not consumed yet, consumed now (completion order)."""
+        tds = [turn.td for _, _, turns in sorted(self._finished, key=lambda item: item[1]) for turn in turns]
+        self._finished = []
+        self.num_consumed += len(tds)
+        return stack_turns(tds) if tds else None
+
+    def drain_incomplete(self) -> TensorDictBase | None:
+        """The turns held for groups under way (at shutdown: their other dialogs will never run)."""
+        tds = [turn.td for held in self._open.values() for turn in held.turns]
+        self._open.clear()
+        self._slot_group.clear()
+        self.num_consumed += len(tds)
+        return stack_turns(tds) if tds else None
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """Counters, complete groups and groups under way with their turns (taken with no turn in flight)."""
+        assert not self._num_in_flight, "state_dict() with turns in flight"
+        return {
+            **{k: getattr(self, k) for k in _COUNTERS},
+            "finished": [{"version": v, "turns": [turn_state(t) for t in turns]} for v, _, turns in self._finished],
+            "open": {
+                str(g): {
+                    "version": h.version,
+                    "expected": h.expected,
+                    "done": h.done,
+                    "turns": [turn_state(t) for t in h.turns],
+                }
+                for g, h in self._open.items()
+            },
+            "slot_group": {str(s): g for s, g in self._slot_group.items()},
+            "missing": {str(g): n for g, n in self._missing.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if "open" not in state:
+            raise ValueError(
+                "this state holds turns without GRPO groups; restore it into a collector whose envs have no repeats."
+            )
+        for name in _COUNTERS:
+            setattr(self, name, int(state[name]))
+        self._finished = []
+        for item in state["finished"]:
+            self._finished.append((int(item["version"]), self._seq, [CollectedTurn(**t) for t in item["turns"]]))
+            self._seq += 1
+        self._open = {
+            int(g): _Group(
+                int(h["version"]), int(h["expected"]), int(h["done"]), [CollectedTurn(**t) for t in h["turns"]]
+            )
+            for g, h in state["open"].items()
+        }
+        self._slot_group = {int(s): int(g) for s, g in state["slot_group"].items()}
+        self._missing = Counter({int(g): int(n) for g, n in state["missing"].items()})
+
+
+_COUNTERS = ("base_version", "num_started", "num_consumed", "num_batches", "num_dialogs_started")
