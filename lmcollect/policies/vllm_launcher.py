@@ -21,6 +21,7 @@ import warnings
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from lmcollect.engines.vllm_common import engine_kwargs_for
 from lmcollect.policies.served_http import VLLMServerError, request_json
@@ -57,11 +58,19 @@ def serve_command(model_path: str | Path, *, host: str, port: int, serve_args: S
     which win over them (argparse keeps the last value).
     """
     settings = engine_kwargs_for(model_path, None)
-    flags = [part for key, value in settings.items() for part in (f"--{key.replace('_', '-')}", str(value))]
+    flags = [part for key, value in settings.items() for part in _flag(key, value)]
     return [
         sys.executable, "-m", SERVE_MODULE, "--model", str(model_path),
         "--host", host, "--port", str(port), *flags, "--middleware", GUARD_PATH, *serve_args,
     ]  # fmt: skip
+
+
+def _flag(key: str, value: Any) -> list[str]:
+    """One engine setting as ``vllm serve`` flags (booleans: ``--name`` / ``--no-name``)."""
+    name = key.replace("_", "-")
+    if isinstance(value, bool):
+        return [f"--{name}" if value else f"--no-{name}"]
+    return [f"--{name}", str(value)]
 
 
 def control_settings_for(

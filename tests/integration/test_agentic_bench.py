@@ -4,6 +4,8 @@ Speed is not asserted (the machine is shared); the rows' shape and the sameness 
 """
 from __future__ import annotations
 
+import dataclasses
+
 from benchmarks.agentic import Workload, gpu_rows, ratio_row, run_sample
 
 # greedy, so a dialog's responses are a function of its row: both modes must produce the same ones
@@ -44,3 +46,19 @@ def test_gpu_row_says_skipped_without_a_gpu() -> None:
         return  # the GPU row runs for real there (benchmark, not test)
     (row,) = gpu_rows(SMALLEST, 1, more_slots=8)
     assert row["value"] is None and row["met"] is None and "skipped" in row
+
+
+def test_the_grpo_modes_push_every_batch_and_continuous_batches_hold_whole_groups() -> None:
+    from collections import Counter
+
+    from benchmarks.agentic import GROUP_SIZE
+
+    w = dataclasses.replace(SMALLEST, turns_per_batch=16)
+    lockstep = run_sample("transformers", "sync-grpo-push", 8, w)
+    continuous = run_sample("transformers", "continuous-grpo-push", 8, w)
+    for sample in (lockstep, continuous):
+        assert len(sample.push_s) == w.num_batches and sample.turns > 0
+    assert set(lockstep.lags) == {0} and set(continuous.lags) <= {0, 1}  # max_policy_lag=1
+    # whole groups: each (dialog opening, turn) of a timed batch comes once per member of its group
+    counts = Counter(tuple(key) for key in continuous.dialog_keys)
+    assert all(n % GROUP_SIZE == 0 for n in counts.values()), counts

@@ -139,6 +139,17 @@ def test_seeds_and_stop_token_ids(engine: VLLMEngine, sync_answers: TensorDictBa
         engine.submit(EngineRequest(prompt_ids=[], sampling=greedy()))
 
 
+def test_seeded_prompts_longer_than_a_step_budget_do_not_kill_the_engine(engine: VLLMEngine) -> None:
+    # vLLM rewinds a seeded request's generator by an offset after each prefill chunk, which a CPU
+    # generator does not have: with chunked prefill this batch killed the engine core (whole prefills here)
+    sampled = SamplingConfig(temperature=1.0, max_new_tokens=4)
+    long_prompt = [int(t) for t in torch.randint(10, 200, (1500,), generator=torch.Generator().manual_seed(0))]
+    futures = [engine.submit(EngineRequest(prompt_ids=long_prompt, sampling=sampled, seed=s)) for s in range(3)]
+    results = [f.result(RESULT_TIMEOUT_S) for f in futures]  # 4500 prompt tokens: more than 2048 per step
+    assert all(len(r.tokens) == 4 for r in results)
+    assert torch.equal(results[0].tokens, answer(engine, long_prompt, sampled, seed=0).tokens)  # the seed holds
+
+
 # ------------------------------------------------------------------------------------ weights
 def test_load_during_a_pause_switches_in_flight_tokens_to_the_new_weights(
     engine: VLLMEngine, sync_answers: TensorDictBase, hf_model: torch.nn.Module, model_dir: Path

@@ -22,7 +22,7 @@ from lmcollect.data import keys
 from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
 from lmcollect.models import ModelSpec, get_model_path, load_model_and_tokenizer
 from lmcollect.policies import TransformersPolicy
-from lmcollect.engines.vllm_common import engine_kwargs_for, sampling_params_kwargs
+from lmcollect.engines.vllm_common import engine_kwargs_for, on_cpu, sampling_params_kwargs
 from lmcollect.engines.vllm_engine import VLLMEngine
 from lmcollect.engines.weight_group import GroupPush, join_weight_group
 from lmcollect.policies.vllm_policy import VLLMPolicy
@@ -61,13 +61,18 @@ def test_sampling_params_mapping() -> None:
 
 
 def test_engine_kwargs_defaults_and_errors(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32", "max_position_embeddings": 4096}))
+    # on CPU: whole prefills (a chunked seeded prefill kills vLLM's CPU engine core), a step fits a prompt
+    whole_prefills = {"enable_chunked_prefill": False, "max_num_batched_tokens": 4096} if on_cpu() else {}
     assert engine_kwargs_for(tmp_path, {"seed": 1}) == {
         "seed": 1,
         "logprobs_mode": "raw_logprobs",
         "dtype": "float32",
         "worker_extension_cls": "lmcollect.engines.vllm_worker_ext.VLLMWeightReceiverExtension",
+        **whole_prefills,
     }
+    chunked = engine_kwargs_for(tmp_path, {"enable_chunked_prefill": True})
+    assert chunked["enable_chunked_prefill"] is True and "max_num_batched_tokens" not in chunked
     assert engine_kwargs_for(tmp_path, {"worker_extension_cls": None})["worker_extension_cls"] is None
     assert engine_kwargs_for(tmp_path, {"dtype": "bfloat16"})["dtype"] == "bfloat16"
     with pytest.raises(ValueError, match="logprobs_mode='processed_logprobs'"):
