@@ -209,6 +209,14 @@ def make_tool_env():
     return ChatEnv(tool_calc_dataset(64, seed=0), task=ToolCalcTask(max_latency_s=0.01), batch_size=1, max_turns=5, seed=0)
 
 
+def make_group_tool_env():
+    """GRPO groups of 4 calculator-tool dialogs per prompt draw (4 continuous slots: one per element)."""
+    from lmcollect.envs import ToolCalcTask, tool_calc_dataset
+
+    task = ToolCalcTask(max_latency_s=0.01)
+    return ChatEnv(tool_calc_dataset(64, seed=0), task=task, batch_size=4, repeats=4, max_turns=5, seed=0)
+
+
 def make_tool_engine():
     """A scripted engine playing the tool task right (no model; log-probs reveal the pushed tag)."""
     from lmcollect.testing.scripted_engine import ScriptedEngine, chat_script

@@ -13,7 +13,7 @@ from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
 from lmcollect.testing.scripted_engine import ByteTokenizer
 from lmcollect.policies import SamplingConfig
-from tests.factories import make_tool_engine, make_tool_env
+from tests.factories import make_group_tool_env, make_tool_engine, make_tool_env
 
 pytestmark = pytest.mark.integration
 
@@ -66,3 +66,30 @@ def test_start_writes_every_finished_turn_into_a_ray_replay_buffer(ray_cluster) 
         steps[int(t[keys.TRAJ_IDS])].add(int(t[keys.STEP_COUNT]))
     assert sum(len(s) for s in steps.values()) == len(turns)  # no (trajectory, step) twice
     assert all(s == set(range(len(s))) for s in steps.values())
+
+
+def test_grpo_groups_reach_the_ray_buffer_whole_under_pushes(ray_cluster) -> None:
+    buffer = RayReplayBuffer(capacity=10_000)
+    c = RayContinuousLLMCollector(
+        make_group_tool_env, engine_factory=make_engine, tokenizer=ByteTokenizer(),
+        sampling=SamplingConfig(max_new_tokens=64), dialog_turns_per_batch=4, max_dialogs_in_flight=8,
+        track_policy_version=True, max_policy_lag=1, replay_buffer=buffer, num_cpus=0.25,
+    )
+    c.start()
+    deadline = time.monotonic() + 120
+    written = 0
+    for version in range(1, 4):  # the trainer's pushes, one per batch (one group) written
+        while buffer.write_count <= written:
+            assert time.monotonic() < deadline, f"only {buffer.write_count} turns reached the buffer"
+            time.sleep(0.05)
+        written = buffer.write_count
+        c.update_policy_weights_({"tag": torch.tensor([float(version)])})
+    c.shutdown()
+    turns = flatten_turns(buffer.sample(len(buffer), replace=False))
+    groups = defaultdict(list)
+    for t in turns:
+        groups[int(t[keys.GROUP_ID])].append(t)
+    assert len(groups) >= 3
+    for members in groups.values():
+        assert len({int(t[keys.TRAJ_IDS]) for t in members}) == 4  # whole groups only: 4 dialogs each
+        assert len({int(t[keys.ENV_PROMPT_ID]) for t in members}) == 1
