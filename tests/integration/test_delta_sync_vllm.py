@@ -103,3 +103,41 @@ def test_delta_pushes_answer_like_a_fresh_model_and_a_corrupted_delta_is_repaire
         collector.shutdown()
         updater.close()
         vLLMUpdater.from_policy(greedy_policy).push_weights(load_model_and_tokenizer(model_dir)[0])
+
+
+def test_process_group_delta_pushes_into_a_continuous_collector(greedy_policy: Any, model_dir: Path) -> None:
+    from lmcollect.collectors import ContinuousLLMCollector
+    from lmcollect.data.turns import flatten_turns
+    from lmcollect.engines.sampling import SamplingConfig
+
+    trainer = perturbed_model(model_dir, seed=8).to(torch.bfloat16)
+    updater = vLLMUpdater(delta=True, convert_dtype=True, verify=True, timeout_s=60)
+    env = ChatEnv(arithmetic_dataset(16, seed=0), reward_fn=MathAnswerReward(), batch_size=1, seed=0)
+    collector = ContinuousLLMCollector(
+        [env], engine=greedy_policy.engine, tokenizer=greedy_policy.tokenizer, dialog_turns_per_batch=2,
+        sampling=SamplingConfig(temperature=0.0, max_new_tokens=MAX_NEW_TOKENS), weight_updater=updater,
+        track_policy_version=True,
+    )
+    try:
+        collector.update_policy_weights_(trainer)  # the workers' base: the full weights
+        assert updater.last_push_stats.kind == "full"
+        collector.next()
+        optimizer = torch.optim.AdamW(trainer.parameters(), lr=LR)
+        adamw_step(trainer, optimizer, seed=0)
+        collector.update_policy_weights_(trainer)  # between two decoding steps; verify=True: CRC32s agree
+        stats = updater.last_push_stats
+        assert (stats.kind, stats.num_full) == ("delta", 0) and 0 < stats.num_changed < stats.numel
+        turns = [t for _ in range(3) for t in flatten_turns(collector.next())]  # the first ones ran ahead
+    finally:
+        collector.shutdown()
+        updater.close()
+        vLLMUpdater.from_policy(greedy_policy).push_weights(load_model_and_tokenizer(model_dir)[0])
+    reference = fp32_reference(trainer, model_dir)
+    pushed = [t for t in turns if int(t.get(keys.TOKEN_VERSIONS).min()) == collector.version_index()]
+    assert pushed, "no turn ran wholly under the delta's weights"
+    for turn in pushed:  # every token of it from the patched weights: log-probs of a forward pass of the trainer's
+        full, num_prompt = turn.get(keys.TOKENS_FULL), turn.get(keys.TOKENS_PROMPT).numel()
+        with torch.no_grad():
+            logits = reference.model(full.unsqueeze(0)).logits[0].float()
+        want = torch.log_softmax(logits, -1)[num_prompt - 1 : -1].gather(1, full[num_prompt:, None])[:, 0]
+        torch.testing.assert_close(turn.get(keys.LOG_PROBS_RESPONSE), want, atol=ATOL, rtol=0)
