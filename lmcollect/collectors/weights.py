@@ -15,7 +15,13 @@ import torch
 from lmcollect.collectors.attr_path import resolve_attr_path
 from lmcollect.collectors.trajectories import id_base
 from lmcollect.collectors.versioning import PolicyVersion
-from lmcollect.engines.protocol import EngineProtocol, WorkerRpcEngine, engine_of, worker_rpc_engine_of
+from lmcollect.engines.protocol import (
+    EngineProtocol,
+    WorkerRpcEngine,
+    check_engine_loads,
+    engine_of,
+    worker_rpc_engine_of,
+)
 from lmcollect.engines.weight_group import GroupPush, join_weight_group, weight_receiver_nodes
 from lmcollect.weight_sync.base import resolve_updater
 from lmcollect.weights.delta import DeltaRejectedError, WeightDelta, check_delta_base, prepare_delta
@@ -33,10 +39,6 @@ from lmcollect.weights.version import PushVersion
 
 logger = logging.getLogger(__name__)
 
-_NO_DELTA_ENGINE = (
-    "delta pushes need an engine that loads them ({engine} does not; TransformersEngine and VLLMEngine do): "
-    "push full weights (RayPushConfig(delta=False))."
-)
 _NO_GROUP_ENGINE = (
     "this collector's policy ({policy}) has no engine with worker processes (lmcollect.engines.WorkerRpcEngine); "
     "a vLLMUpdater needs a VLLMPolicy or a VLLMEngine. Push with RayRemoteWeightUpdater instead."
@@ -345,15 +347,12 @@ class WeightReceiverMixin(HoldsWeightUpdater):
             if not isinstance(engine, WorkerRpcEngine):
                 raise TypeError(_NO_GROUP_ENGINE.format(policy=type(self.policy).__name__))
             return weights
+        check_engine_loads(engine, weights)
         if isinstance(weights, LoraAdapter):
-            if not getattr(engine, "loads_lora_adapters", False):
-                raise TypeError(_NO_LORA_ENGINE.format(policy=type(self.policy).__name__))
             return weights
         if isinstance(weights, WeightDelta):
             if version is None:
                 raise TypeError("a delta push needs the version it brings (version=PushVersion(...)).")
-            if not getattr(engine, "loads_weight_deltas", False):
-                raise TypeError(_NO_DELTA_ENGINE.format(engine=type(engine).__name__))
             check_delta_base(weights, self._held_push)
             return weights
         weights = to_weight_dict(weights)

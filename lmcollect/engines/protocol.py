@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 
 from lmcollect.engines.sampling import SamplingConfig
-from lmcollect.weights.delta import DeltaRejectedError
+from lmcollect.weights.delta import DeltaRejectedError, WeightDelta
+from lmcollect.weights.lora import LoraAdapter
 
 if TYPE_CHECKING:
     from lmcollect.engines.weight_group import GroupPush
@@ -78,6 +79,22 @@ def refuse_delta_base(delta: WeightDelta, held: int, engine: str) -> None:
         raise DeltaRejectedError(
             f"{engine} holds version {held}; the delta applies to version {delta.base_version.index}: "
             "nothing was changed (push the full weights)."
+        )
+
+
+def check_engine_loads(engine: object, source: object) -> None:
+    """Refuse a LoRA adapter or a weight delta that ``engine`` cannot load (``loads_lora_adapters`` /
+    ``loads_weight_deltas`` not True), naming the fix; any other source passes."""
+    name = type(engine).__name__
+    if isinstance(source, LoraAdapter) and not getattr(engine, "loads_lora_adapters", False):
+        raise TypeError(
+            f"{name} does not load LoRA adapters (TransformersEngine, VLLMEngine and the engines routing to them "
+            "do): collect with one of those, or push the merged model (model.merge_and_unload()) as full weights."
+        )
+    if isinstance(source, WeightDelta) and not getattr(engine, "loads_weight_deltas", False):
+        raise TypeError(
+            f"{name} does not load weight deltas (TransformersEngine and VLLMEngine do): push full weights "
+            "(RayPushConfig(delta=False))."
         )
 
 

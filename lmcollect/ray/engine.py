@@ -22,7 +22,14 @@ import ray
 import torch
 from ray.exceptions import RayActorError
 
-from lmcollect.engines.protocol import EngineClosedError, EngineProtocol, EngineRequest, EngineResult, WorkerRpcEngine
+from lmcollect.engines.protocol import (
+    EngineClosedError,
+    EngineProtocol,
+    EngineRequest,
+    EngineResult,
+    WorkerRpcEngine,
+    check_engine_loads,
+)
 from lmcollect.engines.router import EngineRouter
 from lmcollect.engines.weight_group import GroupPush
 from lmcollect.plumbing import forwarded
@@ -56,7 +63,7 @@ class _EngineHost:
             engine = _worker_rpc_engine(self.engine)
             return await asyncio.to_thread(engine.load_weights, source, version=version)
         if isinstance(source, (LoraAdapter, WeightDelta)):
-            _check_loads(self.engine, source)
+            check_engine_loads(self.engine, source)
             return await asyncio.to_thread(self.engine.load_weights, source, version=version)
         return await asyncio.to_thread(self.engine.load_weights, source.items(), version=version)
 
@@ -288,17 +295,3 @@ def ray_engine_replicas(
             engine_factory, num_replicas=num_replicas, remote_config=remote_config, ray_init_config=ray_init_config
         )
     )
-
-
-def _check_loads(engine: EngineProtocol, source: LoraAdapter | WeightDelta) -> None:
-    """Refuse a LoRA adapter or a weight delta that this actor's engine cannot load, naming the fix."""
-    if isinstance(source, LoraAdapter) and not getattr(engine, "loads_lora_adapters", False):
-        raise TypeError(
-            f"this actor's {type(engine).__name__} does not load LoRA adapters; serve the model with "
-            "a TransformersEngine or a VLLMEngine, or push the merged model as full weights."
-        )
-    if isinstance(source, WeightDelta) and not getattr(engine, "loads_weight_deltas", False):
-        raise TypeError(
-            f"this actor's {type(engine).__name__} does not load weight deltas; serve the model with "
-            "a TransformersEngine or a VLLMEngine, or push full weights (RayPushConfig(delta=False))."
-        )
