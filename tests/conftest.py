@@ -50,7 +50,7 @@ SLOWEST_FIRST = (  # summed seconds of each file in a full run of 2026-12-03 (2 
     "integration/test_data_contract_ray.py",  # ~83
     "faults/test_fault_vllm.py",  # ~82
     "integration/test_collector_contract.py",  # ~80, many short tests
-    "integration/test_multinode.py",  # ~79, a three-node Ray cluster of its own
+    "integration/test_multinode.py",  # ~42 (2026-12-04), a three-node Ray cluster behind rate-limited links
     "integration/test_continuous_ray_engines.py",  # ~77
     "integration/test_weight_sync_ray.py",  # ~64
     "integration/test_ray_engines.py",  # ~51

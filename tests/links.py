@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import ipaddress
+import itertools
 import json
 import logging
 import os
@@ -39,7 +40,7 @@ from typing import IO, Any
 
 logger = logging.getLogger(__name__)
 
-NETWORK = ipaddress.ip_network("198.51.100.0/24")  # TEST-NET-2 (RFC 5737): never routed anywhere
+NETWORK = ipaddress.ip_network("198.51.100.0/24")  # TEST-NET-2 (RFC 5737): used only on the links made here
 NUM_SLOTS = 16  # /28 slices: up to 16 clusters at once, 13 worker nodes each
 SLOT_PREFIX = 28
 PREFIX = "lmcnet"  # of every namespace, link and lock file made here
@@ -100,7 +101,7 @@ def tbf_args(rate_mbit: int) -> list[str]:
 
 
 @dataclass
-class _Slot:
+class Slot:
     """A claimed /28 of 198.51.100.0/24 and the names that go with it."""
 
     index: int
@@ -125,7 +126,7 @@ class _Slot:
         return f"{self.tag}-{name}"
 
 
-def _claim_slot() -> _Slot:
+def claim_slot() -> Slot:
     for index in range(NUM_SLOTS):
         lock = open(LOCK_DIR / f"{PREFIX}-slot{index}.lock", "w")  # noqa: SIM115 - held for the cluster's life
         try:
@@ -133,11 +134,32 @@ def _claim_slot() -> _Slot:
         except BlockingIOError:
             lock.close()
             continue
-        return _Slot(index, lock)
+        return Slot(index, lock)
     raise RuntimeError(f"all {NUM_SLOTS} slots of {NETWORK} are in use by other linked clusters on this machine")
 
 
-def _slot_namespaces(slot: _Slot) -> list[str]:
+def remove_stale_clusters() -> list[int]:
+    """Remove the leftovers of every slot no running cluster holds (a run killed before it cleaned
+    up: SIGKILL, a timeout); returns the slots cleaned. Safe while other clusters run."""
+    cleaned = []
+    for index in range(NUM_SLOTS):
+        path = LOCK_DIR / f"{PREFIX}-slot{index}.lock"
+        if not path.exists():
+            continue  # never claimed
+        lock = open(path, "w")  # noqa: SIM115 - closed below
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            continue  # a live cluster's
+        slot = Slot(index, lock)
+        if _remove_slot_leftovers(slot):
+            cleaned.append(index)
+        lock.close()
+    return cleaned
+
+
+def _slot_namespaces(slot: Slot) -> list[str]:
     listed = run("ip", "netns", "list", check=False).stdout.split()
     return [name for name in listed if name.startswith(f"{slot.tag}-")]
 
@@ -158,22 +180,30 @@ def _kill_namespace_processes(namespace: str) -> None:
             return
 
 
-def _remove_slot_leftovers(slot: _Slot, *, ours: bool = False) -> None:
+def _remove_slot_leftovers(slot: Slot, *, ours: bool = False) -> bool:
     """Remove what a run holding this slot left (``ours``: this run, else one that crashed):
-    processes, namespaces (their veths go with them), the bridge."""
+    processes, namespaces (their veths go with them), the bridge, the log folders. True if
+    anything was there."""
+    found = False
     for namespace in _slot_namespaces(slot):
+        found = True
         if not ours:
             logger.warning("removing leftover namespace %s of a run that did not clean up", namespace)
         _kill_namespace_processes(namespace)
         run("ip", "netns", "del", namespace, check=False)
     if run("ip", "link", "show", slot.bridge, check=False).returncode == 0:
+        found = True
         run("ip", "link", "del", slot.bridge, check=False)
+    for folder in LOCK_DIR.glob(f"{slot.tag}-*"):
+        found = True
+        shutil.rmtree(folder, ignore_errors=True)
+    return found
 
 
 def _qdisc_sent_bytes(shown: str) -> int:
     """The "Sent N bytes" of the tbf qdisc in ``tc -s qdisc show`` output (0 without one)."""
     lines = shown.splitlines()
-    for line, next_line in zip(lines, lines[1:], strict=False):
+    for line, next_line in itertools.pairwise(lines):
         if line.startswith("qdisc tbf") and "Sent" in next_line:
             return int(next_line.split()[1])
     return 0
@@ -194,10 +224,10 @@ class LinkedCluster:
     head_resources: dict[str, float] = field(default_factory=dict)
     head_object_store_memory: int = 150 * 1024 * 1024
     ray_init_kwargs: dict[str, Any] = field(default_factory=dict)
-    _slot: _Slot | None = None
-    _cluster: Any = None
-    _node_procs: list[subprocess.Popen] = field(default_factory=list)
-    _log_dir: str | None = None
+    _slot: Slot | None = field(default=None, init=False, repr=False)
+    _cluster: Any = field(default=None, init=False, repr=False)
+    _node_procs: list[subprocess.Popen] = field(default_factory=list, init=False, repr=False)
+    _log_dir: str | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         names = [node.name for node in self.nodes]
@@ -312,7 +342,7 @@ class LinkedCluster:
     def __enter__(self) -> LinkedCluster:
         import ray
 
-        self._slot = _claim_slot()
+        self._slot = claim_slot()
         try:
             _remove_slot_leftovers(self._slot)
             self._log_dir = tempfile.mkdtemp(prefix=f"{self._slot.tag}-")

@@ -14,6 +14,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from lmcollect.weight_sync.base import WeightPushError, WeightUpdaterBase, WorkerIds
 from lmcollect.weights.buckets import WeightBuckets, pack_buckets, view_buckets
+from lmcollect.weights.cost_model import RAY_CPU_PUSH_COST, DeltaChooser, PushCostModel
 from lmcollect.weights.delta import (
     DeltaBase,
     DeltaConfig,
@@ -58,12 +59,22 @@ class RayPushConfig:
     allow_non_finite: bool = False
     """Push weights holding NaN or infinite values; False: such a push is refused on the driver
     before any worker changes anything (one min/max pass per floating tensor)."""
-    delta: bool | DeltaConfig = False
+    delta: bool | DeltaConfig | Literal["auto"] = False
     """Delta pushes (True, or a :class:`DeltaConfig`): the driver keeps a copy of the last pushed
     weights (in the workers' dtypes) and sends a worker that holds them only the changed elements
     and per-tensor checksums; a worker that holds another version (it skipped pushes, was left
     out by ``worker_ids``, restarted) or whose checksum fails gets a full push instead, in the same
-    push. With delta the NaN/Inf check runs on the changed values only. False: full pushes."""
+    push. With delta the NaN/Inf check runs on the changed values only. False: full pushes.
+    "auto": before each push, delta if ``cost_model`` predicts it faster than a full push over
+    the link (``link_gbit``, or the rate measured from the last full push) for a delta the size
+    of the last one (5% of the bytes before any), else full (and no copy kept); see docs/scaling.md."""
+    link_gbit: float | None = None
+    """With ``delta="auto"``: the rate of the link to the collectors (the slowest), in Gbit/s.
+    None: measured, through ``cost_model``, from the time of each full push made with ``wait=True``
+    (the first push is a full push in delta mode, which times it)."""
+    cost_model: PushCostModel | None = None
+    """With ``delta="auto"``: the push cost model it decides by (None: ``RAY_CPU_PUSH_COST``,
+    fitted on this project's CPU machine; fit yours with ``fit_push_cost`` on benchmarks/links.py)."""
     zero_copy: bool = False
     """Workers point their model's tensors at the pushed object instead of copying it: Ray maps
     the object store's shared memory into every worker on a node, so a push costs one copy (the
@@ -73,7 +84,15 @@ class RayPushConfig:
     patches the weights in place."""
 
     def __post_init__(self) -> None:
-        resolve_delta(self.delta)  # a TypeError for anything but a bool or a DeltaConfig
+        if self.delta != "auto":
+            resolve_delta(self.delta)  # a TypeError for anything but a bool, a DeltaConfig or "auto"
+        elif self.link_gbit is not None and not self.link_gbit > 0:
+            raise ValueError(f"link_gbit must be positive or None (measured), got {self.link_gbit}; e.g. 10.")
+        if self.delta != "auto" and (self.link_gbit is not None or self.cost_model is not None):
+            raise ValueError(
+                f"link_gbit and cost_model only choose between delta and full pushes: set delta='auto' "
+                f"(delta is {self.delta!r})."
+            )
         if self.zero_copy and self.delta:
             raise ValueError(
                 "zero_copy=True and delta cannot be combined: a delta patches the workers' weights in place, "
@@ -146,8 +165,14 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
         self._worker_metadata: list[tuple[dict, dict]] | None = None
         self._in_flight: PushHandle | None = None
         self._pack_out: list | None = None
-        delta = resolve_delta(self.config.delta)
+        auto = self.config.delta == "auto"
+        delta = None if auto else resolve_delta(self.config.delta)  # type: ignore[arg-type]
         self._delta_base = DeltaBase(delta) if delta is not None else None
+        self._chooser = (
+            DeltaChooser(self.config.cost_model or RAY_CPU_PUSH_COST, bandwidth_gbit=self.config.link_gbit)
+            if auto
+            else None
+        )
         self._held: list[PushVersion | None] = [None] * len(self._actors)  # what each worker got from us
         self.last_push_stats: PushStats | None = None
         """What the last push moved: full or delta, bytes, changed elements, repaired workers."""
@@ -264,7 +289,10 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
         self._settle_in_flight()
         if is_lora_source(policy_or_weights):
             return self._push_ray_adapter(lora_adapter(policy_or_weights), worker_ids, wait=wait, version=version)
+        started = time.perf_counter()
         weights = self._aligned(self._resolve_weights(policy_or_weights))
+        if self._chooser is not None:
+            self._choose_delta(weights)
         ids = self._resolve_worker_ids(worker_ids)
         pushed = self.next_version(version)
         self._validate(weights, ids)
@@ -288,7 +316,29 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
                 for i in targets
             }
             self.last_push_stats = PushStats.full(payload.nbytes, num_full=len(targets))
-        return self._handle(refs, targets, pushed, repair=repair, wait=wait)
+        handle = self._handle(refs, targets, pushed, repair=repair, wait=wait)
+        stats = self.last_push_stats
+        if self._chooser is not None and targets and stats is not None:  # only a waited push is timed
+            seconds = time.perf_counter() - started if wait else None
+            self._chooser.observe(stats.kind, stats.nbytes, stats.full_nbytes, seconds)
+        return handle
+
+    def _choose_delta(self, weights: WeightDict) -> None:
+        """``delta="auto"``: turn delta mode on (a base kept from the next push) or off (base dropped)."""
+        assert self._chooser is not None
+        full_nbytes = sum(t.numel() * t.element_size() for t in distinct_tensors(weights).values())
+        use_delta = self._chooser.use_delta(full_nbytes)
+        if use_delta and self._delta_base is None:
+            self._delta_base = DeltaBase(DeltaConfig())
+            logger.info("delta='auto': delta pushes (link %s Gbit/s)", self._chooser.link_gbit)
+        elif not use_delta and self._delta_base is not None:
+            self._delta_base = None
+            logger.info("delta='auto': full pushes (link %s Gbit/s)", self._chooser.link_gbit)
+
+    @property
+    def uses_delta(self) -> bool:
+        """Whether the next push may be a delta push (with ``delta="auto"``: what was chosen last)."""
+        return self._delta_base is not None
 
     def _handle(
         self,

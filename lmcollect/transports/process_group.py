@@ -5,7 +5,9 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import secrets
+import socket
 import zlib
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -208,7 +210,10 @@ class ProcessGroupSender(WeightSender):
 
     def connect(self) -> None:
         """Form the group (blocks until every receiver has called ``connect``)."""
-        self._group = _make_group(self.backend, self._store, _SENDER_RANK, self.config.num_receivers + 1, self._timeout)
+        self._group = _make_group(
+            self.backend, self._store, _SENDER_RANK, self.config.num_receivers + 1, self._timeout,
+            toward=self.config.master_address,
+        )  # fmt: skip
         self._receiver_metadata = [
             metadata_from_json(self._store.get(f"meta/{rank}")) for rank in range(1, self.config.num_receivers + 1)
         ]  # signed by the receivers: a forged "meta/" value raises here
@@ -412,7 +417,10 @@ class ProcessGroupReceiver(WeightReceiver):
         self._store = GroupStore(tcp_store, self._info["secret"])
         self._expected = self.context.weight_metadata(self.model_id or "policy")
         self._store.set(f"meta/{self._rank}", metadata_to_json(*self._expected))
-        self._group = _make_group(self._info["backend"], self._store, self._rank, self._info["world_size"], timeout)
+        self._group = _make_group(
+            self._info["backend"], self._store, self._rank, self._info["world_size"], timeout,
+            toward=self._info["master_address"],
+        )  # fmt: skip
 
     def receive(self, timeout_s: float | None = None) -> WeightDict | None:
         """Wait for the next push, take its broadcasts, return views of the weights it brings.
@@ -578,14 +586,37 @@ def _resolve_backend(backend: str) -> str:
     return backend
 
 
-def _make_group(backend: str, store: GroupStore, rank: int, world_size: int, timeout: datetime.timedelta) -> Any:
+def _make_group(
+    backend: str, store: GroupStore, rank: int, world_size: int, timeout: datetime.timedelta, *, toward: str
+) -> Any:
     # A standalone group: the trainer's default process group (if any) is left alone.
     prefixed = store.backend_store()
     if backend == "gloo":
-        return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [gloo_device(toward)]
+        return dist.ProcessGroupGloo(prefixed, rank, world_size, options)
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout  # the attribute torch's own init_process_group sets
     return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+
+
+def gloo_device(toward: str) -> Any:
+    """The gloo device of this rank: ``GLOO_SOCKET_IFNAME`` when set, else the local address that
+    routes to ``toward`` (the sender's ``master_address``). Gloo's own default, the address this
+    host's name resolves to, is often loopback (``/etc/hosts``), which the other nodes cannot reach."""
+    interface = os.environ.get("GLOO_SOCKET_IFNAME")
+    if interface:
+        return dist.ProcessGroupGloo.create_device(interface=interface)
+    return dist.ProcessGroupGloo.create_device(hostname=local_address_toward(toward))
+
+
+def local_address_toward(address: str) -> str:
+    """This host's address on the route to ``address`` (a UDP connect only picks a route: nothing is sent)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((address, 9))
+        return str(probe.getsockname()[0])
 
 
 def _shutdown(group: Any) -> None:

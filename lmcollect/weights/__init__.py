@@ -3,5 +3,6 @@
 ``tensors``: extracting ``name -> tensor`` from a model or state dict, checking names, shapes and
 dtypes against what a receiver holds, and loading into a module; ``buckets``: packing tensors into
 a few flat buffers and back; ``delta``: encoding a push as the change from a held base;
-``version``: the version a push carries.
+``version``: the version a push carries; ``cost_model``: what a push costs over a link, and when a
+delta pays.
 """

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import signal
 import sys
 import tempfile
 import time
@@ -28,11 +29,18 @@ from ray.cluster_utils import Cluster
 
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
-from lmcollect.envs import ChatEnv, GuessingGameTask, MathAnswerReward, arithmetic_dataset, binary_search_player, guessing_game_dataset
-from lmcollect.testing import ScriptedPolicy
+from lmcollect.envs import (
+    ChatEnv,
+    GuessingGameTask,
+    MathAnswerReward,
+    arithmetic_dataset,
+    binary_search_player,
+    guessing_game_dataset,
+)
 from lmcollect.ray import RayReplayBuffer
 from lmcollect.ray.collector import RayLLMCollector
 from lmcollect.ray.group import RayCollectorGroup
+from lmcollect.testing import ScriptedPolicy
 
 ENGINE_KWARGS = {"kv_cache_memory_bytes": 1 << 30, "enforce_eager": True}
 LINK_RATE_MBIT = 1000
@@ -123,6 +131,7 @@ def loopback_cluster() -> Iterator[None]:
 
 
 def main(argv: list[str]) -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a terminated run still removes its cluster
     if "--links" not in argv:
         with loopback_cluster():
             run_checks(argv)

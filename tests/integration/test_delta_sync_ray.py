@@ -189,3 +189,23 @@ def test_a_restarted_worker_refuses_the_delta_and_gets_the_full_weights(collecto
     assert [c.policy_version for c in collectors] == [updater.version] * 2
     for collector in collectors:
         assert_holds(collector, trainer)
+
+
+def test_auto_delta_follows_the_link_rate_the_cost_model_is_given(collectors, trainer) -> None:
+    """delta="auto": over a slow link the push after the first is a delta; over a fast one, with a
+    model under which deltas stop paying at a few Gbit/s, every push is full and no base is kept."""
+    from lmcollect.weights.cost_model import PushCostModel
+
+    model = PushCostModel(per_byte_s=0.2e-9, delta_per_full_byte_s=1e-9)  # 5% deltas pay below ~7 Gbit/s
+    optimizer = torch.optim.AdamW(trainer.parameters(), lr=LR)
+    for link_gbit, kinds in ((0.1, ["full", "delta"]), (400.0, ["full", "full"])):
+        config = RayPushConfig(delta="auto", link_gbit=link_gbit, cost_model=model, timeout_s=60)
+        auto = RayRemoteWeightUpdater(trainer, collectors, config=config)
+        seen = []
+        for step in range(2):
+            adamw_step(trainer, optimizer, seed=20 + step)
+            auto.push_weights(version=max(c.policy_version for c in collectors) + 1)
+            seen.append(auto.last_push_stats.kind)
+        assert seen == kinds and auto.uses_delta == (kinds[-1] == "delta"), (link_gbit, seen)
+    for collector in collectors:
+        assert_holds(collector, trainer)

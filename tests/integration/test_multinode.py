@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.links import namespaces_unavailable
+from tests.links import namespaces_unavailable, remove_stale_clusters
 
 pytestmark = pytest.mark.integration
 
@@ -27,7 +27,11 @@ NO_LINKS = namespaces_unavailable()
 def checked() -> subprocess.CompletedProcess:
     script = Path(__file__).with_name("multinode_check.py")
     argv = [sys.executable, str(script), *(["--vllm"] if HAS_VLLM else []), *([] if NO_LINKS else ["--links"])]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=500)
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=500)
+    finally:
+        if NO_LINKS is None:  # a killed run (the timeout) leaves its namespaces: remove them
+            remove_stale_clusters()
 
 
 def _printed(result: subprocess.CompletedProcess) -> str:
@@ -61,3 +65,23 @@ def test_worker_nodes_talk_to_the_head_over_their_rate_limited_links(checked: su
         push = _line(checked, "VLLM MULTINODE OK")
         assert push["master_address"] == links["head_ip"], (push, links)
         assert links["bytes"]["node_a"]["to_node"] > push["pushed_bytes"], (push, links)
+
+
+@pytest.mark.skipif(NO_LINKS is not None, reason=f"no rate-limited links here: {NO_LINKS}")
+def test_a_crashed_runs_namespaces_links_and_processes_are_removed_by_the_next_run() -> None:
+    from tests import links
+
+    slot = links.claim_slot()
+    namespace = slot.namespace("crashed")
+    links.run("ip", "link", "add", slot.bridge, "type", "bridge")
+    links.run("ip", "netns", "add", namespace)
+    orphan = subprocess.Popen(["ip", "netns", "exec", namespace, "sleep", "60"])
+    try:
+        slot.lock.close()  # the run "dies" holding all three
+        assert slot.index in links.remove_stale_clusters()
+        assert orphan.wait(timeout=10) != 0  # killed
+        assert namespace not in links.run("ip", "netns", "list").stdout
+        assert links.run("ip", "link", "show", slot.bridge, check=False).returncode != 0
+    finally:
+        orphan.kill()
+        links.remove_stale_clusters()
