@@ -217,17 +217,17 @@ def _columns(push: MeasuredPush) -> list[float]:
 
 RAY_CPU_PUSH_COST = PushCostModel(
     fixed_s=0.0,
-    per_byte_s=0.096e-9,
-    per_delta_byte_s=34e-9,
-    delta_per_full_byte_s=1.34e-9,
-    link_efficiency=0.72,
-    max_gbit=1.46,
+    per_byte_s=0.52e-9,
+    per_delta_byte_s=6.4e-9,
+    delta_per_full_byte_s=1.26e-9,
+    link_efficiency=0.95,
+    max_gbit=5.06,
 )
 """``RayRemoteWeightUpdater`` pushing the medium model (bf16) into 2 collectors on another node,
 fitted on benchmarks/links.py over 1 and 10 Gbit/s links on this project's 2-core CPU machine
-(docs/scaling.md): Ray's object transfer tops out near ``max_gbit`` there, so a small delta pays on
-any link, and one of a fifth of the bytes only below about 1 Gbit/s. On GPUs and fast links fit
-your own (:func:`fit_push_cost`)."""
+(docs/scaling.md, the run of 2026-12-04 16:42 UTC): Ray's object transfer tops out near ``max_gbit``
+there, so a small delta (1.5% of the bytes) pays on any link, and one of 15% of the bytes only below
+about 4 Gbit/s. On GPUs and fast links fit your own (:func:`fit_push_cost`)."""
 
 
 @dataclass
