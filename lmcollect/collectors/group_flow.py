@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from tensordict import TensorDictBase
 
 from lmcollect.collectors.batcher import CollectedTurn, turn_state
-from lmcollect.collectors.turn_flow import deadlines_met
+from lmcollect.collectors.turn_flow import deadlines_met, lag_admits
 from lmcollect.data.turns import stack_turns
 
 
@@ -130,10 +130,7 @@ class GroupFlow:
         return self._lag_admits(version_index)
 
     def _lag_admits(self, version_index: int) -> bool:
-        if self.max_policy_lag is None:
-            return True
-        advanced = min(version_index - self.base_version, self.num_batches)
-        return self.num_started < (self.max_policy_lag + advanced + 1) * self.groups_per_batch
+        return lag_admits(self, version_index, self.groups_per_batch)
 
     def stalled(self, version_index: int) -> bool:
         """Nothing can move until a push: no group under way, no batch ready, no group admitted."""

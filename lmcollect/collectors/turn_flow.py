@@ -32,11 +32,15 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from typing import TYPE_CHECKING
 
 from tensordict import TensorDictBase
 
 from lmcollect.collectors.batcher import Batcher, BatchMode, CollectedTurn
 from lmcollect.data.turns import stack_turns
+
+if TYPE_CHECKING:
+    from lmcollect.collectors.group_flow import GroupFlow
 
 
 class TurnFlow:
@@ -121,10 +125,7 @@ class TurnFlow:
         return self._lag_admits(version_index)
 
     def _lag_admits(self, version_index: int) -> bool:
-        if self.max_policy_lag is None:
-            return True
-        advanced = min(version_index - self.base_version, self.num_batches)  # at most one per batch
-        return self.num_started < (self.max_policy_lag + advanced + 1) * self.turns_per_batch
+        return lag_admits(self, version_index, self.turns_per_batch)
 
     def stalled(self, version_index: int) -> bool:
         """Nothing can move until a push: no batch is ready, none in flight, and the lag rule admits no turn."""
@@ -284,6 +285,15 @@ class TurnFlow:
 
 
 _COUNTERS = ("base_version", "num_started", "num_consumed", "num_batches")
+
+
+def lag_admits(flow: TurnFlow | GroupFlow, version_index: int, per_batch: int) -> bool:
+    """AReaL's rule: ``started < (k + v + 1) * per_batch`` units (turns, or groups), ``v`` the versions
+    advanced since ``flow.base_version``, at most one per batch consumed; always True without a lag bound."""
+    if flow.max_policy_lag is None:
+        return True
+    advanced = min(version_index - flow.base_version, flow.num_batches)  # at most one per batch
+    return flow.num_started < (flow.max_policy_lag + advanced + 1) * per_batch
 
 
 def deadlines_met(versions: list[int], version_index: int, max_policy_lag: int, turns_per_batch: int) -> bool:
