@@ -52,12 +52,15 @@ def sampling_params_kwargs(sampling: SamplingConfig, *, seed: int | None = None)
     return kwargs
 
 
-def checkpoint_dtype(model_path: str | Path) -> str | None:
-    """The dtype named in the folder's ``config.json`` (e.g. "float32"), or None if it has none."""
+def checkpoint_config(model_path: str | Path) -> dict[str, Any]:
+    """The folder's ``config.json`` ({} when it has none)."""
     config_file = Path(model_path) / "config.json"
-    if not config_file.is_file():
-        return None
-    config = json.loads(config_file.read_text(encoding="utf-8"))
+    return json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+
+
+def checkpoint_dtype(model_path: str | Path, config: dict[str, Any] | None = None) -> str | None:
+    """The dtype named in the folder's ``config.json`` (e.g. "float32"), or None if it has none."""
+    config = checkpoint_config(model_path) if config is None else config
     dtype = config.get("dtype") or config.get("torch_dtype")
     return dtype if isinstance(dtype, str) else None
 
@@ -75,11 +78,12 @@ def engine_kwargs_for(model_path: str | Path, engine_kwargs: dict[str, Any] | No
         )
     # vLLM's "auto" downcasts float32 checkpoints to 16 bits; keep the checkpoint's own dtype so
     # log-probs match the trainer's model unless the caller chooses otherwise.
-    kwargs.setdefault("dtype", checkpoint_dtype(model_path) or "auto")
+    config = checkpoint_config(model_path)
+    kwargs.setdefault("dtype", checkpoint_dtype(model_path, config) or "auto")
     # the workers can then join a vLLMUpdater's process group (a dotted path: no import here)
     kwargs.setdefault("worker_extension_cls", "lmcollect.engines.vllm_worker_ext.VLLMWeightReceiverExtension")
     if on_cpu():
-        _whole_prefills(kwargs, model_path)
+        _whole_prefills(kwargs, config)
     return kwargs
 
 
@@ -92,7 +96,7 @@ def on_cpu() -> bool:
     return bool(current_platform.is_cpu())
 
 
-def _whole_prefills(kwargs: dict[str, Any], model_path: str | Path) -> None:
+def _whole_prefills(kwargs: dict[str, Any], config: dict[str, Any]) -> None:
     """On CPU: no chunked prefill, unless the caller asks for it.
 
     A prompt prefilled in chunks samples a token after each chunk and vLLM throws that token away,
@@ -103,8 +107,6 @@ def _whole_prefills(kwargs: dict[str, Any], model_path: str | Path) -> None:
     """
     if kwargs.setdefault("enable_chunked_prefill", False) or "max_num_batched_tokens" in kwargs:
         return
-    config_file = Path(model_path) / "config.json"
-    config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
     max_len = kwargs.get("max_model_len") or config.get("max_position_embeddings") or 0
     kwargs["max_num_batched_tokens"] = max(int(max_len), _DEFAULT_STEP_TOKENS)
 
