@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from tensordict import TensorDictBase
 
 from lmcollect.collectors.batcher import CollectedTurn, turn_state
-from lmcollect.collectors.turn_flow import deadlines_met, lag_admits
+from lmcollect.collectors.turn_flow import deadlines_met, lag_admits, take_oldest
 from lmcollect.data.turns import stack_turns
 
 
@@ -212,10 +212,8 @@ class GroupFlow:
     def pop(self, version_index: int) -> TensorDictBase:
         """The next batch: ``G`` whole groups, oldest admission first (call only when :meth:`ready`)."""
         assert self.ready(version_index), "pop() called before a batch was ready"
-        taken = sorted(self._finished, key=lambda item: item[:2])[: self.groups_per_batch]
-        chosen = {id(item) for item in taken}
-        self._finished = [item for item in self._finished if id(item) not in chosen]
-        taken.sort(key=lambda item: item[1])  # groups in completion order, each group's turns in finish order
+        # groups in completion order, each group's turns in finish order
+        taken, self._finished = take_oldest(self._finished, self.groups_per_batch)
         tds = [turn.td for _, _, turns in taken for turn in turns]
         self.num_consumed += len(tds)
         self.num_batches += 1

@@ -203,10 +203,7 @@ class TurnFlow:
         if self.max_policy_lag is None:
             taken, self._finished = self._finished[: self.turns_per_batch], self._finished[self.turns_per_batch :]
         else:
-            taken = sorted(self._finished, key=lambda item: item[:2])[: self.turns_per_batch]
-            chosen = {id(item) for item in taken}
-            self._finished = [item for item in self._finished if id(item) not in chosen]
-            taken.sort(key=lambda item: item[1])  # the batch keeps finish order
+            taken, self._finished = take_oldest(self._finished, self.turns_per_batch)
         self.num_consumed += len(taken)
         self.num_batches += 1
         return stack_turns([item[2].td for item in taken])
@@ -285,6 +282,15 @@ class TurnFlow:
 
 
 _COUNTERS = ("base_version", "num_started", "num_consumed", "num_batches")
+
+
+def take_oldest(finished: list[tuple], count: int) -> tuple[list[tuple], list[tuple]]:
+    """Of ``(version, seq, item)`` entries: the ``count`` oldest by version (ties: lowest seq first),
+    in seq (finish) order, and the rest."""
+    taken = sorted(finished, key=lambda entry: entry[:2])[:count]
+    chosen = {id(entry) for entry in taken}
+    rest = [entry for entry in finished if id(entry) not in chosen]
+    return sorted(taken, key=lambda entry: entry[1]), rest
 
 
 def lag_admits(flow: TurnFlow | GroupFlow, version_index: int, per_batch: int) -> bool:
