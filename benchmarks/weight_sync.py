@@ -549,11 +549,15 @@ def lora_rows(
 
 def lora_rounds(updater, peft_model, optimizer, base_state: dict, reps: int, after_adapter=None) -> tuple:
     """One warm-up round, then ``reps``, each: an AdamW step of the adapter, (A) its push, (B) the
-    merged full push of the same model. Returns A's and B's seconds, the trainer's merge seconds,
-    A's ``last_push_stats`` and B's bytes."""
+    merged full push of the same model, then the adapter pushed again, untimed. So each timed push
+    follows a push of its own kind, as in a run that pushes only adapters (A after A: the receivers
+    merge into the base they keep) or only full weights (B after B, whatever came between: a full
+    push does not depend on what the receiver held). Returns A's and B's seconds, the trainer's
+    merge seconds, A's ``last_push_stats`` and B's bytes."""
     from lmcollect.weights.lora import lora_adapter
 
     adapter_s, full_s, merge_s, stats, full_nbytes = [], [], [], [], 0
+    updater.push_weights(peft_model)  # the first adapter push: the receivers take their base copy
     for rep_index in range(reps + 1):
         adamw_step(peft_model, optimizer, seed=rep_index)
         seconds = timed_push(functools.partial(updater.push_weights, peft_model))
@@ -567,6 +571,7 @@ def lora_rounds(updater, peft_model, optimizer, base_state: dict, reps: int, aft
         full_seconds = timed_push(functools.partial(updater.push_weights, merged))
         assert updater.last_push_stats.kind == "full", updater.last_push_stats
         full_nbytes = updater.last_push_stats.nbytes
+        updater.push_weights(peft_model)  # untimed: back to adapter pushes (after B, the receivers check their base)
         if rep_index > 0:
             adapter_s.append(seconds)
             full_s.append(full_seconds)

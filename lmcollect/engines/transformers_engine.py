@@ -223,7 +223,7 @@ class TransformersEngine:
                 raise EngineClosedError("this TransformersEngine is closed; it cannot load weights.")
             refuse_stale_push(version, self._version, "TransformersEngine")
             if adapter is not None:
-                writes = self._kept_base.merged(adapter.to(self._device), targets)
+                self._kept_base.merge_into(adapter.to(self._device), targets)
             else:
                 self._kept_base.forget()
             for name, tensor in writes.items():

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from lmcollect.weights.buckets import WeightBuckets, pack_buckets
+
 Metadata = Mapping[str, tuple[torch.dtype, torch.Size]]
 
 _PEFT_PREFIX = "base_model.model."
@@ -45,6 +47,15 @@ class LoraLayerWeights:
         """``base + scaling * B @ A`` in ``base``'s dtype, computed in float32 in one fused matmul-add."""
         a, b = self.lora_a.to(base.device, torch.float32), self.lora_b.to(base.device, torch.float32)
         return torch.addmm(base.float(), b, a, alpha=self.scaling).to(base.dtype)
+
+    def merge_into(self, base: torch.Tensor, out: torch.Tensor) -> None:
+        """Write :meth:`merged` of ``base`` into ``out`` (same shape): straight from the fused
+        matmul-add when ``out`` is a float32 tensor, else through a float32 result."""
+        if out.dtype == torch.float32 and base.dtype == torch.float32 and out.is_contiguous():
+            a, b = self.lora_a.to(out.device, torch.float32), self.lora_b.to(out.device, torch.float32)
+            torch.addmm(base, b, a, alpha=self.scaling, out=out)
+        else:
+            out.copy_(self.merged(base))
 
 
 @dataclass(frozen=True)
@@ -78,6 +89,14 @@ class LoraAdapter:
         }
         return LoraAdapter(layers=moved, rank=self.rank)
 
+    def cloned(self) -> LoraAdapter:
+        """The same adapter with tensors of its own (a few MB)."""
+        copies = {
+            name: LoraLayerWeights(layer.lora_a.detach().clone(), layer.lora_b.detach().clone(), layer.scaling)
+            for name, layer in self.layers.items()
+        }
+        return LoraAdapter(layers=copies, rank=self.rank)
+
     def flat(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """The adapter as plain data to send: ``<weight name>.lora_A`` / ``.lora_B`` -> tensor, and
         weight name -> scaling (:meth:`from_flat` rebuilds it)."""
@@ -99,6 +118,17 @@ class LoraAdapter:
             for name, scaling in scalings.items()
         }
         return cls(layers=layers, rank=rank)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickled (e.g. by ``ray.put``) as one packed byte buffer per dtype, held in numpy arrays:
+        Ray stores those without copying, where pickling each tensor would serialize it on its own.
+        Unpickled, the tensors are views of those bytes (read-only in an object store)."""
+        tensors, scalings = self.cpu_flat()
+        return (_unpacked_adapter, (pack_buckets(tensors, device="cpu").to_numpy(), scalings, self.rank))
+
+
+def _unpacked_adapter(buckets: WeightBuckets, scalings: Mapping[str, float], rank: int) -> LoraAdapter:
+    return LoraAdapter.from_flat(buckets.tensors(), scalings, rank)
 
 
 # ---------------------------------------------------------------------- building an adapter
@@ -258,33 +288,65 @@ def check_adapter(adapter: LoraAdapter, metadata: Metadata, *, receiver: str = "
 
 class KeptBase:
     """The base weights of the layers adapters touch, kept by an engine so adapters replace each
-    other: :meth:`merged` takes the copy at the first adapter push and answers
-    ``base + scaling * B @ A``. When the model's tensors are no longer what the last merge wrote
-    (a full or delta push went in, by any path), the model holds a new base: the copy is taken
-    again. :meth:`forget` does that explicitly."""
+    other: :meth:`merge_into` takes the copy at the first adapter push and writes
+    ``base + scaling * B @ A`` into the model's tensors in place. When the model's tensors are no
+    longer what the last merge wrote (a full or delta push went in, by any path), the model holds a
+    new base: the copy is taken again. :meth:`forget` does that explicitly.
+
+    Whether the tensors changed is read from their storage and version counter (every in-place
+    write bumps it), so the usual push costs no pass over the weights; only after another write
+    are the values compared with the last merge (recomputed), and a write of those very values
+    (a full push of the merged model) keeps the base.
+    """
 
     def __init__(self) -> None:
         self._base: dict[str, torch.Tensor] = {}
-        self._written: dict[str, torch.Tensor] = {}
+        self._last: LoraAdapter | None = None  # the adapter of the last merge
+        self._stamps: dict[str, tuple[int, int | None]] = {}  # name -> _stamp() after the last merge
 
-    def merged(self, adapter: LoraAdapter, current: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The weights to write for ``adapter``, given the model's ``current`` tensors by name
-        (the caller copies them into the model; they are kept to notice a later new base)."""
-        if any(not torch.equal(current[name], written) for name, written in self._written.items()):
+    def merge_into(self, adapter: LoraAdapter, targets: Mapping[str, torch.Tensor]) -> None:
+        """Write the weights of ``adapter`` into the model's ``targets`` (name -> tensor), in place:
+        its layers as ``base + scaling * B @ A``, and the layers an earlier adapter touched and this
+        one does not back to their base."""
+        if not self._holds_last_merge(targets):
             self.forget()
         for name in adapter.layers:
             if name not in self._base:
-                self._base[name] = current[name].detach().clone()
-        # a layer an earlier adapter touched and this one does not goes back to its base
-        self._written = {**self._base, **adapter.merged_into(self._base)}
-        return self._written
+                self._base[name] = targets[name].detach().clone()
+        for name, base in self._base.items():
+            layer = adapter.layers.get(name)
+            if layer is None:
+                targets[name].copy_(base)
+            else:
+                layer.merge_into(base, targets[name])
+        self._last = adapter.cloned()  # its tensors may be the trainer's, which train on
+        self._stamps = {name: _stamp(targets[name]) for name in self._base}
+
+    def _holds_last_merge(self, targets: Mapping[str, torch.Tensor]) -> bool:
+        changed = [name for name, stamp in self._stamps.items() if _stamp(targets[name]) != stamp or stamp[1] is None]
+        if not changed:
+            return True
+        layers = self._last.layers if self._last is not None else {}
+        for name in changed:
+            layer = layers.get(name)
+            written = layer.merged(self._base[name]) if layer is not None else self._base[name]
+            if not torch.equal(targets[name], written):
+                return False
+        return True
 
     def forget(self) -> None:
         """The model got new base weights: take the copy again at the next adapter push."""
         self._base.clear()
-        self._written = {}
+        self._last = None
+        self._stamps = {}
 
     @property
     def names(self) -> set[str]:
         """The weights whose base is kept now."""
         return set(self._base)
+
+
+def _stamp(tensor: torch.Tensor) -> tuple[int, int | None]:
+    """Where ``tensor``'s data is and its version counter (None for an inference tensor, which has
+    none: its values are then compared)."""
+    return tensor.data_ptr(), None if tensor.is_inference() else tensor._version

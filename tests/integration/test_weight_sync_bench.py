@@ -31,7 +31,7 @@ class StandInUpdater:
     def push_weights(self, source) -> None:
         if is_lora_source(source):
             adapter = lora_adapter(source)
-            self.held.update({k: v.clone() for k, v in self.kept.merged(adapter, self.held).items()})
+            self.kept.merge_into(adapter, self.held)
             self.last_push_stats = PushStats.lora(adapter.nbytes, num_receivers=1)
         else:
             self.held = {k: v.clone() for k, v in source.items()}
@@ -53,7 +53,7 @@ def test_lora_rounds_alternate_adapter_and_merged_full_pushes(tiny_model_path) -
         landed.append(True)
 
     adapter_s, full_s, merge_s, stats, full_nbytes = lora_rounds(updater, peft_model, optimizer, base_state, 2, check)
-    assert updater.kinds == ["lora", "full"] * 3 and landed == [True]
+    assert updater.kinds == ["lora"] + ["lora", "full", "lora"] * 3 and landed == [True]
     assert len(adapter_s) == len(full_s) == len(merge_s) == len(stats) == 2
     # B pushes every tensor of the model, the adapted ones merged (one AdamW step moved them off the base)
     merged = merged_weights(peft_model, base_state)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pickle
 import time
 
 import pytest
@@ -14,7 +15,7 @@ from lmcollect.collectors import LLMCollector
 from lmcollect.engines import EngineRequest, TransformersEngine
 from lmcollect.policies import SamplingConfig, TransformersPolicy
 from lmcollect.weight_sync import LocalWeightUpdater
-from lmcollect.weights.lora import LoraAdapter, LoraLayerWeights, adapter_problems, lora_adapter
+from lmcollect.weights.lora import KeptBase, LoraAdapter, LoraLayerWeights, adapter_problems, lora_adapter
 from tests.engine_contract import forward_log_probs, generate_greedy
 from tests.factories import merged_copy, perturbed_model, trained_lora
 
@@ -114,6 +115,50 @@ def test_adapters_replace_each_other_and_a_full_push_is_the_new_base(engine, pef
     expected = lora_adapter(peft_a).merged_into(new_base.state_dict())
     for name, tensor in expected.items():
         torch.testing.assert_close(engine.model.state_dict()[name], tensor, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_adapter_pickles_as_packed_bytes_and_comes_back_equal(peft_a, dtype):
+    """What ``ray.put`` does to it: one packed buffer per dtype, not one serialized tensor each."""
+    adapter = lora_adapter(peft_a)
+    adapter = LoraAdapter(
+        layers={n: LoraLayerWeights(w.lora_a.to(dtype), w.lora_b.to(dtype), w.scaling) for n, w in adapter.layers.items()},
+        rank=adapter.rank,
+    )
+    payload = pickle.dumps(adapter, protocol=5)
+    assert len(payload) < adapter.nbytes + 64 * 2 * len(adapter.layers) + 16_000
+    back = pickle.loads(payload)
+    assert back.rank == adapter.rank and back.layers.keys() == adapter.layers.keys()
+    for name, layer in adapter.layers.items():
+        got = back.layers[name]
+        assert got.scaling == layer.scaling and got.lora_a.dtype == dtype
+        assert torch.equal(got.lora_a, layer.lora_a) and torch.equal(got.lora_b, layer.lora_b), name
+
+
+def test_the_kept_base_survives_a_write_of_the_merged_values_and_not_a_new_base(peft_a, peft_b):
+    """A merge is written in place; a later write by another path (a full push) is a new base,
+    unless it wrote exactly what the last merge did (a full push of the merged model)."""
+    a, b = lora_adapter(peft_a), lora_adapter(peft_b)
+    base = {name: torch.randn(layer.lora_b.shape[0], layer.lora_a.shape[1]) for name, layer in {**a.layers, **b.layers}.items()}
+    model = {name: t.clone() for name, t in base.items()}
+    kept = KeptBase()
+    kept.merge_into(a, model)
+    written = {name: t.clone() for name, t in model.items()}
+    for name, tensor in a.merged_into(base).items():
+        assert torch.equal(model[name], tensor), name
+    for name, tensor in model.items():  # the merged model pushed in full: the same values, rewritten
+        tensor.copy_(written[name])
+    kept.merge_into(b, model)  # q/v back to the base, o_proj adapted
+    for name in base:
+        expected = b.layers[name].merged(base[name]) if name in b.layers else base[name]
+        assert torch.equal(model[name], expected), name
+    new_base = {name: t + 1.0 for name, t in base.items()}
+    for name, tensor in model.items():
+        tensor.copy_(new_base[name])
+    kept.merge_into(a, model)
+    for name in base:
+        expected = a.layers[name].merged(new_base[name]) if name in a.layers else new_base[name]
+        assert torch.equal(model[name], expected), name
 
 
 def _reranked(adapter: LoraAdapter) -> LoraAdapter:
