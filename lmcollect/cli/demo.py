@@ -47,6 +47,7 @@ from lmcollect.cli.cluster import interrupt_on_sigint
 from lmcollect.cli.collection import Collection, background_collection
 from lmcollect.cli.configs import DemoConfig, UsageError
 from lmcollect.cli.progress import training_progress
+from lmcollect.cli.quiet import LIBRARY_LOG, library_logs, quiet_terminal
 from lmcollect.cli.report import (
     PLOT_FILE,
     ROLLOUT_REPORT_FILE,
@@ -93,16 +94,20 @@ def run_demo(config: DemoConfig) -> int:
     if config.logger in LOGGER_DIRS:
         console.print(f"{config.logger} logs in {run_dir / LOGGER_DIRS[config.logger]}")
     torch.manual_seed(config.seed)
-    model, tokenizer = load_model_and_tokenizer(model_path)
-    with ray_session(config.address), _torch_threads(_trainer_threads(config)):
-        demo = DemoRun(config, task, model, tokenizer, model_path=model_path, run_dir=run_dir, console=console)
-        with interrupt_on_sigint():  # after Ray and the loggers are up: see its docstring
-            summary = demo.run()
+    with library_logs(run_dir / LIBRARY_LOG, quiet=quiet_terminal()) as logs:
+        model, tokenizer = load_model_and_tokenizer(model_path)
+        with ray_session(config.address, **logs.ray_options), _torch_threads(_trainer_threads(config)):
+            logs.note_ray_logs()
+            demo = DemoRun(config, task, model, tokenizer, model_path=model_path, run_dir=run_dir, console=console)
+            with interrupt_on_sigint():  # after Ray and the loggers are up: see its docstring
+                summary = demo.run()
     console.print(summary_table(_table_rows(summary), title=f"lmcollect demo: {run_dir}"))
     if summary["files"]["report"] is not None:
         console.print(
             f"rollouts of the last training steps: {run_dir / summary['files']['report']} (open it in a browser)"
         )
+    if logs.path is not None:
+        console.print(f"library and Ray worker logs: {logs.path}")
     return 130 if summary["interrupted"] else 0
 
 

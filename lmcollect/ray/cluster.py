@@ -95,20 +95,29 @@ def with_thread_env(options: dict[str, Any], num_threads: int) -> dict[str, Any]
 
 
 @contextlib.contextmanager
-def ray_session(address: str | None) -> Iterator[None]:
+def ray_session(address: str | None, **ray_options: Any) -> Iterator[None]:
     """Ray is running inside the block: attached to ``address``, already running, or started here.
 
     A cluster started here is shut down on exit; one that was attached to or already running
-    (e.g. a test session's) is left as it was.
+    (e.g. a test session's) is left as it was. ``ray_options``: more ``ray.init`` arguments (e.g.
+    ``log_to_driver=False``), used only when this call starts or attaches.
     """
     started_here = not ray.is_initialized()
-    init_ray({"address": address} if address else None)
+    init_ray({**ray_options, "address": address} if address else dict(ray_options))
     try:
         yield
     finally:
         if started_here:
             logger.info("shutting the local Ray session down")
             ray.shutdown()
+
+
+def ray_logs_dir() -> str | None:
+    """The folder of this Ray session's logs (the workers' stdout and stderr), if Ray runs here."""
+    from ray._private import worker  # no public call says where the session's logs are
+
+    node = getattr(worker, "_global_node", None)
+    return str(node.get_logs_dir_path()) if node is not None else None
 
 
 def pickle_by_value(module: ModuleType) -> None:

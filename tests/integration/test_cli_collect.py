@@ -30,7 +30,9 @@ def test_collect_two_collectors_to_parquet(ray_cluster, tiny_model_path: Path, t
     assert df["done"].all() and df["policy_version"].eq(0).all() and df["reward"].isin([0.0, 1.0]).all()
     assert (df["log_probs"].map(len) == df["tokens_response"].map(len)).all()
     assert df["prompt"].str.contains("Which is larger").all() and df["prompt"].str.endswith("<|im_start|>assistant\n").all()
-    assert "wrote 16 turns" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "wrote 16 turns" in out and "library and Ray worker logs:" in out
+    assert "Ray workers' output" in (tmp_path / "out" / "turns.parquet.log").read_text()  # library logs: beside the output
     if importlib.util.find_spec("datasets") is not None:  # optional: not a dependency of lmcollect
         import datasets
 

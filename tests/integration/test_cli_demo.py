@@ -45,6 +45,8 @@ def test_demo_trains_pushes_every_step_and_shuts_every_collector_down(ray_cluste
     assert (run_dir / "training.png").read_bytes()[:8] == PNG_MAGIC
     out = capsys.readouterr().out
     assert "supervised warm-up" in out and "after RL" in out and "collectors shut down" in out
+    # library chatter goes to the run's log file (what reaches the terminal: the Ctrl-C test, its own driver)
+    assert "library and Ray worker logs:" in out and (run_dir / "libraries.log").exists()
     assert "step 3/3  " in out and "mean reward" in out  # stdout is not a terminal: plain progress lines
     assert summary["files"]["logger"] == "tensorboard"
     _check_tensorboard(run_dir / "tensorboard", records)
@@ -122,6 +124,10 @@ def test_ctrl_c_shuts_the_collectors_down_and_keeps_the_run_folder(ray_cluster, 
     assert len(summary["collectors"]) == 2 and all(c["shut_down"] for c in summary["collectors"])
     assert len(metrics.read_text().splitlines()) == summary["steps"]  # every finished step was written
     assert "interrupted" in output
+    # the terminal shows no library chatter: no progress bars, no Ray or worker lines (they are in the log file)
+    for noise in ("Loading weights", "_RayCollectorWorker pid=", "Token authentication", "INFO worker.py"):
+        assert noise not in output, f"{noise!r} reached the terminal:\n{output}"
+    assert "Ray workers' output" in (metrics.parent / "libraries.log").read_text()
     # the W&B run was closed: offline, in the run folder, with the finished steps in it
     assert summary["files"]["logger"] == "wandb"
     (wandb_run,) = (metrics.parent / "wandb").glob("offline-run-*")
