@@ -14,7 +14,12 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from lmcollect.weight_sync.base import WeightPushError, WeightUpdaterBase, WorkerIds
 from lmcollect.weights.buckets import WeightBuckets, pack_buckets, view_buckets
-from lmcollect.weights.cost_model import RAY_CPU_PUSH_COST, DeltaChooser, PushCostModel
+from lmcollect.weights.cost_model import (
+    RAY_CPU_PUSH_COST,
+    DeltaChooser,
+    PushCostModel,
+    check_auto_delta_options,
+)
 from lmcollect.weights.delta import (
     DeltaBase,
     DeltaConfig,
@@ -22,6 +27,7 @@ from lmcollect.weights.delta import (
     PreparedPush,
     PushStats,
     WeightDelta,
+    distinct_nbytes,
     distinct_tensors,
     resolve_delta,
 )
@@ -86,13 +92,7 @@ class RayPushConfig:
     def __post_init__(self) -> None:
         if self.delta != "auto":
             resolve_delta(self.delta)  # a TypeError for anything but a bool, a DeltaConfig or "auto"
-        elif self.link_gbit is not None and not self.link_gbit > 0:
-            raise ValueError(f"link_gbit must be positive or None (measured), got {self.link_gbit}; e.g. 10.")
-        if self.delta != "auto" and (self.link_gbit is not None or self.cost_model is not None):
-            raise ValueError(
-                f"link_gbit and cost_model only choose between delta and full pushes: set delta='auto' "
-                f"(delta is {self.delta!r})."
-            )
+        check_auto_delta_options(self.delta, self.link_gbit, self.cost_model)
         if self.zero_copy and self.delta:
             raise ValueError(
                 "zero_copy=True and delta cannot be combined: a delta patches the workers' weights in place, "
@@ -326,8 +326,7 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
     def _choose_delta(self, weights: WeightDict) -> None:
         """``delta="auto"``: turn delta mode on (a base kept from the next push) or off (base dropped)."""
         assert self._chooser is not None
-        full_nbytes = sum(t.numel() * t.element_size() for t in distinct_tensors(weights).values())
-        use_delta = self._chooser.use_delta(full_nbytes)
+        use_delta = self._chooser.use_delta(distinct_nbytes(weights))
         if use_delta and self._delta_base is None:
             self._delta_base = DeltaBase(DeltaConfig())
             logger.info("delta='auto': delta pushes (link %s Gbit/s)", self._chooser.link_gbit)

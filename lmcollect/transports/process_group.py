@@ -253,6 +253,19 @@ class ProcessGroupSender(WeightSender):
         nbytes = sum(b.numel() for b in self._sent)
         self.last_push_stats = PushStats.full(nbytes, num_full=self.config.num_receivers, num_repaired=len(refused))
 
+    @property
+    def uses_delta(self) -> bool:
+        """Whether pushes after the first may be deltas (a base of the last push is kept)."""
+        return self._delta_base is not None
+
+    def use_delta(self, config: DeltaConfig | None) -> None:
+        """Turn delta pushes on (with ``config``; the next push is full and becomes the base) or off
+        (None: the base is dropped, full pushes again). Keeps a base already kept when turned on again."""
+        if config is None:
+            self._delta_base = None
+        elif self._delta_base is None:
+            self._delta_base = DeltaBase(config)
+
     def reset_delta_base(self) -> None:
         """Forget the last push (with ``config.delta``): the next push is a full push."""
         if self._delta_base is not None:

@@ -15,7 +15,13 @@ from lmcollect.engines.vllm_worker_ext import RayNode, current_ray_node
 from lmcollect.engines.weight_group import GroupPush, join_weight_group, weight_receiver_nodes
 from lmcollect.transports.process_group import PreparedPush, ProcessGroupConfig, ProcessGroupSender
 from lmcollect.weight_sync.base import WeightPushError, WeightUpdaterBase
-from lmcollect.weights.delta import DeltaConfig, PushStats, resolve_delta
+from lmcollect.weights.cost_model import (
+    VLLM_CPU_PUSH_COST,
+    DeltaChooser,
+    PushCostModel,
+    check_auto_delta_options,
+)
+from lmcollect.weights.delta import DeltaConfig, PushStats, distinct_nbytes, resolve_delta
 from lmcollect.weights.lora import LoraAdapter
 from lmcollect.weights.tensors import (
     WeightDict,
@@ -101,7 +107,13 @@ class vLLMUpdater(WeightUpdaterBase[int]):
             push when the delta would exceed ``max_fraction`` of it). The trainer side keeps its
             packed buffers of the last push (one copy of the weights in the engine's dtype), each
             worker its receive buffers; the engine still reloads every tensor, so a delta saves the
-            transfer, not the reload. False: every push sends the full weights.
+            transfer, not the reload. False: every push sends the full weights. "auto": before
+            each push, a delta if ``cost_model`` predicts it faster than a full push over the link
+            (``link_gbit``, or the rate measured from the last full push) for a delta the size of
+            the last one, else a full push with no copy kept (as ``RayPushConfig(delta="auto")``).
+        link_gbit: with ``delta="auto"``: the link's rate to the engine, in Gbit/s (None: measured).
+        cost_model: with ``delta="auto"``: the :class:`~lmcollect.weights.cost_model.PushCostModel`
+            it decides by (None: ``VLLM_CPU_PUSH_COST``, fitted on this project's CPU machine).
 
     Example::
 
@@ -126,9 +138,12 @@ class vLLMUpdater(WeightUpdaterBase[int]):
         backend: Backend = "auto",
         convert_dtype: bool = False,
         allow_non_finite: bool = False,
-        delta: bool | DeltaConfig = False,
+        delta: bool | DeltaConfig | Literal["auto"] = False,
+        link_gbit: float | None = None,
+        cost_model: PushCostModel | None = None,
     ) -> None:
         super().__init__()
+        check_auto_delta_options(delta, link_gbit, cost_model)
         tp_size = 1 if vllm_tp_size is None else vllm_tp_size
         if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
             raise ValueError(f"vllm_tp_size must be a positive int or None, got {vllm_tp_size!r}.")
@@ -146,7 +161,11 @@ class vLLMUpdater(WeightUpdaterBase[int]):
         self.backend = backend
         self.convert_dtype = convert_dtype
         self.allow_non_finite = allow_non_finite
-        self.delta = resolve_delta(delta)
+        self.delta = None if delta == "auto" else resolve_delta(delta)
+        self._chooser = (
+            DeltaChooser(cost_model or VLLM_CPU_PUSH_COST, bandwidth_gbit=link_gbit) if delta == "auto" else None
+        )
+        self._push_started = 0.0  # when the push being made began (timed for delta="auto")
         self._policy: Any = None  # set by from_policy: an engine reached without a collector
         self._sender: ProcessGroupSender | None = None
         self._num_replicas = 1
@@ -276,8 +295,10 @@ class vLLMUpdater(WeightUpdaterBase[int]):
     # ------------------------------------------------------------------ one push
     def _validate(self, weights: WeightDict, worker_ids: list[int]) -> None:
         self._prepared = None
+        self._push_started = time.perf_counter()
         convert = self.convert_dtype
-        if not self.allow_non_finite and self.delta is None and not convert:  # before the group forms
+        checked = not self.allow_non_finite and self.delta is None and self._chooser is None and not convert
+        if checked:  # before the group forms
             raise_if_problems(non_finite_problems(weights))
         if self._sender is None:
             first = next(iter(weights.values()), None)
@@ -285,10 +306,28 @@ class vLLMUpdater(WeightUpdaterBase[int]):
         if self.model_metadata is not None:  # the trainer's contract, then what every worker accepts
             raise_if_problems(weight_problems(tensor_metadata(weights), self.model_metadata), where=" (model_metadata)")
         assert self._sender is not None
+        if self._chooser is not None:
+            self._choose_delta(self._sender, weights)
         prepared = self._sender.prepare(weights)  # checks; with delta also encodes (nothing sent yet)
-        if not self.allow_non_finite and (self.delta is not None or convert):  # what travels, as the engine holds it
+        if not self.allow_non_finite and not checked:  # what travels, as the engine holds it
             raise_if_problems(non_finite_problems(prepared.sent_values(), dtypes=prepared.dtypes))
         self._prepared = prepared
+
+    def _choose_delta(self, sender: ProcessGroupSender, weights: WeightDict) -> None:
+        """``delta="auto"``: delta pushes on (a base kept from the next push) or off (base dropped)."""
+        assert self._chooser is not None
+        use_delta = self._chooser.use_delta(distinct_nbytes(weights))
+        if use_delta != sender.uses_delta:
+            logger.info("vLLMUpdater delta='auto': %s pushes (link %s Gbit/s)", "delta" if use_delta else "full",
+                        self._chooser.link_gbit)  # fmt: skip
+        sender.use_delta(DeltaConfig() if use_delta else None)
+
+    @property
+    def uses_delta(self) -> bool:
+        """Whether the next push may be a delta push (with ``delta="auto"``: what was chosen last)."""
+        if self._sender is not None:
+            return self._sender.uses_delta
+        return self.delta is not None
 
     def _sync_weights_with_worker(self, *, worker_id: int, server_weights: WeightDict, version: PushVersion) -> None:
         sender = self._sender
@@ -305,7 +344,9 @@ class vLLMUpdater(WeightUpdaterBase[int]):
         except Exception as exc:  # a worker died mid-broadcast: the group is broken, name it and start over
             self.close()
             raise WeightPushError(f"push to vLLM worker {worker_id} failed: {self._cause(received, exc)}") from exc
-        self.last_push_stats = sender.last_push_stats
+        stats = self.last_push_stats = sender.last_push_stats
+        if self._chooser is not None and stats is not None:
+            self._chooser.observe(stats.kind, stats.nbytes, stats.full_nbytes, time.perf_counter() - self._push_started)
         sent = sender.last_checksums() if self.verify else None  # while the workers reload
         self.last_push_info = self._wait(received, deadline, "receive_weights")
         if sent is not None:

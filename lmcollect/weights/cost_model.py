@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -272,6 +272,31 @@ class DeltaChooser:
             self.expected_delta_fraction = min(1.0, nbytes / full_nbytes)
         elif kind == "full" and seconds is not None and seconds > 0 and full_nbytes > 0:
             self._measured_gbit = self.model.effective_gbit(full_nbytes, seconds)
+
+
+VLLM_CPU_PUSH_COST = PushCostModel(
+    fixed_s=0.0,
+    per_byte_s=1.47e-9,
+    per_delta_byte_s=4.3e-9,
+    delta_per_full_byte_s=2.40e-9,
+    link_efficiency=0.95,
+)
+"""``vLLMUpdater`` pushing the medium model (bf16) into a vLLM engine on another node over gloo,
+fitted in the same run as :data:`RAY_CPU_PUSH_COST` (docs/scaling.md): the engine reloads every
+tensor even for a delta, so deltas pay below about 8 Gbit/s (1.5% of the bytes changed) or 4.5
+Gbit/s (15%) on this machine. On GPUs and fast links fit your own (:func:`fit_push_cost`)."""
+
+
+def check_auto_delta_options(delta: Any, link_gbit: float | None, cost_model: PushCostModel | None) -> None:
+    """The checks of ``delta="auto"``'s options, for every updater that has them: ``link_gbit``
+    positive or None, and neither option without ``delta="auto"``."""
+    if delta == "auto":
+        if link_gbit is not None and not link_gbit > 0:
+            raise ValueError(f"link_gbit must be positive or None (measured), got {link_gbit}; e.g. 10.")
+    elif link_gbit is not None or cost_model is not None:
+        raise ValueError(
+            f"link_gbit and cost_model only choose between delta and full pushes: set delta='auto' (delta is {delta!r})."
+        )
 
 
 def _check_bandwidth(bandwidth_gbit: float) -> None:

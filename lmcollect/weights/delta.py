@@ -326,6 +326,11 @@ def distinct_tensors(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
     return out
 
 
+def distinct_nbytes(weights: Mapping[str, torch.Tensor]) -> int:
+    """Bytes of ``weights`` with each tied tensor counted once (what a full push moves)."""
+    return sum(t.numel() * t.element_size() for t in distinct_tensors(weights).values())
+
+
 def changed_positions(new_bits: torch.Tensor, base_bits: torch.Tensor, mask: np.ndarray | None = None) -> torch.Tensor:
     """int64 positions where two flat integer tensors differ. On the CPU (``mask``: a boolean
     scratch of their size) numpy's nonzero does it, several times faster than torch's."""

@@ -141,3 +141,38 @@ def test_process_group_delta_pushes_into_a_continuous_collector(greedy_policy: A
             logits = reference.model(full.unsqueeze(0)).logits[0].float()
         want = torch.log_softmax(logits, -1)[num_prompt - 1 : -1].gather(1, full[num_prompt:, None])[:, 0]
         torch.testing.assert_close(turn.get(keys.LOG_PROBS_RESPONSE), want, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("link_gbit", "kinds"),
+    [(0.1, ["full", "delta", "delta"]),  # a slow link: the delta pays
+     (1000.0, ["full", "full", "full"])],  # a fast one: the engine reloads everything anyway, and comparing costs more
+)  # fmt: skip
+def test_auto_delta_chooses_by_the_link_rate_and_the_vllm_cost_model(
+    greedy_policy: Any, model_dir: Path, link_gbit: float, kinds: list[str]
+) -> None:
+    trainer = perturbed_model(model_dir, seed=9).to(torch.bfloat16)
+    updater = vLLMUpdater(delta="auto", link_gbit=link_gbit, convert_dtype=True, verify=True, timeout_s=60)
+    env = ChatEnv(arithmetic_dataset(4, seed=0), reward_fn=MathAnswerReward(), batch_size=1, seed=0)
+    collector = LLMCollector(
+        env, policy=greedy_policy, dialog_turns_per_batch=1, weight_updater=updater, track_policy_version=True
+    )  # versions count on from the session engine's
+    optimizer = torch.optim.AdamW(trainer.parameters(), lr=LR)
+    pushed = []
+    try:
+        for step in range(3):
+            collector.update_policy_weights_(trainer)  # verify=True: the workers hold what was sent
+            pushed.append(updater.last_push_stats.kind)
+            adamw_step(trainer, optimizer, seed=step)
+        assert pushed == kinds and updater.uses_delta is (link_gbit < 1)  # no copy of the weights kept when full
+    finally:
+        collector.shutdown()
+        updater.close()
+        vLLMUpdater.from_policy(greedy_policy).push_weights(load_model_and_tokenizer(model_dir)[0])
+
+
+def test_auto_delta_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="link_gbit must be positive"):
+        vLLMUpdater(delta="auto", link_gbit=0)
+    with pytest.raises(ValueError, match="set delta='auto'"):
+        vLLMUpdater(delta=True, link_gbit=10)
