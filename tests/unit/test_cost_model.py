@@ -130,3 +130,14 @@ def test_measured_push_and_chooser_reject_bad_values() -> None:
         DeltaChooser(PushCostModel(), bandwidth_gbit=0)
     with pytest.raises(ValueError, match="delta_fraction"):
         PushCostModel().delta_pays(GB, 1.5, 1)
+
+
+def test_the_shipped_fits_break_even_where_docs_scaling_says() -> None:
+    """docs/scaling.md's table: Ray deltas of 1.5% pay on any link, of 15% below 4.1 Gbit/s; vLLM's
+    below 8.3 and 4.5 Gbit/s (the engine reloads every tensor even for a delta)."""
+    from lmcollect.weights.cost_model import RAY_CPU_PUSH_COST, VLLM_CPU_PUSH_COST
+
+    assert RAY_CPU_PUSH_COST.breakeven_gbit(0.015) == math.inf
+    assert RAY_CPU_PUSH_COST.breakeven_gbit(0.152) == pytest.approx(4.1, rel=0.05)
+    assert VLLM_CPU_PUSH_COST.breakeven_gbit(0.015) == pytest.approx(8.3, rel=0.05)
+    assert VLLM_CPU_PUSH_COST.breakeven_gbit(0.152) == pytest.approx(4.5, rel=0.05)
