@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lmcollect.cli.configs import BenchConfig, UsageError
+from lmcollect.cli.quiet import library_logs, quiet_terminal
 from lmcollect.files import write_text_atomically
 
 logger = logging.getLogger(__name__)
@@ -37,28 +38,34 @@ BENCHMARKS = ("collect", "weight_sync", "push_latency", "memory", "startup", "ag
 
 def run_bench(config: BenchConfig) -> int:
     names = _selected(config.only)
+    benchmarks_dir()  # without a source checkout: its one-line error before anything starts
     console = Console()
     rows: list[dict[str, Any]] = []
     failed: list[str] = []
-    for name in names:
-        module = _load(name)
-        if module is None:
-            console.print(f"[yellow]benchmarks/{name}.py not found: skipped[/]")
-            continue
-        console.print(f"running benchmarks/{name}.py{' --quick' if config.quick else ''} ...")
-        try:
-            rows += [normalize_row(name, row) for row in _rows_of(module, config)]
-        except Exception as exc:  # designed: one broken benchmark must not lose the others' rows
-            logger.exception("benchmarks/%s.py failed", name)
-            failed.append(name)
-            rows.append(normalize_row(name, {"row": f"FAILED: {type(exc).__name__}: {exc}"[:200]}))
-    report = {"date": time.strftime("%Y-%m-%d"), "machine": machine_description(), "quick": config.quick, "rows": rows}
     output = Path(config.output)
+    log_path = output.with_name(output.stem + "-libraries.log")
+    with library_logs(log_path, quiet=quiet_terminal()) as logs:
+        for name in names:
+            module = _load(name)
+            if module is None:
+                console.print(f"[yellow]benchmarks/{name}.py not found: skipped[/]")
+                continue
+            console.print(f"running benchmarks/{name}.py{' --quick' if config.quick else ''} ...")
+            try:
+                rows += [normalize_row(name, row) for row in _rows_of(module, config)]
+            except Exception as exc:  # designed: one broken benchmark must not lose the others' rows
+                logger.exception("benchmarks/%s.py failed", name)
+                failed.append(name)
+                rows.append(normalize_row(name, {"row": f"FAILED: {type(exc).__name__}: {exc}"[:200]}))
+            logs.note_ray_logs()
+    report = {"date": time.strftime("%Y-%m-%d"), "machine": machine_description(), "quick": config.quick, "rows": rows}
     output.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomically(output, json.dumps(report, indent=2) + "\n")
     write_text_atomically(output.with_suffix(".md"), markdown_table(report))
     console.print(_rich_table(rows, title=f"lmcollect bench, {report['date']}, {report['machine']}"))
     console.print(f"wrote {output} and {output.with_suffix('.md')}")
+    if logs.path is not None:
+        console.print(f"library and Ray worker logs: {logs.path}")
     return 1 if failed else 0
 
 

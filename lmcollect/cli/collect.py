@@ -47,7 +47,7 @@ def run_collect(config: CollectConfig) -> int:
     log_path = Path(config.output).with_name(Path(config.output).name + ".log")
     with (
         library_logs(log_path, quiet=quiet_terminal()) as logs,
-        ray_session(config.address, **logs.ray_options),
+        ray_session(config.address),
         _collectors(config, env_factory, model_path) as group,
     ):
         logs.note_ray_logs()

@@ -96,7 +96,7 @@ def run_demo(config: DemoConfig) -> int:
     torch.manual_seed(config.seed)
     with library_logs(run_dir / LIBRARY_LOG, quiet=quiet_terminal()) as logs:
         model, tokenizer = load_model_and_tokenizer(model_path)
-        with ray_session(config.address, **logs.ray_options), _torch_threads(_trainer_threads(config)):
+        with ray_session(config.address), _torch_threads(_trainer_threads(config)):
             logs.note_ray_logs()
             demo = DemoRun(config, task, model, tokenizer, model_path=model_path, run_dir=run_dir, console=console)
             with interrupt_on_sigint():  # after Ray and the loggers are up: see its docstring

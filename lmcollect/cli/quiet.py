@@ -18,11 +18,10 @@ import contextlib
 import logging
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from lmcollect.ray.cluster import ray_logs_dir
+from lmcollect.ray.cluster import ray_driver_defaults, ray_logs_dir
 
 LIBRARY_LOG = "libraries.log"
 """The log file's name in a run folder."""
@@ -36,11 +35,9 @@ LIBRARY_LOGGERS = (
 
 @dataclass
 class LibraryLogs:
-    """What :func:`library_logs` set up: ``path`` (None when nothing was redirected) and the options
-    ``ray.init`` needs to leave that set-up alone (``ray_options``)."""
+    """What :func:`library_logs` set up: ``path``, the log file (None when nothing was redirected)."""
 
     path: Path | None
-    ray_options: dict[str, Any] = field(default_factory=dict)
 
     def note_ray_logs(self) -> str | None:
         """Write where Ray keeps its workers' output into the log file, and return that folder."""
@@ -79,8 +76,10 @@ def library_logs(path: Path, *, quiet: bool = True) -> Iterator[LibraryLogs]:
     logging.captureWarnings(True)
     progress_bars = _transformers_progress_bars(False)
     try:
-        # ray.init without configure_logging puts no terminal handler of its own on "ray"
-        yield LibraryLogs(path=path, ray_options={"log_to_driver": False, "configure_logging": False})
+        # whoever starts Ray in the block: no forwarding of the workers' output, and no terminal
+        # handler of Ray's own on "ray" (configure_logging=False)
+        with ray_driver_defaults(log_to_driver=False, configure_logging=False):
+            yield LibraryLogs(path=path)
     finally:
         _transformers_progress_bars(progress_bars)
         logging.captureWarnings(False)

@@ -16,6 +16,23 @@ import ray
 logger = logging.getLogger(__name__)
 
 
+_DRIVER_DEFAULTS: dict[str, Any] = {}  # ray.init options set by ray_driver_defaults (a CLI command's)
+
+
+@contextlib.contextmanager
+def ray_driver_defaults(**options: Any) -> Iterator[None]:
+    """Inside the block, :func:`init_ray` starts or attaches with these ``ray.init`` options unless
+    its caller gives others (e.g. ``log_to_driver=False`` for a command that keeps the workers'
+    output off the terminal, whichever code starts Ray within it)."""
+    saved = dict(_DRIVER_DEFAULTS)
+    _DRIVER_DEFAULTS.update(options)
+    try:
+        yield
+    finally:
+        _DRIVER_DEFAULTS.clear()
+        _DRIVER_DEFAULTS.update(saved)
+
+
 def init_ray(ray_init_config: dict[str, Any] | None = None) -> None:
     """Make sure Ray runs: attach to ``address`` / ``RAY_ADDRESS`` if given, else start locally.
 
@@ -23,7 +40,7 @@ def init_ray(ray_init_config: dict[str, Any] | None = None) -> None:
     """
     if ray.is_initialized():
         return
-    config = dict(ray_init_config or {})
+    config = {**_DRIVER_DEFAULTS, **(ray_init_config or {})}
     attaching = config.get("address") is not None or "RAY_ADDRESS" in os.environ
     if not attaching:
         # Ray 2.60 maps a loopback node address to the machine's own address, so we do not pass
@@ -95,15 +112,14 @@ def with_thread_env(options: dict[str, Any], num_threads: int) -> dict[str, Any]
 
 
 @contextlib.contextmanager
-def ray_session(address: str | None, **ray_options: Any) -> Iterator[None]:
+def ray_session(address: str | None) -> Iterator[None]:
     """Ray is running inside the block: attached to ``address``, already running, or started here.
 
     A cluster started here is shut down on exit; one that was attached to or already running
-    (e.g. a test session's) is left as it was. ``ray_options``: more ``ray.init`` arguments (e.g.
-    ``log_to_driver=False``), used only when this call starts or attaches.
+    (e.g. a test session's) is left as it was.
     """
     started_here = not ray.is_initialized()
-    init_ray({**ray_options, "address": address} if address else dict(ray_options))
+    init_ray({"address": address} if address else None)
     try:
         yield
     finally:

@@ -208,7 +208,9 @@ def test_bench_smoke_runs_the_collect_benchmark(tmp_path: Path, capsys) -> None:
     assert report["date"] and "CPU cores" in report["machine"]
     assert [r["row"] for r in report["rows"]] == ["LLMCollector tiny"] and report["rows"][0]["value"] > 0
     assert "LLMCollector tiny" in output.with_suffix(".md").read_text()
-    assert "LLMCollector tiny" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "LLMCollector tiny" in out and "library and Ray worker logs:" in out
+    assert (tmp_path / "bench-libraries.log").exists()
 
 
 def test_configs_are_keyword_only_dataclasses() -> None:

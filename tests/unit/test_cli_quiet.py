@@ -12,6 +12,7 @@ import pytest
 from transformers.utils import logging as hf_logging
 
 from lmcollect.cli.quiet import library_logs
+from lmcollect.ray import cluster
 
 
 @pytest.fixture
@@ -30,7 +31,8 @@ def test_library_chatter_goes_to_the_file_and_errors_still_show(tmp_path: Path, 
     before = [(lg, list(lg.handlers), lg.propagate) for lg in (ray_logger, hf_logger)]
     path = tmp_path / "run" / "libraries.log"
     with library_logs(path) as logs:
-        assert logs.path == path and logs.ray_options == {"log_to_driver": False, "configure_logging": False}
+        assert logs.path == path
+        assert cluster._DRIVER_DEFAULTS == {"log_to_driver": False, "configure_logging": False}  # for init_ray
         assert not hf_logging.is_progress_bar_enabled()
         ray_logger.handlers.clear()  # what ray.init(configure_logging=False) does: records still reach the file
         logging.getLogger("ray._private.worker").warning("ray-warning")
@@ -46,7 +48,7 @@ def test_library_chatter_goes_to_the_file_and_errors_still_show(tmp_path: Path, 
     for text in ("ray-warning", "hf-warning", "python-warning"):
         assert text not in shown, f"{text!r} reached the terminal:\n{shown}"
     assert [(lg, list(lg.handlers), lg.propagate) for lg in (ray_logger, hf_logger)] == before
-    assert hf_logging.is_progress_bar_enabled()
+    assert hf_logging.is_progress_bar_enabled() and cluster._DRIVER_DEFAULTS == {}
     logging.getLogger("ray._private.worker").warning("after-the-block")
     assert "after-the-block" not in path.read_text()
 
@@ -55,6 +57,6 @@ def test_verbose_leaves_logging_alone(tmp_path: Path, terminal: io.StringIO) -> 
     path = tmp_path / "libraries.log"
     handlers = list(logging.getLogger().handlers)
     with library_logs(path, quiet=False) as logs:
-        assert logs.path is None and logs.ray_options == {}
+        assert logs.path is None and cluster._DRIVER_DEFAULTS == {}
         assert logging.getLogger().handlers == handlers and hf_logging.is_progress_bar_enabled()
     assert not path.exists()
