@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,6 +32,9 @@ LIBRARY_LOGGERS = (
     "py.warnings",
 )  # fmt: skip
 """Loggers (and their children) sent to the log file."""
+
+VLLM_CONFIGURE_LOGGING = "VLLM_CONFIGURE_LOGGING"
+"""vLLM's switch for the handler it puts on its loggers when imported."""
 
 
 @dataclass
@@ -75,12 +79,19 @@ def library_logs(path: Path, *, quiet: bool = True) -> Iterator[LibraryLogs]:
     root.addHandler(to_file)
     logging.captureWarnings(True)
     progress_bars = _transformers_progress_bars(False)
+    # a vLLM imported in the block would put its own terminal handler on "vllm": leave its loggers to us
+    vllm_logging = os.environ.get(VLLM_CONFIGURE_LOGGING)
+    os.environ[VLLM_CONFIGURE_LOGGING] = "0"
     try:
         # whoever starts Ray in the block: no forwarding of the workers' output, and no terminal
         # handler of Ray's own on "ray" (configure_logging=False)
         with ray_driver_defaults(log_to_driver=False, configure_logging=False):
             yield LibraryLogs(path=path)
     finally:
+        if vllm_logging is None:
+            os.environ.pop(VLLM_CONFIGURE_LOGGING, None)
+        else:
+            os.environ[VLLM_CONFIGURE_LOGGING] = vllm_logging
         _transformers_progress_bars(progress_bars)
         logging.captureWarnings(False)
         root.removeHandler(to_file)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import warnings
 from pathlib import Path
 
@@ -30,10 +31,12 @@ def test_library_chatter_goes_to_the_file_and_errors_still_show(tmp_path: Path, 
     ray_logger, hf_logger = logging.getLogger("ray"), logging.getLogger("transformers")
     before = [(lg, list(lg.handlers), lg.propagate) for lg in (ray_logger, hf_logger)]
     path = tmp_path / "run" / "libraries.log"
+    vllm_setting = os.environ.get("VLLM_CONFIGURE_LOGGING")
     with library_logs(path) as logs:
         assert logs.path == path
         assert cluster._DRIVER_DEFAULTS == {"log_to_driver": False, "configure_logging": False}  # for init_ray
         assert not hf_logging.is_progress_bar_enabled()
+        assert os.environ["VLLM_CONFIGURE_LOGGING"] == "0"  # a vLLM imported now leaves its loggers to the file
         ray_logger.handlers.clear()  # what ray.init(configure_logging=False) does: records still reach the file
         logging.getLogger("ray._private.worker").warning("ray-warning")
         logging.getLogger("transformers.modeling_utils").warning("hf-warning")
@@ -49,6 +52,7 @@ def test_library_chatter_goes_to_the_file_and_errors_still_show(tmp_path: Path, 
         assert text not in shown, f"{text!r} reached the terminal:\n{shown}"
     assert [(lg, list(lg.handlers), lg.propagate) for lg in (ray_logger, hf_logger)] == before
     assert hf_logging.is_progress_bar_enabled() and cluster._DRIVER_DEFAULTS == {}
+    assert os.environ.get("VLLM_CONFIGURE_LOGGING") == vllm_setting
     logging.getLogger("ray._private.worker").warning("after-the-block")
     assert "after-the-block" not in path.read_text()
 
