@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lmcollect.cli.configs import BenchConfig, UsageError
-from lmcollect.cli.quiet import library_logs, quiet_terminal
+from lmcollect.cli.quiet import library_logs
 from lmcollect.files import write_text_atomically
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ def run_bench(config: BenchConfig) -> int:
     failed: list[str] = []
     output = Path(config.output)
     log_path = output.with_name(output.stem + "-libraries.log")
-    with library_logs(log_path, quiet=quiet_terminal()) as logs:
+    with library_logs(log_path) as logs:
         for name in names:
             module = _load(name)
             if module is None:
@@ -64,8 +64,7 @@ def run_bench(config: BenchConfig) -> int:
     write_text_atomically(output.with_suffix(".md"), markdown_table(report))
     console.print(_rich_table(rows, title=f"lmcollect bench, {report['date']}, {report['machine']}"))
     console.print(f"wrote {output} and {output.with_suffix('.md')}")
-    if logs.path is not None:
-        console.print(f"library and Ray worker logs: {logs.path}")
+    logs.print_where(console)
     return 1 if failed else 0
 
 

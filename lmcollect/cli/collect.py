@@ -28,7 +28,7 @@ from lmcollect.cli.builders import (
 )
 from lmcollect.cli.configs import CollectConfig, UsageError
 from lmcollect.cli.progress import turns_progress
-from lmcollect.cli.quiet import library_logs, quiet_terminal
+from lmcollect.cli.quiet import library_logs
 from lmcollect.cli.rollouts import batch_records, write_records
 from lmcollect.envs import ShippedTask
 from lmcollect.policies import SamplingConfig
@@ -44,9 +44,8 @@ def run_collect(config: CollectConfig) -> int:
     check_backend(config.backend)
     model_path = resolve_model_path(config.model)
     console = Console()
-    log_path = Path(config.output).with_name(Path(config.output).name + ".log")
     with (
-        library_logs(log_path, quiet=quiet_terminal()) as logs,
+        library_logs(Path(f"{config.output}.log")) as logs,
         ray_session(config.address),
         _collectors(config, env_factory, model_path) as group,
     ):
@@ -60,8 +59,7 @@ def run_collect(config: CollectConfig) -> int:
     console.print(
         f"wrote {len(records)} turns to {path} (collected at {rate:.1f} turns/s, mean reward {mean_reward:.3f})"
     )
-    if logs.path is not None:
-        console.print(f"library and Ray worker logs: {logs.path}")
+    logs.print_where(console)
     return 0
 
 

@@ -47,7 +47,7 @@ from lmcollect.cli.cluster import interrupt_on_sigint
 from lmcollect.cli.collection import Collection, background_collection
 from lmcollect.cli.configs import DemoConfig, UsageError
 from lmcollect.cli.progress import training_progress
-from lmcollect.cli.quiet import LIBRARY_LOG, library_logs, quiet_terminal
+from lmcollect.cli.quiet import LIBRARY_LOG, library_logs
 from lmcollect.cli.report import (
     PLOT_FILE,
     ROLLOUT_REPORT_FILE,
@@ -94,7 +94,7 @@ def run_demo(config: DemoConfig) -> int:
     if config.logger in LOGGER_DIRS:
         console.print(f"{config.logger} logs in {run_dir / LOGGER_DIRS[config.logger]}")
     torch.manual_seed(config.seed)
-    with library_logs(run_dir / LIBRARY_LOG, quiet=quiet_terminal()) as logs:
+    with library_logs(run_dir / LIBRARY_LOG) as logs:
         model, tokenizer = load_model_and_tokenizer(model_path)
         with ray_session(config.address), _torch_threads(_trainer_threads(config)):
             logs.note_ray_logs()
@@ -106,8 +106,7 @@ def run_demo(config: DemoConfig) -> int:
         console.print(
             f"rollouts of the last training steps: {run_dir / summary['files']['report']} (open it in a browser)"
         )
-    if logs.path is not None:
-        console.print(f"library and Ray worker logs: {logs.path}")
+    logs.print_where(console)
     return 130 if summary["interrupted"] else 0
 
 

@@ -21,6 +21,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from lmcollect.ray.cluster import ray_driver_defaults, ray_logs_dir
 
@@ -50,17 +51,23 @@ class LibraryLogs:
             logging.getLogger("ray").info("Ray workers' output (not forwarded to the terminal): %s", folder)
         return folder
 
+    def print_where(self, console: Any) -> None:
+        """Tell the terminal (a rich ``Console``) where the library logs went; nothing under ``-v``."""
+        if self.path is not None:
+            console.print(f"library and Ray worker logs: {self.path}")
+
 
 @contextlib.contextmanager
-def library_logs(path: Path, *, quiet: bool = True) -> Iterator[LibraryLogs]:
+def library_logs(path: Path, *, quiet: bool | None = None) -> Iterator[LibraryLogs]:
     """Send library logs to ``path`` inside the block (see the module docstring); put the loggers
-    back as they were after it. ``quiet=False`` changes nothing (``lmcollect -v``).
+    back as they were after it. ``quiet=False`` changes nothing; None (the default): quiet unless
+    ``lmcollect -v`` (:func:`quiet_terminal`).
 
     The library loggers lose their own handlers and pass their records up to the root logger, where
     one handler writes them to the file and the root's other handlers (the terminal) let only their
     errors through. Records travel up by name, so this holds even when a library resets its logger's
     handlers (``ray.init`` does)."""
-    if not quiet:
+    if not (quiet_terminal() if quiet is None else quiet):
         yield LibraryLogs(path=None)
         return
     path.parent.mkdir(parents=True, exist_ok=True)

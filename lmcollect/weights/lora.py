@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,19 +83,15 @@ class LoraAdapter:
 
     def to(self, device: torch.device | str) -> LoraAdapter:
         """The same adapter with its tensors on ``device``."""
-        moved = {
-            name: LoraLayerWeights(layer.lora_a.to(device), layer.lora_b.to(device), layer.scaling)
-            for name, layer in self.layers.items()
-        }
-        return LoraAdapter(layers=moved, rank=self.rank)
+        return self._mapped(lambda t: t.to(device))
 
     def cloned(self) -> LoraAdapter:
         """The same adapter with tensors of its own (a few MB)."""
-        copies = {
-            name: LoraLayerWeights(layer.lora_a.detach().clone(), layer.lora_b.detach().clone(), layer.scaling)
-            for name, layer in self.layers.items()
-        }
-        return LoraAdapter(layers=copies, rank=self.rank)
+        return self._mapped(lambda t: t.detach().clone())
+
+    def _mapped(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> LoraAdapter:
+        layers = {name: LoraLayerWeights(fn(w.lora_a), fn(w.lora_b), w.scaling) for name, w in self.layers.items()}
+        return LoraAdapter(layers=layers, rank=self.rank)
 
     def flat(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """The adapter as plain data to send: ``<weight name>.lora_A`` / ``.lora_B`` -> tensor, and

@@ -32,7 +32,7 @@ def test_library_chatter_goes_to_the_file_and_errors_still_show(tmp_path: Path, 
     before = [(lg, list(lg.handlers), lg.propagate) for lg in (ray_logger, hf_logger)]
     path = tmp_path / "run" / "libraries.log"
     vllm_setting = os.environ.get("VLLM_CONFIGURE_LOGGING")
-    with library_logs(path) as logs:
+    with library_logs(path, quiet=True) as logs:
         assert logs.path == path
         assert cluster._DRIVER_DEFAULTS == {"log_to_driver": False, "configure_logging": False}  # for init_ray
         assert not hf_logging.is_progress_bar_enabled()
