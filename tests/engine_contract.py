@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from lmcollect.engines import EngineClosedError, EngineProtocol, EngineRequest, EngineResult, StalePushError
+from lmcollect.engines.kv_policy import configure_kv_policy, push_costs_of
 from lmcollect.policies import SamplingConfig
 
 TIMEOUT_S = 60.0
@@ -200,6 +201,64 @@ def check_close_fails_pending_futures(case: EngineCase) -> None:
         case.engine.submit(EngineRequest(prompt_ids=case.prompts[0]))
 
 
+def check_kv_policies(case: EngineCase) -> None:
+    """Both KV policies across a push mid-generation (an engine that cannot keep refuses ``"keep"``).
+
+    ``"recompute"``: each token's ``kv_versions`` is its own version, and the push's cost counts the
+    context it dropped (prompt + the tokens before it). ``"keep"``: the tokens after the push go on
+    over the old keys/values (their ``kv_versions`` name the old version, so they differ from a
+    forward pass of the new weights), nothing is recomputed, and another dialog with the very same
+    tokens never reuses this dialog's old prefix (it answers exactly as the new weights do)."""
+    engine = case.engine
+    if getattr(engine, "set_kv_policy", None) is None:
+        with pytest.raises(ValueError, match="kv_policy='keep'.*use kv_policy='recompute'"):
+            configure_kv_policy(engine, "keep")
+        return
+    try:
+        for policy in ("recompute", "keep"):
+            engine.set_kv_policy(policy)
+            _check_a_push_under(case, policy)
+    finally:
+        engine.set_kv_policy("recompute")
+
+
+def _check_a_push_under(case: EngineCase, policy: str) -> None:
+    engine, version = case.engine, case.engine.version
+    prompt, num_tokens = case.prompts[1] * 4, 12  # long enough to fill prefix-cache blocks
+    with case.hold_step(PUSH_MID_STEP) as reached:
+        future = engine.submit(EngineRequest(prompt_ids=prompt, sampling=greedy(num_tokens), affinity=f"{policy}-a"))
+        assert reached.wait(TIMEOUT_S), f"the engine never reached its decoding step {PUSH_MID_STEP}"
+        engine.pause()
+    case.push_weights(case.new_weights, version + 1)
+    engine.resume()
+    result = future.result(timeout=TIMEOUT_S)
+    versions, tokens = result.token_versions.tolist(), result.tokens.tolist()
+    switch = versions.index(version + 1)
+    assert result.kv_versions is not None, f"{type(engine).__name__} reports no kv_versions"
+    recomputed = sum(c.recomputed_tokens for c in push_costs_of(engine) if c.version == version + 1)
+    if policy == "recompute":
+        assert result.kv_versions.tolist() == versions
+        assert recomputed == len(prompt) + switch, (recomputed, len(prompt), switch)
+    else:
+        assert result.kv_versions.tolist() == [version] * num_tokens
+        assert recomputed == 0
+        assert tokens[:switch] == case.old.greedy(prompt, switch)
+        exact = case.new.log_probs(prompt, tokens)[switch:]
+        assert not torch.allclose(result.log_probs[switch:], exact, atol=1e-3), "keep recomputed the old keys/values"
+        other = engine.submit(
+            EngineRequest(prompt_ids=prompt + tokens, sampling=greedy(6), affinity=f"{policy}-b")
+        ).result(timeout=TIMEOUT_S)  # the same tokens, another dialog: nothing of dialog a's old prefix
+        assert other.num_cached_prompt_tokens == 0 and set(other.kv_versions.tolist()) == {version + 1}
+        assert_answers_like(other, prompt + tokens, case.new, case.log_prob_atol)
+        later = engine.submit(EngineRequest(
+            prompt_ids=prompt + tokens + prompt[:3], sampling=greedy(4), affinity=f"{policy}-a", context_kv_version=version,
+        )).result(timeout=TIMEOUT_S)  # dialog a's next turn may reuse its own old prefix, and says so  # fmt: skip
+        floor = version if later.num_cached_prompt_tokens > 0 else version + 1
+        assert set(later.kv_versions.tolist()) == {floor}
+    case.push_weights(case.old_weights, version + 2)  # back to the start weights
+    engine.reset_prefix_cache()
+
+
 CHECKS: dict[str, Callable[[EngineCase], None]] = {
     "greedy_and_log_probs": check_greedy_equals_plain_generation_and_log_probs_a_forward_pass,
     "seeded_repeats": check_a_seeded_request_repeats,
@@ -207,6 +266,7 @@ CHECKS: dict[str, Callable[[EngineCase], None]] = {
     "push_mid_generation": check_a_push_mid_generation_is_recorded_per_token,
     "bad_push": check_a_bad_push_changes_nothing,
     "older_push": check_an_older_push_is_refused,
+    "kv_policies": check_kv_policies,
     "close": check_close_fails_pending_futures,
 }
 

@@ -22,6 +22,7 @@ from lmcollect.collectors.turn_flow import TurnFlow
 from lmcollect.collectors.versioning import PolicyVersion, make_policy_version
 from lmcollect.collectors.weights import WeightReceiverMixin
 from lmcollect.data.turns import stack_turns
+from lmcollect.engines.kv_policy import KVPolicy, configure_kv_policy
 from lmcollect.engines.protocol import EngineProtocol
 from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.plumbing import forwarded
@@ -101,6 +102,13 @@ class ContinuousLLMCollector(CollectorShell, CollectorVersionMixin, ContinuousSt
             ``dialog_turns_per_batch + max_dialogs_in_flight``; with ``max_policy_lag=k``,
             ``(k + 1) * dialog_turns_per_batch``, or the smaller of the two when both are given).
         verbose: log progress at INFO level.
+        kv_policy: what a push does to the keys/values the engine holds: ``"recompute"`` (the default,
+            exact: every token after a push is the new weights' forward pass over its whole context,
+            at the price of prefilling every running dialog again) or ``"keep"`` (running requests go
+            on over their keys/values and a dialog reuses its own cached prefix; each token records in
+            ``("collector", "kv_versions")`` the oldest version that computed its context). The engine
+            takes it (``TransformersEngine``, ``VLLMEngine``, routers and Ray engines over them); one
+            that cannot keep refuses ``"keep"``. :meth:`push_costs` says what each push cost.
 
     Example::
 
@@ -125,6 +133,7 @@ class ContinuousLLMCollector(CollectorShell, CollectorVersionMixin, ContinuousSt
         max_policy_lag: int | None = None,
         max_dialogs_in_flight: int | None = None,
         max_buffered_turns: int | None = None,
+        kv_policy: KVPolicy = "recompute",
         **collection: Any,
     ) -> None:
         if collection.get("flatten_data") is False:
@@ -134,6 +143,7 @@ class ContinuousLLMCollector(CollectorShell, CollectorVersionMixin, ContinuousSt
             )
         engine = _built_engine(engine)
         _check_limits(max_policy_lag, max_dialogs_in_flight, max_buffered_turns)
+        self.kv_policy = configure_kv_policy(engine, kv_policy)
         config = collection_config("ContinuousLLMCollector", collection, flatten_data=True)
         self._init_shell(config, thread_name="lmcollect-continuous-writer")
         self.engine = engine

@@ -28,7 +28,7 @@ from lmcollect.collectors.group_flow import GroupFlow
 from lmcollect.collectors.trajectories import TrajectoryTracker
 from lmcollect.collectors.turn_flow import TurnFlow
 from lmcollect.data import keys
-from lmcollect.engines.protocol import EngineProtocol
+from lmcollect.engines.protocol import EngineProtocol, EngineResult
 from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.envs.protocol import AsyncEnvProtocol
 from lmcollect.plumbing import forwarded
@@ -79,6 +79,9 @@ class Slot:
     obs: TensorDictBase | None = None
     was_reset: bool = False
     fresh: bool = False
+    kv_floor: int | None = None
+    """The oldest weight version that computed a key/value of this dialog's turns so far (None: no
+    turn yet): a later turn's prompt may reuse those keys/values under ``kv_policy="keep"``."""
 
 
 @dataclass(kw_only=True)
@@ -323,8 +326,10 @@ class DialogTasks:
             stop_token_ids=side.stop_token_ids,
             request_id=str(traj_id),
             affinity=str(traj_id),
+            context_kv_version=slot.kv_floor,
         )
         result = await asyncio.wrap_future(side.engine.submit(request))
+        slot.kv_floor = _kv_floor(slot.kv_floor, result)
         turn = turn_from_result(obs, prompt, result, tokenizer=side.tokenizer, sampling=side.sampling)
         check_turn(turn, i, side.engine)
         nxt = await self._step_env(i, slot.env, turn)
@@ -349,6 +354,7 @@ class DialogTasks:
         else:
             fresh = await self._in_thread(slot.env.reset)
         slot.was_reset = True
+        slot.kv_floor = None
         self.tracker.end(i, index)
         return fresh.unbind(0)[0]
 
@@ -368,6 +374,15 @@ _STALLED = (
     "turn is running. Push new weights (collector.update_policy_weights_(...)) before the next batch, "
     "raise max_policy_lag, or pass max_policy_lag=None for no lag bound."
 )
+
+
+def _kv_floor(floor: int | None, result: EngineResult) -> int | None:
+    """The dialog's oldest key/value version after a turn with ``result`` (its tokens' keys/values join the context)."""
+    versions = result.kv_versions if result.kv_versions is not None else result.token_versions
+    if versions.numel() == 0:
+        return floor
+    oldest = int(versions.min())
+    return oldest if floor is None else min(floor, oldest)
 
 
 async def _make_condition() -> asyncio.Condition:

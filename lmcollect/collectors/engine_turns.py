@@ -38,7 +38,13 @@ def prompt_of(obs: TensorDictBase, tokenizer: Any, stop_token_ids: Collection[in
 
 
 def request_of(
-    prompt: TurnPrompt, *, sampling: SamplingConfig, stop_token_ids: Collection[int], request_id: str, affinity: str
+    prompt: TurnPrompt,
+    *,
+    sampling: SamplingConfig,
+    stop_token_ids: Collection[int],
+    request_id: str,
+    affinity: str,
+    context_kv_version: int | None = None,
 ) -> EngineRequest:
     return EngineRequest(
         prompt_ids=prompt.ids,
@@ -46,6 +52,7 @@ def request_of(
         stop_token_ids=tuple(stop_token_ids),
         request_id=request_id,
         affinity=affinity,
+        context_kv_version=context_kv_version,
     )
 
 
@@ -58,6 +65,7 @@ def turn_from_result(
         result.log_probs,
         result.sampled_log_probs if sampling.sampled_log_probs else None,
         result.token_versions,
+        result.kv_versions,
     )
     return turn_of(
         obs, prompt=prompt.history, prompt_text=prompt.text, prompt_ids=prompt.ids, generation=generation,

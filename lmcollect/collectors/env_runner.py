@@ -236,5 +236,8 @@ def _stamp_token_versions(turn: TensorDictBase, version_index: int) -> None:
     recorded them (a continuous engine's tokens may span a push), else the turn's version for
     every response token; -1 everywhere when versions are not tracked."""
     num_tokens = turn.get(keys.LOG_PROBS_RESPONSE).numel()  # one per response token (check_turn)
-    if version_index == UNTRACKED or keys.TOKEN_VERSIONS not in turn.keys(include_nested=True):
+    present = turn.keys(include_nested=True)
+    if version_index == UNTRACKED or keys.TOKEN_VERSIONS not in present:
         turn.set(keys.TOKEN_VERSIONS, torch.full((num_tokens,), version_index, dtype=torch.int64))
+    if version_index == UNTRACKED or keys.KV_VERSIONS not in present:  # the engine recomputed: the tokens' own
+        turn.set(keys.KV_VERSIONS, turn.get(keys.TOKEN_VERSIONS).clone())

@@ -15,6 +15,7 @@ import torch
 from lmcollect.collectors.attr_path import resolve_attr_path
 from lmcollect.collectors.trajectories import id_base
 from lmcollect.collectors.versioning import PolicyVersion
+from lmcollect.engines.kv_policy import PushCost, push_costs_of
 from lmcollect.engines.protocol import (
     EngineProtocol,
     WorkerRpcEngine,
@@ -137,6 +138,14 @@ class WeightReceiverMixin(HoldsWeightUpdater):
     def get_policy_model(self) -> Any:
         """The policy's model (``policy.model`` when it has one, else the policy itself)."""
         return getattr(self.policy, "model", self.policy)
+
+    def push_costs(self) -> list[PushCost]:
+        """What the recent pushes cost the policy's engine, oldest first: each load's call and the
+        keys/values it made the engine compute again (:class:`~lmcollect.engines.kv_policy.PushCost`;
+        the last push's recompute grows until every request it dropped has run again). Empty for
+        policies without an engine that meters its loads."""
+        engine = engine_of(self.policy)
+        return push_costs_of(engine) if engine is not None else []
 
     def get_model(self, model_id: str) -> Any:
         """The model behind ``model_id``: "policy" or an id registered by register_scheme_receiver."""

@@ -59,6 +59,12 @@ TOKEN_VERSIONS = (
     "collector",
     "token_versions",
 )  # int64 [n_response]: version index of the weights that generated each token (continuous collection)
+# int64 [n_response]: the oldest weight version that computed a key/value each token attended to. Equal
+# to TOKEN_VERSIONS under kv_policy="recompute" (a push drops older keys/values: every token is the new
+# weights' forward pass over its whole context); possibly older under "keep" (the context's keys/values
+# were computed by older weights). Tokens where it differs from TOKEN_VERSIONS are off-policy in the
+# context too: mask them, or correct with importance weights (see docs/continuous.md, "KV policy").
+KV_VERSIONS = ("collector", "kv_versions")
 STEP_COUNT = "step_count"  # index of the turn within its trajectory (int64 scalar, 0-based)
 
 # Written by the env's step under "next" (shape [1], as in torchrl).

@@ -113,7 +113,12 @@ class EngineRequest:
     request_id: str = ""
     """Caller's id (for logs and errors); the engine does not require it to be unique."""
     affinity: str | None = None
-    """Requests with the same affinity (e.g. one dialog's turns) go to the same replica, to reuse its prefix cache."""
+    """Requests with the same affinity (e.g. one dialog's turns) go to the same replica, to reuse its
+    prefix cache; under ``kv_policy="keep"`` it is also the dialog whose cached prefixes the request may reuse."""
+    context_kv_version: int | None = None
+    """Under ``kv_policy="keep"``: the oldest weight version that computed a key/value cached for this
+    request's dialog (its earlier turns), which its prompt may reuse; None for a dialog's first turn.
+    Sets the floor of :attr:`EngineResult.kv_versions` when the prompt hit that cache."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,6 +136,13 @@ class EngineResult:
     sampled_log_probs: torch.Tensor | None = None
     """float32 ``[n]``: log-probs under the distribution actually sampled (after temperature / top-k /
     top-p; 0 for greedy), with ``SamplingConfig(sampled_log_probs=True)`` on engines that support it; else None."""
+    kv_versions: torch.Tensor | None = None
+    """int64 ``[n]``: the oldest weight version that computed a key/value each token attended to
+    (:func:`~lmcollect.engines.kv_policy.kv_versions_of`): ``token_versions`` under
+    ``kv_policy="recompute"``, possibly older under ``"keep"``; None from engines that do not report it
+    (then it equals ``token_versions``)."""
+    num_cached_prompt_tokens: int = 0
+    """Prompt tokens whose keys/values came from the engine's prefix cache (not computed for this request)."""
 
 
 @runtime_checkable
@@ -189,6 +201,11 @@ class EngineProtocol(Protocol):
     def reset_prefix_cache(self) -> None:
         """Forget cached prompt prefixes (after a weight load, they were computed with old weights)."""
         ...
+
+    # Optional (TransformersEngine, VLLMEngine and the engines routing to them): ``kv_policy`` and
+    # ``set_kv_policy(policy)``, what a load does to the keys/values held (see
+    # lmcollect.engines.kv_policy); an engine without them recomputes. ``push_costs()``: the recent
+    # loads' :class:`~lmcollect.engines.kv_policy.PushCost`.
 
     @property
     def version(self) -> int:

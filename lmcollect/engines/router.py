@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from lmcollect.engines.kv_policy import KVPolicy, PushCost, check_kv_policy, configure_kv_policy, push_costs_of
 from lmcollect.engines.protocol import EngineClosedError, EngineProtocol, EngineRequest, EngineResult, WorkerRpcEngine
 from lmcollect.engines.weight_group import GroupPush
 from lmcollect.weights.delta import WeightDelta
@@ -203,6 +204,20 @@ class EngineRouter:
     def reset_prefix_cache(self) -> None:
         """Reset every replica's prefix cache."""
         self._on_every(lambda engine: engine.reset_prefix_cache())
+
+    def set_kv_policy(self, kv_policy: KVPolicy) -> None:
+        """Every replica takes ``kv_policy``; checked on each first, so a replica that cannot keep
+        refuses before any changes."""
+        check_kv_policy(kv_policy)
+        if kv_policy != "recompute":
+            for engine in self.engines:
+                if getattr(engine, "set_kv_policy", None) is None:
+                    configure_kv_policy(engine, kv_policy)  # raises, naming the engine
+        self._on_every(lambda engine: configure_kv_policy(engine, kv_policy))
+
+    def push_costs(self) -> list[PushCost]:
+        """Every replica's recent loads' cost, replica by replica."""
+        return [cost for engine in self.engines for cost in push_costs_of(engine)]
 
     @property
     def version(self) -> int:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
+from lmcollect.engines.kv_policy import KVPolicy, kv_versions_of
 from lmcollect.engines.protocol import EngineRequest, EngineResult
 from lmcollect.engines.step_log_probs import draw_tokens, sampling_warpers
 
@@ -39,8 +40,10 @@ class RunningRequest:
         eos_token_ids: list[int],
         tokenizer: PreTrainedTokenizerBase,
         device: torch.device,
+        kv_policy: KVPolicy = "recompute",
     ) -> None:
         self.request = request
+        self.kv_policy = kv_policy
         self.future: Future[EngineResult] = Future()
         self.sampling = sampling = request.sampling
         self.generator = request_generator(request, device)
@@ -109,10 +112,13 @@ class RunningRequest:
         return "length" if num_new >= self.sampling.max_new_tokens else None
 
     def result(self) -> EngineResult:
+        versions = torch.tensor(self.versions, dtype=torch.int64)
         return EngineResult(
             tokens=torch.tensor(self.tokens, dtype=torch.int64),
             log_probs=torch.tensor(self.log_probs, dtype=torch.float32),
-            token_versions=torch.tensor(self.versions, dtype=torch.int64),
+            token_versions=versions,
+            # no prefix cache: the prompt's keys/values are computed for this request, at its first token
+            kv_versions=kv_versions_of(versions, kv_policy=self.kv_policy),
             finish_reason=self.finish_reason or "length",
             sampled_log_probs=(
                 torch.tensor(self.sampled_log_probs, dtype=torch.float32) if self.sampling.sampled_log_probs else None

@@ -7,6 +7,7 @@ import inspect
 import logging
 import numbers
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
@@ -17,6 +18,7 @@ from transformers import DynamicCache
 
 from lmcollect.engines.hf_generate import generate_together
 from lmcollect.engines.kv_batch import LeftPaddedKVCache
+from lmcollect.engines.kv_policy import KVPolicy, PushCost, PushCostMeter, check_kv_policy
 from lmcollect.engines.protocol import (
     EngineClosedError,
     EngineRequest,
@@ -65,9 +67,12 @@ class TransformersEngine:
 
     Log-probs are the raw model's (log-softmax at temperature 1) in float32: a plain forward pass
     over prompt + response reproduces them. :meth:`load_weights` writes in place between two steps
-    (it takes the loop's lock) and marks the cache stale: the next step re-prefills every running
-    request (prompt + tokens so far) under the new weights, so each token after a load is exactly
-    what the new weights give that prefix, and ``token_versions`` switch at that token.
+    (it takes the loop's lock). Under ``kv_policy="recompute"`` (the default) it marks the cache
+    stale: the next step re-prefills every running request (prompt + tokens so far) under the new
+    weights, so each token after a load is exactly what the new weights give that prefix, and
+    ``token_versions`` switch at that token; :meth:`push_costs` counts and times that re-prefill.
+    Under ``"keep"`` running requests go on over their keys/values (``kv_versions`` say how old).
+    No prefix is cached across requests, so a later turn always prefills its whole prompt.
 
     Supported sampling: ``temperature`` (0 = greedy), ``top_k``, ``top_p``, ``min_new_tokens``,
     ``repetition_penalty``, ``ignore_eos`` (the model's eos is never drawn; the request's
@@ -81,6 +86,7 @@ class TransformersEngine:
         tokenizer: its tokenizer (eos id, stop strings).
         max_batch_size: most requests decoded together; the rest wait in the queue.
         version: the version of the weights the model holds now (-1: before any push).
+        kv_policy: ``"recompute"`` or ``"keep"`` (see :mod:`lmcollect.engines.kv_policy`).
 
     Example::
 
@@ -98,8 +104,11 @@ class TransformersEngine:
         *,
         max_batch_size: int = 16,
         version: int = -1,
+        kv_policy: KVPolicy = "recompute",
     ) -> None:
         _check_int("max_batch_size", max_batch_size, minimum=1, hint="the most requests decoded together")
+        self._kv_policy = check_kv_policy(kv_policy)
+        self._push_costs = PushCostMeter()
         _check_int("version", version, minimum=-1, hint="-1 before any push")
         self._continuous_refusal = _continuous_refusal(model)  # None: submit() can batch this model
         self.model = model.eval()
@@ -125,7 +134,13 @@ class TransformersEngine:
     def submit(self, request: EngineRequest) -> Future[EngineResult]:
         """Queue ``request``; the future resolves with its :class:`EngineResult` when it ends."""
         self._check_request(request)
-        running = RunningRequest(request, eos_token_ids=self._eos_ids, tokenizer=self.tokenizer, device=self._device)
+        running = RunningRequest(
+            request,
+            eos_token_ids=self._eos_ids,
+            tokenizer=self.tokenizer,
+            device=self._device,
+            kv_policy=self._kv_policy,
+        )
         with self._state:
             if self._closed:
                 raise EngineClosedError("this TransformersEngine is closed; build a new engine to submit requests.")
@@ -222,14 +237,14 @@ class TransformersEngine:
             if self._closed:
                 raise EngineClosedError("this TransformersEngine is closed; it cannot load weights.")
             refuse_stale_push(version, self._version, "TransformersEngine")
+            started = time.perf_counter()
             if adapter is not None:
                 self._kept_base.merge_into(adapter.to(self._device), targets)
             else:
                 self._kept_base.forget()
             for name, tensor in writes.items():
                 targets[name].copy_(tensor)
-            self._version = version
-            self._weights_changed = True
+            self._took(version, started)
 
     def _load_delta(self, delta: WeightDelta, version: int) -> None:
         targets, aliases = unique_targets(self.model)
@@ -239,10 +254,16 @@ class TransformersEngine:
             refuse_stale_push(version, self._version, "TransformersEngine")
             refuse_delta_base(delta, self._version, "TransformersEngine")
             # the base's index matched; its uuid is the owning collector's to check
+            started = time.perf_counter()
             prepare_delta(delta, targets, held_version=delta.base_version, aliases=aliases).apply_()
             self._kept_base.forget()
-            self._version = version
-            self._weights_changed = True
+            self._took(version, started)
+
+    def _took(self, version: int, started: float) -> None:
+        """After a load (under the step lock): the new version, the cache stale under ``"recompute"``."""
+        self._version = version
+        self._weights_changed = self._kv_policy == "recompute"
+        self._push_costs.loaded(version=version, kv_policy=self._kv_policy, call_s=time.perf_counter() - started)
 
     loads_weight_deltas = True  # load_weights takes a WeightDelta (written in place)
 
@@ -258,6 +279,21 @@ class TransformersEngine:
 
     def reset_prefix_cache(self) -> None:
         """Nothing to forget: no prefix is cached across requests, and a load re-prefills running ones."""
+
+    @property
+    def kv_policy(self) -> KVPolicy:
+        """What a load does to running requests' keys/values: ``"recompute"`` or ``"keep"``."""
+        return self._kv_policy
+
+    def set_kv_policy(self, kv_policy: KVPolicy) -> None:
+        """Take ``kv_policy`` for the loads from now on (between two decoding steps)."""
+        policy = check_kv_policy(kv_policy)
+        with self._between_steps():
+            self._kv_policy = policy
+
+    def push_costs(self) -> list[PushCost]:
+        """The recent loads' cost: the call, and the re-prefill each forced (tokens and seconds, measured)."""
+        return self._push_costs.costs()
 
     version = forwarded("_version", "The version of the weights loaded now (-1 before any push).")
     loads_lora_adapters = True  # load_weights takes a LoraAdapter
@@ -279,7 +315,7 @@ class TransformersEngine:
 
     def __reduce__(self) -> tuple:
         """Travels (pickle, Ray) as its model and settings; the copy starts with nothing in flight."""
-        return (_rebuilt, (self.model, self.tokenizer, self.max_batch_size, self._version))
+        return (_rebuilt, (self.model, self.tokenizer, self.max_batch_size, self._version, self._kv_policy))
 
     def __enter__(self) -> TransformersEngine:
         return self
@@ -387,25 +423,35 @@ class TransformersEngine:
     def _step(self) -> None:
         """One decoding step of every running request, newcomers included (ended ones go to ``_outcomes``)."""
         self._rows.extend(self._admit())
-        if self._weights_changed:  # keys/values of the old weights: re-prefill every row
-            self._weights_changed = False
-            self._batch.clear()
-            for row in self._rows:
-                row.in_batch = False
+        stale = self._drop_stale_cache()
         cached = [row for row in self._rows if row.in_batch]
         logits = [self._decode(cached)] if cached else []
         fresh = []
         for row in self._rows:
             if not row.in_batch:
                 try:
+                    started = time.perf_counter()
                     logits.append(self._prefill(row))
                     fresh.append(row)
+                    if id(row) in stale:  # a prefill the load forced: what the push cost afterwards
+                        self._push_costs.recomputed(row.num_known, time.perf_counter() - started)
                 except Exception as exc:  # designed: one prompt that fails (too long, ...) fails alone
                     self._outcomes.append((row, exc))
         self._rows = cached + fresh
         for row, row_logits in zip(self._rows, torch.cat(logits) if logits else [], strict=True):
             row.append_next(row_logits, version=self._version)
         self._retire_finished()
+
+    def _drop_stale_cache(self) -> set[int]:
+        """After a load under ``"recompute"``: forget every row's keys/values; the ids of the rows that had them."""
+        if not self._weights_changed:
+            return set()
+        self._weights_changed = False
+        stale = {id(row) for row in self._rows if row.in_batch}
+        self._batch.clear()
+        for row in self._rows:
+            row.in_batch = False
+        return stale
 
     def _admit(self) -> list[RunningRequest]:
         """Queued requests that fit in the batch (cancelled ones are dropped)."""
@@ -462,9 +508,9 @@ class TransformersEngine:
 
 
 def _rebuilt(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_batch_size: int, version: int
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, max_batch_size: int, version: int, kv_policy: KVPolicy
 ) -> TransformersEngine:
-    return TransformersEngine(model, tokenizer, max_batch_size=max_batch_size, version=version)
+    return TransformersEngine(model, tokenizer, max_batch_size=max_batch_size, version=version, kv_policy=kv_policy)
 
 
 def _closed_error(row: RunningRequest) -> EngineClosedError:

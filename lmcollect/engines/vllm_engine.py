@@ -16,6 +16,7 @@ import contextlib
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 import torch
 
+from lmcollect.engines.kv_policy import KVPolicy, PushCost, check_kv_policy
 from lmcollect.engines.loop_queue import QueuedAndRunning
 from lmcollect.engines.protocol import (
     EngineClosedError,
@@ -43,6 +45,7 @@ from lmcollect.engines.vllm_common import (
     result_of,
     settle,
 )
+from lmcollect.engines.vllm_kv import VLLMKVBook
 from lmcollect.engines.vllm_worker_ext import (
     COMMIT_STAGED_WEIGHTS,
     DROP_STAGED_WEIGHTS,
@@ -68,6 +71,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# a request waiting for the decoding thread: its future, vLLM id, the request, vLLM's sampling parameters
+Queued = tuple[Future[EngineResult], str, EngineRequest, "SamplingParams"]
+
 
 class VLLMEngine(QueuedAndRunning):
     """vLLM (continuous batching) in this process, behind the engine protocol; any thread may call it.
@@ -80,11 +86,14 @@ class VLLMEngine(QueuedAndRunning):
         engine.resume()                           # in-flight requests go on under version v
 
     What a token's version means: vLLM labels the outputs of every decoding step with the engine's
-    weight version, which changes only between two steps, together with the weights. A load also
-    drops the KV cache of every running request (``reset_prefix_cache(reset_running_requests=True)``),
-    so its next step recomputes the prompt and the earlier tokens under the new weights: a
-    new-version token's log-prob is a forward pass of the new weights over the whole sequence, as a
-    trainer computes it.
+    weight version, which changes only between two steps, together with the weights. Under
+    ``kv_policy="recompute"`` (the default) a load also drops the KV cache of every running request
+    (``reset_prefix_cache(reset_running_requests=True)``), so its next step recomputes the prompt and
+    the earlier tokens under the new weights: a new-version token's log-prob is a forward pass of
+    the new weights over the whole sequence, as a trainer computes it. Under ``"keep"`` nothing is
+    dropped: running requests go on over their KV, and each dialog (``EngineRequest.affinity``) has a
+    prefix cache of its own (vLLM's ``cache_salt``), which its later turns reuse across loads;
+    ``EngineResult.kv_versions`` say how old each token's context is (:mod:`lmcollect.engines.kv_policy`).
 
     On CPU, vLLM's default KV cache does not fit: pass ``engine_kwargs={"kv_cache_memory_bytes":
     1 << 30, "enforce_eager": True}``. vLLM keeps parallel state in module globals: keep one
@@ -99,6 +108,7 @@ class VLLMEngine(QueuedAndRunning):
             of in this one.
         timeout_s: how long start-up and each control call (``pause``, ``load_weights``, a worker
             RPC) may take before a ``TimeoutError``.
+        kv_policy: ``"recompute"`` or ``"keep"``: what a load does to the KV held (see above).
 
     Example::
 
@@ -114,6 +124,7 @@ class VLLMEngine(QueuedAndRunning):
         engine_kwargs: dict[str, Any] | None = None,
         multiprocess: bool = False,
         timeout_s: float = 600.0,
+        kv_policy: KVPolicy = "recompute",
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive (seconds for start-up and control calls), got {timeout_s}.")
@@ -121,9 +132,10 @@ class VLLMEngine(QueuedAndRunning):
         self.model_path = str(model_path)
         self.timeout_s = timeout_s
         self._version = INITIAL_VERSION
+        self._kv = VLLMKVBook(check_kv_policy(kv_policy))
         self._paused = False
         self._closed = False
-        self._queued: list[tuple[Future[EngineResult], str, list[int], SamplingParams]] = []
+        self._queued: list[Queued] = []
         self._calls: list[tuple[Future, Callable[[], Any]]] = []
         self._running: dict[str, Future[EngineResult]] = {}  # vLLM request id -> caller's future
         self._request_ids = itertools.count()
@@ -162,7 +174,7 @@ class VLLMEngine(QueuedAndRunning):
             if self._closed:
                 raise EngineClosedError("this VLLMEngine is closed; build a new engine to submit requests.")
             request_id = f"{request.request_id or 'request'}-{next(self._request_ids)}"
-            self._queued.append((future, request_id, list(request.prompt_ids), params))
+            self._queued.append((future, request_id, request, params))
             self._wake.notify_all()
         return future
 
@@ -207,8 +219,9 @@ class VLLMEngine(QueuedAndRunning):
 
             def load() -> None:
                 refuse_stale_push(version, self._version, "VLLMEngine")  # here: loads run one at a time
+                started = time.perf_counter()
                 self._llm.collective_rpc(method, args=payload)
-                self._take_version(version)
+                self._take_version(version, started)
 
             self._between_steps(load)
             self._spare ^= 1  # the worker's base is now this set: the next push packs into the other
@@ -237,8 +250,9 @@ class VLLMEngine(QueuedAndRunning):
 
         def load() -> list[Any]:
             refuse_stale_push(version, self._version, "VLLMEngine")
+            started = time.perf_counter()
             reports = self._llm.collective_rpc(LOAD_LORA_ADAPTER, args=args)
-            self._take_version(version)
+            self._take_version(version, started)
             return reports
 
         return self._between_steps(load)
@@ -256,21 +270,23 @@ class VLLMEngine(QueuedAndRunning):
         def load() -> list[Any]:
             refuse_stale_push(version, self._version, "VLLMEngine")
             refuse_delta_base(delta, self._version, "VLLMEngine")
+            started = time.perf_counter()
             staged = self._llm.collective_rpc(STAGE_WEIGHT_DELTA, args=args)
             refused = [report["refused"] for report in staged if "refused" in report]
             if refused:
                 self._llm.collective_rpc(DROP_STAGED_WEIGHTS)
                 raise DeltaRejectedError(f"VLLMEngine's workers refused the delta ({refused[0]}); nothing was changed.")
             reports = self._llm.collective_rpc(COMMIT_STAGED_WEIGHTS)
-            self._take_version(version)
+            self._take_version(version, started)
             return reports
 
         return self._between_steps(load)
 
     def _receive_group_push(self, push: GroupPush, version: int) -> list[Any]:
         refuse_stale_push(version, self._version, "VLLMEngine")
+        started = time.perf_counter()
         reports = self._llm.collective_rpc(RECEIVE_METHOD, args=push.worker_args())
-        self._take_version(version)
+        self._take_version(version, started)
         return reports
 
     def weight_metadata(self) -> tuple[dict[str, tuple[torch.dtype, torch.Size]], dict[str, str]]:
@@ -281,7 +297,7 @@ class VLLMEngine(QueuedAndRunning):
         """Label the steps from now on with ``version``; running requests are recomputed under the
         weights loaded now."""
         check_version(version)
-        self._between_steps(lambda: self._take_version(version))
+        self._between_steps(lambda: self._take_version(version, time.perf_counter()))
 
     @property
     def num_replicas(self) -> int:
@@ -309,6 +325,20 @@ class VLLMEngine(QueuedAndRunning):
         return self._between_steps(lambda: fn(self._llm))
 
     version = forwarded("_version", "The version of the weights loaded now (-1 before any load).")
+
+    @property
+    def kv_policy(self) -> KVPolicy:
+        """What a load does to the KV held: ``"recompute"`` or ``"keep"``."""
+        return self._kv.kv_policy
+
+    def set_kv_policy(self, kv_policy: KVPolicy) -> None:
+        """Take ``kv_policy`` for the requests and loads from now on (between two decoding steps)."""
+        policy = check_kv_policy(kv_policy)
+        self._between_steps(lambda: setattr(self._kv, "kv_policy", policy))
+
+    def push_costs(self) -> list[PushCost]:
+        """The recent loads' cost: the call, and the recompute each forced (see :mod:`lmcollect.engines.vllm_kv`)."""
+        return self._kv.costs()
 
     @property
     def paused(self) -> bool:
@@ -360,24 +390,30 @@ class VLLMEngine(QueuedAndRunning):
     def _has_work(self) -> bool:
         return not self._paused and bool(self._queued or self._running)
 
-    def _take_queued(self) -> list[tuple[Future[EngineResult], str, list[int], SamplingParams]]:
+    def _take_queued(self) -> list[Queued]:
         queued, self._queued = self._queued, []
         for future, request_id, _, _ in queued:
             self._running[request_id] = future
         return queued
 
-    def _add(self, queued: list[tuple[Future[EngineResult], str, list[int], SamplingParams]]) -> None:
+    def _add(self, queued: list[Queued]) -> None:
         from vllm.inputs import TokensPrompt
 
-        for _future, request_id, prompt_ids, params in queued:
+        for _future, request_id, request, params in queued:
+            salt = self._kv.added(request_id, request, version=self._version)
+            prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
+            if salt is not None:
+                prompt["cache_salt"] = salt
             try:
-                self._llm.add_request(request_id, TokensPrompt(prompt_token_ids=prompt_ids), params)
+                self._llm.add_request(request_id, prompt, params)
             except Exception as error:  # designed: a request vLLM refuses fails its own future only
                 self._finish(request_id, error=error)
 
     def _step(self) -> None:
+        started = self._kv.step_started()
         try:
             outputs = self._llm.step()
+            self._kv.step_ended(started)
         except Exception as error:  # the engine broke: every running request fails with its error
             for request_id in list(self._running):
                 self._finish(request_id, error=error)
@@ -388,7 +424,10 @@ class VLLMEngine(QueuedAndRunning):
         for output in outputs:
             if output.finished:
                 try:
-                    self._finish(output.request_id, result=result_of(output))
+                    result = self._kv.finished(
+                        output.request_id, result_of(output), num_cached=output.num_cached_tokens or 0
+                    )
+                    self._finish(output.request_id, result=result)
                 except Exception as error:  # designed: a malformed output fails its own request
                     self._finish(output.request_id, error=error)
 
@@ -397,13 +436,18 @@ class VLLMEngine(QueuedAndRunning):
     ) -> None:
         with self._wake:
             future = self._running.pop(request_id, None)
+        self._kv.forget(request_id)
         if future is not None:
             settle(future, result=result, error=error)
 
-    def _take_version(self, version: int) -> None:
+    def _take_version(self, version: int, started: float | None = None) -> None:
+        """The new version label (after a load that began at ``started``); under ``"recompute"`` the KV is dropped."""
         self._llm.set_weight_version(str(version))
         self._version = version
-        self._reset_caches()
+        if self._kv.kv_policy == "recompute":
+            self._reset_caches()
+        if started is not None:
+            self._kv.loaded(version=version, call_s=time.perf_counter() - started, running=len(self._running))
 
     def _reset_caches(self) -> None:
         if not self._llm.reset_prefix_cache(reset_running_requests=True):

@@ -89,7 +89,9 @@ class EnginePolicy:
         else:
             futures = [self.engine.submit(request) for request in requests]
             results = [future.result(timeout=self.timeout_s) for future in futures]
-        return [Generation(r.tokens, r.log_probs, r.sampled_log_probs, r.token_versions) for r in results]
+        return [
+            Generation(r.tokens, r.log_probs, r.sampled_log_probs, r.token_versions, r.kv_versions) for r in results
+        ]
 
     def _requests(self, prompt_ids: list[list[int]]) -> list[EngineRequest]:
         drawn = self._request_seeds.draw(len(prompt_ids), greedy=self.sampling.greedy)

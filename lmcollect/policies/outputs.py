@@ -39,6 +39,9 @@ class Generation(NamedTuple):
     token_versions: torch.Tensor | None = None
     """int64 ``[n]``: the weight version of each token, from engines that record it (else the
     collector writes the turn's version for every token)."""
+    kv_versions: torch.Tensor | None = None
+    """int64 ``[n]``: the oldest version that computed a key/value each token attended to, from
+    engines that report it (else the collector writes ``token_versions``)."""
 
 
 # prompt token ids -> one Generation per prompt, in order
@@ -97,12 +100,16 @@ def record_sampling(out: TensorDictBase, sampling: SamplingConfig, sampled_log_p
         out.set(keys.LOG_PROBS_SAMPLED, sampled_log_probs)
 
 
-def record_token_versions(out: TensorDictBase, token_versions: torch.Tensor | None) -> None:
-    """Write ``("collector", "token_versions")`` as an engine reported them: an engine that never got
-    a push (-1) holds the initial weights, version 0. The collector fills the key for policies that
-    report none, and writes -1 everywhere when it does not track versions."""
+def record_token_versions(
+    out: TensorDictBase, token_versions: torch.Tensor | None, kv_versions: torch.Tensor | None = None
+) -> None:
+    """Write ``("collector", "token_versions")`` (and ``"kv_versions"``) as an engine reported them: an
+    engine that never got a push (-1) holds the initial weights, version 0. The collector fills the
+    keys for policies that report none, and writes -1 everywhere when it does not track versions."""
     if token_versions is not None:
         out.set(keys.TOKEN_VERSIONS, token_versions.to(torch.int64).clamp(min=0))
+    if kv_versions is not None:
+        out.set(keys.KV_VERSIONS, kv_versions.to(torch.int64).clamp(min=0))
 
 
 def prompts_of(td: TensorDictBase) -> list[History]:
@@ -169,7 +176,7 @@ def turn_of(
     num_tokens = generation.tokens.numel()
     lengths = [
         t.numel()
-        for t in (generation.log_probs, generation.sampled_log_probs, generation.token_versions)
+        for t in (generation.log_probs, generation.sampled_log_probs, generation.token_versions, generation.kv_versions)
         if t is not None
     ]
     if any(n != num_tokens for n in lengths):
@@ -186,7 +193,7 @@ def turn_of(
         log_probs=generation.log_probs.to(torch.float32),
     )
     record_sampling(out, sampling, generation.sampled_log_probs)
-    record_token_versions(out, generation.token_versions)
+    record_token_versions(out, generation.token_versions, generation.kv_versions)
     return out
 
 

@@ -27,6 +27,7 @@ from lmcollect.collectors.collector_worker import (
 from lmcollect.collectors.config import CollectionConfig, ConfiguredCollector, config_from, field_names
 from lmcollect.collectors.llm_collector import LLMCollector
 from lmcollect.collectors.weights import HoldsWeightUpdater
+from lmcollect.engines.kv_policy import PushCost
 from lmcollect.plumbing import ShutsDownOnExit
 from lmcollect.ray.cluster import actor_options, init_ray, torch_threads_for, with_thread_env
 from lmcollect.weights.buckets import view_buckets
@@ -427,6 +428,10 @@ class RayLLMCollector(ConfiguredCollector, HoldsWeightUpdater, ShutsDownOnExit):
     def process_info(self) -> dict[str, Any]:
         """The actor's process id, host and Ray node."""
         return self._call("process_info")
+
+    def push_costs(self) -> list[PushCost]:
+        """The actor's collector's :meth:`~lmcollect.collectors.ContinuousLLMCollector.push_costs`."""
+        return self._call("push_costs")
 
     @property
     def turns_run(self) -> int:

@@ -22,6 +22,7 @@ import ray
 import torch
 from ray.exceptions import RayActorError
 
+from lmcollect.engines.kv_policy import KVPolicy, PushCost, configure_kv_policy, push_costs_of
 from lmcollect.engines.protocol import (
     EngineClosedError,
     EngineProtocol,
@@ -55,6 +56,12 @@ class _EngineHost:
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         # blocking engine calls (pause waits for a decoding step) run off the event loop
         return await asyncio.to_thread(getattr(self.engine, method), *args, **kwargs)
+
+    async def set_kv_policy(self, kv_policy: str) -> None:
+        await asyncio.to_thread(configure_kv_policy, self.engine, kv_policy)
+
+    async def push_costs(self) -> list[PushCost]:
+        return push_costs_of(self.engine)
 
     async def load_weights(
         self, source: dict[str, torch.Tensor] | GroupPush | LoraAdapter | WeightDelta, version: int
@@ -174,6 +181,14 @@ class RayEngine:
 
     def reset_prefix_cache(self) -> None:
         self._get(self._actor.call.remote("reset_prefix_cache"), "reset_prefix_cache")
+
+    def set_kv_policy(self, kv_policy: KVPolicy) -> None:
+        """The actor's engine takes ``kv_policy`` (or refuses it, naming the fix)."""
+        self._get(self._actor.set_kv_policy.remote(kv_policy), "set_kv_policy")
+
+    def push_costs(self) -> list[PushCost]:
+        """The actor's engine's recent loads' cost (see :class:`~lmcollect.engines.kv_policy.PushCost`)."""
+        return self._get(self._actor.push_costs.remote(), "push_costs")
 
     @property
     def num_replicas(self) -> int:

@@ -1,0 +1,125 @@
+"""The KV policy's bookkeeping for :class:`~lmcollect.engines.vllm_engine.VLLMEngine` (pure Python, no vLLM).
+
+vLLM holds the keys/values; this keeps what the engine needs to say about them: each request's
+cache salt (under ``"keep"``, one per dialog, so a prefix computed for one dialog is never another's),
+the ``kv_versions`` of its result, and each push's recompute (:class:`~lmcollect.engines.kv_policy.PushCost`):
+the running requests' contexts prefilled again after a ``"recompute"`` load (counted from each
+finished request's token versions, timed as the extra time of the first step after the load),
+and the prefixes a dialog's next turn could no longer reuse.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+
+import torch
+
+from lmcollect.engines.kv_policy import KVPolicy, PushCost, PushCostMeter, kv_versions_of
+from lmcollect.engines.protocol import EngineRequest, EngineResult
+
+__all__ = ["RequestKV", "VLLMKVBook"]
+
+_MAX_DIALOGS = 4096  # dialogs whose last context length is remembered (for the prefix each push costs)
+_STEP_EMA = 0.2  # weight of the newest step in the running mean step time
+
+
+@dataclass(frozen=True)
+class RequestKV:
+    """What the book keeps of one running request."""
+
+    kv_policy: KVPolicy
+    prompt_len: int
+    dialog: str | None
+    context_kv_version: int | None
+    added_version: int
+
+
+class VLLMKVBook:
+    """Cache salts, ``kv_versions`` and push costs of one vLLM engine (decoding thread only, but ``costs()``)."""
+
+    def __init__(self, kv_policy: KVPolicy) -> None:
+        self.kv_policy = kv_policy
+        self.meter = PushCostMeter()
+        self._requests: dict[str, RequestKV] = {}
+        self._dialog_context: OrderedDict[str, tuple[int, int]] = OrderedDict()  # dialog -> (version, tokens)
+        self._step_s: float | None = None  # running mean of ordinary steps
+        self._timed_load: int | None = None  # the load whose first step is timed next
+
+    # ------------------------------------------------------------------ requests
+    def added(self, request_id: str, request: EngineRequest, *, version: int) -> str | None:
+        """Remember a request vLLM just took; its cache salt (None: share the prefix cache)."""
+        self._requests[request_id] = RequestKV(
+            kv_policy=self.kv_policy,
+            prompt_len=len(request.prompt_ids),
+            dialog=request.affinity,
+            context_kv_version=request.context_kv_version,
+            added_version=version,
+        )
+        if self.kv_policy == "recompute":
+            return None  # the cache holds only the current version's prefixes (a load empties it)
+        return f"dialog:{request.affinity}" if request.affinity is not None else f"version:{version}"
+
+    def forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def finished(self, request_id: str, result: EngineResult, *, num_cached: int) -> EngineResult:
+        """``result`` with its ``kv_versions`` and cached prompt tokens; what a push made it recompute is counted."""
+        info = self._requests.pop(request_id, None)
+        if info is None:
+            return result
+        context = info.context_kv_version if num_cached > 0 else None
+        kv = kv_versions_of(result.token_versions, kv_policy=info.kv_policy, context_kv_version=context)
+        if info.kv_policy == "recompute":
+            self._count_recompute(info, result.token_versions, num_cached)
+        self._remember_context(info, result)
+        return replace(result, kv_versions=kv, num_cached_prompt_tokens=int(num_cached))
+
+    def _count_recompute(self, info: RequestKV, versions: torch.Tensor, num_cached: int) -> None:
+        """The contexts the loads inside this request dropped, and the prefix its dialog lost to a load."""
+        changes = (versions[1:] != versions[:-1]).nonzero().flatten().tolist()
+        for index in changes:  # a load before token index + 1: prompt and tokens so far computed again
+            self.meter.recomputed(info.prompt_len + index + 1, 0.0, version=int(versions[index + 1]))
+        previous = self._dialog_context.get(info.dialog) if info.dialog is not None else None
+        if previous is not None and previous[0] < info.added_version:
+            lost = max(0, min(previous[1], info.prompt_len) - num_cached)
+            self.meter.recomputed(lost, lost * self._seconds_per_token(info.added_version), version=info.added_version)
+
+    def _remember_context(self, info: RequestKV, result: EngineResult) -> None:
+        if info.dialog is None:
+            return
+        last_version = int(result.token_versions[-1]) if result.token_versions.numel() else info.added_version
+        self._dialog_context[info.dialog] = (last_version, info.prompt_len + result.tokens.numel())
+        self._dialog_context.move_to_end(info.dialog)
+        while len(self._dialog_context) > _MAX_DIALOGS:
+            self._dialog_context.popitem(last=False)
+
+    def _seconds_per_token(self, version: int) -> float:
+        """The rate of the recompute measured after the load of ``version`` (0 when none was measured)."""
+        for cost in reversed(self.meter.costs()):
+            if cost.version == version:
+                return cost.recompute_s / cost.recomputed_tokens if cost.recomputed_tokens else 0.0
+        return 0.0
+
+    # ------------------------------------------------------------------ loads and steps
+    def loaded(self, *, version: int, call_s: float, running: int) -> None:
+        """A load took ``version``; under ``"recompute"`` with requests running, the next step is timed."""
+        self.meter.loaded(version=version, kv_policy=self.kv_policy, call_s=call_s)
+        self._timed_load = version if self.kv_policy == "recompute" and running else None
+
+    def step_started(self) -> float:
+        return time.perf_counter()
+
+    def step_ended(self, started: float) -> None:
+        """One decoding step's time: the first after a load counts its extra time over the running mean."""
+        seconds = time.perf_counter() - started
+        if self._timed_load is not None:
+            extra = seconds - (self._step_s if self._step_s is not None else seconds)
+            self.meter.recomputed(0, extra, version=self._timed_load)
+            self._timed_load = None
+            return
+        self._step_s = seconds if self._step_s is None else (1 - _STEP_EMA) * self._step_s + _STEP_EMA * seconds
+
+    def costs(self) -> list[PushCost]:
+        return self.meter.costs()
