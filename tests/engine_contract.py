@@ -60,6 +60,9 @@ class EngineCase:
     push: Callable[[dict[str, torch.Tensor], int], None] | None = None
     """``push(weights, version)``: how the case's trainer pushes ``weights`` (refusing bad ones with a
     ValueError that says "no weight was changed"); None: ``engine.load_weights(weights.items(), version=)``."""
+    caches_prefixes: bool = False
+    """Whether the engine keeps a prefix cache across requests (vLLM): under ``kv_policy="keep"`` a
+    dialog's next turn must then reuse its own prefix cached under the old weights."""
     responses_span_pushes: bool = True
     """Whether a push can land inside a response, whose tokens then carry their own versions. False:
     the engine's ``pause()`` returns once its responses in flight answered, so none spans a push (a
@@ -224,7 +227,7 @@ def check_kv_policies(case: EngineCase) -> None:
 
 def _check_a_push_under(case: EngineCase, policy: str) -> None:
     engine, version = case.engine, case.engine.version
-    prompt, num_tokens = case.prompts[1] * 4, 12  # long enough to fill prefix-cache blocks
+    prompt, num_tokens = case.prompts[1] * 16, 12  # 144 tokens: a whole prefix-cache block (128 on vLLM CPU)
     with case.hold_step(PUSH_MID_STEP) as reached:
         future = engine.submit(EngineRequest(prompt_ids=prompt, sampling=greedy(num_tokens), affinity=f"{policy}-a"))
         assert reached.wait(TIMEOUT_S), f"the engine never reached its decoding step {PUSH_MID_STEP}"
@@ -253,6 +256,7 @@ def _check_a_push_under(case: EngineCase, policy: str) -> None:
         later = engine.submit(EngineRequest(
             prompt_ids=prompt + tokens + prompt[:3], sampling=greedy(4), affinity=f"{policy}-a", context_kv_version=version,
         )).result(timeout=TIMEOUT_S)  # dialog a's next turn may reuse its own old prefix, and says so  # fmt: skip
+        assert (later.num_cached_prompt_tokens > 0) == case.caches_prefixes, later.num_cached_prompt_tokens
         floor = version if later.num_cached_prompt_tokens > 0 else version + 1
         assert set(later.kv_versions.tolist()) == {floor}
     case.push_weights(case.old_weights, version + 2)  # back to the start weights
@@ -302,6 +306,7 @@ def hf_case(
     log_prob_atol: float = 1e-5,
     push: Callable[[dict[str, torch.Tensor], int], None] | None = None,
     responses_span_pushes: bool = True,
+    caches_prefixes: bool = False,
 ) -> EngineCase:
     """The case of an engine serving a transformers model: it starts with ``old``'s weights, the
     pushes bring ``new``'s (the refused one: ``new`` with a misshapen norm weight); ``push`` and
@@ -320,6 +325,7 @@ def hf_case(
         log_prob_atol=log_prob_atol,
         push=push,
         responses_span_pushes=responses_span_pushes,
+        caches_prefixes=caches_prefixes,
     )
 
 

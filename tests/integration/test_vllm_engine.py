@@ -412,7 +412,7 @@ def contract_case(greedy_policy: Any, model_dir: Path, tmp_path_factory: pytest.
     old = eos_free(load_model_and_tokenizer(model_dir)[0].eval())
     new = eos_free(perturbed_model(model_dir, seed=1).eval())
     folder = tmp_path_factory.mktemp("held-steps")
-    return hf_case(engine, old, new, hold_step=lambda step: held_step(engine, step, folder), log_prob_atol=ATOL)
+    return hf_case(engine, old, new, hold_step=lambda step: held_step(engine, step, folder), log_prob_atol=ATOL, caches_prefixes=True)
 
 
 @pytest.mark.parametrize("check", [name for name in CHECKS if name != "close"])
