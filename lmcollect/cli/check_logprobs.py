@@ -48,7 +48,7 @@ def run_check_logprobs(config: CheckLogprobsConfig) -> int:
     import torch
 
     from lmcollect.cli.builders import resolve_model_path
-    from lmcollect.diagnostics.logprobs import StoredSequence, compare_log_probs
+    from lmcollect.diagnostics.logprobs import StoredSequence, compare_log_probs, stale_context_of
     from lmcollect.models import load_model_and_tokenizer
 
     assert config.rollouts is not None  # checked in __post_init__
@@ -57,6 +57,7 @@ def run_check_logprobs(config: CheckLogprobsConfig) -> int:
         StoredSequence(
             torch.tensor(r["tokens_prompt"] + r["tokens_response"], dtype=torch.long),
             torch.tensor(r["log_probs"], dtype=torch.float32),
+            stale_context_of(r.get("token_versions"), r.get("kv_versions")),  # files of older versions lack them
         )
         for r in records
     ]

@@ -27,6 +27,8 @@ COLUMNS = (
     "step",
     "prompt_id",
     "group_id",
+    "token_versions",
+    "kv_versions",
 )
 """Columns of the output, in order. ``prompt`` is the prompt as the model saw it (chat template applied)."""
 
@@ -50,6 +52,8 @@ def turn_record(turn: TensorDictBase) -> dict[str, Any]:
         "step": int(turn.get(keys.STEP_COUNT)),
         "prompt_id": int(turn.get(PROMPT_ID)),
         "group_id": int(turn.get(keys.GROUP_ID, -1)),
+        "token_versions": turn.get(keys.TOKEN_VERSIONS).tolist(),
+        "kv_versions": turn.get(keys.KV_VERSIONS).tolist(),
     }
 
 

@@ -23,6 +23,16 @@ class StoredSequence(NamedTuple):
 
     tokens: torch.Tensor
     log_probs: torch.Tensor
+    stale_context: torch.Tensor | None = None
+    """bool, one per stored log-prob: the token attended to keys/values older than its own weights
+    (``kv_versions < token_versions``, ``kv_policy="keep"``); None: unknown (counted as fresh)."""
+
+
+def stale_context_of(token_versions: torch.Tensor | None, kv_versions: torch.Tensor | None) -> torch.Tensor | None:
+    """Which tokens attended to keys/values computed by older weights than their own (None if either is unknown)."""
+    if token_versions is None or kv_versions is None:
+        return None
+    return torch.as_tensor(kv_versions) < torch.as_tensor(token_versions)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +60,12 @@ class LogProbReport:
     """Largest per-sequence ratio exp(sum diff)."""
     mean_sequence_ratio: float
     """Mean per-sequence ratio exp(sum diff)."""
+    num_stale_context_tokens: int = 0
+    """Tokens generated over keys/values of older weights than their own (``kv_policy="keep"`` after a
+    push: ``("collector", "kv_versions") < ("collector", "token_versions")``): their stored log-probs
+    are not what any single set of weights gives, so |diff| there measures what "keep" costs."""
+    max_abs_diff_fresh_context: float = 0.0
+    """Largest |diff| over the other tokens (whose whole context was computed by their own weights)."""
 
     def summary(self) -> str:
         """A few human-readable lines."""
@@ -58,7 +74,9 @@ class LogProbReport:
             f"|diff|: mean {self.mean_abs_diff:.3e}, max {self.max_abs_diff:.3e}; "
             f"mean exp(|diff|) per token {self.mean_exp_abs_diff:.6f}\n"
             f"per-sequence ratio exp(sum diff): min {self.min_sequence_ratio:.6f}, "
-            f"mean {self.mean_sequence_ratio:.6f}, max {self.max_sequence_ratio:.6f}"
+            f"mean {self.mean_sequence_ratio:.6f}, max {self.max_sequence_ratio:.6f}\n"
+            f"tokens over keys/values of older weights (kv_policy='keep'): {self.num_stale_context_tokens}; "
+            f"max |diff| of the others {self.max_abs_diff_fresh_context:.3e}"
         )
 
     def to_dict(self) -> dict[str, float | int]:
@@ -83,7 +101,14 @@ def check_logprobs(
         report = lmcollect.check_logprobs(trainer_model, batch)
         print(report.summary())  # mean / max |diff|, mean exp(|diff|), per-sequence ratios
     """
-    sequences = [StoredSequence(turn.get(keys.TOKENS_FULL), turn.get(key)) for turn in flatten_turns(batch)]
+    sequences = [
+        StoredSequence(
+            turn.get(keys.TOKENS_FULL),
+            turn.get(key),
+            stale_context_of(turn.get(keys.TOKEN_VERSIONS, None), turn.get(keys.KV_VERSIONS, None)),
+        )
+        for turn in flatten_turns(batch)
+    ]
     return compare_log_probs(model, sequences, tokens_per_forward=tokens_per_forward)
 
 
@@ -107,7 +132,11 @@ def compare_log_probs(
         tokens_per_forward=tokens_per_forward,
     )
     diffs = [r - s.log_probs.double() for r, s in zip(recomputed, sequences, strict=True)]
-    return _report(diffs)
+    stale = [
+        s.stale_context if s.stale_context is not None else torch.zeros(s.log_probs.numel(), dtype=torch.bool)
+        for s in sequences
+    ]
+    return _report(diffs, stale)
 
 
 @torch.no_grad()
@@ -166,8 +195,10 @@ def _forward_chunk(model: PreTrainedModel, tokens: list[torch.Tensor], num_respo
     return [gathered[row, gathered.shape[1] - n :] for row, n in enumerate(num_response)]
 
 
-def _report(diffs: list[torch.Tensor]) -> LogProbReport:
+def _report(diffs: list[torch.Tensor], stale: list[torch.Tensor]) -> LogProbReport:
     flat = torch.cat(diffs)
+    stale_flat = torch.cat(stale)
+    fresh = flat[~stale_flat]
     ratios = torch.stack([d.sum() for d in diffs]).exp()
     return LogProbReport(
         num_sequences=len(diffs),
@@ -178,7 +209,11 @@ def _report(diffs: list[torch.Tensor]) -> LogProbReport:
         min_sequence_ratio=float(ratios.min()),
         max_sequence_ratio=float(ratios.max()),
         mean_sequence_ratio=float(ratios.mean()),
+        num_stale_context_tokens=int(stale_flat.sum()),
+        max_abs_diff_fresh_context=float(fresh.abs().max()) if fresh.numel() else 0.0,
     )
 
 
-__all__ = ["LogProbReport", "StoredSequence", "check_logprobs", "compare_log_probs", "recompute_log_probs"]
+__all__ = [
+    "LogProbReport", "StoredSequence", "check_logprobs", "compare_log_probs", "recompute_log_probs", "stale_context_of",
+]  # fmt: skip
