@@ -9,7 +9,10 @@ available here): a link is a bandwidth limit only.
 
 Addresses come from 198.51.100.0/24 (TEST-NET-2, documentation only) and exist only on the bridge
 and veths made here; a cluster takes a /28 slice of it ("slot"), claimed with a lock file, so runs
-at the same time (two pytest processes) never share an address or a name. Everything a slot made is
+at the same time (two pytest processes) never share an address or a name. Namespaces, bridges and
+addresses are machine-wide, so the lock files are too: they live in :data:`LOCK_DIR` (root's
+``/run/lmcollect-links``), whatever ``TMPDIR`` says, in a directory only its owner can write, and
+are opened without following a symlink or truncating anything (:func:`open_lock`). Everything a slot made is
 removed on exit, and a crashed run's leftovers are removed by the next run that claims its slot.
 Needs root, ``ip`` and ``tc``: :func:`namespaces_unavailable` says why not, for a skip.
 
@@ -30,6 +33,7 @@ import logging
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -44,7 +48,9 @@ NETWORK = ipaddress.ip_network("198.51.100.0/24")  # TEST-NET-2 (RFC 5737): used
 NUM_SLOTS = 16  # /28 slices: up to 16 clusters at once, 13 worker nodes each
 SLOT_PREFIX = 28
 PREFIX = "lmcnet"  # of every namespace, link and lock file made here
-LOCK_DIR = Path(tempfile.gettempdir())
+# One place per machine (not under TMPDIR: two runs with other TMPDIRs would claim the same slot):
+# root's runtime directory; another user cannot make namespaces, but its lock tests use a fixed path too.
+LOCK_DIR = Path("/run/lmcollect-links") if os.geteuid() == 0 else Path(f"/tmp/lmcollect-links-{os.geteuid()}")
 START_TIMEOUT_S = 60.0
 STOP_GRACE_S = 5.0
 
@@ -105,7 +111,7 @@ class Slot:
     """A claimed /28 of 198.51.100.0/24 and the names that go with it."""
 
     index: int
-    lock: IO[str]
+    lock: IO[bytes]
 
     @property
     def subnet(self) -> ipaddress.IPv4Network:
@@ -126,15 +132,54 @@ class Slot:
         return f"{self.tag}-{name}"
 
 
+def lock_dir() -> Path:
+    """:data:`LOCK_DIR`, made if missing (mode 0700); refused unless it is a real directory of this
+    user that no one else can write (a planted symlink or a directory of another user could redirect
+    or swap the lock files)."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(LOCK_DIR, 0o700)
+    info = os.lstat(LOCK_DIR)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise RuntimeError(f"the slot lock directory {LOCK_DIR} is not a directory (a symlink?); remove it.")
+    if info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        raise RuntimeError(
+            f"the slot lock directory {LOCK_DIR} belongs to uid {info.st_uid} with mode {stat.S_IMODE(info.st_mode):o}; "
+            f"it must be uid {os.geteuid()}'s with mode 700: remove it (it is made again)."
+        )
+    return LOCK_DIR
+
+
+def open_lock(index: int) -> IO[bytes]:
+    """Slot ``index``'s lock file in :func:`lock_dir`, opened (made if missing) without following a
+    symlink and without truncating: a planted link is refused, its target left alone."""
+    path = lock_dir() / f"{PREFIX}-slot{index}.lock"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+    except OSError as exc:  # ELOOP: a symlink
+        raise RuntimeError(f"cannot open the slot lock {path} ({exc}); a symlink or other file is there: remove it.") from exc
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise RuntimeError(f"the slot lock {path} is not a regular file; remove it.")
+    return os.fdopen(fd, "rb", buffering=0)
+
+
+def try_lock(index: int) -> IO[bytes] | None:
+    """Slot ``index``'s lock file, locked by this process; None when another process holds it."""
+    lock = open_lock(index)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        return None
+    return lock
+
+
 def claim_slot() -> Slot:
+    """The first slot no other run on this machine holds, locked until its lock file is closed."""
     for index in range(NUM_SLOTS):
-        lock = open(LOCK_DIR / f"{PREFIX}-slot{index}.lock", "w")  # noqa: SIM115 - held for the cluster's life
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.close()
-            continue
-        return Slot(index, lock)
+        lock = try_lock(index)
+        if lock is not None:
+            return Slot(index, lock)
     raise RuntimeError(f"all {NUM_SLOTS} slots of {NETWORK} are in use by other linked clusters on this machine")
 
 
@@ -143,14 +188,10 @@ def remove_stale_clusters() -> list[int]:
     up: SIGKILL, a timeout); returns the slots cleaned. Safe while other clusters run."""
     cleaned = []
     for index in range(NUM_SLOTS):
-        path = LOCK_DIR / f"{PREFIX}-slot{index}.lock"
-        if not path.exists():
+        if not os.path.lexists(lock_dir() / f"{PREFIX}-slot{index}.lock"):
             continue  # never claimed
-        lock = open(path, "w")  # noqa: SIM115 - closed below
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.close()
+        lock = try_lock(index)
+        if lock is None:
             continue  # a live cluster's
         slot = Slot(index, lock)
         if _remove_slot_leftovers(slot):
@@ -194,7 +235,7 @@ def _remove_slot_leftovers(slot: Slot, *, ours: bool = False) -> bool:
     if run("ip", "link", "show", slot.bridge, check=False).returncode == 0:
         found = True
         run("ip", "link", "del", slot.bridge, check=False)
-    for folder in LOCK_DIR.glob(f"{slot.tag}-*"):
+    for folder in Path(tempfile.gettempdir()).glob(f"{slot.tag}-*"):  # the log folders (mkdtemp)
         found = True
         shutil.rmtree(folder, ignore_errors=True)
     return found

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,11 @@ class JsonlLogger(LoggerBase):
 
     The file is opened per line, so a run stopped with Ctrl-C keeps every finished step.
     :meth:`log_image` lists the image in ``images.jsonl`` (the file itself stays where it is);
-    ``config`` (if given) goes to ``config.json``. ``records`` holds what was logged.
+    ``config`` (if given) goes to ``config.json``. ``records`` holds what was logged, as given.
+
+    Every line is strict JSON: a NaN or infinite float (also inside lists and dicts) is written as
+    ``null``, since JSON has no ``NaN``/``Infinity`` and strict readers (``jq``, JavaScript's
+    ``JSON.parse``, ``json.loads(line, parse_constant=...)`` that refuses them) would reject the line.
     """
 
     def __init__(self, run_dir: str | Path, *, config: Mapping[str, Any] | None = None) -> None:
@@ -30,7 +35,8 @@ class JsonlLogger(LoggerBase):
         self.records: list[dict[str, Any]] = []
         if config:
             (self.run_dir / CONFIG_FILE).write_text(
-                json.dumps(dict(config), indent=2, default=str) + "\n", encoding="utf-8"
+                json.dumps(finite_or_null(dict(config)), indent=2, default=str, allow_nan=False) + "\n",
+                encoding="utf-8",
             )
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
@@ -50,5 +56,17 @@ class JsonlLogger(LoggerBase):
 
     @staticmethod
     def _append(path: Path, record: Mapping[str, Any]) -> None:
+        line = json.dumps(finite_or_null(record), allow_nan=False)  # built before the file is touched
         with path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(line + "\n")
+
+
+def finite_or_null(value: Any) -> Any:
+    """``value`` with every NaN or infinite float (in dicts, lists and tuples too) replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {key: finite_or_null(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_or_null(item) for item in value]
+    return value

@@ -12,7 +12,16 @@ ASGI app in :class:`ControlEndpointGuard` (vLLM builds it as ``ControlEndpointGu
 - A pause is a lease: once ``/pause`` succeeds the guard waits ``pause_lease_s``; unless
   ``/resume`` succeeds or a client renews the lease (``POST /lmcollect/renew_pause``, token-checked,
   answered by the guard itself) in time, the guard resumes the server itself, so a client that dies
-  while it holds a pause stalls the server for at most one lease.
+  while it holds a pause stalls the server for at most one lease (a resume that fails is tried
+  again, with back-off, for up to one more lease).
+- A control request that a browser marked as cross-site (``Origin`` of another site,
+  ``Sec-Fetch-Site`` other than ``same-origin``/``none``) is refused with 403, token or not; without
+  a token its ``Host`` must also name the server's bound address and port (a page's own name after
+  a DNS rebinding is refused). See :mod:`lmcollect.policies.control_checks`.
+- ``GET /lmcollect/identity?challenge=<hex>`` answers ``{"proof": HMAC(launch secret, challenge)}``
+  (:func:`~lmcollect.policies.control_checks.launch_proof`) when the launcher gave the server a
+  launch secret: the launcher asks it before it sends the token or a prompt, so a process that
+  took the port first is never trusted. Anyone may ask (the proof reveals neither secret).
 
 The guard reads its settings from environment variables (:class:`ControlSettings`): the launcher
 puts the token there, never on the command line, which other users can read in ``ps``. This module
@@ -23,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
+import itertools
 import json
 import logging
 import math
@@ -32,6 +41,16 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import parse_qs
+
+from lmcollect.policies.control_checks import (
+    browser_refusal,
+    check_challenge,
+    header_value,
+    host_refusal,
+    is_loopback_host,
+    launch_proof,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +64,16 @@ GUARD_PATH = "lmcollect.policies.vllm_control.ControlEndpointGuard"
 """What ``vllm serve --middleware`` takes to install the guard."""
 CONTROL_TOKEN_ENV = "LMCOLLECT_CONTROL_TOKEN"
 PAUSE_LEASE_ENV = "LMCOLLECT_PAUSE_LEASE_S"
+LAUNCH_SECRET_ENV = "LMCOLLECT_LAUNCH_SECRET"
 CONTROL_TOKEN_HEADER = "X-Lmcollect-Control-Token"
 RENEW_PAUSE_PATH = "/lmcollect/renew_pause"
+IDENTITY_PATH = "/lmcollect/identity"
 DEFAULT_PAUSE_LEASE_S = 60.0
+# The guard's own resume after a lease ran out: a failed try waits 0.05 s, doubling up to 2 s, and
+# is tried again for up to one more lease, at least three tries in all.
+RESUME_RETRY_FIRST_S = 0.05
+RESUME_RETRY_MAX_S = 2.0
+MIN_RESUME_TRIES = 3
 MIN_TOKEN_CHARS = 16
 # The served API: generation (OpenAI API under /v1) and read-only status. Everything else is control.
 PUBLIC_PREFIXES = ("/v1", "/metrics")
@@ -59,19 +85,6 @@ def is_public_path(path: str) -> bool:
     """Whether ``path`` (from the server's root; a query is ignored) is served API rather than control."""
     path = path.split("?", 1)[0]
     return path in PUBLIC_PATHS or any(path == prefix or path.startswith(prefix + "/") for prefix in PUBLIC_PREFIXES)
-
-
-def is_loopback_host(host: str) -> bool:
-    """Whether ``host`` (a name or an address, IPv6 with or without brackets) is this machine's loopback."""
-    host = host.strip("[]")
-    if host.lower() == "localhost":
-        return True
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1 from a dual-stack socket
-    return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def check_control_token(token: str) -> str:
@@ -92,6 +105,8 @@ class ControlSettings:
     """The control token (None: control requests from loopback peers only)."""
     pause_lease_s: float = DEFAULT_PAUSE_LEASE_S
     """How long a pause holds without a renewal before the guard resumes the server itself."""
+    launch_secret: str | None = field(default=None, repr=False)
+    """The per-launch secret the server proves it holds at :data:`IDENTITY_PATH` (None: it proves nothing)."""
 
     def __post_init__(self) -> None:
         lease = self.pause_lease_s
@@ -99,6 +114,8 @@ class ControlSettings:
             raise ValueError(f"pause_lease_s must be a positive number of seconds, got {lease!r}; e.g. 60.0.")
         if self.token is not None:
             check_control_token(self.token)
+        if self.launch_secret is not None and len(self.launch_secret) < MIN_TOKEN_CHARS:
+            raise ValueError(f"launch_secret must be at least {MIN_TOKEN_CHARS} characters; use secrets.token_hex(32).")
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str]) -> ControlSettings:
@@ -108,11 +125,16 @@ class ControlSettings:
             lease = float(raw_lease) if raw_lease else DEFAULT_PAUSE_LEASE_S
         except ValueError:
             raise ValueError(f"{PAUSE_LEASE_ENV} must be a number of seconds, got {raw_lease!r}.") from None
-        return cls(token=environ.get(CONTROL_TOKEN_ENV) or None, pause_lease_s=lease)
+        token, secret = environ.get(CONTROL_TOKEN_ENV) or None, environ.get(LAUNCH_SECRET_ENV) or None
+        return cls(token=token, pause_lease_s=lease, launch_secret=secret)
 
     def environ(self) -> dict[str, str]:
-        """The environment variables that carry these settings (an empty token variable: no token)."""
-        return {CONTROL_TOKEN_ENV: self.token or "", PAUSE_LEASE_ENV: repr(float(self.pause_lease_s))}
+        """The environment variables that carry these settings (an empty variable: none)."""
+        return {
+            CONTROL_TOKEN_ENV: self.token or "",
+            PAUSE_LEASE_ENV: repr(float(self.pause_lease_s)),
+            LAUNCH_SECRET_ENV: self.launch_secret or "",
+        }
 
 
 # ------------------------------------------------------------------------------------------ ASGI helpers
@@ -122,13 +144,6 @@ def route_path(scope: Scope) -> str:
     if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("", "/"):
         return path[len(root) :]
     return path
-
-
-def header_value(scope: Scope, name: bytes) -> bytes | None:
-    for key, value in scope.get("headers", ()):
-        if key.lower() == name:
-            return value
-    return None
 
 
 async def send_json(scope: Scope, send: Send, status: int, content: dict[str, Any]) -> None:
@@ -205,13 +220,17 @@ class PauseLease:
         """When the guard resumes the server (time.monotonic); None: no pause is held."""
         self.num_expired = 0
         """Leases that ran out (the guard resumed the server)."""
+        self.num_resume_failures = 0
+        """The guard's own resumes that failed (each one tried again, see :meth:`_resume`)."""
         self._resume_scope: Scope | None = None
         self._watcher: asyncio.Task[None] | None = None
+        self._epoch = 0  # changes at every pause and resume that succeeds: a retried resume stops then
 
     def start(self, resume_scope: Scope) -> None:
         """A pause succeeded: hold it for one lease (a second pause starts the lease again)."""
         self._resume_scope = resume_scope
         self.deadline = time.monotonic() + self.lease_s
+        self._epoch += 1
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.get_running_loop().create_task(self._watch())
 
@@ -225,6 +244,7 @@ class PauseLease:
     def end(self) -> None:
         """A resume succeeded: nothing is held any more."""
         self.deadline = None
+        self._epoch += 1
 
     async def _watch(self) -> None:
         while self.deadline is not None:
@@ -243,14 +263,40 @@ class PauseLease:
             await self._resume()
 
     async def _resume(self) -> None:
+        """Resume the server; a failed try is retried with back-off for up to one more lease (at least
+        :data:`MIN_RESUME_TRIES` tries), and stops once a client paused or resumed the server meanwhile."""
         assert self._resume_scope is not None  # start() came first
-        try:  # a failed resume must not end the watcher: the next pause starts a new lease
+        epoch, give_up = self._epoch, time.monotonic() + self.lease_s
+        wait_s = RESUME_RETRY_FIRST_S
+        for attempt in itertools.count(1):
+            failure = await self._try_resume()
+            if failure is None:
+                return
+            self.num_resume_failures += 1
+            if attempt >= MIN_RESUME_TRIES and time.monotonic() + wait_s > give_up:
+                logger.error(
+                    "resuming the server after its pause lease ran out failed %d times (%s); giving up: the "
+                    "server stays paused until a client calls /resume",
+                    attempt,
+                    failure,
+                )
+                return
+            logger.warning("resuming the server after its pause lease ran out failed (%s); trying again", failure)
+            await asyncio.sleep(wait_s)
+            wait_s = min(wait_s * 2, RESUME_RETRY_MAX_S)
+            if self._epoch != epoch:  # a client paused (a new lease) or resumed the server meanwhile
+                return
+
+    async def _try_resume(self) -> str | None:
+        """One ``POST /resume`` into the app; why it failed, or None when it succeeded."""
+        assert self._resume_scope is not None
+        try:  # a failed resume must not end the watcher
             status = await post_locally(self.app, self._resume_scope)
-        except Exception:
-            logger.exception("resuming the server after its pause lease ran out failed")
-            return
+        except Exception as exc:  # designed: any failure of the app is retried, then logged
+            return f"{type(exc).__name__}: {exc}"
         if status is None or not 200 <= status < 300:
-            logger.error("resuming the server after its pause lease ran out answered HTTP %s", status)
+            return f"HTTP {status}"
+        return None
 
 
 # ------------------------------------------------------------------------------------------ the guard
@@ -282,6 +328,9 @@ class ControlEndpointGuard:
         if is_public_path(path):
             await self.app(scope, receive, send)
             return
+        if path == IDENTITY_PATH:  # answered to anyone: a proof reveals neither the token nor the secret
+            await self.identify(scope, send)
+            return
         refusal = self.refusal(scope)
         if refusal is not None:
             status, message = refusal
@@ -301,7 +350,11 @@ class ControlEndpointGuard:
             await self.app(scope, receive, send)
 
     def refusal(self, scope: Scope) -> tuple[int, str] | None:
-        """Why a control request may not pass (HTTP status, message), or None when it may."""
+        """Why a control request may not pass (HTTP status, message), or None when it may; a
+        browser's cross-site request is refused first, token or not."""
+        browser = self.browser_refusal(scope)
+        if browser is not None:
+            return 403, browser
         if self._token is None:
             if is_loopback_host(_peer(scope)):
                 return None
@@ -309,7 +362,7 @@ class ControlEndpointGuard:
                 "this server has no control token, so its control endpoints answer loopback clients only; "
                 "start it with VLLMServer(control_endpoints=True, control_token=True) to reach them from elsewhere."
             )
-        given = header_value(scope, _HEADER)
+        given = header_value(scope.get("headers", ()), _HEADER)
         if given is None:
             return 401, (
                 f"control endpoints need the {CONTROL_TOKEN_HEADER} header: pass control_token=<the server's "
@@ -318,6 +371,42 @@ class ControlEndpointGuard:
         if not hmac.compare_digest(given, self._token):
             return 403, f"wrong {CONTROL_TOKEN_HEADER}: pass the server's control_token (VLLMServer.control_token)."
         return None
+
+    def browser_refusal(self, scope: Scope) -> str | None:
+        """Why a browser sent this request for another site (see :mod:`lmcollect.policies.control_checks`), or None.
+
+        Without a token, the ``Host`` must also name the address and port the server is bound to:
+        then a DNS-rebound page, whose requests are same-origin to the browser, is refused too. With
+        a token a rebound page gets nowhere without it, and the Host may be any name of the server."""
+        headers = list(scope.get("headers", ()))
+        scheme = str(scope.get("scheme", "http"))
+        why = browser_refusal(headers, scheme)
+        if why is None and self._token is None:
+            why = host_refusal(header_value(headers, b"host"), _server(scope), scheme)
+        if why is None:
+            return None
+        return (
+            f"control request refused: {why}. Control endpoints take no requests from web pages; lmcollect's "
+            "client (VLLMServerEngine) sends no Origin or Sec-Fetch-Site and names the server by its address."
+        )
+
+    async def identify(self, scope: Scope, send: Send) -> None:
+        """``GET /lmcollect/identity?challenge=<hex>``: the launch proof of this server (404: it has no launch secret)."""
+        secret = self.settings.launch_secret
+        if secret is None:
+            message = "this server was given no launch secret (it was not started by VLLMServer); it proves nothing."
+            await send_json(scope, send, 404, error_body(404, message))
+            return
+        if scope.get("method") != "GET":
+            await send_json(scope, send, 405, error_body(405, f"{IDENTITY_PATH} takes GET."))
+            return
+        query = parse_qs(bytes(scope.get("query_string", b"")).decode("latin-1"))
+        try:
+            proof = launch_proof(secret, check_challenge(query.get("challenge", [""])[0]))
+        except ValueError as exc:
+            await send_json(scope, send, 400, error_body(400, str(exc)))
+            return
+        await send_json(scope, send, 200, {"proof": proof})
 
     async def renew(self, scope: Scope, send: Send) -> None:
         """``POST /lmcollect/renew_pause``: one more lease for the held pause (409: none is held)."""
@@ -338,6 +427,14 @@ def _log_to_server_output() -> None:
         handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [lmcollect control guard] %(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
+
+
+def _server(scope: Scope) -> tuple[str, int] | None:
+    """The address and port the request came in on (None: not a TCP socket, e.g. a Unix socket)."""
+    server = scope.get("server")
+    if not server or server[1] is None:
+        return None
+    return str(server[0]), int(server[1])
 
 
 def _peer(scope: Scope) -> str:

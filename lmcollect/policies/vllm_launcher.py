@@ -8,6 +8,7 @@ are off unless ``control_endpoints=True``, and then guarded by a token (see
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 import os
 import secrets
@@ -24,10 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from lmcollect.engines.vllm_common import engine_kwargs_for
+from lmcollect.policies.control_checks import launch_proof
 from lmcollect.policies.served_http import VLLMServerError, request_json
 from lmcollect.policies.vllm_control import (
     DEFAULT_PAUSE_LEASE_S,
     GUARD_PATH,
+    IDENTITY_PATH,
     ControlSettings,
     check_control_token,
     is_loopback_host,
@@ -39,6 +42,7 @@ logger = logging.getLogger(__name__)
 # version up under the name "vllm" and fails before serving.
 SERVE_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 LOG_TAIL_LINES = 40
+PROBE_TIMEOUT_S = 5.0  # each start-up probe: /health, the launch challenge
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -76,11 +80,14 @@ def _flag(key: str, value: Any) -> list[str]:
 def control_settings_for(
     *, host: str, control_endpoints: bool, control_token: bool | str, pause_lease_s: float
 ) -> ControlSettings:
-    """What a server's guard enforces; refuses control endpoints without a token on a non-loopback host."""
+    """What a server's guard enforces (with a fresh launch secret); refuses control endpoints without a
+    token on a non-loopback host."""
+    launch_secret = secrets.token_hex(32)
     if isinstance(control_token, str):
         if not control_endpoints:
             raise ValueError("control_token is the control endpoints' token: pass control_endpoints=True too.")
-        return ControlSettings(token=check_control_token(control_token), pause_lease_s=pause_lease_s)
+        checked = check_control_token(control_token)
+        return ControlSettings(token=checked, pause_lease_s=pause_lease_s, launch_secret=launch_secret)
     if not isinstance(control_token, bool):
         raise TypeError(f"control_token must be True, False or a token string, got {type(control_token).__name__}.")
     if control_endpoints and not control_token and not is_loopback_host(host):
@@ -90,7 +97,23 @@ def control_settings_for(
             "(the default: a generated token) or pass one, or listen on host='127.0.0.1'."
         )
     token = secrets.token_urlsafe(32) if control_endpoints and control_token else None
-    return ControlSettings(token=token, pause_lease_s=pause_lease_s)
+    return ControlSettings(token=token, pause_lease_s=pause_lease_s, launch_secret=launch_secret)
+
+
+def launch_refusal(url: str, launch_secret: str, *, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
+    """Why the server answering at ``url`` is not the one started with ``launch_secret``, or None when
+    it proved it is: it must answer a fresh random challenge at ``/lmcollect/identity`` with
+    :func:`~lmcollect.policies.control_checks.launch_proof`. Nothing else is sent (no token)."""
+    challenge = secrets.token_hex(32)
+    try:
+        answer = request_json("GET", f"{url}{IDENTITY_PATH}?challenge={challenge}", timeout_s=timeout_s)
+    except VLLMServerError as exc:
+        return f"it did not answer the launch challenge at {IDENTITY_PATH} ({exc})"
+    proof = answer.get("proof") if isinstance(answer, dict) else None
+    expected = launch_proof(launch_secret, challenge).encode("ascii")
+    if not isinstance(proof, str) or not hmac.compare_digest(proof.encode("utf-8"), expected):
+        return f"its answer to the launch challenge at {IDENTITY_PATH} is not the launched server's proof"
+    return None
 
 
 def _control_endpoints_from(control_endpoints: bool, dev_mode: bool | None) -> bool:
@@ -142,7 +165,10 @@ class VLLMServer:
     """A ``vllm serve`` of a local model, in a child process group of its own; ``stop()`` (or ``with``) ends it.
 
     Runs :func:`serve_command` (VLLMPolicy's engine settings and the control-endpoint guard) and
-    waits until ``/health`` answers. The served API (``/v1``, ``/health``, ``/metrics``, ...) is
+    waits until ``/health`` answers and the answering server proves that it is the process started
+    here (it answers a random challenge with an HMAC under a per-launch secret it got in its
+    environment), so a process that took the port during the start-up gets neither the control
+    token nor a prompt. The served API (``/v1``, ``/health``, ``/metrics``, ...) is
     open as with any ``vllm serve`` (add ``--api-key`` to ``serve_args`` to guard ``/v1``).
 
     Control endpoints (``/pause``, ``/resume``, ``/collective_rpc``, ``/reset_prefix_cache``,
@@ -215,6 +241,7 @@ class VLLMServer:
             )
         self.control_token = settings.token
         """The token control requests need (None: control endpoints off, or control_token=False)."""
+        self._launch_secret = settings.launch_secret  # what the server proves it holds (wait_ready)
         self.pause_lease_s = settings.pause_lease_s
         self.port = port if port is not None else free_port(host)
         self.url = f"http://{host}:{self.port}"
@@ -246,8 +273,10 @@ class VLLMServer:
             self.wait_ready()
 
     def wait_ready(self, timeout_s: float | None = None) -> None:
-        """Return once ``/health`` answers; a server that exits or outlasts the start-up timeout is
-        stopped and raises ``RuntimeError`` with the end of its log."""
+        """Return once ``/health`` answers and the answering server proved it is the process started
+        here (the launch challenge, :func:`launch_refusal`); a server that exits or outlasts the
+        start-up timeout, or another process answering on the port, is stopped and raises
+        ``RuntimeError`` (with the end of the log) before any token or prompt is sent there."""
         timeout_s = self.start_timeout_s if timeout_s is None else timeout_s
         deadline = self._started + timeout_s
         while time.monotonic() < deadline:
@@ -255,13 +284,28 @@ class VLLMServer:
                 self.stop()
                 raise RuntimeError(f"vllm serve exited with code {self.process.returncode}:\n{self.log_tail()}")
             try:
-                request_json("GET", f"{self.url}/health", timeout_s=5.0)
-                logger.info("vLLM server at %s ready after %.1f s", self.url, time.monotonic() - self._started)
-                return
+                request_json("GET", f"{self.url}/health", timeout_s=PROBE_TIMEOUT_S)
             except VLLMServerError:
                 time.sleep(0.5)
+                continue
+            self._check_identity()
+            logger.info("vLLM server at %s ready after %.1f s", self.url, time.monotonic() - self._started)
+            return
         self.stop()
         raise RuntimeError(f"vllm serve at {self.url} was not ready within {timeout_s} s:\n{self.log_tail()}")
+
+    def _check_identity(self) -> None:
+        """Stop and raise unless the server answering at :attr:`url` proves it holds this launch's secret."""
+        assert self._launch_secret is not None  # control_settings_for always makes one
+        why = launch_refusal(self.url, self._launch_secret)
+        if why is None:
+            return
+        self.stop()
+        raise RuntimeError(
+            f"the server answering at {self.url} is not the vllm serve this VLLMServer started (pid "
+            f"{self.process.pid}): {why}. Another process listens on port {self.port}; nothing was sent to it "
+            "(no control token, no prompt). Stop that process or pick another port (port=None picks a free one)."
+        )
 
     def log_tail(self, num_lines: int = LOG_TAIL_LINES) -> str:
         """The last lines of the server's output."""

@@ -205,6 +205,11 @@ def test_control_requests_without_the_token_are_refused_and_the_server_keeps_ser
             with pytest.raises(VLLMServerError) as refused:
                 request_json("POST", server.url + path, {"method": "load_weights"}, timeout_s=30, headers=headers)
             assert refused.value.status == status, (path, headers)
+    # a web page's cross-site request is refused even with the token (wait_ready already checked the launch proof)
+    cross_site = {CONTROL_TOKEN_HEADER: server.control_token, "Origin": "http://evil.example", "Sec-Fetch-Site": "cross-site"}
+    with pytest.raises(VLLMServerError, match="control request refused") as refused:
+        request_json("POST", server.url + "/pause?mode=abort", timeout_s=30, headers=cross_site)
+    assert refused.value.status == 403
     with pytest.raises(VLLMServerError, match="pass control_token"):
         VLLMServerEngine(server.url).collective_rpc("load_weights")
     engine = VLLMServerEngine(server.url, control_token=server.control_token)

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,6 @@ from lmcollect.policies.vllm_control import (
     ControlEndpointGuard,
     ControlSettings,
     is_loopback_host,
-    is_public_path,
 )
 from lmcollect.policies.served_http import MAX_ERROR_BODY_BYTES
 from lmcollect.policies.vllm_server import (
@@ -41,91 +39,16 @@ from lmcollect.policies.vllm_server import (
     request_json,
     serve_command,
 )
-
-TOKEN = "t0ken-for-tests-0123456789abcdef"
-WRONG_TOKEN = "wrong-token-0123456789abcdef"
-HEADER = CONTROL_TOKEN_HEADER.lower().encode()
-WAIT_S = 5.0  # the longest any awaited event may take here
-
-
-def guard_env(token: str | None = TOKEN, lease_s: float = 60.0) -> dict[str, str]:
-    return ControlSettings(token=token, pause_lease_s=lease_s).environ()
-
-
-class ToyVLLM:
-    """An ASGI app answering like vLLM's routes that the engine uses; records each request it sees."""
-
-    def __init__(self, *, control_endpoints: bool = True) -> None:
-        self.control_endpoints = control_endpoints
-        self.is_paused = False
-        self.seen: list[tuple[str, str, bool]] = []
-        """(method, path, whether it carried the control token header), in order."""
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        assert scope["type"] == "http", scope["type"]
-        method, path = scope["method"], scope["path"]
-        self.seen.append((method, path, any(name == HEADER for name, _ in scope["headers"])))
-        while (await receive()).get("more_body"):  # the request body, whatever it is
-            pass
-        status, content = self.answer(method, path)
-        body = json.dumps(content).encode()
-        headers = [(b"content-type", b"application/json")]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
-
-    def answer(self, method: str, path: str) -> tuple[int, dict[str, Any]]:
-        if (method, path) == ("GET", "/v1/models"):
-            return 200, {"data": [{"id": "toy", "root": "/toy"}]}
-        if (method, path) == ("POST", "/v1/completions"):  # two tokens, whatever the prompt
-            return 200, {"choices": [{"finish_reason": "length", "token_ids": [5, 6], "logprobs": {"token_logprobs": [-0.5, -0.25]}}]}
-        if path in ("/health", "/metrics") or path.startswith("/v1/"):
-            return 200, {}
-        if not self.control_endpoints:
-            return 404, {"detail": "Not Found"}
-        if path in ("/pause", "/resume"):
-            self.is_paused = path == "/pause"
-            return 200, {"status": path[1:] + "d"}
-        if path == "/fail_pause":
-            return 500, {"error": "no"}
-        answers = {"/is_paused": {"is_paused": self.is_paused}, "/reset_prefix_cache": {"success": True}}
-        return 200, answers.get(path, {"results": ["done"]})
-
-    def control_calls(self) -> list[str]:
-        return [path for _, path, _ in self.seen if not is_public_path(path)]
-
-
-async def call_asgi(
-    app: Any, method: str, path: str, *, token: str | None = None, client: tuple[str, int] | None = ("127.0.0.1", 5000)
-) -> tuple[int, dict[str, Any]]:
-    """One request to an ASGI app; its status and JSON answer."""
-    headers = [] if token is None else [(HEADER, token.encode())]
-    scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "scheme": "http", "method": method,
-        "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"", "headers": headers,
-        "client": client, "server": ("127.0.0.1", 8000),
-    }  # fmt: skip
-    answer: dict[str, Any] = {}
-    body = bytearray()
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def send(message: dict[str, Any]) -> None:
-        if message["type"] == "http.response.start":
-            answer["status"] = message["status"]
-        else:
-            body.extend(message.get("body", b""))
-
-    await app(scope, receive, send)
-    return answer["status"], json.loads(body) if body else {}
-
-
-async def wait_until(condition: Callable[[], bool], *, what: str, timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} did not happen within {timeout_s} s"
-        await asyncio.sleep(0.01)
-
+from tests.security.served_toy import (  # the served_toy fixture comes from conftest
+    TOKEN,
+    WAIT_S,
+    WRONG_TOKEN,
+    ServedToy,
+    ToyVLLM,
+    call_asgi,
+    guard_env,
+    wait_until,
+)
 
 # ---------------------------------------------------------------------------------- the token guard
 CONTROL_PATHS = ["/pause", "/resume", "/collective_rpc", "/reset_prefix_cache", "/server_info", "/is_paused",
@@ -261,34 +184,6 @@ def test_the_serve_command_installs_the_guard_and_carries_no_secret() -> None:
 
 
 # ---------------------------------------------------------------------------------- client and guard over HTTP
-class ServedToy:
-    def __init__(self, toy: ToyVLLM, guard: ControlEndpointGuard, url: str) -> None:
-        self.toy, self.guard, self.url = toy, guard, url
-
-
-@pytest.fixture
-def served_toy(request: pytest.FixtureRequest) -> Iterator[ServedToy]:
-    """The guard in front of a ToyVLLM, served by uvicorn on a free loopback port (lease: the test's param)."""
-    uvicorn = pytest.importorskip("uvicorn")
-    lease_s, control_endpoints = getattr(request, "param", (60.0, True))
-    toy = ToyVLLM(control_endpoints=control_endpoints)
-    guard = ControlEndpointGuard(toy, environ=guard_env(lease_s=lease_s))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(guard, lifespan="off", log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + WAIT_S
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    yield ServedToy(toy, guard, f"http://127.0.0.1:{sock.getsockname()[1]}")
-    server.should_exit = True
-    thread.join(timeout=WAIT_S)
-    sock.close()
-    assert not thread.is_alive()
-
-
 def test_the_engine_sends_the_token_on_control_calls_only(served_toy: ServedToy) -> None:
     engine = VLLMServerEngine(served_toy.url, control_token=TOKEN)
     assert engine.collective_rpc("load_weights") == ["done"]
