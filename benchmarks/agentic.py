@@ -623,9 +623,31 @@ def push_rows(w: Workload, reps: int, *, slots: int = 8) -> list[dict]:
                   TARGET_PUSH_VS_SYNC, f"lockstep LLMCollector + VLLMPolicy, a push per batch ({slots} slots)"),
         ratio_row(f"{base} (keep) vs LLMCollector with the same pushes", keep, sync_push, w,
                   TARGET_PUSH_VS_SYNC, f"lockstep LLMCollector + VLLMPolicy, a push per batch ({slots} slots)"),
+        accounted_row(f"vLLM {w.size}: the pushes' accounted cost (calls + recompute) / the time they added", push, none),
         info_row(f"vLLM {w.size}: engine core in its own process vs in-process, continuous, no push", none, none_in, w),
         info_row(f"vLLM {w.size}: engine core in its own process vs in-process, push per batch", push, push_in, w),
     ]
+
+
+def accounted_row(name: str, pushed: list[Sample], unpushed: list[Sample]) -> dict:
+    """How much of the time pushes add (the push run's wall minus the no-push run's, per turn) the
+    accounting explains: the push calls plus the recompute they forced (``collector.push_costs()``)."""
+    per_turn = statistics.median(s.wall_s / s.turns for s in unpushed)
+    added = [s.wall_s - per_turn * s.turns for s in pushed]
+    accounted = [sum(s.push_s) + s.recompute_s for s in pushed]
+    shares = [a / d if d > 0 else float("nan") for a, d in zip(accounted, added, strict=True)]
+    return {
+        "row": name,
+        "metric": "accounted s / added s (1: the push calls and the recompute explain the whole gap)",
+        "value": round(statistics.median(shares), 3),
+        "target": "",
+        "met": None,
+        "added_s": [round(a, 2) for a in added],
+        "push_call_s": [round(sum(s.push_s), 2) for s in pushed],
+        "recompute_s": [round(s.recompute_s, 2) for s in pushed],
+        "recomputed_tokens": [s.recomputed_tokens for s in pushed],
+        "prompt_tokens": [s.prompt_tokens for s in pushed],
+    }
 
 
 def info_row(name: str, num: list[Sample], den: list[Sample], w: Workload) -> dict:
@@ -653,7 +675,7 @@ def gpu_rows(w: Workload, reps: int, *, more_slots: int) -> list[dict]:
     return vllm_rows(dataclasses.replace(w, device="cuda"), reps, more_slots=more_slots, label="GPU vLLM")
 
 
-def run(*, quick: bool = False, rows: str = "vllm,transformers,gpu", reps: int = 3, size: str = "small",
+def run(*, quick: bool = False, rows: str = "vllm,transformers,gpu,push", reps: int = 3, size: str = "small",
         num_batches: int = 4, vllm_core_in_process: bool = False) -> list[dict]:
     """Every row of this benchmark (``lmcollect bench`` calls this)."""
     w = Workload(size=size, num_batches=2 if quick else num_batches, vllm_core_in_process=vllm_core_in_process)
@@ -678,7 +700,7 @@ def run(*, quick: bool = False, rows: str = "vllm,transformers,gpu", reps: int =
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one repetition per mode, fewer timed batches")
-    parser.add_argument("--rows", default="vllm,transformers,gpu",
+    parser.add_argument("--rows", default="vllm,transformers,gpu,push",
                         help="vllm, transformers, gpu and/or push (RL as it runs: push per batch, KV policies, layouts)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--size", default="small")
@@ -696,6 +718,10 @@ def main() -> None:
                vllm_core_in_process=args.vllm_core_in_process)
     print(f"{'row':78} {'value':>7} {'target':>7}  met   turns/s (this / baseline)  busy share  length mean/p50/p90")
     for row in rows:
+        if "added_s" in row:  # the accounting row
+            print(f"{row['row']:78} {row['value']:7.3f}           added {row['added_s']} s: push calls "
+                  f"{row['push_call_s']} s + recompute {row['recompute_s']} s ({row['recomputed_tokens']} tokens)")
+            continue
         if row["value"] is None:
             print(f"{row['row']:78} {'-':>7} {row['target']:>7}  skipped: {row.get('skipped', '')}")
             continue

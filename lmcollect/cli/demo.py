@@ -58,6 +58,7 @@ from lmcollect.cli.report import (
     write_summary,
 )
 from lmcollect.cli.weight_push import WeightPusher
+from lmcollect.engines.kv_policy import PushCost
 from lmcollect.envs import ShippedTask
 from lmcollect.loggers import JsonlLogger, MissingLoggerPackage, MultiLogger, check_available, make_logger
 from lmcollect.loggers.jsonl import METRICS_FILE
@@ -180,6 +181,7 @@ class DemoRun:
         self.collection: Collection | None = None
         self.recent_turns: deque[Any] = deque(maxlen=REPORT_STEPS)  # for rollouts.html
         self.pushes: dict[str, PushStats | None] = {"initial": None, "last": None}  # version 1, the latest
+        self.push_costs: list[PushCost] = []  # what the pushes cost every collector's engine (read at shutdown)
         self.files: dict[str, str | None] = {"metrics": METRICS_FILE, "plot": None, "report": None}
 
     def run(self) -> dict[str, Any]:
@@ -404,6 +406,7 @@ class DemoRun:
             self.collection.stop()
         if self.group is not None:
             versions = [_policy_version_or_none(c) for c in self.group]
+            self.push_costs = [cost for c in self.group for cost in _push_costs_or_none(c)]
             self.group.shutdown()
             collectors = [
                 {"policy_version": v, "shut_down": not c.is_initialized()}
@@ -435,11 +438,34 @@ class DemoRun:
             },
             "weight_push_bytes": _push_bytes(self.pushes),
             "staleness": {"mean": _mean(records, "staleness/mean"), "max": _max(records, "staleness/max")},
+            "push_cost": _push_cost(self.push_costs),
             "timings_s": self.timings_s,
             "collectors": collectors,
             "files": {**self.files, "logger": LOGGER_DIRS.get(self.config.logger)},
             "config": asdict(self.config),
         }
+
+
+def _push_costs_or_none(collector: Any) -> list[PushCost]:
+    """A collector's ``push_costs()``, or none when it cannot answer (it failed: its error is shown elsewhere)."""
+    try:
+        return collector.push_costs()
+    except Exception:  # designed: the summary of a run whose collector died must still be written
+        logger.warning("could not read a collector's push costs", exc_info=True)
+        return []
+
+
+def _push_cost(costs: list[PushCost]) -> dict[str, Any]:
+    """What a push cost the engines, per push and engine: the load call, and the tokens prefilled again afterwards."""
+    if not costs:
+        return {"pushes": 0, "call_s": None, "recomputed_tokens": None, "recompute_s": None, "kv_policy": None}
+    return {
+        "pushes": len(costs),
+        "call_s": sum(c.call_s for c in costs) / len(costs),
+        "recomputed_tokens": sum(c.recomputed_tokens for c in costs) / len(costs),
+        "recompute_s": sum(c.recompute_s for c in costs) / len(costs),
+        "kv_policy": costs[-1].kv_policy,
+    }
 
 
 def _push_bytes(pushes: dict[str, PushStats | None]) -> dict[str, Any]:
@@ -528,6 +554,7 @@ def _push_kind(summary: dict[str, Any]) -> str:
 def _table_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     reward, train = summary["reward"], summary["train_reward"]
     push, pushed, staleness = summary["weight_push_s"], summary["weight_push_bytes"], summary["staleness"]
+    cost = summary["push_cost"]
     return [
         (
             "mean reward at init / before RL / after RL",
@@ -542,6 +569,11 @@ def _table_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
             f"{_fmt_bytes(pushed['initial'])} / {_fmt_bytes(pushed['per_step'])}{_push_kind(summary)}",
         ),
         ("staleness in versions (mean / max)", f"{_fmt(staleness['mean'], '.2f')} / {_fmt(staleness['max'], '.0f')}"),
+        (
+            "push cost per engine: load s / tokens prefilled again / their s",
+            f"{_fmt(cost['call_s'])} / {_fmt(cost['recomputed_tokens'], '.0f')} / {_fmt(cost['recompute_s'])}"
+            f" (kv_policy {cost['kv_policy']})",
+        ),
         (
             "warm-up s / RL s / total s",
             " / ".join(_fmt(summary["timings_s"].get(k), ".0f") for k in ("warmup", "rl", "total")),

@@ -21,12 +21,15 @@ resume) and the recompute it forced afterwards; :class:`PushCostMeter` keeps the
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "KV_POLICIES", "KVPolicy", "PushCost", "PushCostMeter", "check_kv_policy", "configure_kv_policy", "kv_versions_of",
@@ -47,7 +50,7 @@ def check_kv_policy(kv_policy: object, *, supported: tuple[str, ...] = KV_POLICI
             f"(it supports {list(supported)}); use kv_policy='recompute', or collect with TransformersEngine "
             "or VLLMEngine, which keep."
         )
-    return kv_policy  # type: ignore[return-value]
+    return kv_policy
 
 
 def configure_kv_policy(engine: object, kv_policy: object) -> KVPolicy:
@@ -122,9 +125,15 @@ class PushCostMeter:
         self._lock = threading.Lock()
 
     def loaded(self, *, version: int, kv_policy: str, call_s: float) -> None:
-        """A load took ``version`` in ``call_s`` seconds."""
+        """A load took ``version`` in ``call_s`` seconds (the previous load's whole cost is logged: its recompute is done)."""
         with self._lock:
+            previous = self._costs[-1] if self._costs else None
             self._costs.append(PushCost(version=version, kv_policy=kv_policy, call_s=call_s))
+        if previous is not None:
+            logger.info(
+                "push of version %d (kv_policy=%s): call %.3f s, then %d tokens prefilled again in %.3f s",
+                previous.version, previous.kv_policy, previous.call_s, previous.recomputed_tokens, previous.recompute_s,
+            )  # fmt: skip
 
     def recomputed(self, tokens: int, seconds: float, *, version: int | None = None) -> None:
         """``tokens`` computed again (in ``seconds``) because of the load of ``version`` (None: the latest)."""

@@ -62,3 +62,16 @@ def test_the_grpo_modes_push_every_batch_and_continuous_batches_hold_whole_group
     # whole groups: each (dialog opening, turn) of a timed batch comes once per member of its group
     counts = Counter(tuple(key) for key in continuous.dialog_keys)
     assert all(n % GROUP_SIZE == 0 for n in counts.values()), counts
+
+
+def test_the_push_modes_account_for_each_push_and_keep_recomputes_nothing() -> None:
+    from benchmarks.agentic import accounted_row
+
+    recompute = run_sample("transformers", "continuous-push", 4, SMALLEST)
+    keep = run_sample("transformers", "continuous-push-keep", 4, SMALLEST)
+    for sample in (recompute, keep):
+        assert len(sample.push_s) == SMALLEST.num_batches and sample.prompt_tokens > 0
+    assert keep.recomputed_tokens == 0 and keep.recompute_s == 0
+    assert recompute.recomputed_tokens >= 0 and (recompute.recompute_s > 0) == (recompute.recomputed_tokens > 0)
+    row = accounted_row("accounted", [recompute], [keep])  # the shape of the row (keep as the baseline)
+    assert row["push_call_s"] == [round(sum(recompute.push_s), 2)] and row["recomputed_tokens"] == [recompute.recomputed_tokens]
