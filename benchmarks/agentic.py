@@ -623,7 +623,8 @@ def push_rows(w: Workload, reps: int, *, slots: int = 8) -> list[dict]:
                   TARGET_PUSH_VS_SYNC, f"lockstep LLMCollector + VLLMPolicy, a push per batch ({slots} slots)"),
         ratio_row(f"{base} (keep) vs LLMCollector with the same pushes", keep, sync_push, w,
                   TARGET_PUSH_VS_SYNC, f"lockstep LLMCollector + VLLMPolicy, a push per batch ({slots} slots)"),
-        accounted_row(f"vLLM {w.size}: the pushes' accounted cost (calls + recompute) / the time they added", push, none),
+        accounted_row(f"vLLM {w.size}, engine core in-process: the pushes' accounted cost (calls + recompute) / "
+                      "the time they added", push_in, none_in),
         info_row(f"vLLM {w.size}: engine core in its own process vs in-process, continuous, no push", none, none_in, w),
         info_row(f"vLLM {w.size}: engine core in its own process vs in-process, push per batch", push, push_in, w),
     ]

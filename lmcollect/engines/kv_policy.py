@@ -105,8 +105,11 @@ class PushCost:
     requests' prompts and tokens so far; with a prefix cache, also dialogs' later prompts that lost
     their cached prefix), counted as the engine computes them."""
     recompute_s: float = 0.0
-    """Seconds of that recompute (measured where the engine times its prefills; else the extra time of
-    the first decoding step after the load over the steps before it)."""
+    """Seconds of that recompute: the re-prefills timed (TransformersEngine), or the extra time of the
+    first decoding step after the load over the median ordinary step (VLLMEngine)."""
+    recompute_timed: bool = True
+    """False where the engine cannot time its steps (vLLM's engine core in a process of its own):
+    ``recompute_s`` is then 0 and only the tokens are counted."""
 
     def as_metrics(self, prefix: str = "push") -> dict[str, float]:
         """Flat metric keys (``push/call_s`` ...), for loggers and tables."""
@@ -124,11 +127,11 @@ class PushCostMeter:
         self._costs: deque[PushCost] = deque(maxlen=keep)
         self._lock = threading.Lock()
 
-    def loaded(self, *, version: int, kv_policy: str, call_s: float) -> None:
+    def loaded(self, *, version: int, kv_policy: str, call_s: float, timed: bool = True) -> None:
         """A load took ``version`` in ``call_s`` seconds (the previous load's whole cost is logged: its recompute is done)."""
         with self._lock:
             previous = self._costs[-1] if self._costs else None
-            self._costs.append(PushCost(version=version, kv_policy=kv_policy, call_s=call_s))
+            self._costs.append(PushCost(version=version, kv_policy=kv_policy, call_s=call_s, recompute_timed=timed))
         if previous is not None:
             logger.info(
                 "push of version %d (kv_policy=%s): call %.3f s, then %d tokens prefilled again in %.3f s",

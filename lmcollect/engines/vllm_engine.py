@@ -156,6 +156,7 @@ class VLLMEngine(QueuedAndRunning):
         # vLLM's engine core in a process of its own, or workers in processes of their own (tensor
         # parallel): collective_rpc serialises its arguments, so a push's bytes go through shared memory
         self._workers_elsewhere = multiprocess or _world_size(self._llm) > 1
+        self._kv.timed_steps = not multiprocess  # else step() only collects the engine core process's outputs
         self._full_load = threading.Lock()  # one full load packs and sends at a time
         self._pack_sets: list[list[torch.Tensor]] = [[], []]
         self._spare = 0  # the set the next full push packs into (see _packed)
@@ -385,7 +386,7 @@ class VLLMEngine(QueuedAndRunning):
                 return
             self._add(added)
             if not self._paused and self._running:
-                self._step()
+                self._step(admitted=bool(added))
 
     def _has_work(self) -> bool:
         return not self._paused and bool(self._queued or self._running)
@@ -409,11 +410,11 @@ class VLLMEngine(QueuedAndRunning):
             except Exception as error:  # designed: a request vLLM refuses fails its own future only
                 self._finish(request_id, error=error)
 
-    def _step(self) -> None:
+    def _step(self, *, admitted: bool) -> None:
         started = self._kv.step_started()
         try:
             outputs = self._llm.step()
-            self._kv.step_ended(started)
+            self._kv.step_ended(started, admitted=admitted)
         except Exception as error:  # the engine broke: every running request fails with its error
             for request_id in list(self._running):
                 self._finish(request_id, error=error)

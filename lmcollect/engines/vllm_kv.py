@@ -4,14 +4,17 @@ vLLM holds the keys/values; this keeps what the engine needs to say about them: 
 cache salt (under ``"keep"``, one per dialog, so a prefix computed for one dialog is never another's),
 the ``kv_versions`` of its result, and each push's recompute (:class:`~lmcollect.engines.kv_policy.PushCost`):
 the running requests' contexts prefilled again after a ``"recompute"`` load (counted from each
-finished request's token versions, timed as the extra time of the first step after the load),
+finished request's token versions, timed as the extra time of the first step after the load over
+the median of the steps before it; with the engine core in a process of its own, ``step()`` only
+collects outputs and this time is a lower bound),
 and the prefixes a dialog's next turn could no longer reuse.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, replace
 
 import torch
@@ -22,7 +25,7 @@ from lmcollect.engines.protocol import EngineRequest, EngineResult
 __all__ = ["RequestKV", "VLLMKVBook"]
 
 _MAX_DIALOGS = 4096  # dialogs whose last context length is remembered (for the prefix each push costs)
-_STEP_EMA = 0.2  # weight of the newest step in the running mean step time
+_RECENT_STEPS = 16  # ordinary steps whose median time is the baseline of the first step after a load
 
 
 @dataclass(frozen=True)
@@ -39,12 +42,13 @@ class RequestKV:
 class VLLMKVBook:
     """Cache salts, ``kv_versions`` and push costs of one vLLM engine (decoding thread only, but ``costs()``)."""
 
-    def __init__(self, kv_policy: KVPolicy) -> None:
+    def __init__(self, kv_policy: KVPolicy, *, timed_steps: bool = True) -> None:
         self.kv_policy = kv_policy
+        self.timed_steps = timed_steps  # False: step() only collects the outputs of another process's steps
         self.meter = PushCostMeter()
         self._requests: dict[str, RequestKV] = {}
         self._dialog_context: OrderedDict[str, tuple[int, int]] = OrderedDict()  # dialog -> (version, tokens)
-        self._step_s: float | None = None  # running mean of ordinary steps
+        self._recent_steps: deque[float] = deque(maxlen=_RECENT_STEPS)  # seconds of the last ordinary steps
         self._timed_load: int | None = None  # the load whose first step is timed next
 
     # ------------------------------------------------------------------ requests
@@ -105,21 +109,24 @@ class VLLMKVBook:
     # ------------------------------------------------------------------ loads and steps
     def loaded(self, *, version: int, call_s: float, running: int) -> None:
         """A load took ``version``; under ``"recompute"`` with requests running, the next step is timed."""
-        self.meter.loaded(version=version, kv_policy=self.kv_policy, call_s=call_s)
-        self._timed_load = version if self.kv_policy == "recompute" and running else None
+        self.meter.loaded(version=version, kv_policy=self.kv_policy, call_s=call_s, timed=self.timed_steps)
+        self._timed_load = version if self.kv_policy == "recompute" and running and self.timed_steps else None
 
     def step_started(self) -> float:
         return time.perf_counter()
 
-    def step_ended(self, started: float) -> None:
-        """One decoding step's time: the first after a load counts its extra time over the running mean."""
+    def step_ended(self, started: float, *, admitted: bool) -> None:
+        """One decoding step's time: the first after a load counts its extra time over the median of the
+        recent ordinary steps (it re-prefills every running request); a step that ``admitted`` new
+        requests prefills them too and is no baseline."""
         seconds = time.perf_counter() - started
         if self._timed_load is not None:
-            extra = seconds - (self._step_s if self._step_s is not None else seconds)
-            self.meter.recomputed(0, extra, version=self._timed_load)
+            baseline = statistics.median(self._recent_steps) if self._recent_steps else 0.0
+            self.meter.recomputed(0, seconds - baseline, version=self._timed_load)
             self._timed_load = None
             return
-        self._step_s = seconds if self._step_s is None else (1 - _STEP_EMA) * self._step_s + _STEP_EMA * seconds
+        if not admitted:
+            self._recent_steps.append(seconds)
 
     def costs(self) -> list[PushCost]:
         return self.meter.costs()
