@@ -60,11 +60,13 @@ def plot_training(records: Sequence[Mapping[str, Any]], path: Path) -> Path | No
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in records]
-    panels = (
+    panels = [
         ("reward/mean", "mean reward of the batch", True),
         ("collect/turns_per_s", "turns collected / s", False),
         ("timing/weight_sync/push_s", "weight push (s)", False),
-    )
+    ]
+    if all("sampling/kept_share" in r for r in records):  # dynamic sampling: the share of groups kept
+        panels.append(("sampling/kept_share", "groups kept (share)", True))
     fig, axes = plt.subplots(len(panels), 1, figsize=(7, 8), sharex=True)
     for ax, (key, label, smooth) in zip(axes, panels, strict=True):
         values = [float(r[key]) for r in records]

@@ -209,6 +209,17 @@ class SamplingCounts:
 _NUMBER_FIELDS = [f for f in dataclasses.fields(SamplingCounts) if f.name != "groups_dropped"]
 
 
+def total_counts(counts: Sequence[SamplingCounts | None]) -> SamplingCounts | None:
+    """The sum of several collectors' counts (None when none has dynamic sampling)."""
+    present = [c for c in counts if c is not None]
+    if not present:
+        return None
+    total = present[0]
+    for more in present[1:]:
+        total = total.plus(more)
+    return total
+
+
 def group_rewards(turns: Sequence[tuple[int, TensorDictBase]]) -> torch.Tensor:
     """One return per dialog of a group, from its ``(trajectory id, turn)`` pairs (dialogs in order of first turn)."""
     returns: dict[int, float] = {}

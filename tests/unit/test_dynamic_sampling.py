@@ -303,3 +303,17 @@ def test_shipped_filters_and_counts() -> None:
     metrics = a.as_metrics()
     assert metrics["sampling/kept_share"] == 0.75 and metrics["sampling/dropped/x"] == 1
     assert metrics["sampling/delivered_token_share"] == 0.6 and a.groups_waiting == 1
+
+
+def test_the_demo_summary_shows_kept_and_dropped_groups_and_tokens() -> None:
+    from lmcollect.cli.demo import _sampling_rows
+
+    counts = SamplingCounts(groups_generated=10, groups_kept=6, groups_dropped={UNIFORM_REWARDS: 3},
+                            tokens_generated=400, tokens_delivered=240)
+    on = {"mode": "auto", "on": True, "counts": counts.to_state(),
+          "kept_share": {"first_10_steps": 0.9, "last_10_steps": 0.4}}
+    rows = dict(_sampling_rows(on))
+    assert rows["groups kept in batches / generated (dropped)"] == "6 / 10 (3: uniform_rewards 3)"
+    assert rows["kept share of groups, first / last 10 steps"] == "0.90 / 0.40"
+    assert rows["tokens delivered / generated"] == "240 / 400 (60%)"
+    assert _sampling_rows({**on, "on": False, "counts": None}) == [("dynamic sampling", "off (auto)")]
