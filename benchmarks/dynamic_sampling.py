@@ -20,8 +20,8 @@ Modes (each sample a fresh process; samples of the modes alternate, medians repo
 Each sample takes one batch (and its push) to warm up, then times ``num_batches`` batches. A turn is
 **useful** when its group's rewards are not all equal (every turn of a filtered batch; the share of
 such groups in an unfiltered one). The metric is useful turns/s against ``no-filter``; each row also
-carries the counts over the timed batches (groups generated / kept / dropped by reason, tokens
-generated vs delivered, from ``collector.sampling_counts``). Prints a table; the last line is JSON.
+carries the counts of its samples, warm-up batch included (groups generated / kept / dropped by
+reason, tokens generated vs delivered, from ``collector.sampling_counts``). Prints a table; the last line is JSON.
 """
 from __future__ import annotations
 
@@ -141,16 +141,16 @@ def run_sample(mode: str, w: Workload) -> dict[str, Any]:
 def _timed(collector: Any, weights: dict, w: Workload, mode: str) -> dict[str, Any]:
     collector.next()
     collector.update_policy_weights_(weights)
-    before = collector.sampling_counts
     start = time.perf_counter()
     batches = []
     for _ in range(w.num_batches):
         batches.append(collector.next())
         collector.update_policy_weights_(weights)
     wall_s = time.perf_counter() - start
-    after = collector.sampling_counts
+    # the whole sample's counts: a window's would set tokens delivered in it against tokens generated
+    # in it, while a batch's groups started before it
+    counts = None if collector.sampling_counts is None else collector.sampling_counts.to_state()
     turns = [turn for batch in batches for turn in flatten_turns(batch)]
-    counts = None if after is None else after.minus(before).to_state()
     return {"mode": mode, "wall_s": wall_s, "turns": len(turns), "useful_turns": _useful_turns(turns),
             "tokens_delivered": sum(int(t[keys.TOKENS_RESPONSE].numel()) for t in turns), "counts": counts}
 
@@ -195,6 +195,7 @@ def summary(samples: list[dict[str, Any]]) -> dict[str, Any]:
         "turns_per_s": round(statistics.median(s["turns"] / s["wall_s"] for s in samples), 2),
         "useful_share": round(sum(s["useful_turns"] for s in samples) / max(1, sum(s["turns"] for s in samples)), 3),
         "turns_timed": [s["turns"] for s in samples],
+        "tokens_delivered_timed": sum(s["tokens_delivered"] for s in samples),
     }
     counts = [s["counts"] for s in samples if s["counts"] is not None]
     if counts:
@@ -208,13 +209,11 @@ def summary(samples: list[dict[str, Any]]) -> dict[str, Any]:
             "groups_dropped": dict(total.groups_dropped), "kept_share": total.kept_share,
             "tokens_generated": total.tokens_generated, "tokens_delivered": total.tokens_delivered,
         }
-    else:
-        fields["tokens_delivered"] = sum(s["tokens_delivered"] for s in samples)
     return fields
 
 
 def ratio_row(name: str, this: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, Any]:
-    ratios = [a["useful_turns"] / a["wall_s"] / max(1e-9, b["useful_turns"] / b["wall_s"]) for a, b in zip(this, base)]
+    ratios = [a["useful_turns"] / a["wall_s"] / max(1e-9, b["useful_turns"] / b["wall_s"]) for a, b in zip(this, base, strict=True)]
     value, fields = statistics.median(ratios), summary(this)
     counts = (f"; groups kept {fields['groups_kept']} of {fields['groups_generated']}, tokens delivered "
               f"{fields['tokens_delivered']} of {fields['tokens_generated']}") if "groups_kept" in fields else ""
