@@ -59,6 +59,7 @@ from lmcollect.cli.report import (
     decoded_turn_records,
     make_run_dir,
     plot_training,
+    sampling_rows,
     summary_table,
     write_summary,
 )
@@ -598,32 +599,6 @@ def _push_kind(summary: dict[str, Any]) -> str:
     return f" (LoRA rank {rank})" if kind == "lora" else f" ({kind})"
 
 
-def _sampling_rows(sampling: dict[str, Any]) -> list[tuple[str, str]]:
-    """Groups kept and dropped, the kept share early and late, tokens delivered of those generated."""
-    counts = sampling["counts"]
-    if not sampling["on"] or counts is None:
-        return [("dynamic sampling", f"off ({sampling['mode']})")]
-    total = SamplingCounts.from_state(counts)
-    share = sampling["kept_share"]
-    delivered = total.tokens_delivered / total.tokens_generated if total.tokens_generated else None
-    return [
-        (
-            "groups kept in batches / generated (dropped)",
-            f"{total.groups_kept} / {total.groups_generated} ({total.dropped}: "
-            + ", ".join(f"{reason} {n}" for reason, n in total.groups_dropped.items())
-            + ")",
-        ),
-        (
-            "kept share of groups, first / last 10 steps",
-            f"{_fmt(share['first_10_steps'], '.2f')} / {_fmt(share['last_10_steps'], '.2f')}",
-        ),
-        (
-            "tokens delivered / generated",
-            f"{total.tokens_delivered} / {total.tokens_generated} ({_fmt(delivered, '.0%')})",
-        ),
-    ]
-
-
 def _table_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     reward, train = summary["reward"], summary["train_reward"]
     push, pushed, staleness = summary["weight_push_s"], summary["weight_push_bytes"], summary["staleness"]
@@ -641,7 +616,7 @@ def _table_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
             f"{_fmt_bytes(pushed['initial'])} / {_fmt_bytes(pushed['per_step'])}{_push_kind(summary)}",
         ),
         ("staleness in versions (mean / max)", f"{_fmt(staleness['mean'], '.2f')} / {_fmt(staleness['max'], '.0f')}"),
-        *_sampling_rows(summary["dynamic_sampling"]),
+        *sampling_rows(summary["dynamic_sampling"]),
         (
             "warm-up s / RL s / total s",
             " / ".join(_fmt(summary["timings_s"].get(k), ".0f") for k in ("warmup", "rl", "total")),

@@ -29,6 +29,8 @@ UNIFORM_REWARDS = "uniform_rewards"
 """Drop reason of :func:`drop_uniform_rewards`."""
 FILTERED = "filtered"
 """Drop reason when a filter returns False instead of a reason."""
+FILTER_ERROR = "filter_error"
+"""Drop reason of the group whose filter call raised (the error then ends collection)."""
 
 
 @runtime_checkable
@@ -246,16 +248,24 @@ class GroupTally:
         self.last_batch = SamplingCounts()
         self._at_last_batch = SamplingCounts()
         self.consecutive_drops = 0
-        self.failure: str | None = None
+        self.failure: Exception | None = None
 
     def generated(self, td: TensorDictBase) -> None:
         """A turn finished (whatever becomes of its group)."""
         self._add(tokens_generated=response_tokens(td))
 
     def judge(self, turns: Sequence[tuple[int, TensorDictBase]]) -> str | None:
-        """The filter's decision on a complete group: None (kept) or the drop reason; counted."""
-        verdict = self.sampling.group_filter(group_rewards(turns))
-        reason = _reason_of(verdict, self.sampling.group_filter)
+        """The filter's decision on a complete group: None (kept) or the drop reason; counted.
+
+        The filter is the user's code and runs where no caller would see its error (a dialog task of
+        the continuous collector): an error drops the group and ends collection, raised by
+        :meth:`raise_if_failed`."""
+        try:
+            reason = _reason_of(self.sampling.group_filter(group_rewards(turns)), self.sampling.group_filter)
+        except Exception as exc:  # designed: surfaced by raise_if_failed (the consumer's next())
+            exc.add_note(f"raised by the group filter {self.sampling.group_filter!r} of dynamic_sampling")
+            self.failure = self.failure or exc
+            reason = FILTER_ERROR
         self._add(groups_generated=1)
         if reason is None:
             self.consecutive_drops = 0
@@ -263,7 +273,7 @@ class GroupTally:
         self._drop(reason)
         self.consecutive_drops += 1
         if self.consecutive_drops >= self.sampling.max_consecutive_drops and self.failure is None:
-            self.failure = self._failure_message()
+            self.failure = RuntimeError(self._failure_message())
         return reason
 
     def drop_stale(self) -> None:
@@ -278,9 +288,9 @@ class GroupTally:
             self._at_last_batch = self.total
 
     def raise_if_failed(self) -> None:
-        """The error that ends collection once the filter dropped too many groups in a row."""
+        """The error that ends collection: the filter dropped too many groups in a row, or raised."""
         if self.failure is not None:
-            raise RuntimeError(self.failure)
+            raise self.failure
 
     def _add(self, **numbers: int) -> None:
         self.total = dataclasses.replace(self.total, **{k: getattr(self.total, k) + v for k, v in numbers.items()})

@@ -243,9 +243,9 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin, R
             # a pause waits outside the lock: a paused collector can be checkpointed, reseeded, reset
             self._wait_if_paused()
             with self._lock:  # one turn at a time (iterator vs start() thread vs control calls)
-                if self._gate.ready() if self._gate is not None else self._batcher.ready():
+                if self._batch_ready():
                     self._halt()
-                    batch = self._gate.pop() if self._gate is not None else self._pop_batcher()
+                    batch = self._pop_batch()
                     self._batches += 1
                     self._turns_yielded += batch.batch_size.numel()
                     break
@@ -256,8 +256,13 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin, R
                 logger.info("batch %d: %s", self._batches, self._gate.tally.last_batch)
         return self.postproc(batch) if self.postproc is not None else batch
 
-    def _pop_batcher(self) -> TensorDictBase:
-        return self._batcher.pop(take_all=self._last_batch_due())
+    def _batch_ready(self) -> bool:
+        """Whether a batch may leave (with dynamic sampling: G kept groups wait; the gate raises once
+        its filter has dropped too many groups in a row)."""
+        return self._gate.ready() if self._gate is not None else self._batcher.ready()
+
+    def _pop_batch(self) -> TensorDictBase:
+        return self._gate.pop() if self._gate is not None else self._batcher.pop(take_all=self._last_batch_due())
 
     def _collect_output(self) -> TensorDictBase | None:
         """The next batch after ``postproc``; a postproc may hold a whole batch back (return None),

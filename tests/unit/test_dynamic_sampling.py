@@ -284,11 +284,22 @@ def test_settings_are_checked_naming_the_knob() -> None:
         lockstep(dynamic_sampling=3)
 
 
-def test_a_filter_returning_something_else_is_named() -> None:
-    collector = lockstep(dynamic_sampling=lambda rewards: 0.5)
+@pytest.mark.parametrize("make", [continuous, lockstep], ids=["continuous", "lockstep"])
+def test_a_filter_that_fails_or_returns_something_else_ends_collection_naming_it(make) -> None:
+    collector = make(dynamic_sampling=lambda rewards: 0.5)
     with pytest.raises(TypeError, match=r"returned 0\.5"):
         collector.next()
     collector.shutdown()
+    assert collector.sampling_counts.groups_dropped.get("filter_error", 0) >= 1
+
+    def crashes(rewards):
+        raise ZeroDivisionError("the filter's own bug")
+
+    collector = make(dynamic_sampling=crashes)
+    with pytest.raises(ZeroDivisionError, match="the filter's own bug") as raised:
+        collector.next()
+    collector.shutdown()
+    assert any("crashes" in note for note in raised.value.__notes__)
 
 
 def test_shipped_filters_and_counts() -> None:
@@ -306,14 +317,14 @@ def test_shipped_filters_and_counts() -> None:
 
 
 def test_the_demo_summary_shows_kept_and_dropped_groups_and_tokens() -> None:
-    from lmcollect.cli.demo import _sampling_rows
+    from lmcollect.cli.report import sampling_rows
 
     counts = SamplingCounts(groups_generated=10, groups_kept=6, groups_dropped={UNIFORM_REWARDS: 3},
                             tokens_generated=400, tokens_delivered=240)
     on = {"mode": "auto", "on": True, "counts": counts.to_state(),
           "kept_share": {"first_10_steps": 0.9, "last_10_steps": 0.4}}
-    rows = dict(_sampling_rows(on))
+    rows = dict(sampling_rows(on))
     assert rows["groups kept in batches / generated (dropped)"] == "6 / 10 (3: uniform_rewards 3)"
     assert rows["kept share of groups, first / last 10 steps"] == "0.90 / 0.40"
     assert rows["tokens delivered / generated"] == "240 / 400 (60%)"
-    assert _sampling_rows({**on, "on": False, "counts": None}) == [("dynamic sampling", "off (auto)")]
+    assert sampling_rows({**on, "on": False, "counts": None}) == [("dynamic sampling", "off (auto)")]
