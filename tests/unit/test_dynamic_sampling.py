@@ -328,3 +328,32 @@ def test_the_demo_summary_shows_kept_and_dropped_groups_and_tokens() -> None:
     assert rows["kept share of groups, first / last 10 steps"] == "0.90 / 0.40"
     assert rows["tokens delivered / generated"] == "240 / 400 (60%)"
     assert sampling_rows({**on, "on": False, "counts": None}) == [("dynamic sampling", "off (auto)")]
+
+
+def test_lockstep_multi_turn_groups_leave_whole_also_after_a_reset_cuts_some() -> None:
+    from lmcollect.envs import ToolCalcTask, tool_calc_dataset, tool_calc_player
+    from tests.factories import EveryOtherGroup
+
+    tool_env = ChatEnv(tool_calc_dataset(64, seed=0), task=ToolCalcTask(max_latency_s=0.0), batch_size=2 * K,
+                       repeats=K, max_turns=5, seed=0)
+    collector = LLMCollector(tool_env, policy=ScriptedPolicy(tool_calc_player), dialog_turns_per_batch=2 * K,
+                             dynamic_sampling=EveryOtherGroup())
+    batches = [collector.next() for _ in range(2)]
+    collector.reset([0])  # cuts the dialog of slot 0: its group (and every other one under way) is dropped
+    batches += [collector.next() for _ in range(2)]
+    collector.shutdown()
+    seen: set[int] = set()
+    for batch in batches:
+        groups = groups_of(flatten_turns(batch))
+        assert len(groups) == 2 and not seen & set(groups)
+        seen |= set(groups)
+        for members in groups.values():
+            dialogs = defaultdict(list)
+            for turn in members:
+                dialogs[int(turn[keys.TRAJ_IDS])].append(turn)
+            assert len(dialogs) == K
+            for dialog in dialogs.values():
+                assert [int(t[keys.STEP_COUNT]) for t in dialog] == list(range(len(dialog)))
+                assert bool(dialog[-1][keys.NEXT_DONE].any()) and len(dialog) > 1
+    counts = collector.sampling_counts
+    assert counts.groups_kept == 8 and counts.groups_dropped["every_other"] >= 7
