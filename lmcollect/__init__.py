@@ -17,7 +17,15 @@ def _names(module: str, *names: str) -> dict[str, str]:
 
 _EXPORTS = {
     **_names("lmcollect.data", "History", "Message", "keys"),
-    **_names("lmcollect.collectors", "LLMCollector", "ContinuousLLMCollector", "PolicyVersion"),
+    **_names(
+        "lmcollect.collectors",
+        "LLMCollector",
+        "ContinuousLLMCollector",
+        "PolicyVersion",
+        "DynamicSampling",
+        "drop_uniform_rewards",
+        "keep_mean_reward_in",
+    ),
     **_names("lmcollect.buffers", "ReplayBuffer"),
     **_names("lmcollect.envs", "ChatEnv", "ChatEnvConfig", "AsyncEnvPool", "PromptDataset"),
     **_names("lmcollect.policies", "TransformersPolicy", "SamplingConfig"),

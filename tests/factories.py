@@ -217,6 +217,18 @@ def make_group_tool_env():
     return ChatEnv(tool_calc_dataset(64, seed=0), task=task, batch_size=4, repeats=4, max_turns=5, seed=0)
 
 
+class EveryOtherGroup:
+    """A group filter keeping the 1st, 3rd, 5th... group it judges and dropping the others as "every_other"
+    (a deterministic share of drops whatever the rewards; picklable, so it travels into a collector's actor)."""
+
+    def __init__(self) -> None:
+        self.judged = 0
+
+    def __call__(self, rewards):
+        self.judged += 1
+        return None if self.judged % 2 else "every_other"
+
+
 def make_tool_engine():
     """A scripted engine playing the tool task right (no model; log-probs reveal the pushed tag)."""
     from lmcollect.testing.scripted_engine import ScriptedEngine, chat_script

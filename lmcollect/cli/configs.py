@@ -73,6 +73,10 @@ class DemoConfig:
     """AdamW learning rate of the GRPO steps with --lora-rank > 0 (LoRA wants a larger one than --lr)."""
     clip_epsilon: float = 0.2
     """PPO clip range of the importance ratio between the trained and the collecting weights."""
+    dynamic_sampling: Literal["auto", "on", "off"] = "auto"
+    """Drop groups whose answers all got the same reward (they teach nothing) and refill the batches
+    (DAPO's dynamic sampling). auto: on when the mean reward before RL is between 0.05 and 0.95 (at 0
+    or 1 nearly every group would be dropped)."""
     warmup_steps: int = 150
     """Supervised warm-up steps before RL (0: none); on format-only answers where the task has them."""
     warmup_batch_size: int = 64

@@ -16,6 +16,11 @@ and every later push sends only the adapter, which their engines merge into that
 Collectors compute each turn's advantage when they write it (a batch holds whole groups), and go
 on collecting while the driver trains: collection overlaps training, and the importance ratio
 against the log-probs recorded at collection corrects for turns a version or two old.
+
+Dynamic sampling (``--dynamic-sampling``, on by default when the warmed-up policy solves some prompts
+and not all): groups whose answers all got the same reward never reach the buffer, and the
+collectors generate others in their place. Each step logs the share of groups kept since the step
+before (``sampling/kept_share``): it falls as the policy learns to solve whole groups.
 """
 
 from __future__ import annotations
@@ -54,10 +59,12 @@ from lmcollect.cli.report import (
     decoded_turn_records,
     make_run_dir,
     plot_training,
+    sampling_rows,
     summary_table,
     write_summary,
 )
 from lmcollect.cli.weight_push import WeightPusher
+from lmcollect.collectors import DynamicSampling, SamplingCounts, drop_uniform_rewards
 from lmcollect.engines.kv_policy import PushCost
 from lmcollect.envs import ShippedTask
 from lmcollect.loggers import JsonlLogger, MissingLoggerPackage, MultiLogger, check_available, make_logger
@@ -81,6 +88,9 @@ WAIT_TIMEOUT_S = 120.0
 HEALTH_CHECK_S = 2.0
 REPORT_STEPS = 4
 """The rollout report (rollouts.html) shows the turns of the last this many training steps."""
+AUTO_SAMPLING_REWARDS = (0.05, 0.95)
+"""``--dynamic-sampling auto`` turns it on when the mean reward before RL lies in this range: outside
+it, nearly every group's answers all get the same reward and would be dropped."""
 
 
 def run_demo(config: DemoConfig) -> int:
@@ -183,14 +193,14 @@ class DemoRun:
         self.pushes: dict[str, PushStats | None] = {"initial": None, "last": None}  # version 1, the latest
         self.push_costs: list[PushCost] = []  # what the pushes cost every collector's engine (read at shutdown)
         self.files: dict[str, str | None] = {"metrics": METRICS_FILE, "plot": None, "report": None}
+        self.sampling_on = False  # dynamic sampling, decided once the warmed-up policy is scored
+        self.sampling_total: SamplingCounts | None = None  # every collector's counts, at the last look
 
     def run(self) -> dict[str, Any]:
         """All phases; Ctrl-C stops them, and the collectors are shut down in any case."""
         started = time.perf_counter()
         try:
             self.buffer = RayReplayBuffer(capacity=8 * self.config.turns_per_step, seed=self.config.seed)
-            self.group = self._build_collectors()
-            self.timings_s["setup"] = time.perf_counter() - started
             self._run_phases()
         except KeyboardInterrupt:
             self.interrupted = True
@@ -243,7 +253,9 @@ class DemoRun:
         self.console.print(
             f"mean reward {self.rewards['initial']:.3f} at init, {self.rewards['before_rl']:.3f} before RL"
         )
-        assert self.group is not None, "run() builds the collectors first"
+        self.sampling_on = self._dynamic_sampling_on()
+        self._timed("setup", self._start_collectors)  # the filter depends on the policy's reward before RL
+        assert self.group is not None, "_start_collectors() builds them"
         push_weights = WeightPusher(list(self.group), self.config.backend)
         self.pushes["initial"] = push_weights(self.model)  # version 1: the warmed-up weights, in full
         self.version = 1
@@ -295,6 +307,7 @@ class DemoRun:
                 with clock.lap("timing/weight_sync/push_s"):
                     pushed = self.pushes["last"] = push_weights(trained)
                 self.version += 1
+                sampled = self._sampling_since_last_step()
                 record = {
                     "step": step,
                     "time_s": time.perf_counter() - start,
@@ -305,6 +318,7 @@ class DemoRun:
                     **metrics,
                     **clock.laps,
                     **({"weight_sync/push_bytes": pushed.nbytes} if pushed is not None else {}),
+                    **sampled,
                 }
                 self.logger.log({k: v for k, v in record.items() if k != "step"}, step=step)
                 progress.update(record)
@@ -333,7 +347,50 @@ class DemoRun:
                 raise RuntimeError(f"no {target} buffer writes after {WAIT_TIMEOUT_S:.0f} s; are the collectors stuck?")
             time.sleep(0.01)
 
+    # ------------------------------------------------------------------ dynamic sampling
+    def _dynamic_sampling_on(self) -> bool:
+        mode, reward = self.config.dynamic_sampling, self.rewards["before_rl"]
+        low, high = AUTO_SAMPLING_REWARDS
+        on = mode == "on" or (mode == "auto" and low <= reward <= high)
+        if on:
+            self.console.print(
+                "dynamic sampling: groups whose answers all got the same reward are dropped, others generated instead"
+            )
+        elif mode == "auto":
+            self.console.print(
+                f"dynamic sampling off: the mean reward before RL, {reward:.3f}, is outside [{low}, {high}] "
+                "(nearly every group would be dropped); --dynamic-sampling on forces it"
+            )
+        return on
+
+    def _sampling_since_last_step(self) -> dict[str, float]:
+        """Dynamic sampling's counts since the step before, summed over the collectors (logger keys)."""
+        if not self.sampling_on:
+            return {}
+        assert self.group is not None, "_start_collectors() builds them"
+        total = self.group.sampling_counts()
+        if total is None:
+            return {}
+        since = total.minus(self.sampling_total or SamplingCounts())
+        self.sampling_total = total
+        return since.as_metrics()
+
+    def _sampling_summary(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        total = self.sampling_total
+        return {
+            "mode": self.config.dynamic_sampling,
+            "on": self.sampling_on,
+            "counts": None if total is None else total.to_state(),
+            "kept_share": {
+                "first_10_steps": _mean_where(records[:10], "sampling/kept_share"),
+                "last_10_steps": _mean_where(records[-10:], "sampling/kept_share"),
+            },
+        }
+
     # ------------------------------------------------------------------ pieces
+    def _start_collectors(self) -> None:
+        self.group = self._build_collectors()
+
     def _build_collectors(self) -> RayCollectorGroup:
         config = self.config
         sampling = SamplingConfig(max_new_tokens=config.max_new_tokens, temperature=config.temperature)
@@ -355,6 +412,7 @@ class DemoRun:
             dialog_turns_per_batch=config.turns_per_batch,
             # complete groups only (group ids are unique across both collectors); incomplete ones wait
             postproc=GroupAdvantage(group_size=config.group_size, keep_keys=LEARNER_KEYS),
+            dynamic_sampling=DynamicSampling(group_filter=drop_uniform_rewards()) if self.sampling_on else None,
             track_policy_version=True,
             remote_config=remote_config,
             num_cpus=config.cpus_per_collector,
@@ -407,6 +465,8 @@ class DemoRun:
         if self.group is not None:
             versions = [_policy_version_or_none(c) for c in self.group]
             self.push_costs = [cost for c in self.group for cost in _push_costs_or_none(c)]
+            if self.sampling_on:
+                self.sampling_total = _sampling_counts_or(self.group, self.sampling_total)
             self.group.shutdown()
             collectors = [
                 {"policy_version": v, "shut_down": not c.is_initialized()}
@@ -439,6 +499,7 @@ class DemoRun:
             "weight_push_bytes": _push_bytes(self.pushes),
             "staleness": {"mean": _mean(records, "staleness/mean"), "max": _max(records, "staleness/max")},
             "push_cost": _push_cost(self.push_costs),
+            "dynamic_sampling": self._sampling_summary(records),
             "timings_s": self.timings_s,
             "collectors": collectors,
             "files": {**self.files, "logger": LOGGER_DIRS.get(self.config.logger)},
@@ -525,6 +586,19 @@ def _policy_version_or_none(collector: Any) -> int | None:
         return None
 
 
+def _sampling_counts_or(group: RayCollectorGroup, last: SamplingCounts | None) -> SamplingCounts | None:
+    try:
+        return group.sampling_counts()
+    except Exception:  # designed: a dead collector reports nothing; the summary keeps the last counts read
+        logger.exception("could not read the collectors' dynamic sampling counts")
+        return last
+
+
+def _mean_where(records: list[dict[str, Any]], key: str) -> float | None:
+    """The mean of ``key`` over the records that have it (a step in which no group was judged has none)."""
+    return _mean([r for r in records if key in r], key)
+
+
 def _mean(records: list[dict[str, Any]], key: str) -> float | None:
     return sum(r[key] for r in records) / len(records) if records else None
 
@@ -569,6 +643,7 @@ def _table_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
             f"{_fmt_bytes(pushed['initial'])} / {_fmt_bytes(pushed['per_step'])}{_push_kind(summary)}",
         ),
         ("staleness in versions (mean / max)", f"{_fmt(staleness['mean'], '.2f')} / {_fmt(staleness['max'], '.0f')}"),
+        *sampling_rows(summary["dynamic_sampling"]),
         (
             "push cost per engine: load s / tokens prefilled again / their s",
             f"{_fmt(cost['call_s'])} / {_fmt(cost['recomputed_tokens'], '.0f')} / {_fmt(cost['recompute_s'])}"

@@ -20,6 +20,7 @@ STATUS_COLUMNS = (
     ("turns/s", "collect/turns_per_s", "{:.0f}"),
     ("push s", "timing/weight_sync/push_s", "{:.3f}"),
     ("staleness", "staleness/mean", "{:.2f}"),
+    ("kept", "sampling/kept_share", "{:.2f}"),
 )
 """(header, metric key, format) of the live table under the bar."""
 

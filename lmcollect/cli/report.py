@@ -11,6 +11,7 @@ from typing import Any
 from rich.table import Table
 from tensordict import TensorDictBase
 
+from lmcollect.collectors.group_filter import SamplingCounts
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
 from lmcollect.envs import PROMPT_ID
@@ -60,11 +61,13 @@ def plot_training(records: Sequence[Mapping[str, Any]], path: Path) -> Path | No
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in records]
-    panels = (
+    panels = [
         ("reward/mean", "mean reward of the batch", True),
         ("collect/turns_per_s", "turns collected / s", False),
         ("timing/weight_sync/push_s", "weight push (s)", False),
-    )
+    ]
+    if all("sampling/kept_share" in r for r in records):  # dynamic sampling: the share of groups kept
+        panels.append(("sampling/kept_share", "groups kept (share)", True))
     fig, axes = plt.subplots(len(panels), 1, figsize=(7, 8), sharex=True)
     for ax, (key, label, smooth) in zip(axes, panels, strict=True):
         values = [float(r[key]) for r in records]
@@ -121,3 +124,34 @@ def decoded_turn_records(batches: Iterable[TensorDictBase], tokenizer: Any) -> l
                 "group_id": int(turn.get(keys.GROUP_ID, -1)),
             }
     return list(records.values())
+
+
+def sampling_rows(sampling: dict[str, Any]) -> list[tuple[str, str]]:
+    """The demo summary's dynamic sampling rows: groups kept and dropped, the kept share early and late,
+    tokens delivered of those generated (``sampling``: summary.json's ``dynamic_sampling``)."""
+    counts = sampling["counts"]
+    if not sampling["on"] or counts is None:
+        return [("dynamic sampling", f"off ({sampling['mode']})")]
+    total = SamplingCounts.from_state(counts)
+    share = sampling["kept_share"]
+    delivered = total.tokens_delivered / total.tokens_generated if total.tokens_generated else None
+    return [
+        (
+            "groups kept in batches / generated (dropped)",
+            f"{total.groups_kept} / {total.groups_generated} ({total.dropped}: "
+            + ", ".join(f"{reason} {n}" for reason, n in total.groups_dropped.items())
+            + ")",
+        ),
+        (
+            "kept share of groups, first / last 10 steps",
+            f"{_fmt_value(share['first_10_steps'], '.2f')} / {_fmt_value(share['last_10_steps'], '.2f')}",
+        ),
+        (
+            "tokens delivered / generated",
+            f"{total.tokens_delivered} / {total.tokens_generated} ({_fmt_value(delivered, '.0%')})",
+        ),
+    ]
+
+
+def _fmt_value(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)

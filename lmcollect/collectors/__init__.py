@@ -2,7 +2,24 @@
 
 from lmcollect.collectors.config import CollectionConfig
 from lmcollect.collectors.continuous import ContinuousLLMCollector
+from lmcollect.collectors.group_filter import (
+    DynamicSampling,
+    GroupFilter,
+    SamplingCounts,
+    drop_uniform_rewards,
+    keep_mean_reward_in,
+)
 from lmcollect.collectors.llm_collector import LLMCollector
 from lmcollect.collectors.versioning import PolicyVersion
 
-__all__ = ["CollectionConfig", "ContinuousLLMCollector", "LLMCollector", "PolicyVersion"]
+__all__ = [
+    "CollectionConfig",
+    "ContinuousLLMCollector",
+    "DynamicSampling",
+    "GroupFilter",
+    "LLMCollector",
+    "PolicyVersion",
+    "SamplingCounts",
+    "drop_uniform_rewards",
+    "keep_mean_reward_in",
+]

@@ -178,6 +178,8 @@ _READABLE = {
     "turns_run",
     "turns_yielded",
     "num_buffered_turns",
+    "sampling_counts",
+    "last_batch_counts",
     "policy_version",
     "worker_idx",
     "weight_updater",

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 from tensordict import TensorDictBase
 
 from lmcollect.collectors.batcher import BatchMode
+from lmcollect.collectors.group_filter import DynamicSampling, GroupFilter, as_dynamic_sampling
 from lmcollect.collectors.versioning import PolicyVersion
 from lmcollect.plumbing import forwarded
 
@@ -43,6 +44,10 @@ class CollectionConfig:
     """True (int versions) or a :class:`PolicyVersion`."""
     verbose: bool = False
     """Log progress at INFO level."""
+    dynamic_sampling: DynamicSampling | GroupFilter | None = None
+    """Drop complete GRPO groups a filter rejects and refill batches with new ones (DAPO's dynamic
+    sampling; envs with groups only): a :class:`~lmcollect.collectors.group_filter.DynamicSampling`,
+    or a bare filter such as ``drop_uniform_rewards()`` (its defaults). Counted in ``sampling_counts``."""
     mode: BatchMode = field(init=False)
     """Derived: ``"steps"``, ``"trajectories"`` or ``"last_steps"``."""
     flatten: bool = field(init=False)
@@ -58,6 +63,7 @@ class CollectionConfig:
         )
         object.__setattr__(self, "mode", mode)
         object.__setattr__(self, "flatten", flatten)
+        object.__setattr__(self, "dynamic_sampling", as_dynamic_sampling(self.dynamic_sampling))
 
     def arguments(self) -> dict[str, Any]:
         """The fields as constructor keyword arguments."""

@@ -14,6 +14,7 @@ from lmcollect.collectors.common import CollectorVersionMixin
 from lmcollect.collectors.config import CollectionConfig, collection_config, takes_collection_config
 from lmcollect.collectors.continuous_state import ContinuousStateMixin
 from lmcollect.collectors.dialog_tasks import DialogTasks, EngineSide, Slot
+from lmcollect.collectors.group_filter import GroupTally, ReportsSamplingCounts, as_dynamic_sampling
 from lmcollect.collectors.group_flow import GroupFlow
 from lmcollect.collectors.llm_collector import instantiate_env
 from lmcollect.collectors.shell import CollectorShell
@@ -33,7 +34,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_DIALOGS_IN_FLIGHT = 8
 
 
-class ContinuousLLMCollector(CollectorShell, CollectorVersionMixin, ContinuousStateMixin, WeightReceiverMixin):
+class ContinuousLLMCollector(
+    CollectorShell, CollectorVersionMixin, ContinuousStateMixin, WeightReceiverMixin, ReportsSamplingCounts
+):
     """Collects dialog turns with every dialog as its own task: no barrier between dialogs.
 
     Each env slot runs one dialog at a time on a background asyncio loop: build the turn's
@@ -109,6 +112,9 @@ class ContinuousLLMCollector(CollectorShell, CollectorVersionMixin, ContinuousSt
             ``("collector", "kv_versions")`` the oldest version that computed its context). The engine
             takes it (``TransformersEngine``, ``VLLMEngine``, routers and Ray engines over them); one
             that cannot keep refuses ``"keep"``. :meth:`push_costs` says what each push cost.
+        dynamic_sampling: with GRPO groups, drop the complete groups a filter rejects and admit
+            others in their place (see :mod:`lmcollect.collectors.group_flow`); counts in
+            :attr:`sampling_counts` and :attr:`last_batch_counts`.
 
     Example::
 
@@ -192,6 +198,9 @@ class ContinuousLLMCollector(CollectorShell, CollectorVersionMixin, ContinuousSt
     )
     num_in_flight = forwarded("_flow.num_in_flight", "Turns started and not finished.")
 
+    def _sampling_tally(self) -> GroupTally | None:
+        return self._flow.tally
+
     # ------------------------------------------------------------------ iteration
     def _finished(self) -> bool:
         """The turn budget is spent and no batch is left to take."""
@@ -235,6 +244,8 @@ class ContinuousLLMCollector(CollectorShell, CollectorVersionMixin, ContinuousSt
             self._batches += 1
             if self.verbose:
                 logger.info("batch %d: %d turns run of %s", self._batches, self.turns_run, self.total_dialog_turns)
+                if self._flow.tally is not None:
+                    logger.info("batch %d: %s", self._batches, self._flow.tally.last_batch)
         return batch
 
     def _postprocess(self, batch: TensorDictBase) -> TensorDictBase | None:
@@ -357,6 +368,11 @@ def _flow(
     """The admission and release rules: per turn, or per GRPO group when the envs declare groups."""
     max_turns = None if config.total_dialog_turns == -1 else config.total_dialog_turns
     if group_size == 1:
+        if config.dynamic_sampling is not None:
+            raise ValueError(
+                "dynamic_sampling filters whole GRPO groups, but the envs have none (group_size=1); build them "
+                "with repeats, e.g. ChatEnv(..., repeats=4, batch_size=4), or drop dynamic_sampling."
+            )
         return TurnFlow(
             mode=config.mode,
             num_slots=num_slots,
@@ -380,6 +396,7 @@ def _flow(
         max_policy_lag=max_policy_lag,
         max_turns=max_turns,
         base_version=base_version,
+        sampling=as_dynamic_sampling(config.dynamic_sampling),  # typed: the config holds it normalised already
     )
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from lmcollect.collectors.config import CollectionConfig
 from lmcollect.collectors.dialog_tasks import DialogTasks
+from lmcollect.collectors.group_filter import missing_filter_state
 from lmcollect.collectors.group_flow import GroupFlow
 from lmcollect.collectors.llm_collector import state_of
 from lmcollect.collectors.trajectories import TrajectoryTracker
@@ -124,6 +125,8 @@ class ContinuousStateMixin:
         ]
         if wrong:
             raise ValueError("this state comes from a collector with another configuration: " + "; ".join(wrong) + ".")
+        if ("sampling" in state_dict["pending_turns"]) != (self._flow.tally is not None):
+            raise missing_filter_state("ContinuousLLMCollector")
         version = state_dict.get("policy_version")
         pushed = None if version is None else PushVersion(int(version["index"]), str(version["uuid"]))
         if state_dict.get("policy_state_dict") is not None:

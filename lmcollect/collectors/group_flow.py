@@ -22,6 +22,14 @@ So ``max_policy_lag`` holds per group: a group admitted under version ``s`` leav
 released while the collector holds at most ``s + L`` (and each turn's own version is ``>= s``).
 A dialog that fails, or that ``reset()`` / ``set_seed()`` cuts, leaves its group: the group then
 completes with one answer fewer, and the cut dialog's turns are dropped (logged by the caller).
+
+**Dynamic sampling** (``sampling``, see :mod:`~lmcollect.collectors.group_filter`). A complete group
+goes through the filter; a dropped group is forgotten and no longer counts as admitted, so another
+group takes its place under the same rules (the refill), and a batch still holds ``G`` kept groups.
+``oversample_groups=N`` raises both admission limits by ``N`` groups; with ``max_policy_lag`` a
+batch may then leave even though up to ``N`` groups left behind would miss their deadline, and a
+kept group whose deadline has passed (``version + L`` below the collector's version) is dropped as
+``"stale"``: no kept group ever leaves later than the bound.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from dataclasses import dataclass, field
 from tensordict import TensorDictBase
 
 from lmcollect.collectors.batcher import CollectedTurn, turn_state
+from lmcollect.collectors.group_filter import DynamicSampling, GroupTally, missing_filter_state
 from lmcollect.collectors.turn_flow import deadlines_met, lag_admits, take_oldest
 from lmcollect.data.turns import stack_turns
 
@@ -61,6 +70,7 @@ class GroupFlow:
         max_policy_lag: ``L``, or None for no lag bound.
         max_turns: dialogs to start in the collector's life (None: endless), rounded up to whole batches.
         base_version: the version index when the flow began.
+        sampling: dynamic sampling (filter complete groups, refill, over-sample), or None.
     """
 
     mode = "steps"
@@ -74,6 +84,7 @@ class GroupFlow:
         max_policy_lag: int | None,
         max_turns: int | None,
         base_version: int = 0,
+        sampling: DynamicSampling | None = None,
     ) -> None:
         self.group_size = group_size
         self.turns_per_batch = turns_per_batch
@@ -83,7 +94,7 @@ class GroupFlow:
         per_batch = self.groups_per_batch * group_size
         self.max_groups = None if max_turns is None else math.ceil(max_turns / per_batch) * self.groups_per_batch
         self.base_version = base_version
-        self.num_started = 0  # groups admitted
+        self.num_started = 0  # groups admitted (and not dropped by the group filter)
         self.num_consumed = 0  # turns that left in batches
         self.num_batches = 0
         self.num_dialogs_running = 0
@@ -94,6 +105,8 @@ class GroupFlow:
         self._num_in_flight = 0  # turns (read from other threads: an int)
         self._slot_group: dict[int, int] = {}  # slot -> the group its current dialog answers
         self._missing: Counter[int] = Counter()  # groups not admitted yet -> dialogs cut before they began
+        self.tally = None if sampling is None else GroupTally(sampling)
+        self.oversample = 0 if sampling is None else sampling.oversample_groups
 
     # ------------------------------------------------------------------ counts
     @property
@@ -123,14 +136,14 @@ class GroupFlow:
     def may_start(self, *, new_dialog: bool, version_index: int, group: int | None = None) -> bool:
         if group in self._open or not new_dialog:
             return True  # a group under way always completes
-        if not self.budget_left():
+        if not self.budget_left() or (self.tally is not None and self.tally.failure is not None):
             return False
-        if len(self._open) + len(self._finished) >= self.capacity:
+        if len(self._open) + len(self._finished) >= self.capacity + self.oversample:
             return False
         return self._lag_admits(version_index)
 
     def _lag_admits(self, version_index: int) -> bool:
-        return lag_admits(self, version_index, self.groups_per_batch)
+        return lag_admits(self, version_index, self.groups_per_batch, self.oversample)
 
     def stalled(self, version_index: int) -> bool:
         """Nothing can move until a push: no group under way, no batch ready, no group admitted."""
@@ -146,7 +159,7 @@ class GroupFlow:
     def start_turn(self, version_index: int, *, new_dialog: bool, group: int | None = None) -> None:
         if group is None:
             raise ValueError("GroupFlow.start_turn needs the turn's group")
-        if self.num_started == 0 and self.num_batches == 0:
+        if self.num_dialogs_started == 0 and self.num_batches == 0:
             self.base_version = version_index  # as TurnFlow: versions pushed before collection do not count
         if group not in self._open:
             expected = self.group_size - self._missing.pop(group, 0)
@@ -165,6 +178,8 @@ class GroupFlow:
 
     def finish_turn(self, version_index: int, turn: CollectedTurn) -> None:
         self._num_in_flight -= 1
+        if self.tally is not None:
+            self.tally.generated(turn.td)
         group = self._slot_group[turn.slot]
         held = self._open[group]
         held.turns.append(turn)
@@ -195,19 +210,41 @@ class GroupFlow:
         if held.done < held.expected:
             return
         del self._open[group]
-        if held.turns:
-            self._finished.append((held.version, self._seq, held.turns))
-            self._seq += 1
+        if not held.turns:
+            return
+        if self.tally is not None and self.tally.judge([(t.traj_id, t.td) for t in held.turns]) is not None:
+            self.num_started -= 1  # dropped: it frees its admission place, a refill takes it
+            return
+        self._finished.append((held.version, self._seq, held.turns))
+        self._seq += 1
 
     # ------------------------------------------------------------------ release
     def ready(self, version_index: int) -> bool:
+        """Whether a batch may leave now (dynamic sampling: drops stale groups first, and raises once
+        the filter has dropped too many groups in a row)."""
+        if self.tally is not None:
+            self.tally.raise_if_failed()
+            self._drop_stale(version_index)
         if len(self._finished) < self.groups_per_batch:
             return False
         if self.max_policy_lag is None or not self._open:
             return True
         ordered = sorted(self._finished, key=lambda item: item[:2])
         left = [v for v, _, _ in ordered[self.groups_per_batch :]] + [g.version for g in self._open.values()]
-        return deadlines_met(left, version_index, self.max_policy_lag, self.groups_per_batch)
+        return deadlines_met(left, version_index, self.max_policy_lag, self.groups_per_batch, spare=self.oversample)
+
+    def _drop_stale(self, version_index: int) -> None:
+        """Drop the kept groups that a batch released now could no longer take (over-sampled ones)."""
+        if self.max_policy_lag is None or self.tally is None:
+            return
+        lag = self.max_policy_lag
+        stale = [item for item in self._finished if item[0] + lag < version_index]
+        if not stale:
+            return
+        self._finished = [item for item in self._finished if item[0] + lag >= version_index]
+        for _ in stale:
+            self.tally.drop_stale()
+            self.num_started -= 1  # its place goes to a refill, as a filtered group's does
 
     def pop(self, version_index: int) -> TensorDictBase:
         """The next batch: ``G`` whole groups, oldest admission first (call only when :meth:`ready`)."""
@@ -217,6 +254,8 @@ class GroupFlow:
         tds = [turn.td for _, _, turns in taken for turn in turns]
         self.num_consumed += len(tds)
         self.num_batches += 1
+        if self.tally is not None:
+            self.tally.delivered(tds, num_groups=len(taken), batch=True)
         return stack_turns(tds)
 
     def exhausted(self) -> bool:
@@ -228,6 +267,8 @@ class GroupFlow:
     def drain(self) -> TensorDictBase | None:
         """Every complete group not consumed yet, consumed now (completion order)."""
         tds = [turn.td for _, _, turns in sorted(self._finished, key=lambda item: item[1]) for turn in turns]
+        if self.tally is not None:
+            self.tally.delivered(tds, num_groups=len(self._finished), batch=False)
         self._finished = []
         self.num_consumed += len(tds)
         return stack_turns(tds) if tds else None
@@ -258,6 +299,7 @@ class GroupFlow:
             },
             "slot_group": {str(s): g for s, g in self._slot_group.items()},
             "missing": {str(g): n for g, n in self._missing.items()},
+            **({} if self.tally is None else {"sampling": self.tally.state_dict()}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -265,6 +307,8 @@ class GroupFlow:
             raise ValueError(
                 "this state holds turns without GRPO groups; restore it into a collector whose envs have no repeats."
             )
+        if ("sampling" in state) != (self.tally is not None):
+            raise missing_filter_state("ContinuousLLMCollector")
         for name in _COUNTERS:
             setattr(self, name, int(state[name]))
         self._finished = []
@@ -279,6 +323,8 @@ class GroupFlow:
         }
         self._slot_group = {int(s): int(g) for s, g in state["slot_group"].items()}
         self._missing = Counter({int(g): int(n) for g, n in state["missing"].items()})
+        if self.tally is not None:
+            self.tally.load_state_dict(state["sampling"])
 
 
 _COUNTERS = ("base_version", "num_started", "num_consumed", "num_batches", "num_dialogs_started")

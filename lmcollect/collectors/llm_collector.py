@@ -16,6 +16,13 @@ from lmcollect.collectors.batcher import Batcher
 from lmcollect.collectors.common import CollectorVersionMixin
 from lmcollect.collectors.config import collection_config, takes_collection_config
 from lmcollect.collectors.env_runner import EnvRunner
+from lmcollect.collectors.group_filter import (
+    GroupTally,
+    ReportsSamplingCounts,
+    as_dynamic_sampling,
+    missing_filter_state,
+)
+from lmcollect.collectors.group_gate import lockstep_gate
 from lmcollect.collectors.runners import AsyncRunners, SyncRunners
 from lmcollect.collectors.rwlock import ReadWriteLock
 from lmcollect.collectors.shell import CollectorShell
@@ -30,7 +37,7 @@ logger = logging.getLogger(__name__)
 Policy = Callable[[TensorDictBase], TensorDictBase]
 
 
-class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin):
+class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin, ReportsSamplingCounts):
     """Collects dialog turns from chat envs with an LLM policy, in this process.
 
     Iterate over it for batches (a lazy-stacked TensorDict per batch; see ``lmcollect.data.keys``
@@ -56,6 +63,8 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin):
         weight_updater: a :class:`~lmcollect.weight_sync.WeightUpdaterBase` or a constructor.
         track_policy_version: True (int versions) or a :class:`PolicyVersion`.
         verbose: log progress at INFO level.
+        dynamic_sampling: with grouped envs (``repeats=k``), batches of ``dialog_turns_per_batch // k``
+            whole groups that a filter kept, flat (see :mod:`lmcollect.collectors.group_gate`).
     """
 
     @takes_collection_config
@@ -70,7 +79,8 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin):
         weight_updater: Any | None = None,
         **collection: Any,
     ) -> None:
-        self._init_shell(collection_config("LLMCollector", collection), thread_name="lmcollect-collector")
+        flat = {"flatten_data": True} if collection.get("dynamic_sampling") is not None else {}  # whole groups
+        self._init_shell(collection_config("LLMCollector", collection, **flat), thread_name="lmcollect-collector")
         self.policy = _build_policy(policy, policy_factory)
         self.envs = _build_envs(env, bool(async_envs))
         self.env = self.envs[0] if len(self.envs) == 1 and not async_envs else env
@@ -83,6 +93,14 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin):
             num_slots=num_slots,
             turns_per_batch=self.config.dialog_turns_per_batch,
             flatten=self.config.flatten,
+        )
+        # with dynamic sampling, turns go to the gate instead of the batcher: batches of whole kept groups
+        self._gate = lockstep_gate(
+            as_dynamic_sampling(self.config.dynamic_sampling),  # typed: the config holds it normalised already
+            group_size=_group_size(self.envs),
+            turns_per_batch=self.config.dialog_turns_per_batch,
+            mode=self.config.mode,
+            flatten_data=collection.get("flatten_data"),
         )
         self._turns_run = 0
         self._turns_yielded = 0
@@ -152,7 +170,11 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin):
     @property
     def num_buffered_turns(self) -> int:
         """Turns run but not yet yielded (carried to the next batch)."""
-        return self._batcher.num_buffered_turns
+        held = 0 if self._gate is None else self._gate.num_buffered_turns
+        return self._batcher.num_buffered_turns + held
+
+    def _sampling_tally(self) -> GroupTally | None:
+        return None if self._gate is None else self._gate.tally
 
     @property
     def rollout(self) -> Callable[[], TensorDictBase]:
@@ -199,7 +221,10 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin):
     def _add_turns(self, turns: list) -> None:
         steps = [0] * len(self._steps_taken)
         for turn in turns:
-            self._batcher.add(turn)
+            if self._gate is not None:
+                self._gate.add(turn.td)
+            else:
+                self._batcher.add(turn)
             self._turns_run += 1
             steps[self._runner_of_slot[turn.slot]] += 1
         for index, count in enumerate(steps):  # after the batcher has them: _may_step never undercounts
@@ -218,16 +243,26 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin):
             # a pause waits outside the lock: a paused collector can be checkpointed, reseeded, reset
             self._wait_if_paused()
             with self._lock:  # one turn at a time (iterator vs start() thread vs control calls)
-                if self._batcher.ready():
+                if self._batch_ready():
                     self._halt()
-                    batch = self._batcher.pop(take_all=self._last_batch_due())
+                    batch = self._pop_batch()
                     self._batches += 1
                     self._turns_yielded += batch.batch_size.numel()
                     break
                 self._add_turns(self._runners.next_turns())
         if self.verbose:
             logger.info("batch %d: %d turns yielded of %s", self._batches, self._turns_yielded, self.total_dialog_turns)
+            if self._gate is not None:
+                logger.info("batch %d: %s", self._batches, self._gate.tally.last_batch)
         return self.postproc(batch) if self.postproc is not None else batch
+
+    def _batch_ready(self) -> bool:
+        """Whether a batch may leave (with dynamic sampling: G kept groups wait; the gate raises once
+        its filter has dropped too many groups in a row)."""
+        return self._gate.ready() if self._gate is not None else self._batcher.ready()
+
+    def _pop_batch(self) -> TensorDictBase:
+        return self._gate.pop() if self._gate is not None else self._batcher.pop(take_all=self._last_batch_due())
 
     def _collect_output(self) -> TensorDictBase | None:
         """The next batch after ``postproc``; a postproc may hold a whole batch back (return None),
@@ -326,6 +361,8 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin):
         """Start new dialogs in every env slot, or in the slots in ``index``."""
         with self._lock:
             self._halt()
+            if self._gate is not None:
+                self._gate.drop_incomplete()  # their cut dialogs would never let them complete
             slots = _as_index_list(index)
             for runner in self._runners.runners:
                 local = (
@@ -389,6 +426,8 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin):
             state["trajectories"] = self._tracker.state_dict()
             state["observations"] = [runner.observations() for runner in self._runners.runners]
             state["pending_turns"] = self._batcher.state_dict()
+            if self._gate is not None:
+                state["group_gate"] = self._gate.state_dict()
             state["rng"] = {"torch": torch.get_rng_state(), "policy": _rng_of(self.policy)}
             return state
 
@@ -425,6 +464,8 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin):
 
     def _load_state_dict(self, state_dict: OrderedDict, **kwargs: Any) -> None:
         self._check_layout(state_dict.get("layout"))
+        if ("group_gate" in state_dict) != (self._gate is not None):
+            raise missing_filter_state("LLMCollector")
         self._halt()  # env threads stop first; turns of the replaced state still under way go with it
         version = state_dict.get("policy_version")
         pushed = None if version is None else PushVersion(int(version["index"]), str(version["uuid"]))
@@ -456,6 +497,8 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin):
         for runner, observations in zip(self._runners.runners, state_dict["observations"], strict=False):
             runner.set_observations(observations)
         self._batcher.load_state_dict(state_dict["pending_turns"])
+        if self._gate is not None:
+            self._gate.load_state_dict(state_dict["group_gate"])
         # a state from before turns_yielded was saved: every turn run and not pending was yielded
         self._turns_yielded = state_dict.get("turns_yielded", self._turns_run - self._batcher.num_buffered_turns)
 
@@ -484,6 +527,11 @@ def _as_index_list(index: list[int] | int | torch.Tensor | None) -> list[int] | 
     if isinstance(index, torch.Tensor):
         return index.flatten().tolist() if index.dtype != torch.bool else index.flatten().nonzero().flatten().tolist()
     return [index] if isinstance(index, int) else list(index)
+
+
+def _group_size(envs: list[Any]) -> int:
+    """Dialogs per GRPO group of the envs (1: no groups)."""
+    return max(int(getattr(env, "group_size", 1)) for env in envs)
 
 
 def _rng_of(policy: Any) -> Any:

@@ -58,6 +58,9 @@ class TurnFlow:
         base_version: the version index when the flow began (AReaL's rule counts versions from it).
     """
 
+    tally = None
+    """(GroupFlow's: dynamic sampling's counts; turns without groups are never filtered.)"""
+
     def __init__(
         self,
         *,
@@ -293,18 +296,27 @@ def take_oldest(finished: list[tuple], count: int) -> tuple[list[tuple], list[tu
     return sorted(taken, key=lambda entry: entry[1]), rest
 
 
-def lag_admits(flow: TurnFlow | GroupFlow, version_index: int, per_batch: int) -> bool:
-    """AReaL's rule: ``started < (k + v + 1) * per_batch`` units (turns, or groups), ``v`` the versions
-    advanced since ``flow.base_version``, at most one per batch consumed; always True without a lag bound."""
+def lag_admits(flow: TurnFlow | GroupFlow, version_index: int, per_batch: int, extra: int = 0) -> bool:
+    """AReaL's rule: ``started < (k + v + 1) * per_batch + extra`` units (turns, or groups), ``v`` the
+    versions advanced since ``flow.base_version``, at most one per batch consumed; always True without
+    a lag bound. ``extra``: units admitted ahead (dynamic sampling's over-sampling)."""
     if flow.max_policy_lag is None:
         return True
     advanced = min(version_index - flow.base_version, flow.num_batches)  # at most one per batch
-    return flow.num_started < (flow.max_policy_lag + advanced + 1) * per_batch
+    return flow.num_started < (flow.max_policy_lag + advanced + 1) * per_batch + extra
 
 
-def deadlines_met(versions: list[int], version_index: int, max_policy_lag: int, turns_per_batch: int) -> bool:
-    """Whether turns of these versions can all leave in time, one batch (and at most one version) at a time."""
-    for i, version in enumerate(sorted(versions)):
-        if version + max_policy_lag < version_index + math.ceil((i + 1) / turns_per_batch):
-            return False
+def deadlines_met(
+    versions: list[int], version_index: int, max_policy_lag: int, turns_per_batch: int, spare: int = 0
+) -> bool:
+    """Whether turns of these versions can all leave in time, one batch (and at most one version) at a
+    time; ``spare`` of them may miss (over-sampled groups, dropped as stale when they do)."""
+    missed = placed = 0
+    for version in sorted(versions):  # earliest deadline first: the fewest misses
+        if version + max_policy_lag < version_index + math.ceil((placed + 1) / turns_per_batch):
+            missed += 1
+            if missed > spare:
+                return False
+            continue
+        placed += 1
     return True

@@ -25,6 +25,7 @@ from lmcollect.collectors.collector_worker import (
     WorkerMethods,
 )
 from lmcollect.collectors.config import CollectionConfig, ConfiguredCollector, config_from, field_names
+from lmcollect.collectors.group_filter import SamplingCounts
 from lmcollect.collectors.llm_collector import LLMCollector
 from lmcollect.collectors.weights import HoldsWeightUpdater
 from lmcollect.engines.kv_policy import PushCost
@@ -446,6 +447,16 @@ class RayLLMCollector(ConfiguredCollector, HoldsWeightUpdater, ShutsDownOnExit):
     def num_buffered_turns(self) -> int:
         """Turns run in the actor and not yet yielded or written."""
         return self._call("get_attribute", "num_buffered_turns")
+
+    @property
+    def sampling_counts(self) -> SamplingCounts | None:
+        """Dynamic sampling's counts in the actor since it began (see ``LLMCollector.sampling_counts``)."""
+        return self._call("get_attribute", "sampling_counts")
+
+    @property
+    def last_batch_counts(self) -> SamplingCounts | None:
+        """The same for the last batch the actor released (with ``sync_iter=False``: perhaps one taken ahead)."""
+        return self._call("get_attribute", "last_batch_counts")
 
     # ------------------------------------------------------------------ state and attributes
     def state_dict(self) -> Any:

@@ -6,6 +6,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from lmcollect.collectors.group_filter import SamplingCounts, total_counts
 from lmcollect.plumbing import ShutsDownOnExit
 from lmcollect.ray.collector import RayLLMCollector
 
@@ -70,6 +71,10 @@ class RayCollectorGroup(ShutsDownOnExit):
                 collector.shutdown()
             except Exception:  # designed: one dead collector must not keep the others running
                 logger.exception("shutting down collector %s failed", collector)
+
+    def sampling_counts(self) -> SamplingCounts | None:
+        """Dynamic sampling's counts of every collector added up (None without ``dynamic_sampling``)."""
+        return total_counts([collector.sampling_counts for collector in self.collectors])
 
     def __len__(self) -> int:
         return len(self.collectors)

@@ -75,3 +75,20 @@ def test_the_push_modes_account_for_each_push_and_keep_recomputes_nothing() -> N
     assert recompute.recomputed_tokens >= 0 and (recompute.recompute_s > 0) == (recompute.recomputed_tokens > 0)
     row = accounted_row("accounted", [recompute], [keep])  # the shape of the row (keep as the baseline)
     assert row["push_call_s"] == [round(sum(recompute.push_s), 2)] and row["recomputed_tokens"] == [recompute.recomputed_tokens]
+
+
+def test_dynamic_sampling_bench_counts_its_groups_and_useful_turns() -> None:
+    """``benchmarks/dynamic_sampling.py`` at its smallest: the filtered batches hold useful turns only."""
+    from benchmarks.dynamic_sampling import Workload as SamplingWorkload
+    from benchmarks.dynamic_sampling import ratio_row as sampling_row
+    from benchmarks.dynamic_sampling import run_sample as sampling_sample
+
+    w = SamplingWorkload(size="tiny", max_new_tokens=12, max_latency_s=0.02, num_batches=1, slots=8, groups_per_batch=2)
+    base, filtered = sampling_sample("no-filter", w), sampling_sample("filter-os1", w)
+    assert base["counts"] is None and 0 <= base["useful_turns"] <= base["turns"]
+    counts = filtered["counts"]
+    assert filtered["useful_turns"] == filtered["turns"] > 0
+    assert counts["groups_kept"] == 2 * 2 and counts["batches"] == 2  # the warm-up batch and the timed one
+    assert counts["groups_generated"] >= counts["groups_kept"] + sum(counts["groups_dropped"].values())
+    row = sampling_row("filter vs none", [filtered], [base])
+    assert {"row", "metric", "value", "this", "baseline"} <= set(row) and "groups kept 4 of" in row["metric"]

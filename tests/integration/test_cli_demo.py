@@ -42,8 +42,12 @@ def test_demo_trains_pushes_every_step_and_shuts_every_collector_down(ray_cluste
     assert records[-1]["collect/turns"] >= 3 * 16
     assert summary["weight_push_bytes"]["kind"] == "full" and summary["config"]["lora_rank"] == 0
     assert set(summary["reward"]) == {"initial", "before_rl", "final"}
+    # --dynamic-sampling auto: on only if the warmed-up policy solves some prompts and not all
+    sampling = summary["dynamic_sampling"]
+    assert sampling["mode"] == "auto" and sampling["on"] == (0.05 <= summary["reward"]["before_rl"] <= 0.95)
     assert (run_dir / "training.png").read_bytes()[:8] == PNG_MAGIC
     out = capsys.readouterr().out
+    assert "dynamic sampling" in out
     assert "supervised warm-up" in out and "after RL" in out and "collectors shut down" in out
     # library chatter goes to the run's log file (what reaches the terminal: the Ctrl-C test, its own driver)
     assert "library and Ray worker logs:" in out and (run_dir / "libraries.log").exists()

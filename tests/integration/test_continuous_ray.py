@@ -13,7 +13,8 @@ from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
 from lmcollect.testing.scripted_engine import ByteTokenizer
 from lmcollect.policies import SamplingConfig
-from tests.factories import make_group_tool_env, make_tool_engine, make_tool_env
+from lmcollect.collectors import DynamicSampling
+from tests.factories import EveryOtherGroup, make_group_tool_env, make_tool_engine, make_tool_env
 
 pytestmark = pytest.mark.integration
 
@@ -93,3 +94,24 @@ def test_grpo_groups_reach_the_ray_buffer_whole_under_pushes(ray_cluster) -> Non
     for members in groups.values():
         assert len({int(t[keys.TRAJ_IDS]) for t in members}) == 4  # whole groups only: 4 dialogs each
         assert len({int(t[keys.ENV_PROMPT_ID]) for t in members}) == 1
+
+
+def test_dynamic_sampling_in_the_actor_refills_and_counts(ray_cluster) -> None:
+    with RayContinuousLLMCollector(
+        make_group_tool_env, engine_factory=make_engine, tokenizer=ByteTokenizer(),
+        sampling=SamplingConfig(max_new_tokens=64), dialog_turns_per_batch=4, max_dialogs_in_flight=8,
+        track_policy_version=True, max_policy_lag=1, num_cpus=0.25, total_dialog_turns=12,
+        dynamic_sampling=DynamicSampling(group_filter=EveryOtherGroup(), oversample_groups=1),
+    ) as c:
+        groups = []
+        for batch in c:
+            turns = flatten_turns(batch)
+            assert len({int(t[keys.GROUP_ID]) for t in turns}) == 1  # one whole kept group per batch
+            assert len({int(t[keys.TRAJ_IDS]) for t in turns}) == 4
+            assert c.last_batch_counts.groups_kept == 1
+            groups.append(int(turns[0][keys.GROUP_ID]))
+            c.update_policy_weights_({"tag": torch.tensor([float(c.get_policy_version() + 1)])})
+        counts = c.sampling_counts
+    assert len(groups) == 3 == counts.groups_kept and counts.batches == 3
+    assert counts.groups_dropped["every_other"] >= 2  # each kept group had a dropped one before it
+    assert counts.groups_generated == counts.groups_kept + counts.dropped + counts.groups_waiting
