@@ -122,6 +122,8 @@ def decoded_turn_records(batches: Iterable[TensorDictBase], tokenizer: Any) -> l
                 "step": 0,
                 "prompt_id": int(turn.get(PROMPT_ID)),
                 "group_id": int(turn.get(keys.GROUP_ID, -1)),
+                "token_versions": turn.get(keys.TOKEN_VERSIONS).tolist(),
+                "kv_versions": turn.get(keys.KV_VERSIONS).tolist(),
             }
     return list(records.values())
 

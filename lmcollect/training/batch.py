@@ -18,6 +18,8 @@ LEARNER_KEYS = (
     keys.LOG_PROBS_RESPONSE,
     keys.NEXT_REWARD,
     keys.POLICY_VERSION,
+    keys.TOKEN_VERSIONS,
+    keys.KV_VERSIONS,
     keys.TRAJ_IDS,
     keys.GROUP_ID,
     PROMPT_ID,
