@@ -28,7 +28,7 @@ _EXPORTS = {
     ),
     **_names("lmcollect.buffers", "ReplayBuffer"),
     **_names("lmcollect.envs", "ChatEnv", "ChatEnvConfig", "AsyncEnvPool", "PromptDataset"),
-    **_names("lmcollect.policies", "TransformersPolicy", "SamplingConfig"),
+    **_names("lmcollect.policies", "TransformersPolicy", "VLLMPolicy", "SamplingConfig"),
     **_names("lmcollect.testing", "ScriptedPolicy"),
     **_names("lmcollect.diagnostics", "check_logprobs"),
     **_names("lmcollect.checkpoint", "save_checkpoint", "load_checkpoint"),

@@ -11,6 +11,7 @@ from lmcollect.policies.protocol import PolicyProtocol
 # builds these policies (a collector actor over a scripted policy, the CLI's --help) never pays for them
 _LAZY = {
     "TransformersPolicy": "lmcollect.policies.transformers_policy",
+    "VLLMPolicy": "lmcollect.policies.vllm_policy",
     "VLLMServer": "lmcollect.policies.vllm_server",
     "VLLMServerError": "lmcollect.policies.vllm_server",
     "VLLMServerPolicy": "lmcollect.policies.vllm_server",

@@ -116,3 +116,19 @@ def test_api_directives_name_existing_objects() -> None:
             if not source.is_file() or len(rest) > 1 or (rest and rest[0] not in _top_level_names(source)):
                 wrong.append(f"{page.name}: {path}")
     assert wrong == []
+
+
+def api_table_names() -> list[tuple[str, str]]:
+    """(package, name) for every name in the "main public names" column of the README's API table."""
+    section = README.read_text().split("## API overview", 1)[1].split("\n## ", 1)[0]
+    pairs = []
+    for row in re.findall(r"^\| `(lmcollect[\w.]*)`(?:, `(lmcollect[\w.]*)`)? \| (.*?) \|", section, flags=re.M):
+        packages, names = [p for p in row[:2] if p], re.findall(r"`(\w+)`", row[2])
+        pairs += [(packages, name) for name in names]
+    return [(" / ".join(packages), name) for packages, name in pairs]
+
+
+@pytest.mark.parametrize(("packages", "name"), api_table_names(), ids=lambda v: str(v))
+def test_every_name_of_the_readmes_api_table_imports_from_the_package_it_names(packages: str, name: str) -> None:
+    modules = [importlib.import_module(package) for package in packages.split(" / ")]
+    assert any(hasattr(module, name) for module in modules), f"{name} is not importable from {packages}"
