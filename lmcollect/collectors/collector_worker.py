@@ -110,9 +110,6 @@ class WorkerMethods(_CollectorHost):
             self.set_seed(*seed)
         self._awaiting_restore = False
 
-    def is_awaiting_restore(self) -> bool:
-        return self._awaiting_restore
-
     def receive_weights(self, *args: Any, **kwargs: Any) -> Received:
         """:meth:`LLMCollector.receive_weights`; returns its report with the version now held, so
         the driver can re-send a push to a restarted actor."""
@@ -159,9 +156,6 @@ class WorkerMethods(_CollectorHost):
     def rollout_once(self) -> TensorDictBase:
         self._check_restored()
         return pack(self.rollout())
-
-    def is_finished(self) -> bool:
-        return self._finished()
 
 
 class CollectorWorker(WorkerMethods, LLMCollector):

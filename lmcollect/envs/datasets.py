@@ -137,10 +137,6 @@ class PromptDataset:
 
     # ---- constructors -------------------------------------------------------------------------
     @classmethod
-    def from_list(cls, rows: Sequence[Mapping[str, Any]], *, seed: int = 0, shuffle: bool = True) -> PromptDataset:
-        return cls(rows, seed=seed, shuffle=shuffle)
-
-    @classmethod
     def from_jsonl(cls, paths: PathOrPaths, *, seed: int = 0, shuffle: bool = True) -> PromptDataset:
         """Rows from one or more JSON-lines files (blank lines are skipped)."""
         return cls._from_paths(paths, _read_jsonl, seed=seed, shuffle=shuffle)
