@@ -159,7 +159,13 @@ def measure(case: Case, turns: list, weights: dict[int, torch.nn.Module]) -> dic
         diffs.append(result.log_probs.double() - expected)
         stale.append(result.kv_versions.clamp(min=0) < versions)
     flat, stale_flat = torch.cat(diffs).abs(), torch.cat(stale)
+    exact = case.kv_policy == "recompute"
     return {
+        "row": f"{case.engine}, kv_policy={case.kv_policy}, AdamW lr {case.lr:g}",
+        "metric": "max |dlogp| vs a forward pass of each token's own weights",
+        "value": float(flat.max()),
+        "target": f"<= {RECOMPUTE_TOLERANCE:g}" if exact else "",
+        "met": bool(flat.max() <= RECOMPUTE_TOLERANCE) if exact else None,
         "engine": case.engine,
         "kv_policy": case.kv_policy,
         "lr": case.lr,
@@ -169,7 +175,6 @@ def measure(case: Case, turns: list, weights: dict[int, torch.nn.Module]) -> dic
         "stale_context_tokens": int(stale_flat.sum()),
         "max_abs_dlogp_stale": float(flat[stale_flat].max()) if stale_flat.any() else 0.0,
         "mean_exp_abs_dlogp_stale": float(flat[stale_flat].exp().mean()) if stale_flat.any() else 1.0,
-        "within_tolerance": bool(flat.max() <= RECOMPUTE_TOLERANCE) if case.kv_policy == "recompute" else None,
     }
 
 
