@@ -35,6 +35,7 @@ from lmcollect.engines.shm_payload import SharedPackSets, shared_memory_availabl
 from lmcollect.engines.vllm_common import (
     INITIAL_VERSION,
     engine_config,
+    engine_eos_token_ids,
     engine_kwargs_for,
     import_vllm,
     request_sampling_params,
@@ -138,6 +139,7 @@ class VLLMEngine(QueuedAndRunning):
             self._stop_thread()
             raise
         config = self._llm.model_config
+        self._eos_token_ids = engine_eos_token_ids(self._llm)  # what ignore_eos bans (see sampling_params_kwargs)
         tied = bool(getattr(config.hf_config, "tie_word_embeddings", False))
         # vLLM's engine core in a process of its own, or workers in processes of their own (tensor
         # parallel): collective_rpc serialises its arguments, so a push's bytes go through shared memory
@@ -156,7 +158,7 @@ class VLLMEngine(QueuedAndRunning):
     def submit(self, request: EngineRequest) -> Future[EngineResult]:
         """Queue ``request``; it joins the running batch at the next step. Settings vLLM cannot
         honour (e.g. ``stop_strings``) raise ``ValueError`` here, at once."""
-        params = request_sampling_params(request)
+        params = request_sampling_params(request, eos_token_ids=self._eos_token_ids)
         future: Future[EngineResult] = Future()
         with self._wake:
             if self._closed:
