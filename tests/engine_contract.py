@@ -11,7 +11,7 @@ broadcast into its workers).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -25,6 +25,7 @@ from lmcollect.engines.kv_policy import configure_kv_policy, push_costs_of
 from lmcollect.policies import SamplingConfig
 
 TIMEOUT_S = 60.0
+EOS_BUDGET = 24  # the token budget of the ignore_eos check: its eos prompt's answer stops well before it
 PUSH_MID_STEP = 4  # the decoding step a push lands in (a request's prefill is step 1)
 PAUSED_WAIT_S = 0.3  # how long a paused engine is watched for (wrongly) finishing a request
 
@@ -34,7 +35,7 @@ class Reference:
     """One set of weights as plain torch computes with them."""
 
     greedy: Callable[[list[int], int], list[int]]
-    """prompt, max_new_tokens -> the greedy tokens (no eos stop: ``ignore_eos``)."""
+    """prompt, max_new_tokens -> the greedy tokens under ``ignore_eos`` (the model's eos ids never drawn)."""
     log_probs: Callable[[list[int], list[int]], torch.Tensor]
     """prompt, tokens -> each token's raw log-prob under one forward pass."""
 
@@ -56,6 +57,10 @@ class EngineCase:
     hold_step: Callable[[int], AbstractContextManager[Event]]
     """``with case.hold_step(k) as reached:`` holds the engine inside its ``k``-th decoding step
     (``reached`` set once there) until the block ends: how a push lands mid-generation on cue."""
+    eos_token_ids: tuple[int, ...]
+    """The ids the engine's model ends a response at (its eos ids)."""
+    eos_prompt: list[int]
+    """A prompt whose greedy answer ends at one of them within ``EOS_BUDGET`` tokens (unless ``ignore_eos``)."""
     log_prob_atol: float = 1e-5
     push: Callable[[dict[str, torch.Tensor], int], None] | None = None
     """``push(weights, version)``: how the case's trainer pushes ``weights`` (refusing bad ones with a
@@ -97,6 +102,28 @@ def check_greedy_equals_plain_generation_and_log_probs_a_forward_pass(case: Engi
         result = future.result(timeout=TIMEOUT_S)
         assert result.finish_reason == "length" and result.tokens.numel() == 8
         assert_answers_like(result, prompt, case.old, case.log_prob_atol)
+
+
+def check_ignore_eos_fills_the_budget_and_only_other_stop_ids_end_it(case: EngineCase) -> None:
+    """``ignore_eos``: the model's eos ids are never drawn, so an answer that would stop at one
+    runs to ``max_new_tokens``, even with the eos ids among the request's stop ids (the policies
+    pass them there); a stop id that is not an eos id still ends it, kept as its last token."""
+    prompt, eos = case.eos_prompt, set(case.eos_token_ids)
+    stopped = run(case.engine, prompt, SamplingConfig(temperature=0, max_new_tokens=EOS_BUDGET))
+    assert stopped.finish_reason == "stop" and int(stopped.tokens[-1]) in eos, "the case's eos prompt must stop at an eos"
+    assert stopped.tokens.numel() < EOS_BUDGET
+    ignored = submit_with_stops(case.engine, prompt, greedy(EOS_BUDGET), case.eos_token_ids)
+    tokens = ignored.tokens.tolist()
+    assert ignored.finish_reason == "length" and len(tokens) == EOS_BUDGET and not eos & set(tokens), tokens
+    assert_answers_like(ignored, prompt, case.old, case.log_prob_atol)
+    other = tokens[EOS_BUDGET // 2]  # not an eos id: it ends the answer where it first appears
+    ended = submit_with_stops(case.engine, prompt, greedy(EOS_BUDGET), (*case.eos_token_ids, other))
+    assert ended.finish_reason == "stop" and ended.tokens.tolist() == tokens[: tokens.index(other) + 1]
+
+
+def submit_with_stops(engine: EngineProtocol, prompt: list[int], sampling: SamplingConfig, stops: tuple[int, ...]) -> EngineResult:
+    request = EngineRequest(prompt_ids=prompt, sampling=sampling, stop_token_ids=stops)
+    return engine.submit(request).result(timeout=TIMEOUT_S)
 
 
 def check_a_seeded_request_repeats(case: EngineCase) -> None:
@@ -265,6 +292,7 @@ def _check_a_push_under(case: EngineCase, policy: str) -> None:
 
 CHECKS: dict[str, Callable[[EngineCase], None]] = {
     "greedy_and_log_probs": check_greedy_equals_plain_generation_and_log_probs_a_forward_pass,
+    "ignore_eos": check_ignore_eos_fills_the_budget_and_only_other_stop_ids_end_it,
     "seeded_repeats": check_a_seeded_request_repeats,
     "pause_resume": check_pause_and_resume_keep_requests,
     "push_mid_generation": check_a_push_mid_generation_is_recorded_per_token,
@@ -303,25 +331,32 @@ def hf_case(
     new: torch.nn.Module,
     *,
     hold_step: Callable[[int], AbstractContextManager[Event]],
+    eos_token_ids: Sequence[int],
+    eos_prompt: list[int] | None = None,
     log_prob_atol: float = 1e-5,
     push: Callable[[dict[str, torch.Tensor], int], None] | None = None,
     responses_span_pushes: bool = True,
     caches_prefixes: bool = False,
 ) -> EngineCase:
     """The case of an engine serving a transformers model: it starts with ``old``'s weights, the
-    pushes bring ``new``'s (the refused one: ``new`` with a misshapen norm weight); ``push`` and
-    ``responses_span_pushes`` as in :class:`EngineCase`."""
+    pushes bring ``new``'s (the refused one: ``new`` with a misshapen norm weight); the engine ends
+    responses at ``eos_token_ids``; ``eos_prompt`` (default: the first prompt and an eos id, which
+    an untrained model with tied embeddings echoes at once); ``push`` and ``responses_span_pushes``
+    as in :class:`EngineCase`."""
     bad = dict(new.state_dict())
     bad["model.norm.weight"] = torch.zeros(3)
+    prompts = prompts_of_lengths((3, 9, 5))
     return EngineCase(
         engine=engine,
-        prompts=prompts_of_lengths((3, 9, 5)),
-        old=hf_reference(old),
-        new=hf_reference(new),
+        prompts=prompts,
+        old=hf_reference(old, eos_token_ids),
+        new=hf_reference(new, eos_token_ids),
         new_weights=dict(new.state_dict()),
         old_weights=dict(old.state_dict()),
         bad_weights=bad,
         hold_step=hold_step,
+        eos_token_ids=tuple(eos_token_ids),
+        eos_prompt=eos_prompt if eos_prompt is not None else [*prompts[0], eos_token_ids[0]],
         log_prob_atol=log_prob_atol,
         push=push,
         responses_span_pushes=responses_span_pushes,
@@ -329,16 +364,16 @@ def hf_case(
     )
 
 
-def eos_free(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` generating to its length limit (its generation config's eos ids dropped): the
-    contract's requests ignore eos, so a reference must not stop at one either."""
-    model.generation_config.eos_token_id = None
-    return model
-
-
-def hf_reference(model) -> Reference:
-    """A transformers model as the oracle (the test models never write their eos this early)."""
+def hf_reference(model, eos_token_ids: Sequence[int]) -> Reference:
+    """A transformers model as the oracle: its greedy answers with ``eos_token_ids`` never drawn (``ignore_eos``)."""
     return Reference(
-        greedy=lambda prompt, n: generate_greedy(model, prompt, n),
+        greedy=lambda prompt, n: generate_greedy(model, prompt, n, suppress_tokens=list(eos_token_ids)),
         log_probs=lambda prompt, tokens: forward_log_probs(model, prompt, tokens),
     )
+
+
+def model_eos_token_ids(model: torch.nn.Module, tokenizer) -> list[int]:
+    """The ids a ``TransformersEngine`` over ``model`` ends responses at."""
+    from lmcollect.engines.sampling import eos_token_ids
+
+    return eos_token_ids(model.generation_config.eos_token_id, tokenizer)

@@ -25,8 +25,10 @@ class SamplingConfig:
     seed: int | None = None
     """Seed of the sampling RNG (None: leave the RNG as it is)."""
     ignore_eos: bool = False
-    """Never end a response with an end-of-sequence token: always generate ``max_new_tokens`` tokens
-    (unless a stop string ends it). Benchmarks use it for equal work."""
+    """The model's end-of-sequence ids are never drawn, so none ends a response, even where they are
+    among the request's ``stop_token_ids`` (the policies put them there); other stop ids and stop
+    strings still end it, else every response has ``max_new_tokens`` tokens. Every engine does the
+    same (the engine contract checks it); log-probs stay raw. Benchmarks use it for equal work."""
     min_new_tokens: int = 0
     """End-of-sequence tokens (and stop strings) cannot end a response before it has this many
     tokens (0: off), as ``min_new_tokens`` in transformers' ``generate``."""

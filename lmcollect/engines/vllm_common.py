@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -14,27 +14,42 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from lmcollect.engines.protocol import EngineRequest, EngineResult
-from lmcollect.engines.sampling import SamplingConfig
+from lmcollect.engines.sampling import SamplingConfig, eos_token_ids
 
 if TYPE_CHECKING:  # vllm is an optional extra and slow to import
     from vllm import SamplingParams
     from vllm.outputs import RequestOutput
+    from vllm.v1.engine.llm_engine import LLMEngine
 
 INITIAL_VERSION = -1  # the protocol's version before any load
+
+# What a banned token's logit gets: never drawn, greedy or sampled (vLLM's raw log-probs do not see it).
+BANNED_LOGIT_BIAS = float("-inf")
 
 # Log-probs of the raw model (before temperature / top-p / top-k), as TransformersPolicy returns
 # and as trainers need for importance ratios. vLLM's other modes would silently differ.
 LOGPROBS_MODE = "raw_logprobs"
 
 
-def sampling_params_kwargs(sampling: SamplingConfig, *, seed: int | None = None) -> dict[str, Any]:
-    """``vllm.SamplingParams`` keyword arguments equivalent to ``sampling`` (one request, optional seed)."""
+def sampling_params_kwargs(
+    sampling: SamplingConfig, *, seed: int | None = None, eos_token_ids: Collection[int] = ()
+) -> dict[str, Any]:
+    """``vllm.SamplingParams`` keyword arguments equivalent to ``sampling`` (one request, optional seed).
+
+    ``eos_token_ids``: the model's eos ids, which ``ignore_eos`` bans (a ``logit_bias`` of -inf):
+    vLLM's own ``ignore_eos`` only stops ending a request at its eos, and still draws it, and a
+    caller's stop ids (the policies pass the eos ids there) still end it. Banned, an eos id is
+    never drawn, so it never ends a response, as in ``TransformersEngine``; other stop ids still
+    do. Log-probs stay raw (vLLM computes them before any bias).
+    """
     kwargs: dict[str, Any] = {
         "max_tokens": sampling.max_new_tokens,
         "ignore_eos": sampling.ignore_eos,
         "logprobs": 0,  # 0: only the sampled token's log-prob
         "detokenize": False,  # the policy decodes with its own tokenizer, as TransformersPolicy does
     }
+    if sampling.ignore_eos and eos_token_ids:
+        kwargs["logit_bias"] = dict.fromkeys(sorted({int(i) for i in eos_token_ids}), BANNED_LOGIT_BIAS)
     if sampling.stop_strings:
         raise ValueError(
             f"stop_strings={sampling.stop_strings!r} is not supported by the vLLM policies (the engine "
@@ -56,6 +71,25 @@ def checkpoint_config(model_path: str | Path) -> dict[str, Any]:
     """The folder's ``config.json`` ({} when it has none)."""
     config_file = Path(model_path) / "config.json"
     return json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+
+
+def checkpoint_eos_token_ids(model_path: str | Path, tokenizer: Any = None) -> list[int]:
+    """The ids vLLM ends a request at for the model in ``model_path``: its ``generation_config.json``
+    eos ids plus its tokenizer's eos (``tokenizer``, or the folder's own when None)."""
+    config_file = Path(model_path) / "generation_config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+    if tokenizer is None:
+        from transformers import AutoTokenizer  # only when the caller has no tokenizer of the model at hand
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    return eos_token_ids(config.get("eos_token_id"), tokenizer)
+
+
+def engine_eos_token_ids(llm: LLMEngine) -> list[int]:
+    """The ids a built vLLM engine ends a request at (what its input processor adds to every
+    request): its generation config's eos ids plus its tokenizer's eos."""
+    generation = llm.model_config.try_get_generation_config() or {}
+    return eos_token_ids(generation.get("eos_token_id"), llm.get_tokenizer())
 
 
 def checkpoint_dtype(model_path: str | Path, config: dict[str, Any] | None = None) -> str | None:
@@ -164,8 +198,9 @@ def engine_config(args: Any) -> Any:
                 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
 
 
-def request_sampling_params(request: EngineRequest) -> SamplingParams:
-    """vLLM sampling parameters of one request: its sampling config, seed and stop ids; final output only."""
+def request_sampling_params(request: EngineRequest, *, eos_token_ids: Collection[int] = ()) -> SamplingParams:
+    """vLLM sampling parameters of one request: its sampling config, seed and stop ids; final output
+    only. ``eos_token_ids``: the engine's eos ids (banned under ``ignore_eos``, see :func:`sampling_params_kwargs`)."""
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
     if not request.prompt_ids:
@@ -177,7 +212,7 @@ def request_sampling_params(request: EngineRequest) -> SamplingParams:
             "TransformersEngine."
         )
     return SamplingParams(
-        **sampling_params_kwargs(request.sampling, seed=request.seed),
+        **sampling_params_kwargs(request.sampling, seed=request.seed, eos_token_ids=eos_token_ids),
         stop_token_ids=list(request.stop_token_ids),
         output_kind=RequestOutputKind.FINAL_ONLY,  # token versions come from vLLM's spans, not from streaming
     )

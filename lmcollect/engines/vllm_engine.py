@@ -12,7 +12,6 @@ process, which overlaps scheduling with this process's output handling on a GPU)
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import threading
@@ -22,7 +21,6 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import numpy as np
 import torch
 
 from lmcollect.engines.kv_policy import KVPolicy, PushCost, check_kv_policy
@@ -35,10 +33,11 @@ from lmcollect.engines.protocol import (
     refuse_delta_base,
     refuse_stale_push,
 )
-from lmcollect.engines.shm_payload import buffers_in_shared_memory, shared_memory_available
+from lmcollect.engines.shm_payload import SharedPackSets, shared_memory_available
 from lmcollect.engines.vllm_common import (
     INITIAL_VERSION,
     engine_config,
+    engine_eos_token_ids,
     engine_kwargs_for,
     import_vllm,
     request_sampling_params,
@@ -56,7 +55,7 @@ from lmcollect.engines.vllm_worker_ext import (
 )
 from lmcollect.engines.weight_group import RECEIVE_METHOD, GroupPush
 from lmcollect.plumbing import forwarded
-from lmcollect.weights.buckets import LOAD_PACKED_WEIGHTS, layout_to_json, pack_buckets, packed_weights
+from lmcollect.weights.buckets import LOAD_PACKED_WEIGHTS, layout_to_json, pack_buckets, packed_weights, plan_layout
 from lmcollect.weights.delta import DeltaRejectedError, WeightDelta
 from lmcollect.weights.lora import LoraAdapter, check_adapter
 from lmcollect.weights.tensors import check_weights
@@ -152,6 +151,7 @@ class VLLMEngine(QueuedAndRunning):
             self._stop_thread()
             raise
         config = self._llm.model_config
+        self._eos_token_ids = engine_eos_token_ids(self._llm)  # what ignore_eos bans (see sampling_params_kwargs)
         tied = bool(getattr(config.hf_config, "tie_word_embeddings", False))
         # vLLM's engine core in a process of its own, or workers in processes of their own (tensor
         # parallel): collective_rpc serialises its arguments, so a push's bytes go through shared memory
@@ -159,6 +159,8 @@ class VLLMEngine(QueuedAndRunning):
         self._kv.timed_steps = not multiprocess  # else step() only collects the engine core process's outputs
         self._full_load = threading.Lock()  # one full load packs and sends at a time
         self._pack_sets: list[list[torch.Tensor]] = [[], []]
+        # workers elsewhere: the two sets live in shared memory, which they map once (see _packed)
+        self._shared_sets = SharedPackSets() if self._workers_elsewhere and shared_memory_available() else None
         self._spare = 0  # the set the next full push packs into (see _packed)
         # what load_weights accepts: the worker's own check, made here before anything is sent
         self._metadata, self._aliases = checkpoint_metadata(
@@ -169,7 +171,7 @@ class VLLMEngine(QueuedAndRunning):
     def submit(self, request: EngineRequest) -> Future[EngineResult]:
         """Queue ``request``; it joins the running batch at the next step. Settings vLLM cannot
         honour (e.g. ``stop_strings``) raise ``ValueError`` here, at once."""
-        params = request_sampling_params(request)
+        params = request_sampling_params(request, eos_token_ids=self._eos_token_ids)
         future: Future[EngineResult] = Future()
         with self._wake:
             if self._closed:
@@ -209,14 +211,8 @@ class VLLMEngine(QueuedAndRunning):
             return self._load_delta(source, version)
         weights = dict(source)
         check_weights(weights, self._metadata, aliases=self._aliases)  # before anything is sent or written
-        with self._full_load, contextlib.ExitStack() as stack:
-            layout_json, buffers = self._packed(weights)
-            payload: tuple[str, Any]
-            if self._workers_elsewhere and shared_memory_available():  # one copy, not one through the RPC
-                shared = stack.enter_context(buffers_in_shared_memory(buffers))
-                method, payload = LOAD_SHARED_WEIGHTS, (layout_json, shared.as_args())
-            else:  # memoryviews: handed to an in-process worker as they are
-                method, payload = LOAD_PACKED_WEIGHTS, (layout_json, [buffer.data for buffer in buffers])
+        with self._full_load:
+            method, payload = self._packed(weights)
 
             def load() -> None:
                 refuse_stale_push(version, self._version, "VLLMEngine")  # here: loads run one at a time
@@ -228,15 +224,24 @@ class VLLMEngine(QueuedAndRunning):
             self._spare ^= 1  # the worker's base is now this set: the next push packs into the other
         return None
 
-    def _packed(self, weights: dict[str, torch.Tensor]) -> tuple[str, list[np.ndarray]]:
-        """``weights`` packed into the spare one of two sets of buffers, kept from push to push: a
-        fresh 0.3 GB allocation costs several times the copy itself (page faults; 0.15 vs 0.03 s for
-        the medium model here). Two sets, because an in-process worker keeps the last push's buffers
-        as its base (for LoRA adapters and deltas): the next push must not overwrite them."""
+    def _packed(self, weights: dict[str, torch.Tensor]) -> tuple[str, tuple[str, Any]]:
+        """``weights`` packed into the spare one of two sets of buffers, kept from push to push, and
+        the worker call that reloads them. Kept, because a fresh 0.3 GB allocation costs several
+        times the copy itself (page faults; 0.15 vs 0.03 s for the medium model here). Two sets,
+        because the worker keeps the last push's buffers as its base (for LoRA adapters and
+        deltas): the next push must not overwrite them, and a refused push must leave them as
+        they were. Workers in other processes get the sets in shared memory, which they map once:
+        a push sends only which file and where its buffers start (see :mod:`~lmcollect.engines.shm_payload`);
+        an in-process worker gets the buffers themselves."""
+        layout = plan_layout(weights)
+        if self._shared_sets is not None:
+            out, where = self._shared_sets.buffers(self._spare, layout.buffer_nbytes)
+            pack_buckets(weights, layout=layout, device="cpu", out=out)
+            return LOAD_SHARED_WEIGHTS, (layout_to_json(layout), where.as_args())
         spare = self._pack_sets[self._spare]
-        buckets = pack_buckets(weights, device="cpu", out=spare or None)
+        buckets = pack_buckets(weights, layout=layout, device="cpu", out=spare or None)
         self._pack_sets[self._spare] = buckets.buffers
-        return layout_to_json(buckets.layout), [buffer.numpy() for buffer in buckets.buffers]
+        return LOAD_PACKED_WEIGHTS, (layout_to_json(layout), [buffer.numpy().data for buffer in buckets.buffers])
 
     loads_lora_adapters = True  # load_weights takes a LoraAdapter (merged in the workers)
 
@@ -363,6 +368,8 @@ class VLLMEngine(QueuedAndRunning):
                 ),
             )
         self._stop_thread()
+        if self._shared_sets is not None:  # after the engine core stopped: no worker maps them any more
+            self._shared_sets.close()
 
     def __enter__(self) -> VLLMEngine:
         return self

@@ -60,7 +60,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from lmcollect.engines.shm_payload import map_shared_buffers
+from lmcollect.engines.shm_payload import MappedBufferFiles
 from lmcollect.transports.process_group import ProcessGroupReceiver
 from lmcollect.weights.buckets import WeightBuckets, layout_from_json
 from lmcollect.weights.delta import DeltaRejectedError, WeightDelta, prepare_delta
@@ -179,6 +179,7 @@ class VLLMWeightReceiverExtension:
     _lmcollect_base: dict[str, torch.Tensor] | None = None  # the last full push (checkpoint names), LoRA's base
     _lmcollect_adapted: frozenset[str] = frozenset()  # blocks the last LoRA adapter touched
     _lmcollect_staged: dict[str, torch.Tensor] | None = None  # a checked delta's result, not yet reloaded
+    _lmcollect_mapped: MappedBufferFiles | None = None  # the engine's shared pack files, each mapped once
 
     def init_weight_group(self, connection_info: dict[str, Any], first_rank: int = 1) -> None:
         """Join the sender's group as rank ``first_rank + worker rank`` (blocks until the group forms).
@@ -235,10 +236,14 @@ class VLLMWeightReceiverExtension:
         return self._lmcollect_load_buckets(_received_buckets(layout_json, buffers))
 
     def load_shared_weights(self, layout_json: str, shared: dict[str, Any]) -> dict[str, Any]:
-        """:meth:`load_packed_weights` with the buffers in a shared-memory file (see
-        :mod:`lmcollect.engines.shm_payload`): what the engine sends when this worker runs in
-        another process, so the bytes are not copied through the RPC."""
-        return self._lmcollect_load_buckets(WeightBuckets(layout_from_json(layout_json), map_shared_buffers(shared)))
+        """:meth:`load_packed_weights` with the buffers in one of the engine's shared-memory pack
+        files (see :mod:`lmcollect.engines.shm_payload`): what the engine sends when this worker
+        runs in another process, so the bytes are not copied through the RPC. Each file is mapped
+        once and kept: a push maps nothing new."""
+        if self._lmcollect_mapped is None:  # vLLM never runs this class's __init__: made on first use
+            self._lmcollect_mapped = MappedBufferFiles()
+        buffers = self._lmcollect_mapped.views(shared)
+        return self._lmcollect_load_buckets(WeightBuckets(layout_from_json(layout_json), buffers))
 
     def _lmcollect_load_buckets(self, buckets: WeightBuckets) -> dict[str, Any]:
         metadata, aliases = self._lmcollect_weight_metadata()

@@ -64,7 +64,7 @@ class TransformersPolicy(EnginePolicy):
         stops = eos_token_ids(model.generation_config.eos_token_id, tokenizer)
         if not stops:
             raise ValueError("neither the model's generation_config nor the tokenizer defines an eos token.")
-        # ids that end a response: eos and the extra ones (ignore_eos masks only eos, as vLLM does)
+        # ids that end a response: eos and the extra ones (ignore_eos bans the eos ids only, as every engine does)
         stops += [int(i) for i in stop_token_ids or () if int(i) not in stops]
         super().__init__(TransformersEngine(model, tokenizer), tokenizer=tokenizer, stop_token_ids=stops, **options)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -10,8 +9,8 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from lmcollect.engines.protocol import EngineProtocol
-from lmcollect.engines.sampling import SamplingConfig, eos_token_ids, sampling_from_kwargs
-from lmcollect.engines.vllm_common import LOGPROBS_MODE
+from lmcollect.engines.sampling import SamplingConfig, sampling_from_kwargs
+from lmcollect.engines.vllm_common import LOGPROBS_MODE, checkpoint_eos_token_ids
 from lmcollect.policies.engine_policy import EnginePolicy
 
 
@@ -95,6 +94,4 @@ class VLLMPolicy(EnginePolicy):
 
 def engine_stop_token_ids(model_path: str | Path, tokenizer: Any) -> list[int]:
     """The ids vLLM stops at: the generation config's eos ids plus the tokenizer's eos."""
-    config_file = Path(model_path) / "generation_config.json"
-    config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
-    return eos_token_ids(config.get("eos_token_id"), tokenizer)
+    return checkpoint_eos_token_ids(model_path, tokenizer)

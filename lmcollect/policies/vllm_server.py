@@ -24,7 +24,7 @@ import threading
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from lmcollect.engines.vllm_common import (
     INITIAL_VERSION,
     LOGPROBS_MODE,
     checkpoint_dtype,
+    checkpoint_eos_token_ids,
     sampling_params_kwargs,
     settle,
 )
@@ -83,6 +84,8 @@ RENEW_TIMEOUT_S = 10.0
 RENEW_RETRY_S = 1.0
 MIN_RENEW_INTERVAL_S = 0.05
 RENEW_JOIN_S = 1.0
+# vLLM's API clamps a bias to [-100, 100]: a banned eos is drawn only where its logit tops every other by ~100
+SERVED_MIN_LOGIT_BIAS = -100.0
 FINISHED = ("stop", "length")  # anything else (e.g. "abort") is not a whole response
 
 
@@ -142,6 +145,9 @@ class VLLMServerEngine:
         timeout_s: longest one HTTP call may take, all of it (a batch's slowest request, a weight push).
         control_token: the server's control token (``VLLMServer.control_token``); None: send none
             (enough for generation, and for control calls to a loopback server without a token).
+        eos_token_ids: the model's eos ids, which ``ignore_eos`` bans as the in-process engine does
+            (see :func:`~lmcollect.engines.vllm_common.sampling_params_kwargs`); None: read from
+            the folder the server loaded the model from, when it is a folder on this machine.
     """
 
     num_replicas = 1
@@ -154,6 +160,7 @@ class VLLMServerEngine:
         max_concurrent_requests: int = 64,
         timeout_s: float = 600.0,
         control_token: str | None = None,
+        eos_token_ids: Collection[int] | None = None,
     ) -> None:
         num = max_concurrent_requests
         if isinstance(num, bool) or not isinstance(num, int) or num < 1:
@@ -180,6 +187,8 @@ class VLLMServerEngine:
         self.model: str = model if model is not None else next(iter(served))
         self.model_root = served[self.model]
         """The path the server loaded the model from (as the server sees it)."""
+        self.eos_token_ids: list[int] | None = None if eos_token_ids is None else [int(i) for i in eos_token_ids]
+        """The model's eos ids (None: not read yet, see :meth:`banned_eos_token_ids`)."""
 
     def _start_threads(self) -> None:
         self._pool = ThreadPoolExecutor(self.max_concurrent_requests, thread_name_prefix="lmcollect-vllm-http")
@@ -258,8 +267,13 @@ class VLLMServerEngine:
         self, prompt: Sequence[int], sampling: SamplingConfig, seed: int | None, stop_token_ids: Sequence[int] = ()
     ) -> dict[str, Any]:
         """The ``/v1/completions`` body for one prompt: the in-process engine's sampling parameters."""
-        params = sampling_params_kwargs(sampling, seed=seed)
+        eos = self.banned_eos_token_ids() if sampling.ignore_eos else ()
+        params = sampling_params_kwargs(sampling, seed=seed, eos_token_ids=eos)
         params.pop("detokenize", None)  # the server always detokenizes; the policy decodes with its own tokenizer
+        if "logit_bias" in params:  # JSON has no -inf; the server clamps biases to [-100, 100] anyway
+            params["logit_bias"] = {
+                str(i): max(bias, SERVED_MIN_LOGIT_BIAS) for i, bias in params["logit_bias"].items()
+            }
         unknown = sorted(set(params) - COMPLETION_SAMPLING_FIELDS)
         if unknown:
             raise ValueError(
@@ -278,6 +292,18 @@ class VLLMServerEngine:
             "return_token_ids": True,
             "return_tokens_as_token_ids": True,  # log-prob entries named by id: no detokenizing
         }
+
+    def banned_eos_token_ids(self) -> list[int]:
+        """The eos ids ``ignore_eos`` bans: :attr:`eos_token_ids`, read once from :attr:`model_root`
+        when none were given (a ``ValueError`` naming the fix when that is not a folder here)."""
+        if self.eos_token_ids is None:
+            if not Path(self.model_root).is_dir():
+                raise ValueError(
+                    f"ignore_eos=True bans the model's eos ids, and the server at {self.base_url} loaded its model "
+                    f"from {self.model_root!r}, which is not a folder here; pass eos_token_ids=[...] to VLLMServerEngine."
+                )
+            self.eos_token_ids = checkpoint_eos_token_ids(self.model_root)
+        return self.eos_token_ids
 
     def _answer(self, future: Future[EngineResult], body: dict[str, Any]) -> None:
         try:
@@ -636,6 +662,8 @@ class VLLMServerPolicy(VLLMPolicy):
             else:
                 check_server_config(config, folder, engine.base_url)
         super().__init__(folder, sampling=sampling, engine=engine, **sampling_kwargs)
+        if engine.eos_token_ids is None:  # the folder's tokenizer is loaded now: no second load for them
+            engine.eos_token_ids = checkpoint_eos_token_ids(folder, self.tokenizer)
         self._owns_engine = True  # built here: close() stops its request threads (the server keeps running)
         self.base_url = engine.base_url
 

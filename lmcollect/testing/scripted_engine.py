@@ -121,7 +121,8 @@ class ScriptedEngine(QueuedAndRunning):
     ``token_delay_s``. A request's tokens are ``script(prompt_ids)`` followed by the end token, cut
     at ``max_new_tokens`` (finish ``"length"``) or at a ``stop_token_ids`` id (kept). Without a
     script, every token is the digit ``tag % 10`` of the weights held at that step, ``num_tokens``
-    of them. Every token's log-prob is ``-tag`` and its version the engine's :attr:`version`, both
+    of them. ``ignore_eos``: the end token is never drawn (that digit comes instead), so only the
+    request's other stop ids end a response before ``max_new_tokens``. Every token's log-prob is ``-tag`` and its version the engine's :attr:`version`, both
     read under the step lock, so a push that lands mid-response shows up token by token.
 
     Args:
@@ -288,15 +289,17 @@ class ScriptedEngine(QueuedAndRunning):
         time.sleep(hold_s)
 
     def _next_token(self, item: _Running, tag: float) -> int:
-        position = len(item.tokens)
+        position, digit = len(item.tokens), ord("0") + int(tag) % 10
         if item.script is None:
-            return ord("0") + int(tag) % 10 if position < self.num_tokens else self.eos_token_id
-        return item.script[position] if position < len(item.script) else self.eos_token_id
+            token = digit if position < self.num_tokens else self.eos_token_id
+        else:
+            token = item.script[position] if position < len(item.script) else self.eos_token_id
+        # ignore_eos: the end token is never drawn (as in every engine); the tag's digit comes instead
+        return digit if token == self.eos_token_id and item.request.sampling.ignore_eos else token
 
     def _finish_reason(self, item: _Running, token: int) -> str | None:
         sampling = item.request.sampling
-        stops = token == self.eos_token_id or token in item.request.stop_token_ids
-        if stops and not sampling.ignore_eos:
+        if token == self.eos_token_id or token in item.request.stop_token_ids:  # never eos under ignore_eos
             return "stop"
         if len(item.tokens) >= sampling.max_new_tokens:
             return "length"

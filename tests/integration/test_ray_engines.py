@@ -17,7 +17,7 @@ from lmcollect.ray.engine import ray_engine_replicas
 from lmcollect.envs import ChatEnv, GuessingGameTask, guessing_game_dataset
 from lmcollect.models import load_model_and_tokenizer
 from lmcollect.engines.sampling import SamplingConfig
-from tests.engine_contract import CHECKS, EngineCase, hf_case
+from tests.engine_contract import CHECKS, EngineCase, hf_case, model_eos_token_ids
 from tests.factories import make_holdable_tiny_engine, perturbed_model
 
 pytestmark = pytest.mark.integration
@@ -46,7 +46,7 @@ def actor_case(ray_cluster, tiny_model_path):
     """A router of two engines in Ray actors (started once for every check; ``close`` runs last)."""
     import ray
 
-    model, _ = load_model_and_tokenizer(tiny_model_path)
+    model, tokenizer = load_model_and_tokenizer(tiny_model_path)
     new = perturbed_model(tiny_model_path, seed=2)
     router = ray_engine_replicas(
         functools.partial(make_holdable_tiny_engine, str(tiny_model_path)), num_replicas=2, remote_config={"num_cpus": 0.25}
@@ -71,7 +71,7 @@ def actor_case(ray_cluster, tiny_model_path):
             done.set()
             watcher.join(timeout=30)
 
-    yield hf_case(router, model, new, hold_step=hold_step)
+    yield hf_case(router, model, new, hold_step=hold_step, eos_token_ids=model_eos_token_ids(model, tokenizer))
     router.close()
 
 

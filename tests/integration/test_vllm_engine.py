@@ -23,8 +23,9 @@ from lmcollect.envs import ChatEnv, GuessingGameTask, SingleTurnTask, arithmetic
 from lmcollect.engines import EngineProtocol, EngineRequest, EngineResult, WorkerRpcEngine
 from lmcollect.models import load_model_and_tokenizer
 from lmcollect.engines.sampling import SamplingConfig
+from lmcollect.engines.vllm_common import checkpoint_eos_token_ids
 from lmcollect.weight_sync import vLLMUpdater
-from tests.engine_contract import CHECKS, EngineCase, eos_free, generate_greedy, hf_case
+from tests.engine_contract import CHECKS, EngineCase, generate_greedy, hf_case
 from tests.factories import corrupted_delta, perturbed_model, run_in_thread, sparsely_trained
 from tests.integration.conftest import MAX_NEW_TOKENS, QUESTIONS, chat_batch
 from tests.vllm_hold import held_step
@@ -409,10 +410,14 @@ def expect_answers_of(model: torch.nn.Module, engine: VLLMEngine, prompt: list[i
 @pytest.fixture(scope="module")
 def contract_case(greedy_policy: Any, model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> EngineCase:
     engine = greedy_policy.engine
-    old = eos_free(load_model_and_tokenizer(model_dir)[0].eval())
-    new = eos_free(perturbed_model(model_dir, seed=1).eval())
+    old = load_model_and_tokenizer(model_dir)[0].eval()
+    new = perturbed_model(model_dir, seed=1).eval()
     folder = tmp_path_factory.mktemp("held-steps")
-    return hf_case(engine, old, new, hold_step=lambda step: held_step(engine, step, folder), log_prob_atol=ATOL, caches_prefixes=True)
+    eos_ids = checkpoint_eos_token_ids(model_dir, greedy_policy.tokenizer)
+    return hf_case(
+        engine, old, new, hold_step=lambda step: held_step(engine, step, folder), eos_token_ids=eos_ids, log_prob_atol=ATOL,
+        caches_prefixes=True,
+    )
 
 
 @pytest.mark.parametrize("check", [name for name in CHECKS if name != "close"])

@@ -1,18 +1,21 @@
 """VLLMEngine(multiprocess=True): vLLM's engine core in a process of its own, so a push's bytes go to
-its worker through a shared-memory file (``lmcollect.engines.shm_payload``), not through the RPC.
+its worker through shared memory (``lmcollect.engines.shm_payload``), not through the RPC.
 
-After a full push the engine answers as the pushed model (greedy tokens and log-probs); a LoRA
-adapter then merges into that push's weights, which the worker holds as views of the mapped file
-(removed from ``/dev/shm`` as soon as the push returned). Skipped where vLLM is not installed.
+The engine packs every push into one of two files under ``/dev/shm`` that it keeps from push to
+push (the worker maps each once) and removes when it closes. After a full push the engine answers
+as the pushed model (greedy tokens and log-probs); a push refused after it was packed leaves the
+worker's base (the other file) as it was, so a LoRA adapter still merges into the last accepted
+push. Skipped where vLLM is not installed.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from lmcollect.engines import EngineRequest
+from lmcollect.engines import EngineRequest, StalePushError
 from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.engines.shm_payload import SHM_DIR
 from tests.engine_contract import forward_log_probs, generate_greedy
@@ -29,7 +32,8 @@ ATOL = 1e-4
 
 
 def push_files() -> set[Path]:
-    return set(SHM_DIR.glob("lmcollect-push-*"))
+    """This process's push files (other processes on the machine may have their own)."""
+    return set(SHM_DIR.glob(f"lmcollect-push-{os.getpid()}-*"))
 
 
 def expect_answers_of(model: torch.nn.Module, engine: VLLMEngine) -> None:
@@ -39,22 +43,32 @@ def expect_answers_of(model: torch.nn.Module, engine: VLLMEngine) -> None:
     torch.testing.assert_close(result.log_probs, forward_log_probs(model, PROMPT, result.tokens.tolist()), atol=ATOL, rtol=0)
 
 
-def test_pushes_reach_a_worker_in_another_process_through_shared_memory(tiny_model_path: Path) -> None:
+def test_pushes_pack_into_two_shared_files_kept_from_push_to_push(tiny_model_path: Path) -> None:
+    peft = pytest.importorskip("peft")
+    del peft
+    from lmcollect.weights.lora import lora_adapter
+    from tests.factories import merged_copy, trained_lora
+
     before = push_files()
-    new = perturbed_model(tiny_model_path, seed=41).eval()
+    new, other = (perturbed_model(tiny_model_path, seed=seed).eval() for seed in (41, 43))
     engine = VLLMEngine(tiny_model_path, engine_kwargs=CPU_ENGINE_KWARGS, multiprocess=True, timeout_s=300)
     try:
         assert engine._workers_elsewhere  # the path under test
-        engine.load_weights(new.state_dict().items(), version=1)
-        assert push_files() == before, "the push's shared-memory file outlived the push"
+        engine.load_weights(other.state_dict().items(), version=1)  # packed into set 0
+        engine.load_weights(new.state_dict().items(), version=2)  # set 1: the worker's base now
+        files = push_files() - before
+        assert len(files) == 2 and all(path.stat().st_mode & 0o777 == 0o600 for path in files)
         expect_answers_of(new, engine)
-        peft = pytest.importorskip("peft")
-        del peft
-        from lmcollect.weights.lora import lora_adapter
-        from tests.factories import merged_copy, trained_lora
-
+        with pytest.raises(StalePushError):  # packed into set 0 (over version 1's bytes), then refused
+            engine.load_weights(other.state_dict().items(), version=1)
+        expect_answers_of(new, engine)
+        # merged into the worker's base: still version 2's set, untouched by the refused push
         adapted = trained_lora(tiny_model_path, seed=42, base=perturbed_model(tiny_model_path, seed=41).eval())
-        engine.load_weights(lora_adapter(adapted), version=2)  # merged into the mapped push's weights
+        engine.load_weights(lora_adapter(adapted), version=3)
         expect_answers_of(merged_copy(adapted), engine)
+        engine.load_weights(new.state_dict().items(), version=4)  # set 0 again
+        expect_answers_of(new, engine)
+        assert push_files() - before == files, "a push made a shared-memory file of its own"
     finally:
         engine.close()
+    assert push_files() == before, "the engine's shared-memory files outlived it"

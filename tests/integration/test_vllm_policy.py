@@ -105,6 +105,24 @@ def test_greedy_tokens_log_probs_and_eos_match_transformers(
     assert int(first[-1]) in eos_ids and first.numel() <= MAX_NEW_TOKENS  # stopped at eos, eos kept
 
 
+def test_ignore_eos_fills_the_budget_as_transformers_does(
+    engine: VLLMEngine, model_dir: Path, reference: TransformersPolicy
+) -> None:
+    """The policies pass the model's eos ids as stop ids; under ignore_eos they end no answer on
+    either path (QUESTIONS[0]'s answer stops at an eos otherwise), and both answer alike."""
+    options = {"temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS, "ignore_eos": True}
+    policy = VLLMPolicy(model_dir, engine=engine, **options)
+    plain = TransformersPolicy(reference.model, reference.tokenizer, **options)
+    try:
+        got, want = policy(chat_batch(QUESTIONS)), plain(chat_batch(QUESTIONS))
+    finally:
+        plain.close()
+    assert_same_answers(got, want)
+    for i in range(len(QUESTIONS)):
+        tokens = got[i][keys.TOKENS_RESPONSE].tolist()
+        assert len(tokens) == MAX_NEW_TOKENS and not set(policy.stop_token_ids) & set(tokens), (i, tokens)
+
+
 def test_sampled_log_probs_are_raw_and_seeding_reproducible(
     engine: VLLMEngine, model_dir: Path, reference: TransformersPolicy
 ) -> None:

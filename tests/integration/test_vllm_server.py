@@ -25,13 +25,14 @@ from tensordict import TensorDictBase
 from lmcollect.collectors.llm_collector import LLMCollector
 from lmcollect.data import keys
 from lmcollect.engines import EngineRequest
+from lmcollect.engines.vllm_common import checkpoint_eos_token_ids
 from lmcollect.engines.weight_group import GroupPush, join_weight_group
 from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
 from lmcollect.models import ModelSpec, get_model_path, load_model_and_tokenizer
 from lmcollect.policies import SamplingConfig, TransformersPolicy
 from lmcollect.transports.process_group import ProcessGroupConfig, ProcessGroupSender
 from lmcollect.weights.version import PushVersion
-from tests.engine_contract import CHECKS, EngineCase, eos_free, hf_case
+from tests.engine_contract import CHECKS, EngineCase, hf_case
 from tests.integration.conftest import MAX_NEW_TOKENS, QUESTIONS, chat_batch
 from tests.token_checks import check_token_exact, collect_dialogs, guessing_env
 from tests.vllm_hold import HOLDING_EXTENSION, held_step
@@ -275,12 +276,12 @@ def served_case(
     answers come whole, so a push never lands inside one (``responses_span_pushes=False``)."""
     engine = VLLMServerEngine(server.url, control_token=server.control_token, timeout_s=120.0)
     pusher = GroupPusher(engine)
-    old = eos_free(load_model_and_tokenizer(model_dir)[0].eval())
-    new = eos_free(load_model_and_tokenizer(new_model_dir)[0].eval())
+    old, tokenizer = load_model_and_tokenizer(model_dir)
+    new = load_model_and_tokenizer(new_model_dir)[0].eval()
     folder = tmp_path_factory.mktemp("served-held-steps")
     yield hf_case(
-        engine, old, new, hold_step=lambda step: held_step(engine, step, folder), log_prob_atol=CONTRACT_ATOL,
-        push=pusher, responses_span_pushes=False,
+        engine, old.eval(), new, hold_step=lambda step: held_step(engine, step, folder), log_prob_atol=CONTRACT_ATOL,
+        push=pusher, responses_span_pushes=False, eos_token_ids=checkpoint_eos_token_ids(model_dir, tokenizer),
     )  # fmt: skip
     pusher.close()
     engine.close()

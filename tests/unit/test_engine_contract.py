@@ -13,7 +13,15 @@ import torch
 
 from lmcollect.engines import EngineRouter, TransformersEngine
 from lmcollect.testing import ScriptedEngine
-from tests.engine_contract import CHECKS, EngineCase, Reference, hf_case, prompts_of_lengths
+from tests.engine_contract import (
+    CHECKS,
+    EngineCase,
+    Reference,
+    generate_greedy,
+    hf_case,
+    model_eos_token_ids,
+    prompts_of_lengths,
+)
 from tests.factories import perturbed_model
 
 HOLD_S = 1.0  # how long a held decoding step lasts: the test thread pauses the engine meanwhile
@@ -50,10 +58,20 @@ def held_step(models: list[torch.nn.Module], step: int) -> Iterator[threading.Ev
 
 
 def build_case(kind: str, tiny_model_path, tokenizer, references) -> EngineCase:
+    """The engines' model ends responses at one more eos id: the token its greedy answer to the eos
+    prompt writes third (the perturbed model never writes its own eos), so that answer stops early."""
     old, new = references
-    replicas = [TransformersEngine(perturbed_model(tiny_model_path, seed=1), tokenizer) for _ in range(1 if kind == "hf" else 2)]
+    eos_prompt = prompts_of_lengths((6,), seed=3)[0]
+    own = model_eos_token_ids(old, tokenizer)
+    eos_ids = [*own, generate_greedy(old, eos_prompt, 3, suppress_tokens=own)[2]]
+    models = [perturbed_model(tiny_model_path, seed=1) for _ in range(1 if kind == "hf" else 2)]
+    for model in models:
+        model.generation_config.eos_token_id = eos_ids
+    replicas = [TransformersEngine(model, tokenizer) for model in models]
     engine = replicas[0] if kind == "hf" else EngineRouter(replicas)
-    return hf_case(engine, old, new, hold_step=lambda step: held_step([r.model for r in replicas], step))
+    return hf_case(
+        engine, old, new, hold_step=lambda step: held_step(models, step), eos_token_ids=eos_ids, eos_prompt=eos_prompt
+    )
 
 
 def scripted_reference(tag: float) -> Reference:
@@ -70,7 +88,7 @@ def scripted_hold(engine: ScriptedEngine, step: int) -> Iterator[threading.Event
 
 
 def build_scripted_case() -> EngineCase:
-    engine = ScriptedEngine(num_tokens=1000)  # no end token within any check's token budget
+    engine = ScriptedEngine(num_tokens=16)  # past every check's token budget but the eos check's
     return EngineCase(
         engine=engine,
         prompts=prompts_of_lengths((3, 9, 5)),
@@ -80,6 +98,8 @@ def build_scripted_case() -> EngineCase:
         old_weights={"tag": torch.zeros(1)},
         bad_weights={"tag": torch.zeros(3)},
         hold_step=lambda step: scripted_hold(engine, step),
+        eos_token_ids=(engine.eos_token_id,),
+        eos_prompt=[5, 6, 7],
     )
 
 

@@ -15,6 +15,13 @@ def test_generation_options_reach_vllm() -> None:
     assert "min_tokens" not in plain and "repetition_penalty" not in plain
 
 
+def test_ignore_eos_bans_the_eos_ids_it_is_given() -> None:
+    banned = sampling_params_kwargs(SamplingConfig(ignore_eos=True), eos_token_ids=[7, 2, 7])
+    assert banned["ignore_eos"] is True and banned["logit_bias"] == {2: float("-inf"), 7: float("-inf")}
+    assert "logit_bias" not in sampling_params_kwargs(SamplingConfig(), eos_token_ids=[2])  # eos ends answers then
+    assert "logit_bias" not in sampling_params_kwargs(SamplingConfig(ignore_eos=True))  # a plain vLLM baseline
+
+
 def test_stop_strings_are_refused_with_the_alternative() -> None:
     with pytest.raises(ValueError, match="stop_strings=.*TransformersPolicy"):
         sampling_params_kwargs(SamplingConfig(stop_strings=("###",)))
