@@ -224,10 +224,8 @@ class WeightReceiverMixin(HoldsWeightUpdater):
         collector's) raises one ValueError before anything changes. Then the cache is reset and
         the version taken. ``version``: the push's version (None: one more than now); updaters
         pass theirs. ``convert_dtype``: cast floating tensors to the model's dtypes.
-        ``allow_non_finite``: load weights holding NaN or infinite values; False: they are refused
-        too (one ValueError naming the tensors, checked on the values as the model will hold them).
-        Updaters pass True: they checked the push before sending it (or were built with
-        ``allow_non_finite=True``).
+        ``allow_non_finite``: load weights holding NaN or Inf (as the model will hold them), which
+        are refused otherwise; updaters pass True, having checked the push before sending it.
 
         ``weights`` may be a :class:`~lmcollect.weights.delta.WeightDelta` (a delta push, with
         its ``version``): applied only onto the push it was made from, and its checksums verified
@@ -247,13 +245,9 @@ class WeightReceiverMixin(HoldsWeightUpdater):
             raise ValueError("pass only one of policy_or_weights, weights= and policy=.")
         if given:
             return self._apply_weights(
-                given[0],
-                model_id=model_id,
-                convert_dtype=convert_dtype,
-                version=version,
-                zero_copy=zero_copy,
+                given[0], model_id=model_id, convert_dtype=convert_dtype, version=version, zero_copy=zero_copy,
                 allow_non_finite=allow_non_finite,
-            )
+            )  # fmt: skip
         _refuse_push_options_without_weights(
             convert_dtype=convert_dtype, version=version, zero_copy=zero_copy, allow_non_finite=allow_non_finite
         )

@@ -102,6 +102,14 @@ class ProcessGroupConfig:
     """Send weights holding NaN or infinite values; False: such a push is refused before anything is
     sent (checked on the values as the receivers will hold them: an fp32 1e5 for an fp16 receiver is
     infinite; with delta, on the changed values)."""
+    digest: bool = True
+    """Authenticate a full push's bytes: a keyed digest (HMAC-SHA256 with a key derived from the
+    group's secret) of its buffers, which every receiver verifies before anything is loaded, so
+    bytes changed on the way (a host on the network path, a rewritten gloo/NCCL rendezvous) are
+    refused. It costs a hash of every byte on each side, overlapped with the transfer (chunks on a
+    few threads; GPU buffers are copied to the host first). False: no digest, for a group on a
+    network nothing untrusted reaches (one host with the store's port firewalled, a private fabric).
+    Delta pushes keep their keyed checksums either way."""
     delta: DeltaConfig | None = None
     """Delta pushes: the sender keeps its packed buffers of the last push, and the next push
     broadcasts only the changed elements; each receiver patches its copy of the last push (its
@@ -142,7 +150,7 @@ class ProcessGroupSender(WeightSender):
     written by a host without the secret is never read or is refused (listing the keys reveals
     the prefix, not the secret). Receivers also check each header against their own model before
     allocating (layout, buffer sizes). The broadcast bytes are authenticated too: a full push's
-    buffers by a BLAKE2b digest keyed with a key derived from the secret (``digest/<n>``, posted
+    buffers by a keyed digest (HMAC-SHA256, with a key derived from the secret) (``digest/<n>``, posted
     once they are packed and verified by each receiver before its collector loads anything), a
     delta's entries by keyed checksums in its signed header; bytes changed on the way (a host on
     the path, a hijacked gloo/NCCL rendezvous) are refused. What the secret does not stop: a
@@ -302,14 +310,20 @@ class ProcessGroupSender(WeightSender):
         if self._delta_base is not None:
             self._delta_base.reset()  # the buffers change now; they are the base again once sent
         n = self._num_pushes
-        header = {"kind": "full", "version": version_json(version), "layout": layout_to_json(layout)}
+        header: dict[str, Any] = {
+            "kind": "full",
+            "version": version_json(version),
+            "layout": layout_to_json(layout),
+            "digest": self.config.digest,  # signed with the header: no one else can switch it off
+        }
         self._post_header(header)
         sending: list[Any] = []  # buffer i goes on the wire while later buffers are being packed
-        digest = BufferDigest(self._digest_key, digest_context(n, header["version"]))
+        digest = BufferDigest(self._digest_key, digest_context(n, header["version"])) if self.config.digest else None
 
         def send_packed(_: int, buffer: torch.Tensor) -> None:
             sending.append(self._group.broadcast(buffer, _SENDER_RANK))
-            digest.add(buffer)  # hashed on other threads while it is on the wire
+            if digest is not None:
+                digest.add(buffer)  # hashed on other threads while it is on the wire
 
         buckets = pack_buckets(
             prepared.weights,
@@ -321,7 +335,8 @@ class ProcessGroupSender(WeightSender):
             on_buffer_packed=send_packed,
             direct=direct,
         )
-        self._store.set(f"digest/{n}", digest.hexdigest())  # signed: receivers verify before loading
+        if digest is not None:
+            self._store.set(f"digest/{n}", digest.hexdigest())  # signed: receivers verify before loading
         for work in sending:
             work.wait()
         self._sent = buckets.buffers
@@ -553,22 +568,25 @@ class ProcessGroupReceiver(WeightReceiver):
         self._held = None  # the buffers are being overwritten
         if self._buffers is None or [b.numel() for b in self._buffers] != list(layout.buffer_nbytes):
             self._buffers = [torch.empty(n, dtype=torch.uint8, device=self._device()) for n in layout.buffer_nbytes]
-        # every broadcast posted at once (the sender packs and sends buffer by buffer), all taken
-        # even on an error, so the group stays in step
-        for work in [self._group.broadcast(buffer, _SENDER_RANK) for buffer in self._buffers]:
-            work.wait()
         n = self._num_pushes
-        self._num_pushes += 1
         self._layout = None  # until the digest matches: the buffers hold bytes nobody vouched for
-        self._verify_digest(n, header, self._buffers)
+        # a signed header says whether a digest follows (ProcessGroupConfig.digest)
+        wanted = header.get("digest") is not False
+        digest = BufferDigest(self._digest_key, digest_context(n, header["version"])) if wanted else None
+        # every broadcast posted at once (the sender packs and sends buffer by buffer), all taken
+        # even on an error, so the group stays in step; each hashed (on other threads) once it is in
+        for work, buffer in [(self._group.broadcast(buffer, _SENDER_RANK), buffer) for buffer in self._buffers]:
+            work.wait()
+            if digest is not None:
+                digest.add(buffer)
+        self._num_pushes += 1
+        if digest is not None:
+            self._verify_digest(n, digest)
         self._layout, self._held = layout, version_from_json(header["version"])
         self.last_receive_info = {"kind": "full", "nbytes": layout.total_nbytes, "refused": None}
 
-    def _verify_digest(self, n: int, header: dict, buffers: list[torch.Tensor]) -> None:
-        """Raise ValueError unless the keyed digest of ``buffers`` is the one the sender signed for push ``n``."""
-        digest = BufferDigest(self._digest_key, digest_context(n, header["version"]))
-        for buffer in buffers:
-            digest.add(buffer)  # hashed while the sender's digest is awaited
+    def _verify_digest(self, n: int, digest: BufferDigest) -> None:
+        """Raise ValueError unless ``digest`` (of the buffers received) is the one the sender signed for push ``n``."""
         key = f"digest/{n}"
         info, store = self._joined()
         try:

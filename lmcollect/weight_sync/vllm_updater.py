@@ -92,6 +92,9 @@ class vLLMUpdater(WeightUpdaterBase[int]):
         vllm_tp_size: tensor-parallel size of each engine replica (None: 1).
         verify: workers return a CRC32 of every bucket of the weights they now hold (after a
             delta: of the patched copy); a mismatch with the trainer's raises ``WeightPushError``.
+        digest: authenticate every full push's bytes with a keyed digest that each worker verifies
+            before it reloads anything (see ``ProcessGroupConfig.digest``); False: for an engine
+            on a network nothing untrusted reaches, to save hashing every byte on both sides.
         timeout_s: longest a push (or ``init``) may take; a worker that died makes the push raise
             ``WeightPushError`` within it instead of hanging.
         bucket_size_bytes: largest broadcast buffer.
@@ -133,6 +136,7 @@ class vLLMUpdater(WeightUpdaterBase[int]):
         vllm_tp_size: int | None = None,
         *,
         verify: bool = False,
+        digest: bool = True,
         timeout_s: float = 300.0,
         bucket_size_bytes: int = 64 * 2**20,
         backend: Backend = "auto",
@@ -156,6 +160,7 @@ class vLLMUpdater(WeightUpdaterBase[int]):
         self.model_metadata = model_metadata
         self.vllm_tp_size = tp_size
         self.verify = verify
+        self.digest = digest
         self.timeout_s = timeout_s
         self.bucket_size_bytes = bucket_size_bytes
         self.backend = backend
@@ -236,6 +241,7 @@ class vLLMUpdater(WeightUpdaterBase[int]):
             bucket_size_bytes=self.bucket_size_bytes,
             convert_dtype=self.convert_dtype,
             allow_non_finite=self.allow_non_finite,
+            digest=self.digest,
             delta=self.delta,
         )
         sender = ProcessGroupSender(config)

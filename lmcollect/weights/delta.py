@@ -8,7 +8,7 @@ checks the delta (:func:`prepare_delta`), writes it, and verifies a per-tensor C
 changed positions, the values they held before and the values they hold after; on any mismatch
 it restores the old values and raises :class:`DeltaRejectedError` (weights and version
 unchanged), and the sender answers with a full push. Where the delta crosses a network (a process
-group), the checksum is keyed instead (``checksum_key``: a 64-bit BLAKE2b keyed with the group's
+group), the checksum is keyed instead (``checksum_key``: a 64-bit HMAC-SHA256 keyed with the group's
 secret), so bytes changed on the way cannot be given a matching checksum.
 
 Encodings of the changed positions, per tensor (``DeltaConfig.encoding``):
@@ -91,7 +91,7 @@ class TensorDelta:
     num_changed: int
     checksum: int
     """CRC32 of the position arrays, the old values, then the new values (as raw bytes); with a
-    ``checksum_key``, their 64-bit keyed BLAKE2b instead."""
+    ``checksum_key``, their keyed digest (HMAC-SHA256, 64 bits) instead."""
 
 
 @dataclass

@@ -1,9 +1,11 @@
-"""Keyed digests (BLAKE2b) of weight bytes: what a receiver checks before it loads bytes that crossed a network.
+"""Keyed digests (HMAC-SHA256) of weight bytes: what a receiver checks before it loads bytes that crossed a network.
 
 A CRC catches accidents but not an attacker, who can change bytes and fix the CRC up; a keyed
 digest can only be made by a holder of the key (a process group's secret: see
-:func:`derive_key`). Buffers are hashed in chunks on a small thread pool (hashlib releases the
-GIL), reading CPU tensors in place; a chunk of a GPU buffer is copied to the host first.
+:func:`derive_key`). HMAC-SHA256 rather than keyed BLAKE2b: with the SHA extensions of current
+x86 and ARM CPUs, OpenSSL's SHA-256 runs about twice as fast. Buffers are hashed in chunks on a
+small thread pool (hashlib releases the GIL), reading CPU tensors in place; a chunk of a GPU
+buffer is copied to the host first.
 """
 
 from __future__ import annotations
@@ -18,15 +20,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 CHUNK_BYTES = 16 << 20  # hashed one chunk per task: large enough to amortize, small enough to spread
-DIGEST_BYTES = 32
 _pool: tuple[int, ThreadPoolExecutor] | None = None  # (the process that made it, the pool)
 _pool_lock = threading.Lock()
 
 
 def derive_key(secret: str, purpose: str) -> bytes:
-    """A key for one ``purpose`` from a shared ``secret`` (a keyed BLAKE2b of the purpose's name), so
-    the digests of one purpose never verify as another's."""
-    return hashlib.blake2b(purpose.encode(), key=secret.encode()[:64], digest_size=DIGEST_BYTES).digest()
+    """A key for one ``purpose`` from a shared ``secret`` (the HMAC of the purpose's name), so the
+    digests of one purpose never verify as another's."""
+    return hmac.new(secret.encode(), purpose.encode(), hashlib.sha256).digest()
 
 
 def same_digest(a: str, b: str) -> bool:
@@ -35,10 +36,11 @@ def same_digest(a: str, b: str) -> bool:
 
 
 class BufferDigest:
-    """A keyed BLAKE2b over a sequence of byte buffers, fed as they are sent or received (:meth:`add`).
+    """A keyed digest (HMAC-SHA256) of a sequence of byte buffers, fed as they are sent or received
+    (:meth:`add`).
 
-    Each chunk of each buffer is hashed on its own (its buffer and chunk index in the salt) while
-    the caller goes on; :meth:`hexdigest` waits for them and hashes ``context``, then every chunk's
+    Each chunk of each buffer is hashed on its own (its buffer and chunk index first) while the
+    caller goes on; :meth:`hexdigest` waits for them and hashes ``context``, then every chunk's
     size and digest in order. ``context`` binds the digest to one push (its number and version), so
     the digest of an earlier push never verifies a later one.
     """
@@ -56,12 +58,12 @@ class BufferDigest:
         self._num_buffers += 1
         for chunk_index, start in enumerate(range(0, flat.numel(), CHUNK_BYTES)):
             chunk = flat[start : start + CHUNK_BYTES]
-            salt = struct.pack("<QQ", index, chunk_index)
-            self._parts.append((index, chunk.numel(), _thread_pool().submit(_hash_chunk, chunk, self._key, salt)))
+            where = struct.pack("<QQ", index, chunk_index)
+            self._parts.append((index, chunk.numel(), _thread_pool().submit(_hash_chunk, chunk, self._key, where)))
 
     def hexdigest(self) -> str:
         """The digest of everything added (waits for the chunks still being hashed)."""
-        final = hashlib.blake2b(self._context, key=self._key, digest_size=DIGEST_BYTES)
+        final = hmac.new(self._key, self._context, hashlib.sha256)
         for index, nbytes, part in self._parts:
             final.update(struct.pack("<QQ", index, nbytes))
             final.update(part.result())
@@ -70,16 +72,19 @@ class BufferDigest:
 
 
 def keyed_checksum(arrays: list[torch.Tensor], key: bytes) -> int:
-    """A 64-bit keyed BLAKE2b of the bytes of ``arrays`` in order (a delta entry's checksum)."""
-    digest = hashlib.blake2b(key=key, digest_size=8)
+    """The keyed digest (HMAC-SHA256, its first 64 bits) of the bytes of ``arrays`` in order (a
+    delta entry's checksum)."""
+    digest = hmac.new(key, b"lmcollect arrays", hashlib.sha256)
     for array in arrays:
         digest.update(struct.pack("<Q", array.numel() * array.element_size()))
         digest.update(_host_bytes(array.detach().reshape(-1)))
-    return int.from_bytes(digest.digest(), "little")
+    return int.from_bytes(digest.digest()[:8], "little")
 
 
-def _hash_chunk(chunk: torch.Tensor, key: bytes, salt: bytes) -> bytes:
-    return hashlib.blake2b(_host_bytes(chunk), key=key, salt=salt, digest_size=DIGEST_BYTES).digest()
+def _hash_chunk(chunk: torch.Tensor, key: bytes, where: bytes) -> bytes:
+    digest = hmac.new(key, where, hashlib.sha256)  # which buffer and chunk: bytes cannot move between them
+    digest.update(_host_bytes(chunk))
+    return digest.digest()
 
 
 def _host_bytes(flat: torch.Tensor) -> memoryview:

@@ -179,3 +179,12 @@ def test_a_delta_changed_on_the_way_with_its_crc_kept_is_refused_and_a_full_push
     stats = group.sender.last_push_stats
     assert (stats.kind, stats.num_repaired) == ("full", 1)
     assert same(received, as_held(weights(2), torch.float32))
+
+
+def test_digest_false_posts_no_digest_and_the_receiver_waits_for_none(make_group) -> None:
+    group = make_group(digest=False)  # a group on a network nothing untrusted reaches
+    assert same(group.push(weights(1)), weights(1))
+    assert not any("/digest/" in key for key in group.client().list_keys())
+    signed = make_group()
+    signed.push(weights(1))
+    assert any(key.endswith("/digest/0") for key in signed.client().list_keys())
