@@ -7,6 +7,11 @@ non-tensor part is JSON (no pickle: see :mod:`lmcollect.data.codec`), plus ``man
 ``load_checkpoint`` restores them into collectors (and a buffer) built the same way, in any
 process, and refuses a checkpoint from another configuration with an error naming what differs.
 
+A checkpoint folder is not trusted: loading is all or nothing. Every state file must be a regular
+file in the folder (a plain name, no symbolic link), and every collector's state and the buffer's
+are checked (layout, version, weights with their names, shapes, dtypes and NaN/Inf, envs, turns,
+RNG states) before any of them is loaded; a refused checkpoint raises with nothing changed.
+
 Example::
 
     save_checkpoint("runs/ckpt-100", [collector], replay_buffer=buffer)
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import time
 import uuid
 from collections.abc import Sequence
@@ -91,26 +97,67 @@ def _checked_file(folder: Path, entry: Any) -> Path:
             f"{folder / MANIFEST} names the state file {name!r}: a checkpoint's files are plain file names in "
             "its own folder (no path, no '..'); this manifest was not written by save_checkpoint."
         )
-    return folder / name
+    return _regular_file_in(folder, name)
 
 
-def load_checkpoint(folder: str | Path, collectors: Sequence[Any], *, replay_buffer: Any = None) -> None:
-    """Restore what :func:`save_checkpoint` wrote into collectors (and a buffer) built the same way."""
+def _regular_file_in(folder: Path, name: str) -> Path:
+    """``folder / name`` if it is a regular file there, not a symbolic link (which may point
+    anywhere, e.g. at another run's state or out of the folder); ValueError otherwise."""
+    path = folder / name
+    try:
+        mode = os.lstat(path).st_mode  # the entry itself: a link is not followed
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} is missing: the checkpoint is incomplete; pick another folder.") from None
+    if stat.S_ISLNK(mode) or not stat.S_ISREG(mode) or path.resolve().parent != folder.resolve():
+        what = "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file"
+        raise ValueError(
+            f"{path} is {what}: a checkpoint's files are regular files in its own folder; refused, nothing was "
+            "loaded. Copy the files themselves into the folder (or save the checkpoint again)."
+        )
+    return path
+
+
+def load_checkpoint(
+    folder: str | Path, collectors: Sequence[Any], *, replay_buffer: Any = None, allow_non_finite: bool = False
+) -> None:
+    """Restore what :func:`save_checkpoint` wrote into collectors (and a buffer) built the same way.
+
+    All or nothing: every file is read and every state checked (``check_state_dict`` of each
+    collector and of the buffer) before any is loaded; a refused checkpoint raises ValueError
+    naming what is wrong, with no collector and no buffer changed. ``allow_non_finite=True``
+    restores weights holding NaN or Inf (refused by default, as pushes are).
+    """
     folder = Path(folder)
-    manifest_path = folder / MANIFEST
-    if not manifest_path.is_file():
+    states, buffer_state = _read_checkpoint(folder, len(collectors), replay_buffer)
+    options = {"allow_non_finite": True} if allow_non_finite else {}
+    _check_states(folder, collectors, states, options)
+    if buffer_state is not None:
+        try:
+            replay_buffer.check_state_dict(buffer_state)
+        except ValueError as exc:  # designed: name the buffer; nothing was loaded yet
+            raise ValueError(f"{folder}: the replay buffer's state was refused, nothing was loaded: {exc}") from exc
+    for collector, state in zip(collectors, states, strict=True):  # every state checked: now load them all
+        collector.load_state_dict(state, **options)
+    if buffer_state is not None:
+        replay_buffer.load_state_dict(buffer_state)
+
+
+def _read_checkpoint(folder: Path, num_collectors: int, replay_buffer: Any) -> tuple[list[Any], Any]:
+    """Every state a checkpoint folder holds (the collectors', the buffer's or None), read whole
+    before anything changes; errors name what does not fit the collectors and buffer given."""
+    if not (folder / MANIFEST).exists() and not (folder / MANIFEST).is_symlink():
         raise FileNotFoundError(
             f"{folder} has no {MANIFEST}: not a checkpoint, or one whose save did not finish; pick another folder."
         )
-    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    manifest = json.loads(_regular_file_in(folder, MANIFEST).read_text(encoding="utf-8"))
     if manifest.get("format") != FORMAT:
         raise ValueError(
             f"{folder}: checkpoint format {manifest.get('format')!r}, this lmcollect reads format {FORMAT}."
         )
     entries = manifest["collectors"]
-    if len(entries) != len(collectors):
+    if len(entries) != num_collectors:
         raise ValueError(
-            f"{folder} holds {len(entries)} collector state(s), {len(collectors)} collector(s) were given; "
+            f"{folder} holds {len(entries)} collector state(s), {num_collectors} collector(s) were given; "
             "restore into as many collectors, in the same order."
         )
     saved_buffer = manifest.get("replay_buffer")
@@ -121,17 +168,20 @@ def load_checkpoint(folder: str | Path, collectors: Sequence[Any], *, replay_buf
         )
     paths = [_checked_file(folder, entry) for entry in entries]
     buffer_path = None if saved_buffer is None else _checked_file(folder, saved_buffer)
-    states = [codec.load(path) for path in paths]  # read everything before changing anything
+    states = [codec.load(path) for path in paths]
     buffer_state = None if buffer_path is None else codec.load(buffer_path)
-    if buffer_state is not None and buffer_state["capacity"] != replay_buffer_capacity(replay_buffer):
+    if buffer_state is not None and buffer_state.get("capacity") != replay_buffer_capacity(replay_buffer):
         raise ValueError(
-            f"{folder}: the replay buffer was saved with capacity={buffer_state['capacity']}, the given one has "
+            f"{folder}: the replay buffer was saved with capacity={buffer_state.get('capacity')}, the given one has "
             f"capacity={replay_buffer_capacity(replay_buffer)}; build it with the same capacity."
         )
-    for i, (collector, state) in enumerate(
-        zip(collectors, states, strict=True)
-    ):  # check every collector before loading any
-        mine, saved = collector.layout(), state.get("layout")
+    return states, buffer_state
+
+
+def _check_states(folder: Path, collectors: Sequence[Any], states: list[Any], options: dict[str, Any]) -> None:
+    """Check every collector's state (its layout first, for a clearer error) before any is loaded."""
+    for i, (collector, state) in enumerate(zip(collectors, states, strict=True)):
+        mine, saved = collector.layout(), state.get("layout") if isinstance(state, dict) else None
         wrong = [
             f"{k}={saved.get(k)!r} (given collector: {v!r})" for k, v in mine.items() if saved and saved.get(k) != v
         ]
@@ -140,10 +190,10 @@ def load_checkpoint(folder: str | Path, collectors: Sequence[Any], *, replay_buf
                 f"{folder}: collector {i} was saved with another configuration: {'; '.join(wrong)}. Build the "
                 "collectors with the same envs and batching arguments as the saved run."
             )
-    for collector, state in zip(collectors, states, strict=True):
-        collector.load_state_dict(state)
-    if buffer_state is not None:
-        replay_buffer.load_state_dict(buffer_state)
+        try:
+            collector.check_state_dict(state, **options)
+        except ValueError as exc:  # designed: name the collector; nothing was loaded yet
+            raise ValueError(f"{folder}: collector {i}'s state was refused, nothing was loaded: {exc}") from exc
 
 
 def replay_buffer_capacity(buffer: Any) -> int:

@@ -135,22 +135,37 @@ class ReplayBuffer:
                 "generator": self._generator.get_state(),
             }
 
+    def check_state_dict(self, state: dict) -> None:
+        """Raise ValueError if :meth:`load_state_dict` would refuse ``state``; changes nothing."""
+        self._parsed_state(state)
+
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`; a state that does not fit this buffer is refused, nothing changed."""
-        if state["capacity"] != self.capacity:
-            raise ValueError(
-                f"state_dict capacity {state['capacity']} != this buffer's {self.capacity}; "
-                "create the buffer with the same capacity."
-            )
-        storage, cursor, write_count = list(state["storage"]), state["cursor"], state["write_count"]
-        _check_state(storage, cursor, write_count, self.capacity)
-        generator = torch.Generator()
-        generator.set_state(state["generator"])  # a bad generator state raises here, before any change
+        storage, cursor, write_count, generator = self._parsed_state(state)
         with self._lock:
             self._storage = storage
             self._cursor = cursor
             self._write_count = write_count
             self._generator = generator
+
+    def _parsed_state(self, state: dict) -> tuple[list, int, int, torch.Generator]:
+        """The fields of ``state``, checked against each other and this buffer (ValueError otherwise)."""
+        try:
+            capacity, storage = state["capacity"], list(state["storage"])
+            cursor, write_count, generator_state = state["cursor"], state["write_count"], state["generator"]
+        except (KeyError, TypeError) as exc:  # designed: a hand-edited or corrupted checkpoint
+            raise ValueError(f"this replay-buffer state is malformed ({exc!r:.200}); it was not loaded.") from None
+        if capacity != self.capacity:
+            raise ValueError(
+                f"state_dict capacity {capacity} != this buffer's {self.capacity}; create the buffer with the same capacity."
+            )
+        _check_state(storage, cursor, write_count, self.capacity)
+        generator = torch.Generator()
+        try:
+            generator.set_state(generator_state)
+        except (TypeError, RuntimeError) as exc:  # designed: not a generator state
+            raise ValueError(f"this replay-buffer state's generator is malformed ({exc}); it was not loaded.") from None
+        return storage, cursor, write_count, generator
 
 
 def _check_state(storage: list, cursor: object, write_count: object, capacity: int) -> None:

@@ -33,7 +33,16 @@ from lmcollect.files import write_text_atomically
 
 logger = logging.getLogger(__name__)
 
-BENCHMARKS = ("collect", "weight_sync", "push_latency", "memory", "startup", "agentic", "dynamic_sampling", "kv_fidelity")
+BENCHMARKS = (
+    "collect",
+    "weight_sync",
+    "push_latency",
+    "memory",
+    "startup",
+    "agentic",
+    "dynamic_sampling",
+    "kv_fidelity",
+)
 
 
 def run_bench(config: BenchConfig) -> int:

@@ -120,15 +120,23 @@ class Batcher:
             "completed": [[turn_state(t) for t in traj] for traj in self._completed],
         }
 
+    def check_state_dict(self, state: dict) -> None:
+        """Raise if :meth:`load_state_dict` would refuse ``state``; changes nothing."""
+        self._parsed_state(state)
+
     def load_state_dict(self, state: dict) -> None:
+        self._per_slot, self._completed = self._parsed_state(state)
+        self._num_completed_turns = sum(len(traj) for traj in self._completed)
+
+    def _parsed_state(self, state: dict) -> tuple[list[deque[CollectedTurn]], deque[list[CollectedTurn]]]:
         if len(state["per_slot"]) != self.num_slots:
             raise ValueError(
                 f"the state holds turns of {len(state['per_slot'])} env slots, this collector has {self.num_slots}; "
                 "restore into a collector with the same envs and batch sizes."
             )
-        self._per_slot = [deque(CollectedTurn(**t) for t in q) for q in state["per_slot"]]
-        self._completed = deque([CollectedTurn(**t) for t in traj] for traj in state["completed"])
-        self._num_completed_turns = sum(len(traj) for traj in self._completed)
+        per_slot = [deque(turn_from_state(t, self.num_slots) for t in q) for q in state["per_slot"]]
+        completed = deque([turn_from_state(t, self.num_slots) for t in traj] for traj in state["completed"])
+        return per_slot, completed
 
     @property
     def num_buffered_turns(self) -> int:
@@ -137,3 +145,16 @@ class Batcher:
 
 def turn_state(turn: CollectedTurn) -> dict:
     return {"slot": turn.slot, "traj_id": turn.traj_id, "done": turn.done, "td": turn.td}
+
+
+def turn_from_state(state: dict, num_slots: int | None = None) -> CollectedTurn:
+    """The turn :func:`turn_state` described, every field checked (ValueError otherwise);
+    ``num_slots``: how many env slots the collector has (None: any slot number)."""
+    slot, traj_id, done, td = state["slot"], state["traj_id"], state["done"], state["td"]
+    if isinstance(slot, bool) or not isinstance(slot, int) or slot < 0 or (num_slots is not None and slot >= num_slots):
+        raise ValueError(f"a saved turn's slot {slot!r:.40} is not one of this collector's env slots.")
+    if isinstance(traj_id, bool) or not isinstance(traj_id, int) or not isinstance(done, bool):
+        raise ValueError(f"a saved turn has traj_id={traj_id!r:.40}, done={done!r:.40}: an int and a bool expected.")
+    if not isinstance(td, TensorDictBase):
+        raise ValueError(f"a saved turn's data is a {type(td).__name__}, not a TensorDict.")
+    return CollectedTurn(slot=slot, traj_id=traj_id, done=done, td=td)

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
             convert_dtype: bool = False,
             version: PushVersion | None = None,
             zero_copy: bool = False,
+            allow_non_finite: bool = False,
         ) -> Any: ...
         def set_worker_idx(self, worker_idx: int | None, restarts: int = 0) -> None: ...
         def set_seed(self, seed: int, static_seed: bool = False) -> int: ...
@@ -103,7 +104,8 @@ class WorkerMethods(_CollectorHost):
         """Give a restarted actor back what it held: worker index (ids continue in a fresh
         sub-block of its range), seed, and the last weights pushed to it with their version."""
         if weights is not None:
-            self._apply_weights(weights, convert_dtype=convert_dtype, version=version)
+            # what was pushed to it before: checked (or allowed) by that push
+            self._apply_weights(weights, convert_dtype=convert_dtype, version=version, allow_non_finite=True)
         if worker_idx is not None:
             self.set_worker_idx(worker_idx, restarts=restarts)
         if seed is not None:

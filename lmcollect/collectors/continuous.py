@@ -317,7 +317,14 @@ class ContinuousLLMCollector(
 
     # ------------------------------------------------------------------ weights
     def _apply_leaf(
-        self, weights: Any, *, model_id: str, convert_dtype: bool, version: PushVersion | None, zero_copy: bool
+        self,
+        weights: Any,
+        *,
+        model_id: str,
+        convert_dtype: bool,
+        version: PushVersion | None,
+        zero_copy: bool,
+        allow_non_finite: bool,
     ) -> Any:
         """:meth:`receive_weights` here: load a push into the engine while it is paused between two
         decoding steps (under the push lock: one push at a time, a delta decoded against the weights held now).
@@ -326,7 +333,8 @@ class ContinuousLLMCollector(
         ``engine.load_weights(..., version=)`` (the engine checks every name and shape first);
         ``engine.reset_prefix_cache()`` and take the push's version; ``engine.resume()``. Tokens
         decoded from then on carry the new version in ``("collector", "token_versions")``.
-        ``zero_copy`` is accepted and ignored: the engine copies the weights into its own.
+        ``zero_copy`` is accepted and ignored: the engine copies the weights into its own. Weights
+        holding NaN or Inf (as the engine will hold them) are refused unless ``allow_non_finite``.
 
         A :class:`~lmcollect.weights.delta.WeightDelta` (with ``version``) is first decoded
         against a copy of the engine's current weights (its ``.model`` module, as
@@ -336,7 +344,9 @@ class ContinuousLLMCollector(
         """
         if model_id != "policy":
             raise ValueError(f"model_id={model_id!r}: a ContinuousLLMCollector receives weights for 'policy' only.")
-        report = self._load_into_engine(self.engine, weights, convert_dtype=convert_dtype, version=version)
+        report = self._load_into_engine(
+            self.engine, weights, convert_dtype=convert_dtype, version=version, allow_non_finite=allow_non_finite
+        )
         if not self._shut_down:
             self._tasks.wake()  # the lag rule may admit turns under the new version
         return report

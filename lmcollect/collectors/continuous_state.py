@@ -7,11 +7,20 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from tensordict import TensorDictBase
+
 from lmcollect.collectors.config import CollectionConfig
 from lmcollect.collectors.dialog_tasks import DialogTasks
 from lmcollect.collectors.group_filter import missing_filter_state
 from lmcollect.collectors.group_flow import GroupFlow
 from lmcollect.collectors.llm_collector import state_of
+from lmcollect.collectors.state_checks import (
+    check_counts,
+    check_env_states,
+    check_parts,
+    check_state_mapping,
+    push_version_of,
+)
 from lmcollect.collectors.trajectories import TrajectoryTracker
 from lmcollect.collectors.turn_flow import TurnFlow
 from lmcollect.collectors.versioning import PolicyVersion
@@ -46,8 +55,14 @@ class ContinuousStateMixin:
             convert_dtype: bool = False,
             version: PushVersion | None = None,
             zero_copy: bool = False,
+            allow_non_finite: bool = False,
         ) -> Any: ...
         def _check_version(self, version: PushVersion | None) -> None: ...
+        def _check_loadable(
+            self, weights: Any, *, convert_dtype: bool, allow_non_finite: bool, engine: Any = None
+        ) -> None: ...
+
+        engine: Any
 
     def set_seed(self, seed: int, static_seed: bool = False) -> int:
         """Seed slot envs ``seed, seed+1, ...`` (as LLMCollector seeds its envs); new dialogs in every slot.
@@ -116,26 +131,69 @@ class ContinuousStateMixin:
         }
 
     def load_state_dict(self, state_dict: OrderedDict, **kwargs: Any) -> None:
-        """Restore :meth:`state_dict` (before collecting, or inside ``with collector.pause():``)."""
-        mine = self.layout()
-        wrong = [
-            f"{k}={state_dict['layout'].get(k)!r} (this collector: {v!r})"
-            for k, v in mine.items()
-            if state_dict["layout"].get(k) != v
-        ]
-        if wrong:
-            raise ValueError("this state comes from a collector with another configuration: " + "; ".join(wrong) + ".")
-        if ("sampling" in state_dict["pending_turns"]) != (self._flow.tally is not None):
-            raise missing_filter_state("ContinuousLLMCollector")
-        version = state_dict.get("policy_version")
-        pushed = None if version is None else PushVersion(int(version["index"]), str(version["uuid"]))
+        """Restore :meth:`state_dict` (before collecting, or inside ``with collector.pause():``), all
+        or nothing: every part is checked first (:meth:`check_state_dict`), and a refused state
+        raises ValueError with nothing changed. ``allow_non_finite=True`` loads weights holding NaN or Inf."""
+        self.check_state_dict(state_dict, **kwargs)
+        pushed = push_version_of(state_dict.get("policy_version"))
         if state_dict.get("policy_state_dict") is not None:
-            self._apply_weights(state_dict["policy_state_dict"], version=pushed)
+            self._apply_weights(
+                state_dict["policy_state_dict"],
+                version=pushed,
+                allow_non_finite=bool(kwargs.get("allow_non_finite", False)),
+            )
         elif pushed is not None and self._policy_version is not None:
             self._check_version(pushed)
             self._policy_version.set(pushed)
         with self._paused_here():
             self._tasks.call(self._restore(state_dict))
+
+    def check_state_dict(self, state_dict: OrderedDict, **kwargs: Any) -> None:
+        """Raise ValueError if :meth:`load_state_dict` would refuse ``state_dict``; changes nothing.
+
+        Checks the layout, the version (not older than the one held), the weights as the engine
+        takes them (names, shapes, dtypes, NaN/Inf), every env's state (envs with a
+        ``check_state_dict``), the counters, the trajectory ids, every slot's dialog and the
+        finished turns not yet yielded."""
+        state = check_state_mapping(state_dict)
+        version, weights = state.get("policy_version"), state.get("policy_state_dict")
+        allow_non_finite = bool(kwargs.get("allow_non_finite", False))
+        check_parts(
+            [
+                ("layout", lambda: self._check_layout(state["layout"])),
+                ("policy_version", lambda: self._check_version(push_version_of(version))),
+                ("policy_state_dict", None if weights is None else lambda: self._check_loadable(
+                    weights, convert_dtype=False, allow_non_finite=allow_non_finite, engine=self.engine)),
+                ("env_state_dict", lambda: check_env_states(self.envs, state["env_state_dict"], strict=True)),
+                ("counters", lambda: check_counts(state, ("turns_run", "batches"), required=True)),
+                ("trajectories", lambda: self._tracker.check_state_dict(state["trajectories"])),
+                ("observations", lambda: self._check_slots(state["observations"])),
+                ("dynamic_sampling", lambda: self._check_filter_state(state["pending_turns"])),
+                ("pending_turns", lambda: self._flow.check_state_dict(state["pending_turns"])),
+            ]
+        )  # fmt: skip
+
+    def _check_filter_state(self, pending: Any) -> None:
+        """A state restores only into a collector with dynamic sampling set the same way (on or off)."""
+        if isinstance(pending, dict) and ("sampling" in pending) != (self._flow.tally is not None):
+            raise missing_filter_state("ContinuousLLMCollector")
+
+    def _check_layout(self, layout: Any) -> None:
+        wrong = [
+            f"{k}={layout.get(k)!r} (this collector: {v!r})" for k, v in self.layout().items() if layout.get(k) != v
+        ]
+        if wrong:
+            raise ValueError("this state comes from a collector with another configuration: " + "; ".join(wrong) + ".")
+
+    def _check_slots(self, saved: Any) -> None:
+        """Every slot's saved dialog: its observation (None between dialogs) and flags."""
+        if not isinstance(saved, list) or len(saved) != len(self._tasks.slots):
+            raise ValueError(
+                f"the state holds dialogs of {len(saved)} slots, this collector has {len(self._tasks.slots)}."
+            )
+        for slot in saved:
+            if slot["obs"] is not None and not isinstance(slot["obs"], TensorDictBase):
+                raise ValueError(f"a slot's observation is a {type(slot['obs']).__name__}, not a TensorDict.")
 
     async def _restore(self, state: OrderedDict) -> None:
         for env, env_state in zip(self.envs, state["env_state_dict"], strict=True):

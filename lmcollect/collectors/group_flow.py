@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 from tensordict import TensorDictBase
 
-from lmcollect.collectors.batcher import CollectedTurn, turn_state
+from lmcollect.collectors.batcher import CollectedTurn, turn_from_state, turn_state
 from lmcollect.collectors.group_filter import DynamicSampling, GroupTally, missing_filter_state
 from lmcollect.collectors.turn_flow import deadlines_met, lag_admits, take_oldest
 from lmcollect.data.turns import stack_turns
@@ -302,29 +302,42 @@ class GroupFlow:
             **({} if self.tally is None else {"sampling": self.tally.state_dict()}),
         }
 
+    def check_state_dict(self, state: dict) -> None:
+        """Raise if :meth:`load_state_dict` would refuse ``state``; changes nothing."""
+        self._parsed_state(state)
+
     def load_state_dict(self, state: dict) -> None:
+        counters, finished, self._open, self._slot_group, self._missing = self._parsed_state(state)
+        if self.tally is not None:
+            self.tally.load_state_dict(state["sampling"])
+        for name, value in counters.items():
+            setattr(self, name, value)
+        self._finished = []
+        for version, turns in finished:
+            self._finished.append((version, self._seq, turns))
+            self._seq += 1
+
+    def _parsed_state(
+        self, state: dict
+    ) -> tuple[dict[str, int], list[tuple[int, list[CollectedTurn]]], dict[int, _Group], dict[int, int], Counter[int]]:
+        """Every field of ``state``, checked and converted, before anything changes."""
         if "open" not in state:
             raise ValueError(
                 "this state holds turns without GRPO groups; restore it into a collector whose envs have no repeats."
             )
         if ("sampling" in state) != (self.tally is not None):
             raise missing_filter_state("ContinuousLLMCollector")
-        for name in _COUNTERS:
-            setattr(self, name, int(state[name]))
-        self._finished = []
-        for item in state["finished"]:
-            self._finished.append((int(item["version"]), self._seq, [CollectedTurn(**t) for t in item["turns"]]))
-            self._seq += 1
-        self._open = {
+        counters = {name: int(state[name]) for name in _COUNTERS}
+        finished = [(int(item["version"]), [turn_from_state(t) for t in item["turns"]]) for item in state["finished"]]
+        open_groups = {
             int(g): _Group(
-                int(h["version"]), int(h["expected"]), int(h["done"]), [CollectedTurn(**t) for t in h["turns"]]
+                int(h["version"]), int(h["expected"]), int(h["done"]), [turn_from_state(t) for t in h["turns"]]
             )
             for g, h in state["open"].items()
         }
-        self._slot_group = {int(s): int(g) for s, g in state["slot_group"].items()}
-        self._missing = Counter({int(g): int(n) for g, n in state["missing"].items()})
-        if self.tally is not None:
-            self.tally.load_state_dict(state["sampling"])
+        slot_group = {int(s): int(g) for s, g in state["slot_group"].items()}
+        missing = Counter({int(g): int(n) for g, n in state["missing"].items()})
+        return counters, finished, open_groups, slot_group, missing
 
 
 _COUNTERS = ("base_version", "num_started", "num_consumed", "num_batches", "num_dialogs_started")

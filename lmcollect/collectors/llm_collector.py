@@ -26,6 +26,15 @@ from lmcollect.collectors.group_gate import lockstep_gate
 from lmcollect.collectors.runners import AsyncRunners, SyncRunners
 from lmcollect.collectors.rwlock import ReadWriteLock
 from lmcollect.collectors.shell import CollectorShell
+from lmcollect.collectors.state_checks import (
+    check_counts,
+    check_env_states,
+    check_observations,
+    check_parts,
+    check_rng,
+    check_state_mapping,
+    push_version_of,
+)
 from lmcollect.collectors.trajectories import TrajectoryTracker, id_base, random_namespace
 from lmcollect.collectors.versioning import make_policy_version
 from lmcollect.collectors.weights import WeightReceiverMixin
@@ -453,26 +462,85 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin, R
             )
 
     def load_state_dict(self, state_dict: OrderedDict, **kwargs: Any) -> None:
-        """Restore what :meth:`state_dict` returned.
+        """Restore what :meth:`state_dict` returned, all or nothing: every part is checked first
+        (:meth:`check_state_dict`), and a refused state raises ValueError with nothing changed.
 
         The weights load like a push (checked first, under the policy write lock, prefix cache
         reset) and the collector takes the state's version (never an older one than it holds;
-        an untracked collector stays untracked).
+        an untracked collector stays untracked). ``convert_dtype=True`` casts the weights to the
+        model's dtypes; ``allow_non_finite=True`` loads weights holding NaN or Inf.
         """
         with self._lock:
             self._load_state_dict(state_dict, **kwargs)
 
-    def _load_state_dict(self, state_dict: OrderedDict, **kwargs: Any) -> None:
-        self._check_layout(state_dict.get("layout"))
-        if ("group_gate" in state_dict) != (self._gate is not None):
+    def check_state_dict(self, state_dict: OrderedDict, **kwargs: Any) -> None:
+        """Raise ValueError if :meth:`load_state_dict` would refuse ``state_dict``; changes nothing.
+
+        Checks the layout, the version (not older than the one held), the weights (names, shapes,
+        dtypes, NaN/Inf), every env's state (envs with a ``check_state_dict``), the counters, the
+        trajectory ids, the RNG states, the observations and the turns not yet yielded."""
+        with self._lock:
+            self._check_state(state_dict, **kwargs)
+
+    def _check_state(self, state: Any, **kwargs: Any) -> None:
+        state = check_state_mapping(state)
+        version, observations = state.get("policy_version"), state.get("observations")
+        runners = self._runners.runners
+        check_parts(
+            [
+                ("layout", lambda: self._check_layout(state.get("layout"))),
+                ("policy_version", lambda: self._check_state_version(push_version_of(version))),
+                ("policy_state_dict", lambda: self._check_state_weights(state.get("policy_state_dict"), **kwargs)),
+                ("env_state_dict", lambda: check_env_states(self.envs, state.get("env_state_dict", []))),
+                ("counters", lambda: check_counts(state, ("turns_run", "turns_yielded", "batches"))),
+                ("trajectories", None if "trajectories" not in state else lambda: self._tracker.check_state_dict(state["trajectories"])),
+                ("rng", lambda: check_rng(state.get("rng"), self.policy)),
+                ("observations", None if observations is None else lambda: self._check_observations(observations, runners)),
+                ("dynamic_sampling", lambda: self._check_gate_state(state)),
+                ("pending_turns", None if observations is None else lambda: self._batcher.check_state_dict(state["pending_turns"])),
+            ]
+        )  # fmt: skip
+
+    def _check_state_weights(self, policy_state: Any, **kwargs: Any) -> None:
+        model = self.get_policy_model()
+        if policy_state is not None and (hasattr(model, "load_state_dict") or self._engine_holding("policy", model)):
+            self._check_loadable(
+                policy_state,
+                convert_dtype=bool(kwargs.get("convert_dtype", False)),
+                allow_non_finite=bool(kwargs.get("allow_non_finite", False)),
+            )
+
+    def _check_state_version(self, pushed: PushVersion | None) -> None:
+        if pushed is not None:
+            self._check_version(pushed)
+
+    def _check_gate_state(self, state: Any) -> None:
+        """A state restores only into a collector with dynamic sampling set the same way (on or off)."""
+        if ("group_gate" in state) != (self._gate is not None):
             raise missing_filter_state("LLMCollector")
+
+    @staticmethod
+    def _check_observations(observations: Any, runners: list[Any]) -> None:
+        if not isinstance(observations, list) or len(observations) != len(runners):
+            raise ValueError(
+                f"the state holds observations of {len(observations)} env runners, this collector has {len(runners)}."
+            )
+        for runner, saved in zip(runners, observations, strict=True):
+            check_observations(saved, runner.num_envs)
+
+    def _load_state_dict(self, state_dict: OrderedDict, **kwargs: Any) -> None:
+        self._check_state(state_dict, **kwargs)  # every part, before anything changes
         self._halt()  # env threads stop first; turns of the replaced state still under way go with it
-        version = state_dict.get("policy_version")
-        pushed = None if version is None else PushVersion(int(version["index"]), str(version["uuid"]))
+        pushed = push_version_of(state_dict.get("policy_version"))
         policy_state = state_dict.get("policy_state_dict")
         model = self.get_policy_model()
         if policy_state is not None and (hasattr(model, "load_state_dict") or self._engine_holding("policy", model)):
-            self._apply_weights(policy_state, convert_dtype=bool(kwargs.get("convert_dtype", False)), version=pushed)
+            self._apply_weights(
+                policy_state,
+                convert_dtype=bool(kwargs.get("convert_dtype", False)),
+                version=pushed,
+                allow_non_finite=bool(kwargs.get("allow_non_finite", False)),
+            )
         elif pushed is not None and self._policy_version is not None:
             with self._push_lock:
                 self._check_version(pushed)

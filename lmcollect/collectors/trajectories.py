@@ -106,8 +106,24 @@ class TrajectoryTracker:
         with self._lock:
             return {"base": self._base, "next_id": self._next_id, "slots": [vars(s).copy() for s in self._slots]}
 
+    def check_state_dict(self, state: dict) -> None:
+        """Raise if :meth:`load_state_dict` would refuse ``state``; changes nothing."""
+        self._parsed_state(state)
+
     def load_state_dict(self, state: dict) -> None:
+        base, next_id, slots = self._parsed_state(state)
         with self._lock:
-            self._base = state.get("base", self._base)
-            self._next_id = state["next_id"]
-            self._slots = [_SlotState(**s) for s in state["slots"]]
+            self._base, self._next_id, self._slots = base, next_id, slots
+
+    def _parsed_state(self, state: dict) -> tuple[int, int, list[_SlotState]]:
+        base, next_id = state.get("base", self._base), state["next_id"]
+        slots = [_SlotState(**s) for s in state["slots"]]
+        numbers = [base, next_id, *(n for s in slots for n in (s.traj_id, s.step_count, s.min_version))]
+        if any(isinstance(n, bool) or not isinstance(n, int) for n in numbers):
+            raise ValueError("the trajectory ids, step counts and versions of this state are not all ints.")
+        if len(slots) != len(self._slots):
+            raise ValueError(
+                f"the state tracks {len(slots)} env slots, this collector has {len(self._slots)}; restore into a "
+                "collector with the same envs and batch sizes."
+            )
+        return base, next_id, slots

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 from tensordict import TensorDictBase
 
-from lmcollect.collectors.batcher import Batcher, BatchMode, CollectedTurn
+from lmcollect.collectors.batcher import Batcher, BatchMode, CollectedTurn, turn_from_state
 from lmcollect.data.turns import stack_turns
 
 if TYPE_CHECKING:
@@ -78,6 +78,7 @@ class TurnFlow:
                 "yield_completed_trajectories / yield_only_last_steps. Drop max_policy_lag, or yield turns."
             )
         self.mode = mode
+        self.num_slots = num_slots
         self.turns_per_batch = turns_per_batch
         self.capacity = capacity
         self.max_policy_lag = max_policy_lag
@@ -265,23 +266,34 @@ class TurnFlow:
         counters = {k: getattr(self, k) for k in (*_COUNTERS, "num_dialogs_started")}
         return {**counters, "pending": pending}
 
+    def check_state_dict(self, state: dict) -> None:
+        """Raise if :meth:`load_state_dict` would refuse ``state``; changes nothing."""
+        self._parsed_state(state)
+
     def load_state_dict(self, state: dict) -> None:
-        if "open" in state:
-            raise ValueError(
-                "this state holds GRPO groups; restore it into a collector whose envs have the same repeats."
-            )
-        for name in _COUNTERS:
-            setattr(self, name, int(state[name]))
-        # a state from before dialogs were counted: as many as rows were taken (last-steps mode)
-        self.num_dialogs_started = int(state.get("num_dialogs_started", self.num_consumed))
+        counters, finished = self._parsed_state(state)  # everything checked before anything changes
+        for name, value in counters.items():
+            setattr(self, name, value)
         if self._batcher is not None:
             self._batcher.load_state_dict(state["pending"])
             return
         self._finished = []
-        for item in state["pending"]:
-            turn = CollectedTurn(slot=item["slot"], traj_id=item["traj_id"], done=item["done"], td=item["td"])
-            self._finished.append((int(item["version"]), self._seq, turn))
+        for version, turn in finished:
+            self._finished.append((version, self._seq, turn))
             self._seq += 1
+
+    def _parsed_state(self, state: dict) -> tuple[dict[str, int], list[tuple[int, CollectedTurn]]]:
+        if "open" in state:
+            raise ValueError(
+                "this state holds GRPO groups; restore it into a collector whose envs have the same repeats."
+            )
+        counters = {name: int(state[name]) for name in _COUNTERS}
+        # a state from before dialogs were counted: as many as rows were taken (last-steps mode)
+        counters["num_dialogs_started"] = int(state.get("num_dialogs_started", counters["num_consumed"]))
+        if self._batcher is not None:
+            self._batcher.check_state_dict(state["pending"])
+            return counters, []
+        return counters, [(int(item["version"]), turn_from_state(item, self.num_slots)) for item in state["pending"]]
 
 
 _COUNTERS = ("base_version", "num_started", "num_consumed", "num_batches")

@@ -29,8 +29,12 @@ from lmcollect.weights.delta import DeltaRejectedError, WeightDelta, check_delta
 from lmcollect.weights.lora import LoraAdapter, is_lora_source, lora_adapter
 from lmcollect.weights.tensors import (
     cast_to_held,
+    check_weights,
     expected_metadata,
     load_weights_,
+    narrowest_held_dtypes,
+    non_finite_problems,
+    raise_if_problems,
     share_weights_,
     to_weight_dict,
     unique_targets,
@@ -218,6 +222,7 @@ class WeightReceiverMixin(HoldsWeightUpdater):
         convert_dtype: bool = False,
         version: PushVersion | None = None,
         zero_copy: bool = False,
+        allow_non_finite: bool = False,
     ) -> Any:
         """The collector side of every push: load the weights given, or pull them from the
         registered receiver schemes (no weights given). Returns what the engine reports of the
@@ -228,6 +233,8 @@ class WeightReceiverMixin(HoldsWeightUpdater):
         collector's) raises one ValueError before anything changes. Then the cache is reset and
         the version taken. ``version``: the push's version (None: one more than now); updaters
         pass theirs. ``convert_dtype``: cast floating tensors to the model's dtypes.
+        ``allow_non_finite``: load weights holding NaN or Inf (as the model will hold them), which
+        are refused otherwise; updaters pass True, having checked the push before sending it.
 
         ``weights`` may be a :class:`~lmcollect.weights.delta.WeightDelta` (a delta push, with
         its ``version``): applied only onto the push it was made from, and its checksums verified
@@ -247,11 +254,15 @@ class WeightReceiverMixin(HoldsWeightUpdater):
             raise ValueError("pass only one of policy_or_weights, weights= and policy=.")
         if given:
             return self._apply_weights(
-                given[0], model_id=model_id, convert_dtype=convert_dtype, version=version, zero_copy=zero_copy
-            )
-        _refuse_push_options_without_weights(convert_dtype=convert_dtype, version=version, zero_copy=zero_copy)
+                given[0], model_id=model_id, convert_dtype=convert_dtype, version=version, zero_copy=zero_copy,
+                allow_non_finite=allow_non_finite,
+            )  # fmt: skip
+        _refuse_push_options_without_weights(
+            convert_dtype=convert_dtype, version=version, zero_copy=zero_copy, allow_non_finite=allow_non_finite
+        )
         for scheme_model_id, scheme in self._receiver_schemes.items():
-            apply = functools.partial(self._apply_weights, model_id=scheme_model_id)
+            # what a scheme brings was checked (or allowed) by its sender
+            apply = functools.partial(self._apply_weights, model_id=scheme_model_id, allow_non_finite=True)
             timeout_s = getattr(scheme, "timeout_s", None)
             if hasattr(scheme, "receive_into"):
                 scheme.receive_into(apply, timeout_s=timeout_s)
@@ -269,6 +280,7 @@ class WeightReceiverMixin(HoldsWeightUpdater):
         convert_dtype: bool = False,
         version: PushVersion | None = None,
         zero_copy: bool = False,
+        allow_non_finite: bool = False,
     ) -> Any:
         """:meth:`receive_weights` of given weights (see there)."""
         if is_lora_source(weights):
@@ -278,22 +290,41 @@ class WeightReceiverMixin(HoldsWeightUpdater):
             weights = weights if isinstance(weights, (WeightDelta, LoraAdapter)) else to_weight_dict(weights)
             for child in children:
                 child._apply_weights(
-                    weights, model_id=model_id, convert_dtype=convert_dtype, version=version, zero_copy=zero_copy
+                    weights,
+                    model_id=model_id,
+                    convert_dtype=convert_dtype,
+                    version=version,
+                    zero_copy=zero_copy,
+                    allow_non_finite=allow_non_finite,
                 )
             return
         with self._push_lock:
             return self._apply_leaf(
-                weights, model_id=model_id, convert_dtype=convert_dtype, version=version, zero_copy=zero_copy
+                weights,
+                model_id=model_id,
+                convert_dtype=convert_dtype,
+                version=version,
+                zero_copy=zero_copy,
+                allow_non_finite=allow_non_finite,
             )
 
     def _apply_leaf(
-        self, weights: Any, *, model_id: str, convert_dtype: bool, version: PushVersion | None, zero_copy: bool
+        self,
+        weights: Any,
+        *,
+        model_id: str,
+        convert_dtype: bool,
+        version: PushVersion | None,
+        zero_copy: bool,
+        allow_non_finite: bool,
     ) -> Any:
         """:meth:`_apply_weights` into this collector's own model (under the push lock)."""
         target = self.get_model(model_id)
         engine = self._engine_holding(model_id, target)
         if engine is not None:
-            return self._load_into_engine(engine, weights, convert_dtype=convert_dtype, version=version)
+            return self._load_into_engine(
+                engine, weights, convert_dtype=convert_dtype, version=version, allow_non_finite=allow_non_finite
+            )
         if isinstance(weights, GroupPush):
             raise TypeError(_NO_GROUP_ENGINE.format(policy=type(self.policy).__name__))
         if isinstance(weights, LoraAdapter):  # merged by the policy's engine, which keeps the base
@@ -301,11 +332,15 @@ class WeightReceiverMixin(HoldsWeightUpdater):
             if policy_engine is None:
                 raise TypeError(_NO_LORA_ENGINE.format(policy=type(self.policy).__name__))
             self._unshare(target)
-            return self._load_into_engine(policy_engine, weights, convert_dtype=convert_dtype, version=version)
+            return self._load_into_engine(
+                policy_engine, weights, convert_dtype=convert_dtype, version=version, allow_non_finite=allow_non_finite
+            )
         if isinstance(weights, WeightDelta):
             self._apply_delta(target, weights, version)
             return
         weights = to_weight_dict(weights, like=target)
+        if not allow_non_finite:
+            refuse_non_finite(weights, [expected_metadata(target)] if convert_dtype else None)
         self._check_version(version)
         # Weights, cache and version change together while no policy call runs (waits at most
         # one turn), so every turn's policy_version names the weights that produced it.
@@ -322,7 +357,13 @@ class WeightReceiverMixin(HoldsWeightUpdater):
         return None
 
     def _load_into_engine(
-        self, engine: EngineProtocol, weights: Any, *, convert_dtype: bool, version: PushVersion | None
+        self,
+        engine: EngineProtocol,
+        weights: Any,
+        *,
+        convert_dtype: bool,
+        version: PushVersion | None,
+        allow_non_finite: bool,
     ) -> Any:
         """A push into an engine that holds its own weights: checked by the engine, loaded while no
         token is generated (see :meth:`_engine_held`), then the cache reset and the version taken.
@@ -334,7 +375,9 @@ class WeightReceiverMixin(HoldsWeightUpdater):
         deltas, naming the fix.
         """
         self._check_version(version)
-        source = self._engine_source(engine, weights, convert_dtype=convert_dtype, version=version)
+        source = self._engine_source(
+            engine, weights, convert_dtype=convert_dtype, version=version, allow_non_finite=allow_non_finite
+        )
         index = version.index if version is not None else self._loaded_version_index(engine)
         held, self._held_push = self._held_push, None  # until the load succeeded
         with self._engine_held():
@@ -348,7 +391,13 @@ class WeightReceiverMixin(HoldsWeightUpdater):
         return report
 
     def _engine_source(
-        self, engine: EngineProtocol, weights: Any, *, convert_dtype: bool, version: PushVersion | None
+        self,
+        engine: EngineProtocol,
+        weights: Any,
+        *,
+        convert_dtype: bool,
+        version: PushVersion | None,
+        allow_non_finite: bool,
     ) -> Any:
         """What ``engine.load_weights`` takes for ``weights``: a process-group push, a LoRA adapter or
         a delta as they are, tensors cast to the engine's dtypes with ``convert_dtype``."""
@@ -367,7 +416,30 @@ class WeightReceiverMixin(HoldsWeightUpdater):
         weights = to_weight_dict(weights)
         if convert_dtype:  # cast here to what the engine holds: every engine then checks dtypes strictly
             weights = cast_to_held(weights, *engine.weight_metadata())
+        if not allow_non_finite:
+            refuse_non_finite(weights)  # the values as the engine will hold them
         return weights.items()
+
+    def _check_loadable(
+        self, weights: Any, *, convert_dtype: bool, allow_non_finite: bool, engine: EngineProtocol | None = None
+    ) -> None:
+        """Raise ValueError if loading ``weights`` (a model's state dict) into the policy would be
+        refused: names, shapes, dtypes, NaN/Inf (unless ``allow_non_finite``). Changes nothing.
+        ``engine``: the engine loads go to (None: the one holding the policy's weights, if any)."""
+        target = self.get_policy_model()
+        engine = engine if engine is not None else self._engine_holding("policy", target)
+        if engine is not None:
+            metadata, aliases = engine.weight_metadata()
+            weights = to_weight_dict(weights)
+            if convert_dtype:
+                weights = cast_to_held(weights, metadata, aliases)
+            check_weights(weights, metadata, aliases=aliases)
+        else:
+            weights = to_weight_dict(weights, like=target)
+            metadata, aliases = expected_metadata(target)
+            check_weights(weights, metadata, aliases=aliases, convert_dtype=convert_dtype)
+        if not allow_non_finite:
+            refuse_non_finite(weights, [(metadata, aliases)] if convert_dtype and engine is None else None)
 
     def _unshare(self, target: Any) -> None:
         """Private, writable tensors for a model a zero-copy push had pointed at shared memory."""
@@ -497,10 +569,24 @@ class WeightReceiverMixin(HoldsWeightUpdater):
         return target(*args, **kwargs)
 
 
-def _refuse_push_options_without_weights(*, convert_dtype: bool, version: Any, zero_copy: bool) -> None:
+def refuse_non_finite(weights: dict[str, torch.Tensor], receivers: list[tuple[dict, dict]] | None = None) -> None:
+    """One ValueError naming every floating tensor of ``weights`` that holds NaN or Inf, checked as
+    ``receivers`` (``(metadata, aliases)`` of the models that will hold them) hold them when given."""
+    held = narrowest_held_dtypes(weights, receivers) if receivers else None
+    raise_if_problems(non_finite_problems(weights, dtypes=held))
+
+
+def _refuse_push_options_without_weights(
+    *, convert_dtype: bool, version: Any, zero_copy: bool, allow_non_finite: bool
+) -> None:
     """``receive_weights()`` without weights pulls from the receiver schemes, which carry their own
     version and layout: options that describe given weights would be silently ignored there."""
-    options = {"version": version is not None, "convert_dtype": convert_dtype, "zero_copy": zero_copy}
+    options = {
+        "version": version is not None,
+        "convert_dtype": convert_dtype,
+        "zero_copy": zero_copy,
+        "allow_non_finite": allow_non_finite,
+    }
     ignored = [name for name, set_ in options.items() if set_]
     if ignored:
         raise TypeError(

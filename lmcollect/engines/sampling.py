@@ -169,13 +169,14 @@ class RequestSeeds:
         return None if self._stream is None else list(self._stream.getstate())
 
     def set_state(self, state: list | None) -> None:
-        """Restore :meth:`state`."""
-        if state is None:
-            self._stream = None
-            return
-        version, internal, gauss = state
-        self._stream = random.Random()
-        self._stream.setstate((version, tuple(internal), gauss))
+        """Restore :meth:`state` (a malformed one raises and changes nothing)."""
+        self._stream = None if state is None else random_from_state(state)
+
+    @staticmethod
+    def check_state(state: list | None) -> None:
+        """Raise if :meth:`set_state` would refuse ``state``."""
+        if state is not None:
+            random_from_state(state)
 
 
 def eos_token_ids(generation_eos: int | Sequence[int] | None, tokenizer: Any) -> list[int]:
@@ -185,3 +186,11 @@ def eos_token_ids(generation_eos: int | Sequence[int] | None, tokenizer: Any) ->
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
     return ids
+
+
+def random_from_state(state: Any) -> random.Random:
+    """A ``random.Random`` at ``state`` (``list(rng.getstate())``, as :class:`RequestSeeds` saves it)."""
+    version, internal, gauss = state
+    rng = random.Random()
+    rng.setstate((version, tuple(internal), gauss))
+    return rng

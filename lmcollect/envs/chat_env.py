@@ -314,33 +314,50 @@ class ChatEnv:
         ]
         return {"seed": self._seed, "sampler": self._sampler.state_dict(), "started": self._started, "dialogs": dialogs}
 
+    def check_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Raise if :meth:`load_state_dict` would refuse ``state`` (ValueError, or the KeyError /
+        TypeError of a malformed field); changes nothing."""
+        self._parsed_state(state)
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`: the dialogs in flight continue (task states are rebuilt from
         each draw's row and seed, as at their start); a state without them makes the next reset a
-        full one."""
-        if "seed" not in state or "sampler" not in state:
-            raise ValueError(f"state must come from ChatEnv.state_dict(), got keys {sorted(state)}.")
+        full one. Every field is checked before anything changes."""
+        seed, started, dialogs = self._parsed_state(state)
+        self._seed = seed
+        self._sampler.load_state_dict(state["sampler"])
+        self._started = started
+        for i, dialog in dialogs.items():
+            self._draws[i], self._states[i], self._prompts[i], self._turns[i], self._flags[i] = dialog
+
+    def _parsed_state(self, state: Mapping[str, Any]) -> tuple[int, bool, dict[int, tuple]]:
+        """(seed, started, slot -> (draw, task state, prompt, turns, flags) of each dialog in flight)."""
+        if not isinstance(state, Mapping) or "seed" not in state or "sampler" not in state:
+            keys = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(f"state must come from ChatEnv.state_dict(), got keys {keys}.")
         dialogs = state.get("dialogs")
         if dialogs is not None and len(dialogs) != self.config.batch_size:
             raise ValueError(
                 f"the state holds {len(dialogs)} dialogs, this env has batch_size={self.config.batch_size}; "
                 "restore into an env built with the same batch_size."
             )
-        self._seed = int(state["seed"])
-        self._sampler.load_state_dict(state["sampler"])
-        self._started = bool(state.get("started", False)) and dialogs is not None
-        if not self._started or dialogs is None:  # started only with dialogs
-            return
+        seed = int(state["seed"])
+        self._sampler.check_state_dict(state["sampler"])
+        started = bool(state.get("started", False)) and dialogs is not None
+        if not started or dialogs is None:  # started only with dialogs
+            return seed, started, {}
+        parsed = {}
         for i, dialog in enumerate(dialogs):
             if dialog is None:
                 continue
             draw = self._sampler.draw_from_state(dialog["draw"])
-            self._states[i] = self.task.start(draw.sample, random.Random(draw.task_seed))
-            self._draws[i] = draw
-            self._prompts[i] = dialog["prompt"]
-            self._turns[i] = int(dialog["turns"])
+            prompt = dialog["prompt"]
+            if not isinstance(prompt, History):
+                raise ValueError(f"dialog {i}'s prompt is a {type(prompt).__name__}, not a History.")
             done, terminated, truncated = (bool(f) for f in dialog["flags"])
-            self._flags[i] = (done, terminated, truncated)
+            task_state = self.task.start(draw.sample, random.Random(draw.task_seed))
+            parsed[i] = (draw, task_state, prompt, int(dialog["turns"]), (done, terminated, truncated))
+        return seed, started, parsed
 
     def close(self) -> None:
         self._closed = True

@@ -217,12 +217,30 @@ class PromptDataset:
     def state_dict(self) -> dict[str, int]:
         return {"seed": self._seed, "epoch": self._epoch, "index": self._index}
 
+    def check_state_dict(self, state: Mapping[str, int]) -> None:
+        """Raise ValueError if :meth:`load_state_dict` would refuse ``state``; changes nothing."""
+        self._parsed_state(state)
+
     def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self._seed, self._epoch, self._index = self._parsed_state(state)
+        self._order = self._permutation()
+
+    def _parsed_state(self, state: Mapping[str, int]) -> tuple[int, int, int]:
         missing = {"seed", "epoch", "index"} - set(state)
         if missing:
             raise ValueError(f"state is missing {sorted(missing)}; pass a dict from PromptDataset.state_dict().")
-        self._seed, self._epoch, self._index = int(state["seed"]), int(state["epoch"]), int(state["index"])
-        self._order = self._permutation()
+        seed, epoch, index = (_state_int(state, key) for key in ("seed", "epoch", "index"))
+        if epoch < 0 or not 0 <= index <= len(self._rows):
+            raise ValueError(f"dataset state epoch={epoch}, index={index} is outside this dataset of {len(self)} rows.")
+        return seed, epoch, index
 
     def __repr__(self) -> str:
         return f"PromptDataset(num_rows={len(self)}, seed={self._seed}, shuffle={self.shuffle})"
+
+
+def _state_int(state: Mapping[str, Any], key: str) -> int:
+    """``state[key]``, an int (not a bool): ValueError otherwise."""
+    value = state[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"state[{key!r}] must be an int, got {value!r:.40}.")
+    return value

@@ -87,20 +87,48 @@ class GroupSampler:
             "generations": list(self._generations),
         }
 
+    def check_state_dict(self, state: dict[str, Any]) -> None:
+        """Raise if :meth:`load_state_dict` would refuse ``state``; changes nothing."""
+        self._parsed_state(state)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        version, internal, gauss = state["rng"]  # tolerate lists (e.g. after a JSON round trip)
-        self.rng.setstate((version, tuple(internal), gauss))
-        self.next_prompt_id = int(state["next_prompt_id"])
+        rng, next_prompt_id, queues = self._parsed_state(state)  # everything checked before anything changes
+        self.rng = rng
+        self.next_prompt_id = next_prompt_id
         self.dataset.load_state_dict(state["dataset"])
         self.clear()
-        if "queues" in state:  # pending group draws: every element of a group answers the same prompt
-            self._queues = [[self.draw_from_state(d) for d in queue] for queue in state["queues"]]
-            self._offsets = [int(x) for x in state["offsets"]]
-            self._generations = [int(x) for x in state["generations"]]
+        if queues is not None:  # pending group draws: every element of a group answers the same prompt
+            self._queues, self._offsets, self._generations = queues
+
+    def _parsed_state(
+        self, state: dict[str, Any]
+    ) -> tuple[random.Random, int, tuple[list[list[Draw]], list[int], list[int]] | None]:
+        version, internal, gauss = state["rng"]  # tolerate lists (e.g. after a JSON round trip)
+        rng = random.Random()
+        rng.setstate((version, tuple(internal), gauss))
+        next_prompt_id = int(state["next_prompt_id"])
+        self.dataset.check_state_dict(state["dataset"])
+        if "queues" not in state:
+            return rng, next_prompt_id, None
+        queues = [[self.draw_from_state(d) for d in queue] for queue in state["queues"]]
+        offsets = [int(x) for x in state["offsets"]]
+        generations = [int(x) for x in state["generations"]]
+        if (
+            len(queues) != self.num_groups
+            or len(offsets) != self.num_groups
+            or len(generations) != len(self._generations)
+        ):
+            raise ValueError(
+                f"the sampler state holds {len(queues)} group queues for {len(generations)} elements; this env has "
+                f"{self.num_groups} groups of {self.repeats}: restore into an env built the same way."
+            )
+        return rng, next_prompt_id, (queues, offsets, generations)
 
     def draw_from_state(self, state: dict[str, Any]) -> Draw:
         """The :class:`Draw` that :func:`draw_state` described (its row read from the dataset)."""
         index = int(state["sample_index"])
+        if not 0 <= index < len(self.dataset):
+            raise ValueError(f"a draw of row {index} is outside this dataset of {len(self.dataset)} rows.")
         return Draw(int(state["prompt_id"]), index, self.dataset[index], int(state["task_seed"]))
 
 

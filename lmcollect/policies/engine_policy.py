@@ -72,6 +72,10 @@ class EnginePolicy:
         """Restore :meth:`rng_state` (None: unseeded)."""
         self._request_seeds.set_state(state)
 
+    def check_rng_state(self, state: list | None) -> None:
+        """Raise if :meth:`set_rng_state` would refuse ``state`` (a collector checks a state before loading it)."""
+        self._request_seeds.check_state(state)
+
     def reset_prefix_cache(self) -> None:
         """Forget the engine's cached prefixes (the collector calls it after every weight load)."""
         self.engine.reset_prefix_cache()

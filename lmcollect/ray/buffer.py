@@ -86,6 +86,10 @@ class RayReplayBuffer:
     def state_dict(self) -> dict:
         return self._call("state_dict")
 
+    def check_state_dict(self, state: dict) -> None:
+        """Raise ValueError if :meth:`load_state_dict` would refuse ``state``; changes nothing."""
+        self._call("check_state_dict", state)
+
     def load_state_dict(self, state: dict) -> None:
         self._call("load_state_dict", state)
 

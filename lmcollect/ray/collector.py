@@ -462,6 +462,10 @@ class RayLLMCollector(ConfiguredCollector, HoldsWeightUpdater, ShutsDownOnExit):
     def state_dict(self) -> Any:
         return self._call("state_dict")
 
+    def check_state_dict(self, state_dict: Any, **kwargs: Any) -> None:
+        """Raise ValueError if ``load_state_dict`` would refuse ``state_dict`` (checked in the actor); changes nothing."""
+        self._call("check_state_dict", state_dict, **kwargs)
+
     def load_state_dict(self, state_dict: Any, **kwargs: Any) -> None:
         self._call("load_state_dict", state_dict, **kwargs)
 

@@ -261,8 +261,9 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
         if callable(remember):  # a RayLLMCollector re-sends it to its actor if the actor restarts
             remember(server_weights, version=version, convert_dtype=convert_dtype)
         extra = {"zero_copy": True} if self.config.zero_copy else {}  # actors of other kinds need not know it
+        # NaN/Inf were refused here, before ray.put (or allowed by the config): not checked again in the actor
         return self._actors[worker_id].receive_weights.remote(
-            server_weights, convert_dtype=convert_dtype, version=version, **extra
+            server_weights, convert_dtype=convert_dtype, version=version, allow_non_finite=True, **extra
         )
 
     def _aligned(self, weights: WeightDict) -> WeightDict:

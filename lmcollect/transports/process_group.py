@@ -9,6 +9,7 @@ import os
 import secrets
 import socket
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -47,9 +48,11 @@ from lmcollect.weights.delta import (
     distinct_tensors,
     prepare_delta,
 )
+from lmcollect.weights.digest import BufferDigest, derive_key, same_digest
 from lmcollect.weights.tensors import (
     WeightDict,
     agreed_held_dtypes,
+    non_finite_problems,
     raise_if_problems,
     tensor_metadata,
     to_weight_dict,
@@ -60,6 +63,8 @@ from lmcollect.weights.version import PushVersion
 logger = logging.getLogger(__name__)
 
 _SENDER_RANK = 0
+_DIGEST_PURPOSE = "lmcollect full push digest"  # keys derived from the group's secret, one per use
+_DELTA_PURPOSE = "lmcollect delta checksum"
 DIRECT_SEND_MIN_BYTES = 1 << 20  # full pushes without delta send tensors this large from the trainer's memory
 
 
@@ -93,6 +98,18 @@ class ProcessGroupConfig:
     convert_dtype: bool = False
     """Accept floating tensors of another dtype than the receivers hold (e.g. an fp32 trainer and a
     bf16 engine) and cast them on this side while packing each bucket; False: such a push is refused."""
+    allow_non_finite: bool = False
+    """Send weights holding NaN or infinite values; False: such a push is refused before anything is
+    sent (checked on the values as the receivers will hold them: an fp32 1e5 for an fp16 receiver is
+    infinite; with delta, on the changed values)."""
+    digest: bool = True
+    """Authenticate a full push's bytes: a keyed digest (HMAC-SHA256 with a key derived from the
+    group's secret) of its buffers, which every receiver verifies before anything is loaded, so
+    bytes changed on the way (a host on the network path, a rewritten gloo/NCCL rendezvous) are
+    refused. It costs a hash of every byte on each side, overlapped with the transfer (chunks on a
+    few threads; GPU buffers are copied to the host first). False: no digest, for a group on a
+    network nothing untrusted reaches (one host with the store's port firewalled, a private fabric).
+    Delta pushes keep their keyed checksums either way."""
     delta: DeltaConfig | None = None
     """Delta pushes: the sender keeps its packed buffers of the last push, and the next push
     broadcasts only the changed elements; each receiver patches its copy of the last push (its
@@ -116,8 +133,9 @@ class ProcessGroupSender(WeightSender):
     call ``connect()`` on every side at the same time: each receiver posts its model's metadata,
     and the group forms. Per push: ``send`` checks the weights against every receiver's metadata
     (one ValueError, nothing sent), posts the layout in the store, then broadcasts a few flat
-    per-dtype buffers; each receiver, inside ``collector.receive_weights()``, takes them and its
-    collector loads them (checked, in place, under its policy lock, one version bump).
+    per-dtype buffers, then a keyed digest of those buffers; each receiver, inside
+    ``collector.receive_weights()``, takes them, verifies the digest, and its collector loads them
+    (checked, in place, under its policy lock, one version bump).
     With ``config.delta``, a push after the first posts a delta header and broadcasts only the
     changed elements; every receiver patches its buffers of the last push, verifies, posts an
     acknowledgement, and the sender posts a verdict: "ok", or "full" followed by a full push.
@@ -127,14 +145,18 @@ class ProcessGroupSender(WeightSender):
     its keys. So each group has a secret (``secrets.token_hex(16)``) that travels in
     ``connection_info()`` over the channel that carries it (the driver, Ray, ``collective_rpc``),
     never through the store and never in a log. Every key lmcollect uses (``meta/``, ``push/``,
-    ``ack/``, ``verdict/``, and the gloo/NCCL rendezvous) lives under a prefix derived from it,
-    and every lmcollect value is signed with it (HMAC-SHA256), so a value written by a host
-    without the secret is never read or is refused (listing the keys reveals the prefix, not the
-    secret). Receivers also check each header against their own model before allocating (layout,
-    buffer sizes). What the secret does not stop: a host reaching the store can delete keys or
-    tamper with the gloo/NCCL rendezvous entries (a failed or hijacked group), and the broadcast
-    bytes are neither signed nor encrypted. Firewall ``master_port`` and the backend's ports to
-    the trainer and engine hosts.
+    ``digest/``, ``ack/``, ``verdict/``, and the gloo/NCCL rendezvous) lives under a prefix
+    derived from it, and every lmcollect value is signed with it (HMAC-SHA256), so a value
+    written by a host without the secret is never read or is refused (listing the keys reveals
+    the prefix, not the secret). Receivers also check each header against their own model before
+    allocating (layout, buffer sizes). The broadcast bytes are authenticated too: a full push's
+    buffers by a keyed digest (HMAC-SHA256, with a key derived from the secret) (``digest/<n>``, posted
+    once they are packed and verified by each receiver before its collector loads anything), a
+    delta's entries by keyed checksums in its signed header; bytes changed on the way (a host on
+    the path, a hijacked gloo/NCCL rendezvous) are refused. What the secret does not stop: a
+    host reaching the store can delete keys or tamper with the gloo/NCCL rendezvous entries (a
+    failed group), and can read the weights (not encrypted). Firewall ``master_port`` and the
+    backend's ports to the trainer and engine hosts.
 
     Example (a collector in a Ray actor)::
 
@@ -167,7 +189,11 @@ class ProcessGroupSender(WeightSender):
         self._num_pushes = 0
         self._out: list[torch.Tensor] | None = None  # packing buffers reused by the next full push
         self._sent: list[torch.Tensor] = []  # the buffers of the last full push (checksums, sizes)
-        self._delta_base = DeltaBase(self.config.delta) if self.config.delta is not None else None
+        self._digest_key = derive_key(self._secret, _DIGEST_PURPOSE)
+        self._delta_key = derive_key(self._secret, _DELTA_PURPOSE)
+        self._delta_base = (
+            DeltaBase(self.config.delta, checksum_key=self._delta_key) if self.config.delta is not None else None
+        )
         self.last_push_stats: PushStats | None = None
         """What the last push moved: full or delta, bytes, changed elements, receivers repaired."""
 
@@ -220,8 +246,10 @@ class ProcessGroupSender(WeightSender):
         logger.info("process group formed: %d receiver(s), backend %s", self.config.num_receivers, self.backend)
 
     def prepare(self, weights: object) -> PreparedPush:
-        """Check ``weights`` against every receiver and, with delta, encode the changes since the
-        last push. Nothing is sent and nothing changes: a caller may still refuse the push."""
+        """Check ``weights`` against every receiver, with delta encode the changes since the last
+        push, and refuse NaN/Inf in what would travel, as the receivers would hold it (unless
+        ``config.allow_non_finite``). Nothing is sent and nothing changes: a caller may still
+        refuse the push."""
         weights = to_weight_dict(weights)
         self.check(weights)
         dtypes = None
@@ -232,7 +260,11 @@ class ProcessGroupSender(WeightSender):
                 why_one="one broadcast cannot feed them all: give every engine the same dtype.",
             )
         encoded = self._delta_base.encode(weights, dtypes) if self._delta_base is not None else None
-        return PreparedPush(weights, dtypes, encoded)
+        prepared = PreparedPush(weights, dtypes, encoded)
+        if not self.config.allow_non_finite:
+            problems = non_finite_problems(prepared.sent_values(), dtypes=dtypes)
+            raise_if_problems(problems, where=" before sending (or ProcessGroupConfig(allow_non_finite=True))")
+        return prepared
 
     def send(self, weights: object, *, version: PushVersion | None = None) -> None:
         """Push ``weights`` (the weights, or what :meth:`prepare` returned) as ``version`` (None: the push count).
@@ -264,7 +296,7 @@ class ProcessGroupSender(WeightSender):
         if config is None:
             self._delta_base = None
         elif self._delta_base is None:
-            self._delta_base = DeltaBase(config)
+            self._delta_base = DeltaBase(config, checksum_key=self._delta_key)
 
     def reset_delta_base(self) -> None:
         """Forget the last push (with ``config.delta``): the next push is a full push."""
@@ -277,8 +309,22 @@ class ProcessGroupSender(WeightSender):
         direct = self._delta_base is None  # a delta base must own its bytes: it copies
         if self._delta_base is not None:
             self._delta_base.reset()  # the buffers change now; they are the base again once sent
-        self._post_header({"kind": "full", "version": version_json(version), "layout": layout_to_json(layout)})
+        n = self._num_pushes
+        header: dict[str, Any] = {
+            "kind": "full",
+            "version": version_json(version),
+            "layout": layout_to_json(layout),
+            "digest": self.config.digest,  # signed with the header: no one else can switch it off
+        }
+        self._post_header(header)
         sending: list[Any] = []  # buffer i goes on the wire while later buffers are being packed
+        digest = BufferDigest(self._digest_key, digest_context(n, header["version"])) if self.config.digest else None
+
+        def send_packed(_: int, buffer: torch.Tensor) -> None:
+            sending.append(self._group.broadcast(buffer, _SENDER_RANK))
+            if digest is not None:
+                digest.add(buffer)  # hashed on other threads while it is on the wire
+
         buckets = pack_buckets(
             prepared.weights,
             bucket_size_bytes=self.config.bucket_size_bytes,
@@ -286,9 +332,11 @@ class ProcessGroupSender(WeightSender):
             device=device,
             dtypes=prepared.dtypes,
             layout=layout,
-            on_buffer_packed=lambda _, buffer: sending.append(self._group.broadcast(buffer, _SENDER_RANK)),
+            on_buffer_packed=send_packed,
             direct=direct,
         )
+        if digest is not None:
+            self._store.set(f"digest/{n}", digest.hexdigest())  # signed: receivers verify before loading
         for work in sending:
             work.wait()
         self._sent = buckets.buffers
@@ -354,12 +402,14 @@ class ProcessGroupSender(WeightSender):
         n = self._num_pushes
         self._store.set(f"push/{n}", json.dumps(header))
         # Push n-1's header was read by every receiver (they took its broadcasts). A delta's
-        # verdict may still be unread when the next header goes up (a repair follows at once),
-        # but it was read before push n-1's broadcasts could complete: delete it one push later.
+        # verdict, or a full push's digest, may still be unread when the next header goes up (it
+        # is read after the broadcasts), but it was read before push n-1's broadcasts could
+        # complete: delete it one push later.
         if n > 0:
             self._store.delete(f"push/{n - 1}")
         if n > 1:
             self._store.delete(f"verdict/{n - 2}")
+            self._store.delete(f"digest/{n - 2}")
 
     def _device(self) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
@@ -376,7 +426,9 @@ class ProcessGroupReceiver(WeightReceiver):
     secret), its kind, a full push's layout against this receiver's model metadata (names,
     dtypes, shapes: the sender already cast to this side's dtypes) and its buffer sizes against
     what those tensors need, a delta's buffer sizes against the full push held. A refused header
-    raises ValueError and changes nothing.
+    raises ValueError and changes nothing. Once a full push's buffers are in, their keyed digest
+    must match the one the sender signed (``digest/<n>``), else ValueError and nothing is
+    loaded; a delta's keyed checksums are verified as it is applied.
 
     Args:
         timeout_s: how long ``receive_weights()`` waits for the next push (None: the group's
@@ -395,6 +447,8 @@ class ProcessGroupReceiver(WeightReceiver):
         self._buffers: list[torch.Tensor] | None = None
         self._layout: BucketLayout | None = None  # of the full push the buffers hold
         self._held: PushVersion | None = None  # the push the buffers hold (a delta's base)
+        self._digest_key = b""  # derived from the group's secret by set_connection_info
+        self._delta_key = b""
         self.last_receive_info: dict[str, Any] = {}
         """The last push received: "kind" (full / delta), "nbytes" received, "refused" (why a
         delta was refused, or None)."""
@@ -416,6 +470,8 @@ class ProcessGroupReceiver(WeightReceiver):
                 "(worker_idx 0..num_receivers-1)."
             )
         self._info, self._rank = info, rank
+        self._digest_key = derive_key(info["secret"], _DIGEST_PURPOSE)
+        self._delta_key = derive_key(info["secret"], _DELTA_PURPOSE)
 
     def connect(self) -> None:
         """Post this collector's model metadata and join the group (blocks until all have joined)."""
@@ -512,13 +568,40 @@ class ProcessGroupReceiver(WeightReceiver):
         self._held = None  # the buffers are being overwritten
         if self._buffers is None or [b.numel() for b in self._buffers] != list(layout.buffer_nbytes):
             self._buffers = [torch.empty(n, dtype=torch.uint8, device=self._device()) for n in layout.buffer_nbytes]
+        n = self._num_pushes
+        self._layout = None  # until the digest matches: the buffers hold bytes nobody vouched for
+        # a signed header says whether a digest follows (ProcessGroupConfig.digest)
+        wanted = header.get("digest") is not False
+        digest = BufferDigest(self._digest_key, digest_context(n, header["version"])) if wanted else None
         # every broadcast posted at once (the sender packs and sends buffer by buffer), all taken
-        # even on an error, so the group stays in step
-        for work in [self._group.broadcast(buffer, _SENDER_RANK) for buffer in self._buffers]:
+        # even on an error, so the group stays in step; each hashed (on other threads) once it is in
+        for work, buffer in [(self._group.broadcast(buffer, _SENDER_RANK), buffer) for buffer in self._buffers]:
             work.wait()
+            if digest is not None:
+                digest.add(buffer)
         self._num_pushes += 1
+        if digest is not None:
+            self._verify_digest(n, digest)
         self._layout, self._held = layout, version_from_json(header["version"])
         self.last_receive_info = {"kind": "full", "nbytes": layout.total_nbytes, "refused": None}
+
+    def _verify_digest(self, n: int, digest: BufferDigest) -> None:
+        """Raise ValueError unless ``digest`` (of the buffers received) is the one the sender signed for push ``n``."""
+        key = f"digest/{n}"
+        info, store = self._joined()
+        try:
+            store.wait([key], datetime.timedelta(seconds=info["timeout_s"]))
+        except dist.DistStoreError:  # designed: a sender that died, or a store that lost the key
+            raise ValueError(
+                f"full push {n} refused by receiver {self._rank}: no digest of its bytes came within "
+                f"timeout_s={info['timeout_s']}; nothing was loaded."
+            ) from None
+        if not same_digest(store.get(key), digest.hexdigest()):  # get: ValueError if a forger wrote it
+            raise ValueError(
+                f"full push {n} refused by receiver {self._rank}: its bytes do not match the digest the sender "
+                "signed, so they were changed on the way (a host on the network path, or a tampered gloo/NCCL "
+                "rendezvous); nothing was loaded. Keep the group on a private network (see ProcessGroupConfig)."
+            )
 
     def _receive_delta(self, header: dict) -> bool:
         """Take a delta's broadcasts, patch the buffers (or refuse), acknowledge, and return
@@ -534,7 +617,7 @@ class ProcessGroupReceiver(WeightReceiver):
             if self._buffers is None or self._layout is None:
                 raise DeltaRejectedError("this receiver holds no full push yet.")
             delta = WeightDelta.from_header(header, WeightBuckets(layout, buffers))
-            prepare_delta(delta, self._weights(), held_version=self._held).apply_()
+            prepare_delta(delta, self._weights(), held_version=self._held, checksum_key=self._delta_key).apply_()
         except DeltaRejectedError as exc:
             refused = str(exc)
             logger.warning("refusing delta push %d: %s", n, exc)
@@ -584,6 +667,11 @@ class ProcessGroupReceiver(WeightReceiver):
     def close(self) -> None:
         _shutdown(self._group)
         self._group = None
+
+
+def digest_context(n: int, version: Sequence[Any]) -> bytes:
+    """What a full push's digest is bound to: its number in the group and its version (as JSON)."""
+    return json.dumps(["lmcollect full push", n, version]).encode()
 
 
 def buffer_checksums(buffers: list[torch.Tensor]) -> list[int]:

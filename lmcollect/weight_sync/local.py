@@ -74,4 +74,7 @@ class LocalWeightUpdater(WeightUpdaterBase[int]):
                 "this LocalWeightUpdater has no live collector: pass it as weight_updater=... to a "
                 "collector (or set collector.weight_updater) before pushing."
             )
-        collector.receive_weights(server_weights, convert_dtype=self.convert_dtype, version=version)
+        # NaN/Inf: refused (or allowed) by _validate already
+        collector.receive_weights(
+            server_weights, convert_dtype=self.convert_dtype, version=version, allow_non_finite=True
+        )

@@ -92,6 +92,9 @@ class vLLMUpdater(WeightUpdaterBase[int]):
         vllm_tp_size: tensor-parallel size of each engine replica (None: 1).
         verify: workers return a CRC32 of every bucket of the weights they now hold (after a
             delta: of the patched copy); a mismatch with the trainer's raises ``WeightPushError``.
+        digest: authenticate every full push's bytes with a keyed digest that each worker verifies
+            before it reloads anything (see ``ProcessGroupConfig.digest``); False: for an engine
+            on a network nothing untrusted reaches, to save hashing every byte on both sides.
         timeout_s: longest a push (or ``init``) may take; a worker that died makes the push raise
             ``WeightPushError`` within it instead of hanging.
         bucket_size_bytes: largest broadcast buffer.
@@ -133,6 +136,7 @@ class vLLMUpdater(WeightUpdaterBase[int]):
         vllm_tp_size: int | None = None,
         *,
         verify: bool = False,
+        digest: bool = True,
         timeout_s: float = 300.0,
         bucket_size_bytes: int = 64 * 2**20,
         backend: Backend = "auto",
@@ -156,6 +160,7 @@ class vLLMUpdater(WeightUpdaterBase[int]):
         self.model_metadata = model_metadata
         self.vllm_tp_size = tp_size
         self.verify = verify
+        self.digest = digest
         self.timeout_s = timeout_s
         self.bucket_size_bytes = bucket_size_bytes
         self.backend = backend
@@ -235,6 +240,8 @@ class vLLMUpdater(WeightUpdaterBase[int]):
             timeout_s=self.timeout_s,
             bucket_size_bytes=self.bucket_size_bytes,
             convert_dtype=self.convert_dtype,
+            allow_non_finite=self.allow_non_finite,
+            digest=self.digest,
             delta=self.delta,
         )
         sender = ProcessGroupSender(config)
@@ -296,11 +303,9 @@ class vLLMUpdater(WeightUpdaterBase[int]):
     def _validate(self, weights: WeightDict, worker_ids: list[int]) -> None:
         self._prepared = None
         self._push_started = time.perf_counter()
-        convert = self.convert_dtype
-        checked = not self.allow_non_finite and self.delta is None and self._chooser is None and not convert
-        if checked:  # before the group forms
-            raise_if_problems(non_finite_problems(weights))
         if self._sender is None:
+            if not self.allow_non_finite:  # before the group forms (NaN/Inf as pushed stays so once cast)
+                raise_if_problems(non_finite_problems(weights))
             first = next(iter(weights.values()), None)
             self.init(device=None if first is None else first.device)
         if self.model_metadata is not None:  # the trainer's contract, then what every worker accepts
@@ -308,10 +313,8 @@ class vLLMUpdater(WeightUpdaterBase[int]):
         assert self._sender is not None
         if self._chooser is not None:
             self._choose_delta(self._sender, weights)
-        prepared = self._sender.prepare(weights)  # checks; with delta also encodes (nothing sent yet)
-        if not self.allow_non_finite and not checked:  # what travels, as the engine holds it
-            raise_if_problems(non_finite_problems(prepared.sent_values(), dtypes=prepared.dtypes))
-        self._prepared = prepared
+        # checks (NaN/Inf too, on what travels as the engine holds it); with delta also encodes; sends nothing
+        self._prepared = self._sender.prepare(weights)
 
     def _choose_delta(self, sender: ProcessGroupSender, weights: WeightDict) -> None:
         """``delta="auto"``: delta pushes on (a base kept from the next push) or off (base dropped)."""

@@ -7,7 +7,9 @@ marked with the version it applies to. A receiver applies a delta only onto that
 checks the delta (:func:`prepare_delta`), writes it, and verifies a per-tensor CRC32 over the
 changed positions, the values they held before and the values they hold after; on any mismatch
 it restores the old values and raises :class:`DeltaRejectedError` (weights and version
-unchanged), and the sender answers with a full push.
+unchanged), and the sender answers with a full push. Where the delta crosses a network (a process
+group), the checksum is keyed instead (``checksum_key``: a 64-bit HMAC-SHA256 keyed with the group's
+secret), so bytes changed on the way cannot be given a matching checksum.
 
 Encodings of the changed positions, per tensor (``DeltaConfig.encoding``):
 
@@ -36,6 +38,7 @@ import numpy as np
 import torch
 
 from lmcollect.weights.buckets import WeightBuckets, tie_key, view_buckets
+from lmcollect.weights.digest import keyed_checksum
 from lmcollect.weights.tensors import WeightDict
 from lmcollect.weights.version import PushVersion
 
@@ -87,7 +90,8 @@ class TensorDelta:
     numel: int
     num_changed: int
     checksum: int
-    """CRC32 of the position arrays, the old values, then the new values (as raw bytes)."""
+    """CRC32 of the position arrays, the old values, then the new values (as raw bytes); with a
+    ``checksum_key``, their keyed digest (HMAC-SHA256, 64 bits) instead."""
 
 
 @dataclass
@@ -189,10 +193,13 @@ class DeltaBase:
     :meth:`snapshot` (after a full push: a copy) or :meth:`adopt` (tensors the sender keeps
     anyway, e.g. its packed buffers) sets it; :meth:`encode` compares new weights with it without
     changing it; :meth:`commit` writes an encoded delta into it once the push goes out.
+    ``checksum_key``: the entries' checksums are keyed with it (receivers verify with the same
+    key); None: CRC32.
     """
 
-    def __init__(self, config: DeltaConfig) -> None:
+    def __init__(self, config: DeltaConfig, *, checksum_key: bytes | None = None) -> None:
         self.config = config
+        self.checksum_key = checksum_key
         self.version: PushVersion | None = None
         self.tensors: dict[str, torch.Tensor] = {}
         self._names: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...] = ()
@@ -294,7 +301,9 @@ class DeltaBase:
         base = self.tensors[name]
         with torch.no_grad():
             new = _bits(weights[name].detach().to(base.dtype))
-        return _encode_tensor(name, new, _bits(base), self.config.encoding, self._mask_for(base))
+        return _encode_tensor(
+            name, new, _bits(base), self.config.encoding, self._mask_for(base), checksum_key=self.checksum_key
+        )
 
     def _map(self, fn: Callable[[str], Any], names: list[str]) -> Iterator[Any]:
         num_threads = torch.get_num_threads()
@@ -346,6 +355,8 @@ def _encode_tensor(
     base: torch.Tensor,
     wanted: Literal["auto", "indices", "bitmask"],
     mask: np.ndarray | None,
+    *,
+    checksum_key: bytes | None = None,
 ) -> tuple[TensorDelta, dict[str, torch.Tensor], torch.Tensor | None] | None:
     """One tensor's entry, its arrays ("positions", "blocks", "values") and the positions to commit
     (None: all of them, "dense"); None when nothing changed. ``new``, ``base``: flat integer views."""
@@ -365,7 +376,7 @@ def _encode_tensor(
         arrays = {**_encode_positions(encoding, positions.cpu().numpy(), numel), "values": _take(new, positions)}
         old = _take(base, positions)
     position_arrays = [arrays[key] for key in ("blocks", "positions") if key in arrays]
-    checksum = _checksum(position_arrays, old, arrays["values"])
+    checksum = _checksum(position_arrays, old, arrays["values"], checksum_key)
     return TensorDelta(name, encoding, numel, k, checksum), arrays, None if encoding == "dense" else positions
 
 
@@ -398,8 +409,9 @@ class _Change:
 class PreparedDelta:
     """A checked delta, ready to write (:func:`prepare_delta` builds it; :meth:`apply_` writes)."""
 
-    def __init__(self, changes: list[_Change]) -> None:
+    def __init__(self, changes: list[_Change], checksum_key: bytes | None = None) -> None:
         self._changes = changes
+        self._checksum_key = checksum_key
 
     @torch.no_grad()
     def apply_(self) -> None:
@@ -415,7 +427,7 @@ class PreparedDelta:
                 change.old = change.target.index_select(0, change.positions)
                 change.target.index_copy_(0, change.positions, change.values)
                 after = change.target.index_select(0, change.positions)
-            if _checksum(change.position_arrays, change.old, after) != change.entry.checksum:
+            if _checksum(change.position_arrays, change.old, after, self._checksum_key) != change.entry.checksum:
                 bad.append(change.entry.name)
         if bad:
             self._undo()
@@ -437,10 +449,12 @@ def prepare_delta(
     *,
     held_version: PushVersion | None,
     aliases: Mapping[str, str] | None = None,
+    checksum_key: bytes | None = None,
 ) -> PreparedDelta:
     """Check ``delta`` against the receiver before anything changes: it must apply to the version
     held (``held_version``), name known tensors of the same dtype and size, and hold consistent
-    positions. Raises :class:`DeltaRejectedError` otherwise."""
+    positions. Raises :class:`DeltaRejectedError` otherwise. ``checksum_key``: the key the sender's
+    checksums were made with (None: CRC32)."""
     check_delta_base(delta, held_version)
     aliases = aliases or {}
     arrays = delta.arrays.tensors()
@@ -460,7 +474,7 @@ def prepare_delta(
         changes.append(
             _Change(bits, entry, positions, _position_arrays(arrays, i), values.reshape(-1).to(target.device))
         )
-    return PreparedDelta(changes)
+    return PreparedDelta(changes, checksum_key)
 
 
 def check_delta_base(delta: WeightDelta, held_version: PushVersion | None) -> None:
@@ -519,7 +533,11 @@ def _position_arrays(arrays: Mapping[str, torch.Tensor], i: int) -> list[torch.T
     return [arrays[key] for key in (f"{i}.blocks", f"{i}.positions") if key in arrays]
 
 
-def _checksum(position_arrays: list[torch.Tensor], old: torch.Tensor, new: torch.Tensor) -> int:
+def _checksum(
+    position_arrays: list[torch.Tensor], old: torch.Tensor, new: torch.Tensor, key: bytes | None = None
+) -> int:
+    if key is not None:
+        return keyed_checksum([*position_arrays, old, new], key)
     crc = 0
     for array in (*position_arrays, old, new):
         crc = zlib.crc32(array.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy(), crc)

@@ -1,17 +1,22 @@
-"""Checkpoints: a save that crashes midway leaves the earlier one whole; a manifest cannot point outside its folder."""
+"""Checkpoints: a save that crashes midway leaves the earlier one whole; a manifest cannot point outside its
+folder; a load is all or nothing (every state checked first, NaN weights refused, no symbolic links followed)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
+from lmcollect.buffers.replay_buffer import ReplayBuffer
 from lmcollect.checkpoint import load_checkpoint, save_checkpoint
 from lmcollect.collectors import LLMCollector
 from lmcollect.data import codec, keys
 from lmcollect.data.turns import flatten_turns
 from lmcollect.testing import ScriptedPolicy
-from tests.factories import make_guessing_env
+from tests.factories import SmallModelPolicy, make_arithmetic_env, make_guessing_env
 
 
 def build() -> LLMCollector:
@@ -64,3 +69,163 @@ def test_a_manifest_naming_a_file_outside_its_folder_is_refused(tmp_path: Path, 
     with pytest.raises(ValueError, match="plain file names"):
         load_checkpoint(tmp_path / "ckpt", [target])
     assert target.state_dict()["turns_run"] == before == 0
+
+
+# ---------------------------------------------------------------------- all or nothing (issue 42, items 8-10)
+def build_with_weights() -> LLMCollector:
+    return LLMCollector(make_arithmetic_env(), policy=SmallModelPolicy(), dialog_turns_per_batch=2, track_policy_version=True)
+
+
+def snapshot(collector: LLMCollector) -> tuple:
+    """What a load would change: the weights, the version, the turn counters and trajectory ids."""
+    state = collector.state_dict()
+    weights = {k: v.clone() for k, v in collector.get_policy_model().state_dict().items()}
+    return weights, collector.policy_version, state["turns_run"], state["batches"], state["trajectories"]["next_id"]
+
+
+def same_snapshot(a: tuple, b: tuple) -> bool:
+    return a[0].keys() == b[0].keys() and all(torch.equal(a[0][k], b[0][k]) for k in a[0]) and a[1:] == b[1:]
+
+
+def saved_run(folder: Path, *, with_buffer: bool = False) -> list[LLMCollector]:
+    """Two collectors that took a push (version 1, weights all 2.0) and collected, saved into ``folder``."""
+    collectors = [build_with_weights(), build_with_weights()]
+    buffer = ReplayBuffer(capacity=8, seed=0) if with_buffer else None
+    for collector in collectors:
+        collector.receive_weights({k: torch.full_like(v, 2.0) for k, v in collector.get_policy_model().state_dict().items()})
+        batch = collector.next()
+        if buffer is not None:
+            buffer.extend(batch.reshape(-1))
+    save_checkpoint(folder, collectors, replay_buffer=buffer)
+    return collectors
+
+
+def rewrite_state(folder: Path, which: str, change) -> None:
+    """Load the state file ``which`` ("collectors.1", "replay_buffer") names, ``change`` it, write it back."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    kind, _, index = which.partition(".")
+    entry = manifest[kind][int(index)] if index else manifest[kind]
+    state = codec.load(folder / entry["file"])
+    change(state)
+    codec.save(folder / entry["file"], state)
+
+
+def malformed_slots(state) -> None:
+    state["trajectories"]["slots"] = [{"no_such_field": 1}]  # loaded after the weights, version and counters
+
+
+def cursor_out_of_range(state) -> None:
+    state["cursor"] = 99
+
+
+@pytest.mark.parametrize(
+    ("which", "change", "reason"),
+    [
+        ("collectors.1", malformed_slots, r"collector 1's state was refused.*at 'trajectories'"),
+        ("replay_buffer", cursor_out_of_range, r"cursor=99 is outside"),
+    ],
+    ids=["second_collector", "replay_buffer"],
+)
+def test_a_checkpoint_with_one_state_malformed_after_the_weights_changes_nothing_anywhere(tmp_path: Path, which, change, reason) -> None:
+    saved_run(tmp_path / "ckpt", with_buffer=True)
+    rewrite_state(tmp_path / "ckpt", which, change)
+    targets, buffer = [build_with_weights(), build_with_weights()], ReplayBuffer(capacity=8, seed=0)
+    before = [snapshot(c) for c in targets]
+    with pytest.raises(ValueError, match=reason):
+        load_checkpoint(tmp_path / "ckpt", targets, replay_buffer=buffer)
+    assert all(same_snapshot(snapshot(c), b) for c, b in zip(targets, before, strict=True))
+    assert len(buffer) == 0 and buffer.state_dict()["cursor"] == 0
+
+
+def test_a_state_malformed_after_its_weights_is_refused_by_load_state_dict_with_nothing_changed(tmp_path: Path) -> None:
+    source = saved_run(tmp_path / "ckpt")[0]
+    state = source.state_dict()
+    state["pending_turns"]["per_slot"][0] = [{"slot": 0, "traj_id": "seven", "done": False, "td": None}]
+    target = build_with_weights()
+    before = snapshot(target)
+    with pytest.raises(ValueError, match=r"refused at 'pending_turns', nothing was changed.*traj_id='seven'"):
+        target.load_state_dict(state)
+    assert same_snapshot(snapshot(target), before)
+
+
+def test_a_continuous_collectors_state_malformed_after_its_weights_changes_nothing() -> None:
+    from lmcollect.collectors import ContinuousLLMCollector
+    from lmcollect.policies import SamplingConfig
+    from lmcollect.testing.scripted_engine import ByteTokenizer, ScriptedEngine
+
+    def build() -> ContinuousLLMCollector:
+        return ContinuousLLMCollector(
+            [make_arithmetic_env()], engine=ScriptedEngine(), tokenizer=ByteTokenizer(),
+            sampling=SamplingConfig(max_new_tokens=8), dialog_turns_per_batch=4, track_policy_version=True,
+        )
+
+    source, target = build(), build()
+    try:
+        source.receive_weights({"tag": torch.tensor([2.0])})
+        source.next()
+        with source.pause():
+            state = source.state_dict()
+        state["pending_turns"]["num_batches"] = "many"  # restored after the weights and the version
+        before = (target.engine.model.tag.item(), target.policy_version, target.turns_run)
+        with pytest.raises(ValueError, match=r"refused at 'pending_turns', nothing was changed"):
+            target.load_state_dict(state)
+        assert (target.engine.model.tag.item(), target.policy_version, target.turns_run) == before
+    finally:
+        source.shutdown()
+        target.shutdown()
+
+
+def nan_weight(state) -> None:
+    state["policy_state_dict"]["norm.weight"][3] = float("nan")
+
+
+def test_a_checkpoint_holding_nan_weights_is_refused_with_nothing_changed(tmp_path: Path) -> None:
+    saved_run(tmp_path / "ckpt")
+    rewrite_state(tmp_path / "ckpt", "collectors.0", nan_weight)
+    targets = [build_with_weights(), build_with_weights()]
+    before = [snapshot(c) for c in targets]
+    with pytest.raises(ValueError, match=r"collector 0's state was refused.*'norm.weight' holds NaN or infinite values"):
+        load_checkpoint(tmp_path / "ckpt", targets)
+    assert all(same_snapshot(snapshot(c), b) for c, b in zip(targets, before, strict=True))
+    load_checkpoint(tmp_path / "ckpt", targets, allow_non_finite=True)  # restored on purpose
+    assert torch.isnan(targets[0].get_policy_model().norm.weight[3]) and targets[0].policy_version == 1
+
+
+def link_to_another_run(folder: Path, elsewhere: Path) -> None:
+    """Collector 0's state file becomes a link to another run's (a valid state, outside the folder)."""
+    other = json.loads((elsewhere / "manifest.json").read_text())["collectors"][1]["file"]
+    name = json.loads((folder / "manifest.json").read_text())["collectors"][0]["file"]
+    (folder / name).unlink()
+    (folder / name).symlink_to(elsewhere / other)
+
+
+def link_inside_the_folder(folder: Path, elsewhere: Path) -> None:
+    """Collector 0's state file becomes a link to a copy of another run's state in the same folder."""
+    other = json.loads((elsewhere / "manifest.json").read_text())["collectors"][1]["file"]
+    shutil.copy(elsewhere / other, folder / "copied.safetensors")
+    name = json.loads((folder / "manifest.json").read_text())["collectors"][0]["file"]
+    (folder / name).unlink()
+    (folder / name).symlink_to("copied.safetensors")
+
+
+def link_the_manifest(folder: Path, elsewhere: Path) -> None:
+    """The manifest becomes a link to another run's manifest (naming that run's files, copied here)."""
+    for path in elsewhere.glob("*.safetensors"):
+        shutil.copy(path, folder / path.name)
+    (folder / "manifest.json").unlink()
+    (folder / "manifest.json").symlink_to(elsewhere / "manifest.json")
+
+
+@pytest.mark.parametrize("plant", [link_to_another_run, link_inside_the_folder, link_the_manifest])
+def test_a_state_file_that_is_a_symlink_is_refused_with_nothing_changed(tmp_path: Path, plant) -> None:
+    saved_run(tmp_path / "ckpt")
+    others = saved_run(tmp_path / "other")
+    others[1].next()
+    save_checkpoint(tmp_path / "other", others)  # another run, further along: what a link would smuggle in
+    plant(tmp_path / "ckpt", tmp_path / "other")
+    targets = [build_with_weights(), build_with_weights()]
+    before = [snapshot(c) for c in targets]
+    with pytest.raises(ValueError, match=r"is a symbolic link: a checkpoint's files are regular files in its own folder"):
+        load_checkpoint(tmp_path / "ckpt", targets)
+    assert all(same_snapshot(snapshot(c), b) for c, b in zip(targets, before, strict=True))
+    assert os.path.islink(next(p for p in (tmp_path / "ckpt").iterdir() if p.is_symlink()))  # nothing was "repaired"
