@@ -36,16 +36,8 @@ class ContinuousStateMixin:
     if TYPE_CHECKING:  # defined by the collector's other bases (CollectorShell, WeightReceiverMixin)
 
         def pause(self, timeout_s: float = 600.0) -> contextlib.AbstractContextManager[None]: ...
-        def _weights_for_state(self) -> Any: ...
-        def _apply_weights(
-            self,
-            weights: Any,
-            *,
-            model_id: str = "policy",
-            convert_dtype: bool = False,
-            version: PushVersion | None = None,
-            zero_copy: bool = False,
-        ) -> Any: ...
+        def _weights_for_state(self) -> dict[str, Any]: ...
+        def _restore_weights(self, state: Any, *, version: PushVersion | None, convert_dtype: bool = False) -> None: ...
         def _check_version(self, version: PushVersion | None) -> None: ...
 
     def set_seed(self, seed: int, static_seed: bool = False) -> int:
@@ -97,7 +89,7 @@ class ContinuousStateMixin:
         state: OrderedDict = OrderedDict()
         state["layout"] = self.layout()
         state["env_state_dict"] = [state_of(env) for env in self.envs]
-        state["policy_state_dict"] = self._weights_for_state()
+        state.update(self._weights_for_state())  # policy_state_dict, lora_adapter
         state["turns_run"] = self._tasks.turns_run
         state["batches"] = self._batches
         state["policy_version"] = None if self._policy_version is None else self._policy_version.state_dict()
@@ -127,7 +119,7 @@ class ContinuousStateMixin:
         version = state_dict.get("policy_version")
         pushed = None if version is None else PushVersion(int(version["index"]), str(version["uuid"]))
         if state_dict.get("policy_state_dict") is not None:
-            self._apply_weights(state_dict["policy_state_dict"], version=pushed)
+            self._restore_weights(state_dict, version=pushed)
         elif pushed is not None and self._policy_version is not None:
             self._check_version(pushed)
             self._policy_version.set(pushed)

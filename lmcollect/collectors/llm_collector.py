@@ -381,7 +381,7 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin):
             state: OrderedDict = OrderedDict()
             state["layout"] = self.layout()
             state["env_state_dict"] = [state_of(env) for env in self.envs]
-            state["policy_state_dict"] = self._weights_for_state()
+            state.update(self._weights_for_state())  # policy_state_dict, lora_adapter
             state["turns_run"] = self._turns_run
             state["turns_yielded"] = self._turns_yielded
             state["batches"] = self._batches
@@ -431,7 +431,7 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin):
         policy_state = state_dict.get("policy_state_dict")
         model = self.get_policy_model()
         if policy_state is not None and (hasattr(model, "load_state_dict") or self._engine_holding("policy", model)):
-            self._apply_weights(policy_state, convert_dtype=bool(kwargs.get("convert_dtype", False)), version=pushed)
+            self._restore_weights(state_dict, convert_dtype=bool(kwargs.get("convert_dtype", False)), version=pushed)
         elif pushed is not None and self._policy_version is not None:
             with self._push_lock:
                 self._check_version(pushed)

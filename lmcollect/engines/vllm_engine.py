@@ -46,6 +46,7 @@ from lmcollect.engines.vllm_common import (
 from lmcollect.engines.vllm_worker_ext import (
     COMMIT_STAGED_WEIGHTS,
     DROP_STAGED_WEIGHTS,
+    HELD_BASE_WEIGHTS,
     LOAD_LORA_ADAPTER,
     LOAD_SHARED_WEIGHTS,
     STAGE_WEIGHT_DELTA,
@@ -144,6 +145,8 @@ class VLLMEngine(QueuedAndRunning):
         # vLLM's engine core in a process of its own, or workers in processes of their own (tensor
         # parallel): collective_rpc serialises its arguments, so a push's bytes go through shared memory
         self._workers_elsewhere = multiprocess or _world_size(self._llm) > 1
+        self._loaded = False  # whether any load changed the weights the engine was built with
+        self._adapter: LoraAdapter | None = None  # the adapter merged on the workers' base now (a CPU copy)
         self._full_load = threading.Lock()  # one full load packs and sends at a time
         self._pack_sets: list[list[torch.Tensor]] = [[], []]
         self._spare = 0  # the set the next full push packs into (see _packed)
@@ -208,6 +211,7 @@ class VLLMEngine(QueuedAndRunning):
             def load() -> None:
                 refuse_stale_push(version, self._version, "VLLMEngine")  # here: loads run one at a time
                 self._llm.collective_rpc(method, args=payload)
+                self._took_base()
                 self._take_version(version)
 
             self._between_steps(load)
@@ -235,13 +239,35 @@ class VLLMEngine(QueuedAndRunning):
         layout_json, buffers = packed_weights(tensors)
         args = (layout_json, [buffer.data for buffer in buffers], scalings, adapter.rank)
 
+        kept = adapter.cloned(device="cpu")  # what a checkpoint saves (the trainer's tensors train on)
+
         def load() -> list[Any]:
             refuse_stale_push(version, self._version, "VLLMEngine")
             reports = self._llm.collective_rpc(LOAD_LORA_ADAPTER, args=args)
+            self._loaded, self._adapter = True, kept
             self._take_version(version)
             return reports
 
         return self._between_steps(load)
+
+    def _took_base(self) -> None:
+        """The workers reloaded full weights: their new LoRA base, no adapter merged (the base rule)."""
+        self._loaded, self._adapter = True, None
+
+    def checkpoint_weights(self) -> tuple[dict[str, torch.Tensor], LoraAdapter | None] | None:
+        """What a checkpoint restores this engine to: the workers' base weights (their last full
+        push, or the checkpoint files before any; checkpoint names, CPU copies) and the LoRA adapter
+        merged on top (None: none). Loading the base as a full push, then the adapter, gives back
+        these weights and the base the next adapter merges into. None when no load changed the
+        weights the engine was built with (an engine built the same way holds them)."""
+
+        def read() -> tuple[dict[str, torch.Tensor], LoraAdapter | None] | None:
+            if not self._loaded:
+                return None
+            reports = self._llm.collective_rpc(HELD_BASE_WEIGHTS, args=(0,))  # every worker holds it whole
+            return next(report for report in reports if report), self._adapter
+
+        return self._between_steps(read)
 
     loads_weight_deltas = True  # load_weights takes a WeightDelta (applied in the workers)
 
@@ -262,6 +288,7 @@ class VLLMEngine(QueuedAndRunning):
                 self._llm.collective_rpc(DROP_STAGED_WEIGHTS)
                 raise DeltaRejectedError(f"VLLMEngine's workers refused the delta ({refused[0]}); nothing was changed.")
             reports = self._llm.collective_rpc(COMMIT_STAGED_WEIGHTS)
+            self._took_base()
             self._take_version(version)
             return reports
 
@@ -270,6 +297,7 @@ class VLLMEngine(QueuedAndRunning):
     def _receive_group_push(self, push: GroupPush, version: int) -> list[Any]:
         refuse_stale_push(version, self._version, "VLLMEngine")
         reports = self._llm.collective_rpc(RECEIVE_METHOD, args=push.worker_args())
+        self._took_base()
         self._take_version(version)
         return reports
 
