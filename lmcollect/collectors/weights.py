@@ -25,7 +25,7 @@ from lmcollect.engines.protocol import (
 from lmcollect.engines.weight_group import GroupPush, join_weight_group, weight_receiver_nodes
 from lmcollect.weight_sync.base import resolve_updater
 from lmcollect.weights.delta import DeltaRejectedError, WeightDelta, check_delta_base, prepare_delta
-from lmcollect.weights.lora import LoraAdapter, check_adapter, is_lora_source, lora_adapter
+from lmcollect.weights.lora import LoraAdapter, check_adapter, check_merge, is_lora_source, lora_adapter
 from lmcollect.weights.tensors import (
     cast_to_held,
     expected_metadata,
@@ -186,17 +186,24 @@ class WeightReceiverMixin(HoldsWeightUpdater):
     def _restore_weights(self, state: Any, *, version: PushVersion | None, convert_dtype: bool = False) -> None:
         """Load the weights of a ``state_dict`` (see :meth:`_weights_for_state`) as pushes of
         ``version``: the weights in full, then the LoRA adapter merged on them, if any. The adapter
-        is checked against the model first, so a state whose adapter does not fit changes nothing."""
+        and its merge into the saved base are checked first, so a state whose adapter does not fit
+        (or overflows) changes nothing."""
         adapter_state = state.get("lora_adapter")
         adapter = None if adapter_state is None else LoraAdapter.from_state(adapter_state)
         if adapter is not None:
-            if state.get("policy_state_dict") is None:
-                raise ValueError("this state holds a LoRA adapter without the base weights it was merged into.")
+            base = state.get("policy_state_dict")
+            missing = [name for name in adapter.layers if base is None or name not in base]
+            if missing:
+                raise ValueError(
+                    f"this state holds a LoRA adapter without the base weights it was merged into ({missing[:3]}); "
+                    "it was not saved by lmcollect."
+                )
             engine = engine_of(self.policy)
             if engine is None:
                 raise TypeError(_NO_LORA_ENGINE.format(policy=type(self.policy).__name__))
             check_engine_loads(engine, adapter)
             check_adapter(adapter, self.weight_metadata()[0], receiver="this collector's model")
+            check_merge(adapter, {name: base[name] for name in adapter.layers}, receiver="the saved base weights")
         with self._push_lock:
             self._apply_weights(state["policy_state_dict"], convert_dtype=convert_dtype, version=version)
             if adapter is not None:

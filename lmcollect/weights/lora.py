@@ -322,7 +322,7 @@ def _layer_problems(layer: LoraLayerWeights, held: tuple[torch.dtype, torch.Size
             f"lora_A {a} and lora_B {b} do not fit the weight {shape} (want (r, {in_features}) and ({out_features}, r))"
         )
     elif a[0] != rank:
-        problems.append(f"rank {a[0]} but the adapter's rank for it is {rank}")
+        problems.append(f"rank {a[0]} but the adapter's rank is {rank}")
     for which, tensor in (("lora_A", layer.lora_a), ("lora_B", layer.lora_b)):
         if not tensor.is_floating_point():
             problems.append(f"{which} has dtype {tensor.dtype}, not a floating type")

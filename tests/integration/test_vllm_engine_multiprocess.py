@@ -3,7 +3,8 @@ its worker through a shared-memory file (``lmcollect.engines.shm_payload``), not
 
 After a full push the engine answers as the pushed model (greedy tokens and log-probs); a LoRA
 adapter then merges into that push's weights, which the worker holds as views of the mapped file
-(removed from ``/dev/shm`` as soon as the push returned). Skipped where vLLM is not installed.
+(removed from ``/dev/shm`` as soon as the push returned), and a checkpoint reads that base back from
+the worker. Skipped where vLLM is not installed.
 """
 from __future__ import annotations
 
@@ -56,5 +57,8 @@ def test_pushes_reach_a_worker_in_another_process_through_shared_memory(tiny_mod
         adapted = trained_lora(tiny_model_path, seed=42, base=perturbed_model(tiny_model_path, seed=41).eval())
         engine.load_weights(lora_adapter(adapted), version=2)  # merged into the mapped push's weights
         expect_answers_of(merged_copy(adapted), engine)
+        base, held = engine.checkpoint_weights()  # what a checkpoint saves: the base comes back over the RPC
+        assert base and all(torch.equal(base[name], t) for name, t in new.state_dict().items() if name in base)
+        assert held is not None and held.layers.keys() == lora_adapter(adapted).layers.keys()
     finally:
         engine.close()

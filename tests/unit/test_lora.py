@@ -190,7 +190,7 @@ def _non_finite(adapter: LoraAdapter) -> LoraAdapter:
 
 @pytest.mark.parametrize(
     ("corrupt", "named"),
-    [(_reranked, "rank 8 but the adapter's rank for it is 4"), (_misshapen, "do not fit the weight"),
+    [(_reranked, "rank 8 but the adapter's rank is 4"), (_misshapen, "do not fit the weight"),
      (_unknown_layer, "the model has no such weight"), (_non_finite, "non-finite")],
 )
 def test_a_bad_adapter_is_refused_with_nothing_changed(engine, peft_a, corrupt, named):
@@ -328,7 +328,7 @@ def test_rank_and_alpha_patterns_give_each_layer_its_own_rank_and_scaling(tiny_m
     assert back.layer_ranks == adapter.layer_ranks
     assert LoraAdapter.from_state(adapter.state()).layer_ranks == adapter.layer_ranks
     wrong = dataclasses.replace(adapter, layer_ranks={})  # the patterns' ranks dropped: refused
-    assert any("rank 8 but the adapter's rank for it is 4" in p for p in adapter_problems(wrong, expected_of(peft_patterns)))
+    assert any("rank 8 but the adapter's rank is 4" in p for p in adapter_problems(wrong, expected_of(peft_patterns)))
 
 
 def expected_of(peft_model) -> dict:

@@ -135,18 +135,28 @@ def test_a_state_holds_the_base_and_the_adapter_and_restores_both(kind, tiny_mod
         close(fresh)
 
 
+def _misshapen(tensors: dict, name: str) -> None:
+    tensors[f"{name}.lora_A"] = torch.zeros(4, 3)
+
+
+def _overflowing(tensors: dict, name: str) -> None:
+    """Finite factors whose merge into the saved base is not (every element of B @ A is 4e40)."""
+    for half in "AB":
+        tensors[f"{name}.lora_{half}"] = torch.full_like(tensors[f"{name}.lora_{half}"], 1e20)
+
+
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_state_whose_adapter_does_not_fit_changes_nothing(kind, tiny_model_path, base, peft_a) -> None:
+@pytest.mark.parametrize(("corrupt", "named"), [(_misshapen, "does not fit"), (_overflowing, "not finite")])
+def test_a_state_whose_adapter_is_refused_changes_nothing(kind, corrupt, named, tiny_model_path, base, peft_a) -> None:
     first, fresh = build(kind, str(tiny_model_path)), build(kind, str(tiny_model_path))
     try:
         first.update_policy_weights_(base)
         first.update_policy_weights_(peft_a)
         with first.pause():
             state = first.state_dict()
-        name = next(iter(state["lora_adapter"]["scalings"]))
-        state["lora_adapter"]["tensors"][f"{name}.lora_A"] = torch.zeros(4, 3)  # misshapen
+        corrupt(state["lora_adapter"]["tensors"], next(iter(state["lora_adapter"]["scalings"])))
         before = weights_of(fresh)
-        with pytest.raises(ValueError, match="does not fit"):
+        with pytest.raises(ValueError, match=named):
             fresh.load_state_dict(state)
         assert_equal_weights(weights_of(fresh), before)
         assert fresh.version_index() == 0
