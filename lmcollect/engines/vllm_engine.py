@@ -51,6 +51,7 @@ from lmcollect.engines.vllm_worker_ext import (
     LOAD_SHARED_WEIGHTS,
     STAGE_WEIGHT_DELTA,
     checkpoint_metadata,
+    held_base_of,
 )
 from lmcollect.engines.weight_group import RECEIVE_METHOD, GroupPush
 from lmcollect.plumbing import forwarded
@@ -264,8 +265,9 @@ class VLLMEngine(QueuedAndRunning):
         def read() -> tuple[dict[str, torch.Tensor], LoraAdapter | None] | None:
             if not self._loaded:
                 return None
-            reports = self._llm.collective_rpc(HELD_BASE_WEIGHTS, args=(0,))  # every worker holds it whole
-            return next(report for report in reports if report), self._adapter
+            # every worker holds it whole: one sends it, packed when it is in another process
+            reports = self._llm.collective_rpc(HELD_BASE_WEIGHTS, args=(0, self._workers_elsewhere))
+            return held_base_of(reports), self._adapter
 
         return self._between_steps(read)
 

@@ -62,7 +62,7 @@ import torch
 
 from lmcollect.engines.shm_payload import map_shared_buffers
 from lmcollect.transports.process_group import ProcessGroupReceiver
-from lmcollect.weights.buckets import WeightBuckets, layout_from_json
+from lmcollect.weights.buckets import WeightBuckets, layout_from_json, packed_weights
 from lmcollect.weights.delta import DeltaRejectedError, WeightDelta, prepare_delta
 from lmcollect.weights.lora import LoraAdapter, check_merge
 from lmcollect.weights.tensors import raise_if_problems, weight_problems
@@ -282,15 +282,21 @@ class VLLMWeightReceiverExtension:
             "reload_s": time.perf_counter() - start,
         }
 
-    def held_base_weights(self, reply_rank: int = 0) -> dict[str, torch.Tensor]:
+    def held_base_weights(self, reply_rank: int = 0, packed: bool = False) -> dict[str, Any]:
         """The base this worker's LoRA adapters merge into (its last full push, or the checkpoint
         read from disk before any), as CPU copies under checkpoint names: what a collector's
         checkpoint saves to restore the worker's weights exactly (with the adapter merged now).
-        Every tensor-parallel worker holds it whole: only rank ``reply_rank`` sends it, the others {}."""
+
+        Every tensor-parallel worker holds it whole: only rank ``reply_rank`` sends it, the others
+        ``{}``. ``packed``: as ``{"layout": JSON, "buffers": [bytes]}`` (see :func:`held_base_of`),
+        for a caller in another process (vLLM's RPC results carry bytes, not tensors)."""
         if self.rank != reply_rank:  # type: ignore[attr-defined]
             return {}
-        base = self._lmcollect_base_weights(None)
-        return {name: tensor.detach().to("cpu", copy=True) for name, tensor in base.items()}
+        base = {name: t.detach().to("cpu", copy=not packed) for name, t in self._lmcollect_base_weights(None).items()}
+        if not packed:
+            return base
+        layout_json, buffers = packed_weights(base)
+        return {"layout": layout_json, "buffers": [buffer.tobytes() for buffer in buffers]}
 
     def stage_weight_delta(self, header: dict[str, Any], layout_json: str, buffers: list[bytes]) -> dict[str, Any]:
         """Apply a delta push to a copy of the tensors it changes, taken from the weights this worker
@@ -381,6 +387,15 @@ class VLLMWeightReceiverExtension:
         if self._lmcollect_receiver is not None:
             self._lmcollect_receiver.close()
         self._lmcollect_receiver = None
+
+
+def held_base_of(reports: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """The base weights in the workers' :meth:`~VLLMWeightReceiverExtension.held_base_weights`
+    reports (the one worker that sent them; packed ones unpacked, as views of their bytes)."""
+    report = next((report for report in reports if report), {})
+    if "layout" in report and "buffers" in report and isinstance(report["layout"], str):
+        return _received_buckets(report["layout"], report["buffers"]).tensors()
+    return report
 
 
 def _received_buckets(layout_json: str, buffers: list[bytes]) -> WeightBuckets:
