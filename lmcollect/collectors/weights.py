@@ -183,11 +183,11 @@ class WeightReceiverMixin(HoldsWeightUpdater):
         state_dict = getattr(source, "state_dict", None)
         return {"policy_state_dict": state_dict() if callable(state_dict) else None, "lora_adapter": None}
 
-    def _restore_weights(self, state: Any, *, version: PushVersion | None, convert_dtype: bool = False) -> None:
+    def _restore_weights(self, state: Any, *, version: PushVersion | None, **load_options: Any) -> None:
         """Load the weights of a ``state_dict`` (see :meth:`_weights_for_state`) as pushes of
-        ``version``: the weights in full, then the LoRA adapter merged on them, if any. The adapter
-        and its merge into the saved base are checked first, so a state whose adapter does not fit
-        (or overflows) changes nothing."""
+        ``version``: the weights in full (with ``load_options``, e.g. ``convert_dtype``), then the
+        LoRA adapter merged on them, if any. The adapter and its merge into the saved base are
+        checked first, so a state whose adapter does not fit (or overflows) changes nothing."""
         adapter_state = state.get("lora_adapter")
         adapter = None if adapter_state is None else LoraAdapter.from_state(adapter_state)
         if adapter is not None:
@@ -205,7 +205,7 @@ class WeightReceiverMixin(HoldsWeightUpdater):
             check_adapter(adapter, self.weight_metadata()[0], receiver="this collector's model")
             check_merge(adapter, {name: base[name] for name in adapter.layers}, receiver="the saved base weights")
         with self._push_lock:
-            self._apply_weights(state["policy_state_dict"], convert_dtype=convert_dtype, version=version)
+            self._apply_weights(state["policy_state_dict"], version=version, **load_options)
             if adapter is not None:
                 self._apply_weights(adapter, version=version)
 
