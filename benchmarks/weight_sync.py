@@ -549,11 +549,12 @@ def lora_rows(
 
 def lora_rounds(updater, peft_model, optimizer, base_state: dict, reps: int, after_adapter=None) -> tuple:
     """One warm-up round, then ``reps``, each: an AdamW step of the adapter, (A) its push, (B) the
-    merged full push of the same model, then the adapter pushed again, untimed. So each timed push
-    follows a push of its own kind, as in a run that pushes only adapters (A after A: the receivers
-    merge into the base they keep) or only full weights (B after B, whatever came between: a full
-    push does not depend on what the receiver held). Returns A's and B's seconds, the trainer's
-    merge seconds, A's ``last_push_stats`` and B's bytes."""
+    merged full push of the same model, then, untimed, the base in full and the adapter again (a
+    full push is the receivers' new LoRA base, whatever its values: the base goes back before the
+    adapters do). So each timed push follows a push of its own kind, as in a run that pushes only
+    adapters (A after A: the receivers merge into the base they keep) or only full weights (B after
+    a full push: a full push does not depend on what the receiver held). Returns A's and B's
+    seconds, the trainer's merge seconds, A's ``last_push_stats`` and B's bytes."""
     from lmcollect.weights.lora import lora_adapter
 
     adapter_s, full_s, merge_s, stats, full_nbytes = [], [], [], [], 0
@@ -571,7 +572,8 @@ def lora_rounds(updater, peft_model, optimizer, base_state: dict, reps: int, aft
         full_seconds = timed_push(functools.partial(updater.push_weights, merged))
         assert updater.last_push_stats.kind == "full", updater.last_push_stats
         full_nbytes = updater.last_push_stats.nbytes
-        updater.push_weights(peft_model)  # untimed: back to adapter pushes (after B, the receivers check their base)
+        updater.push_weights(base_state)  # untimed: the base again, then back to adapter pushes on it
+        updater.push_weights(peft_model)
         if rep_index > 0:
             adapter_s.append(seconds)
             full_s.append(full_seconds)
@@ -594,8 +596,8 @@ def bench_lora_ray(reps: int, memcpy_gb_s: float) -> list[dict]:
         updater.init()
 
         def landed_merged(model) -> None:
-            """The adapter landed merged into the first base: B's full pushes wrote the very values the
-            receivers had merged, so they kept their base (else A would redo its copy, and be wrong)."""
+            """The adapter landed merged into the first base: each round pushes the base in full again
+            after B (B, the merged model, is a new base: adapters would stack on it)."""
             want = merged_weights(model, base_state)
             held = collectors[0].cascade_execute("policy.model.state_dict")
             adapted = [k for k in want if k.endswith(tuple(f"{t}.weight" for t in LORA_TARGETS))]
@@ -612,8 +614,7 @@ def bench_lora_ray(reps: int, memcpy_gb_s: float) -> list[dict]:
 
 def bench_lora_vllm(reps: int, memcpy_gb_s: float) -> list[dict]:
     """vLLMUpdater, medium fp32 into a vLLM engine actor (gloo for full pushes; an adapter goes in
-    the engine's load call and its workers merge it). A full push is the workers' new LoRA base, so
-    each adapter here merges onto the previous round's merged weights: the same work, other values."""
+    the engine's load call and its workers merge it)."""
     from lmcollect.engines.vllm_worker_ext import VLLM_EXTENSION
     from lmcollect.models import ModelSpec, get_model_path
     from lmcollect.policies.vllm_policy import VLLMPolicy

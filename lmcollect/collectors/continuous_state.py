@@ -46,17 +46,8 @@ class ContinuousStateMixin:
     if TYPE_CHECKING:  # defined by the collector's other bases (CollectorShell, WeightReceiverMixin)
 
         def pause(self, timeout_s: float = 600.0) -> contextlib.AbstractContextManager[None]: ...
-        def _weights_for_state(self) -> Any: ...
-        def _apply_weights(
-            self,
-            weights: Any,
-            *,
-            model_id: str = "policy",
-            convert_dtype: bool = False,
-            version: PushVersion | None = None,
-            zero_copy: bool = False,
-            allow_non_finite: bool = False,
-        ) -> Any: ...
+        def _weights_for_state(self) -> dict[str, Any]: ...
+        def _restore_weights(self, state: Any, *, version: PushVersion | None, **load_options: Any) -> None: ...
         def _check_version(self, version: PushVersion | None) -> None: ...
         def _check_loadable(
             self, weights: Any, *, convert_dtype: bool, allow_non_finite: bool, engine: Any = None
@@ -113,7 +104,7 @@ class ContinuousStateMixin:
         state: OrderedDict = OrderedDict()
         state["layout"] = self.layout()
         state["env_state_dict"] = [state_of(env) for env in self.envs]
-        state["policy_state_dict"] = self._weights_for_state()
+        state.update(self._weights_for_state())  # policy_state_dict, lora_adapter
         state["turns_run"] = self._tasks.turns_run
         state["batches"] = self._batches
         state["policy_version"] = None if self._policy_version is None else self._policy_version.state_dict()
@@ -137,10 +128,8 @@ class ContinuousStateMixin:
         self.check_state_dict(state_dict, **kwargs)
         pushed = push_version_of(state_dict.get("policy_version"))
         if state_dict.get("policy_state_dict") is not None:
-            self._apply_weights(
-                state_dict["policy_state_dict"],
-                version=pushed,
-                allow_non_finite=bool(kwargs.get("allow_non_finite", False)),
+            self._restore_weights(
+                state_dict, version=pushed, allow_non_finite=bool(kwargs.get("allow_non_finite", False))
             )
         elif pushed is not None and self._policy_version is not None:
             self._check_version(pushed)

@@ -427,7 +427,7 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin, R
             state: OrderedDict = OrderedDict()
             state["layout"] = self.layout()
             state["env_state_dict"] = [state_of(env) for env in self.envs]
-            state["policy_state_dict"] = self._weights_for_state()
+            state.update(self._weights_for_state())  # policy_state_dict, lora_adapter
             state["turns_run"] = self._turns_run
             state["turns_yielded"] = self._turns_yielded
             state["batches"] = self._batches
@@ -535,8 +535,8 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin, R
         policy_state = state_dict.get("policy_state_dict")
         model = self.get_policy_model()
         if policy_state is not None and (hasattr(model, "load_state_dict") or self._engine_holding("policy", model)):
-            self._apply_weights(
-                policy_state,
+            self._restore_weights(
+                state_dict,
                 convert_dtype=bool(kwargs.get("convert_dtype", False)),
                 version=pushed,
                 allow_non_finite=bool(kwargs.get("allow_non_finite", False)),

@@ -26,7 +26,7 @@ from lmcollect.engines.protocol import (
 from lmcollect.engines.weight_group import GroupPush, join_weight_group, weight_receiver_nodes
 from lmcollect.weight_sync.base import resolve_updater
 from lmcollect.weights.delta import DeltaRejectedError, WeightDelta, check_delta_base, prepare_delta
-from lmcollect.weights.lora import LoraAdapter, is_lora_source, lora_adapter
+from lmcollect.weights.lora import LoraAdapter, check_adapter, check_merge, is_lora_source, lora_adapter
 from lmcollect.weights.tensors import (
     cast_to_held,
     check_weights,
@@ -175,15 +175,52 @@ class WeightReceiverMixin(HoldsWeightUpdater):
         engine = self._engine_holding(model_id, target)
         return engine.weight_metadata() if engine is not None else expected_metadata(target)
 
-    def _weights_for_state(self) -> Any:
-        """The policy's weights for a ``state_dict``: its model's ``state_dict()``, or for an engine
-        that holds its own weights, the state of the engine's torch module (``TransformersEngine``,
-        ``ScriptedEngine``); None when neither is in this process (vLLM's workers)."""
+    def _weights_for_state(self) -> dict[str, Any]:
+        """The policy's weights for a ``state_dict``: ``policy_state_dict`` (the weights) and
+        ``lora_adapter`` (a LoRA adapter merged on top of them, as :meth:`LoraAdapter.state`, or None).
+
+        An engine that merges adapters and can give what it holds (``checkpoint_weights``:
+        ``TransformersEngine``, ``VLLMEngine``) gives its base and the adapter merged on it, so a
+        restore loads the base as a full push and merges the adapter again: the restored engine
+        holds the same weights and the same base, and the next adapter replaces this one instead of
+        stacking on it. Otherwise the model's ``state_dict()``, or the state of the engine's torch
+        module (``ScriptedEngine``); None when the weights are in no process here."""
+        engine = engine_of(self.policy)
+        checkpoint_weights = getattr(engine, "checkpoint_weights", None)
+        if callable(checkpoint_weights):
+            held = checkpoint_weights()
+            base, adapter = held if held is not None else (None, None)
+            return {"policy_state_dict": base, "lora_adapter": None if adapter is None else adapter.state()}
         model = self.get_policy_model()
-        engine = self._engine_holding("policy", model)
-        source = getattr(engine, "model", None) if engine is not None else model
+        source = getattr(engine, "model", None) if self._engine_holding("policy", model) is not None else model
         state_dict = getattr(source, "state_dict", None)
-        return state_dict() if callable(state_dict) else None
+        return {"policy_state_dict": state_dict() if callable(state_dict) else None, "lora_adapter": None}
+
+    def _restore_weights(self, state: Any, *, version: PushVersion | None, **load_options: Any) -> None:
+        """Load the weights of a ``state_dict`` (see :meth:`_weights_for_state`) as pushes of
+        ``version``: the weights in full (with ``load_options``, e.g. ``convert_dtype``), then the
+        LoRA adapter merged on them, if any. The adapter and its merge into the saved base are
+        checked first, so a state whose adapter does not fit (or overflows) changes nothing."""
+        adapter_state = state.get("lora_adapter")
+        adapter = None if adapter_state is None else LoraAdapter.from_state(adapter_state)
+        if adapter is not None:
+            base = state.get("policy_state_dict")
+            missing = [name for name in adapter.layers if base is None or name not in base]
+            if missing:
+                raise ValueError(
+                    f"this state holds a LoRA adapter without the base weights it was merged into ({missing[:3]}); "
+                    "it was not saved by lmcollect."
+                )
+            engine = engine_of(self.policy)
+            if engine is None:
+                raise TypeError(_NO_LORA_ENGINE.format(policy=type(self.policy).__name__))
+            check_engine_loads(engine, adapter)
+            check_adapter(adapter, self.weight_metadata()[0], receiver="this collector's model")
+            check_merge(adapter, {name: base[name] for name in adapter.layers}, receiver="the saved base weights")
+        with self._push_lock:
+            self._apply_weights(state["policy_state_dict"], version=version, **load_options)
+            if adapter is not None:
+                self._apply_weights(adapter, version=version)
 
     def _engine_holding(self, model_id: str, target: Any) -> EngineProtocol | None:
         """The engine behind the policy when it holds the weights itself (no torch module here to
@@ -383,8 +420,8 @@ class WeightReceiverMixin(HoldsWeightUpdater):
         with self._engine_held():
             try:
                 report = engine.load_weights(source, version=index)
-            except DeltaRejectedError:
-                self._held_push = held  # a refused delta changed nothing
+            except (DeltaRejectedError, ValueError):
+                self._held_push = held  # a refused load (a check, a delta, a stale push) changed nothing
                 raise
             self._finish_update(version, cache_reset=True)  # load_weights resets the engine's cache
             self._held_push = version

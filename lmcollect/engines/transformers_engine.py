@@ -30,7 +30,8 @@ from lmcollect.engines.running_request import RunningRequest
 from lmcollect.engines.sampling import eos_token_ids
 from lmcollect.plumbing import forwarded
 from lmcollect.weights.delta import WeightDelta, prepare_delta
-from lmcollect.weights.lora import KeptBase, LoraAdapter, check_adapter
+from lmcollect.weights.kept_base import KeptBase
+from lmcollect.weights.lora import LoraAdapter, check_adapter
 from lmcollect.weights.tensors import (
     align_names,
     expected_metadata,
@@ -214,8 +215,9 @@ class TransformersEngine:
 
         A :class:`~lmcollect.weights.lora.LoraAdapter` is merged into a kept copy of the base
         weights of the layers it adapts (``base + scaling * B @ A``, see
-        :class:`~lmcollect.weights.lora.KeptBase`): adapters replace each other, and a later full
-        push becomes the new base.
+        :class:`~lmcollect.weights.kept_base.KeptBase`): adapters replace each other, and a full
+        push (whatever its values) becomes the new base. An adapter whose merge would not be
+        finite is refused with nothing changed.
 
         A :class:`~lmcollect.weights.delta.WeightDelta` is written in place into the model (no
         copy of the weights) between two steps: checked first (base version, names, dtypes,
@@ -239,7 +241,7 @@ class TransformersEngine:
             refuse_stale_push(version, self._version, "TransformersEngine")
             started = time.perf_counter()
             if adapter is not None:
-                self._kept_base.merge_into(adapter.to(self._device), targets)
+                self._kept_base.merge_into(adapter.to(self._device), targets, receiver="TransformersEngine's model")
             else:
                 self._kept_base.forget()
             for name, tensor in writes.items():
@@ -266,6 +268,23 @@ class TransformersEngine:
         self._push_costs.loaded(version=version, kv_policy=self._kv_policy, call_s=time.perf_counter() - started)
 
     loads_weight_deltas = True  # load_weights takes a WeightDelta (written in place)
+
+    def checkpoint_weights(self) -> tuple[dict[str, torch.Tensor], LoraAdapter | None]:
+        """What a checkpoint restores this engine to: its base weights (the model's state, with the
+        base of every layer a LoRA adapter is merged into in place of the merge) and that adapter
+        (None: none). Loading the base as a full push, then the adapter, gives back these weights
+        and the base the next adapter merges into. Taken between two steps; the other tensors are
+        the model's own, as ``state_dict()`` gives them."""
+        with self._between_steps():
+            state = dict(self.model.state_dict())
+            targets, aliases = unique_targets(self.model)
+            held = self._kept_base.held(targets)
+        if held is None:
+            return state, None
+        base, adapter = held
+        state.update(base)
+        state.update({alias: base[name] for alias, name in aliases.items() if name in base})
+        return state, adapter
 
     def weight_metadata(self) -> tuple[dict[str, tuple[torch.dtype, torch.Size]], dict[str, str]]:
         """The model's distinct tensors (name -> (dtype, shape)) and tied aliases."""

@@ -48,10 +48,12 @@ from lmcollect.engines.vllm_kv import VLLMKVBook
 from lmcollect.engines.vllm_worker_ext import (
     COMMIT_STAGED_WEIGHTS,
     DROP_STAGED_WEIGHTS,
+    HELD_BASE_WEIGHTS,
     LOAD_LORA_ADAPTER,
     LOAD_SHARED_WEIGHTS,
     STAGE_WEIGHT_DELTA,
     checkpoint_metadata,
+    held_base_of,
 )
 from lmcollect.engines.weight_group import RECEIVE_METHOD, GroupPush
 from lmcollect.plumbing import forwarded
@@ -157,6 +159,8 @@ class VLLMEngine(QueuedAndRunning):
         # parallel): collective_rpc serialises its arguments, so a push's bytes go through shared memory
         self._workers_elsewhere = multiprocess or _world_size(self._llm) > 1
         self._kv.timed_steps = not multiprocess  # else step() only collects the engine core process's outputs
+        self._loaded = False  # whether any load changed the weights the engine was built with
+        self._adapter: LoraAdapter | None = None  # the adapter merged on the workers' base now (a CPU copy)
         self._full_load = threading.Lock()  # one full load packs and sends at a time
         self._pack_sets: list[list[torch.Tensor]] = [[], []]
         # workers elsewhere: the two sets live in shared memory, which they map once (see _packed)
@@ -218,6 +222,7 @@ class VLLMEngine(QueuedAndRunning):
                 refuse_stale_push(version, self._version, "VLLMEngine")  # here: loads run one at a time
                 started = time.perf_counter()
                 self._llm.collective_rpc(method, args=payload)
+                self._took_base()
                 self._take_version(version, started)
 
             self._between_steps(load)
@@ -254,14 +259,37 @@ class VLLMEngine(QueuedAndRunning):
         layout_json, buffers = packed_weights(tensors)
         args = (layout_json, [buffer.data for buffer in buffers], scalings, adapter.rank)
 
+        kept = adapter.cloned(device="cpu")  # what a checkpoint saves (the trainer's tensors train on)
+
         def load() -> list[Any]:
             refuse_stale_push(version, self._version, "VLLMEngine")
             started = time.perf_counter()
             reports = self._llm.collective_rpc(LOAD_LORA_ADAPTER, args=args)
+            self._loaded, self._adapter = True, kept
             self._take_version(version, started)
             return reports
 
         return self._between_steps(load)
+
+    def _took_base(self) -> None:
+        """The workers reloaded full weights: their new LoRA base, no adapter merged (the base rule)."""
+        self._loaded, self._adapter = True, None
+
+    def checkpoint_weights(self) -> tuple[dict[str, torch.Tensor], LoraAdapter | None] | None:
+        """What a checkpoint restores this engine to: the workers' base weights (their last full
+        push, or the checkpoint files before any; checkpoint names, CPU copies) and the LoRA adapter
+        merged on top (None: none). Loading the base as a full push, then the adapter, gives back
+        these weights and the base the next adapter merges into. None when no load changed the
+        weights the engine was built with (an engine built the same way holds them)."""
+
+        def read() -> tuple[dict[str, torch.Tensor], LoraAdapter | None] | None:
+            if not self._loaded:
+                return None
+            # every worker holds it whole: one sends it, packed when it is in another process
+            reports = self._llm.collective_rpc(HELD_BASE_WEIGHTS, args=(0, self._workers_elsewhere))
+            return held_base_of(reports), self._adapter
+
+        return self._between_steps(read)
 
     loads_weight_deltas = True  # load_weights takes a WeightDelta (applied in the workers)
 
@@ -283,6 +311,7 @@ class VLLMEngine(QueuedAndRunning):
                 self._llm.collective_rpc(DROP_STAGED_WEIGHTS)
                 raise DeltaRejectedError(f"VLLMEngine's workers refused the delta ({refused[0]}); nothing was changed.")
             reports = self._llm.collective_rpc(COMMIT_STAGED_WEIGHTS)
+            self._took_base()
             self._take_version(version, started)
             return reports
 
@@ -292,6 +321,7 @@ class VLLMEngine(QueuedAndRunning):
         refuse_stale_push(version, self._version, "VLLMEngine")
         started = time.perf_counter()
         reports = self._llm.collective_rpc(RECEIVE_METHOD, args=push.worker_args())
+        self._took_base()
         self._take_version(version, started)
         return reports
 

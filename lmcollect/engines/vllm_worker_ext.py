@@ -62,15 +62,16 @@ import torch
 
 from lmcollect.engines.shm_payload import MappedBufferFiles
 from lmcollect.transports.process_group import ProcessGroupReceiver
-from lmcollect.weights.buckets import WeightBuckets, layout_from_json
+from lmcollect.weights.buckets import WeightBuckets, layout_from_json, packed_weights
 from lmcollect.weights.delta import DeltaRejectedError, WeightDelta, prepare_delta
-from lmcollect.weights.lora import LoraAdapter
+from lmcollect.weights.lora import LoraAdapter, check_merge
 from lmcollect.weights.tensors import raise_if_problems, weight_problems
 
 logger = logging.getLogger(__name__)
 
 VLLM_EXTENSION = "lmcollect.engines.vllm_worker_ext.VLLMWeightReceiverExtension"
 LOAD_LORA_ADAPTER = "load_lora_adapter"
+HELD_BASE_WEIGHTS = "held_base_weights"
 LOAD_SHARED_WEIGHTS = "load_shared_weights"
 STAGE_WEIGHT_DELTA = "stage_weight_delta"
 COMMIT_STAGED_WEIGHTS = "commit_staged_weights"
@@ -276,6 +277,7 @@ class VLLMWeightReceiverExtension:
         start = time.perf_counter()
         blocks = {_block_of(name) for name in adapter.layers} | self._lmcollect_adapted
         base = self._lmcollect_base_weights(blocks)
+        check_merge(adapter, base, receiver="the vLLM worker's model")  # before the reload: nothing changes
         weights = {**base, **adapter.merged_into(base)}
         self._lmcollect_reload(weights, partial=True)
         self._lmcollect_adapted = frozenset(_block_of(name) for name in adapter.layers)
@@ -284,6 +286,22 @@ class VLLMWeightReceiverExtension:
             "num_tensors": len(weights),
             "reload_s": time.perf_counter() - start,
         }
+
+    def held_base_weights(self, reply_rank: int = 0, packed: bool = False) -> dict[str, Any]:
+        """The base this worker's LoRA adapters merge into (its last full push, or the checkpoint
+        read from disk before any), as CPU copies under checkpoint names: what a collector's
+        checkpoint saves to restore the worker's weights exactly (with the adapter merged now).
+
+        Every tensor-parallel worker holds it whole: only rank ``reply_rank`` sends it, the others
+        ``{}``. ``packed``: as ``{"layout": JSON, "buffers": [bytes]}`` (see :func:`held_base_of`),
+        for a caller in another process (vLLM's RPC results carry bytes, not tensors)."""
+        if self.rank != reply_rank:  # type: ignore[attr-defined]
+            return {}
+        base = {name: t.detach().to("cpu", copy=not packed) for name, t in self._lmcollect_base_weights(None).items()}
+        if not packed:
+            return base
+        layout_json, buffers = packed_weights(base)
+        return {"layout": layout_json, "buffers": [buffer.tobytes() for buffer in buffers]}
 
     def stage_weight_delta(self, header: dict[str, Any], layout_json: str, buffers: list[bytes]) -> dict[str, Any]:
         """Apply a delta push to a copy of the tensors it changes, taken from the weights this worker
@@ -325,12 +343,12 @@ class VLLMWeightReceiverExtension:
     def drop_staged_weights(self) -> None:
         self._lmcollect_staged = None
 
-    def _lmcollect_base_weights(self, blocks: set[str]) -> dict[str, torch.Tensor]:
-        """Every base tensor (checkpoint names) inside ``blocks``, from the last full push, or from
-        the checkpoint files in the engine's dtype before any."""
+    def _lmcollect_base_weights(self, blocks: set[str] | None) -> dict[str, torch.Tensor]:
+        """Every base tensor (checkpoint names) inside ``blocks`` (None: all), from the last full
+        push, or from the checkpoint files in the engine's dtype before any."""
         kept = getattr(self, "_lmcollect_base", None)
         if kept is not None:
-            return {name: t for name, t in kept.items() if _block_of(name) in blocks}
+            return {name: t for name, t in kept.items() if blocks is None or _block_of(name) in blocks}
         from safetensors import safe_open
 
         model_config = self.model_config  # type: ignore[attr-defined]
@@ -338,7 +356,7 @@ class VLLMWeightReceiverExtension:
         for file in sorted(Path(model_config.model).glob("*.safetensors")):
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():  # noqa: SIM118 - a safe_open handle is not iterable
-                    if _block_of(name) in blocks:
+                    if blocks is None or _block_of(name) in blocks:
                         tensor = handle.get_tensor(name)
                         found[name] = tensor.to(model_config.dtype) if tensor.is_floating_point() else tensor
         return found
@@ -374,6 +392,15 @@ class VLLMWeightReceiverExtension:
         if self._lmcollect_receiver is not None:
             self._lmcollect_receiver.close()
         self._lmcollect_receiver = None
+
+
+def held_base_of(reports: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """The base weights in the workers' :meth:`~VLLMWeightReceiverExtension.held_base_weights`
+    reports (the one worker that sent them; packed ones unpacked, as views of their bytes)."""
+    report = next((report for report in reports if report), {})
+    if "layout" in report and "buffers" in report and isinstance(report["layout"], str):
+        return _received_buckets(report["layout"], report["buffers"]).tensors()
+    return report
 
 
 def _received_buckets(layout_json: str, buffers: list[bytes]) -> WeightBuckets:

@@ -174,8 +174,6 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
             else None
         )
         self._held: list[PushVersion | None] = [None] * len(self._actors)  # what each worker got from us
-        self.last_push_stats: PushStats | None = None
-        """What the last push moved: full or delta, bytes, changed elements, repaired workers."""
 
     def register_collector(self, collector: Any) -> None:
         """Register the collector; with no ``remote_collectors`` it becomes worker 0."""

@@ -10,6 +10,7 @@ from typing import Any, Generic, TypeAlias, TypeVar
 
 import torch
 
+from lmcollect.weights.delta import PushStats, distinct_nbytes
 from lmcollect.weights.lora import LoraAdapter, check_adapter, is_lora_source, lora_adapter
 from lmcollect.weights.tensors import Metadata, WeightDict, expected_metadata, to_weight_dict
 from lmcollect.weights.version import PushVersion
@@ -58,6 +59,9 @@ class WeightUpdaterBase(abc.ABC, Generic[WorkerId]):
         self._post_hooks: list[Callable[[], None]] = []
         self._pushed_version = 0
         self._caught_up = False  # the counter starts from the workers' version at the first push
+        self.last_push_stats: PushStats | None = None
+        """What the last push moved (None before any): ``kind`` ("full", "delta" or "lora"), bytes
+        sent once to all receivers, and how many receivers got what. Every updater sets it."""
 
     def __getstate__(self) -> dict[str, Any]:
         # the collector link is a weak reference, which cannot travel; register again after unpickling
@@ -198,9 +202,15 @@ class WeightUpdaterBase(abc.ABC, Generic[WorkerId]):
         self._commit_version(pushed)  # from here some worker may hold it: never hand it out twice
         for worker_id in targets:
             self._sync_weights_with_worker(worker_id=worker_id, server_weights=weights, version=pushed)
+        self._record_push_stats(weights, targets)
         if targets:
             self._run_post_hooks()
         return None
+
+    def _record_push_stats(self, weights: WeightDict, targets: list[WorkerId]) -> None:
+        """Set :attr:`last_push_stats` after a full push to ``targets`` (an updater whose transport
+        measures its own pushes, e.g. deltas, sets them as it sends and overrides this)."""
+        self.last_push_stats = PushStats.full(distinct_nbytes(weights), num_full=len(targets))
 
     # ------------------------------------------------------------------ LoRA adapters
     def _push_adapter(self, adapter: LoraAdapter, worker_ids: WorkerIds, *, version: int | None) -> Any:
@@ -221,6 +231,7 @@ class WeightUpdaterBase(abc.ABC, Generic[WorkerId]):
         self._commit_version(pushed)
         for worker_id in targets:
             self._send_adapter(worker_id=worker_id, adapter=adapter, version=pushed)
+        self.last_push_stats = PushStats.lora(adapter.nbytes, num_receivers=len(targets))
         if targets:
             self._run_post_hooks()
         return None

@@ -21,7 +21,7 @@ from lmcollect.weights.cost_model import (
     PushCostModel,
     check_auto_delta_options,
 )
-from lmcollect.weights.delta import DeltaConfig, PushStats, distinct_nbytes, resolve_delta
+from lmcollect.weights.delta import DeltaConfig, distinct_nbytes, resolve_delta
 from lmcollect.weights.lora import LoraAdapter
 from lmcollect.weights.tensors import (
     WeightDict,
@@ -175,8 +175,6 @@ class vLLMUpdater(WeightUpdaterBase[int]):
         self._sender: ProcessGroupSender | None = None
         self._num_replicas = 1
         self.last_push_info: list[dict[str, Any]] = []
-        self.last_push_stats: PushStats | None = None
-        """What the last push moved: full or delta, bytes, changed elements, workers repaired."""
         self._prepared: PreparedPush | None = None  # checked (and delta-encoded) by _validate, sent by _sync
 
     def __getstate__(self) -> dict[str, Any]:
@@ -367,7 +365,9 @@ class vLLMUpdater(WeightUpdaterBase[int]):
         deadline = time.monotonic() + self.timeout_s
         received = self._target().submit_receive_weights(adapter.to("cpu"), version=version)
         self.last_push_info = self._wait(received, deadline, "receive_weights")
-        self.last_push_stats = PushStats.lora(adapter.nbytes, num_receivers=1)
+
+    def _record_push_stats(self, weights: WeightDict, targets: list[int]) -> None:
+        """Kept as the sender measured them while sending (full or delta)."""
 
     def _check_checksums(self, sent: list[int]) -> None:
         bad = [info.get("rank") for info in self.last_push_info if info.get("checksums") != sent]

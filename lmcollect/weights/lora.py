@@ -2,11 +2,10 @@
 copy of its base weights (pure torch; ``peft`` is only read, and only when given a peft model).
 
 A low-rank adapter on a linear layer ``W`` (out x in) is ``A`` (r x in) and ``B`` (out x r); the
-layer then computes with ``W + scaling * B @ A``. An engine that takes a :class:`LoraAdapter`
-keeps the base ``W`` of every adapted layer the first time an adapter arrives, and every adapter
-push rewrites ``W = base + scaling * B @ A`` from that copy: adapters replace each other, never
-stack, and the base model's weights are never sent again. A full push (or a delta) gives the
-engine a new base; the copy is taken again at the next adapter push.
+layer then computes with ``W + scaling * B @ A``. Every engine that takes a :class:`LoraAdapter`
+follows one base rule (docs/weight-sync.md, "LoRA"): a full push (or a delta), whatever its values,
+is a new base; an adapter push writes ``base + scaling * B @ A`` on top of the current base, so
+adapters replace each other and never stack, and the base model's weights are never sent again.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,6 +47,22 @@ class LoraLayerWeights:
         a, b = self.lora_a.to(base.device, torch.float32), self.lora_b.to(base.device, torch.float32)
         return torch.addmm(base.float(), b, a, alpha=self.scaling).to(base.dtype)
 
+    def merge_overflows(self, base: torch.Tensor, base_absmax: float | None = None) -> bool:
+        """Whether :meth:`merged` of ``base`` holds a value that is not finite in ``base``'s dtype
+        (finite but huge factors or scaling overflow it). Decided from bounds first: every element
+        of ``B @ A`` is at most ``rank * max|B| * max|A|`` (computed in float32 before the scaling),
+        every merged one at most ``|base| + |scaling|`` times that (``base_absmax``: the base's
+        largest magnitude, if known); only bounds past the dtypes' range compute the merge."""
+        if base_absmax is None:
+            base_absmax = max_magnitude(base)
+        product = self.rank * max_magnitude(self.lora_b) * max_magnitude(self.lora_a)
+        merged = base_absmax + abs(self.scaling) * product
+        float32_max = torch.finfo(torch.float32).max
+        # False for a NaN or infinite bound too: then the merge itself decides
+        if product < float32_max and merged < min(torch.finfo(base.dtype).max, float32_max):
+            return False
+        return not bool(torch.isfinite(self.merged(base)).all())
+
     def merge_into(self, base: torch.Tensor, out: torch.Tensor) -> None:
         """Write :meth:`merged` of ``base`` into ``out`` (same shape): straight from the fused
         matmul-add when ``out`` is a float32 tensor, else through a float32 result."""
@@ -63,7 +78,7 @@ class LoraAdapter:
     """A LoRA adapter to push: ``layers`` maps the adapted layer's weight name, as the receiving
     model spells it (``model.layers.0.self_attn.q_proj.weight``), to its :class:`LoraLayerWeights`;
     ``rank`` is the rank the adapter was configured with (every layer must have it, unless
-    ``rank_pattern`` gave a layer its own).
+    ``layer_ranks`` gives it its own).
 
     Build one with :func:`lora_adapter` from a ``peft`` model or from an adapter state dict and
     its ``LoraConfig``; ``push_weights`` / ``update_policy_weights_`` accept a peft model directly.
@@ -71,6 +86,13 @@ class LoraAdapter:
 
     layers: Mapping[str, LoraLayerWeights]
     rank: int
+    layer_ranks: Mapping[str, int] = field(default_factory=dict)
+    """Weight name -> rank of the layers configured with a rank other than ``rank`` (peft's
+    ``rank_pattern``); the others must have ``rank``."""
+
+    def rank_of(self, name: str) -> int:
+        """The rank layer ``name`` was configured with."""
+        return int(self.layer_ranks.get(name, self.rank))
 
     @property
     def nbytes(self) -> int:
@@ -85,13 +107,13 @@ class LoraAdapter:
         """The same adapter with its tensors on ``device``."""
         return self._mapped(lambda t: t.to(device))
 
-    def cloned(self) -> LoraAdapter:
-        """The same adapter with tensors of its own (a few MB)."""
-        return self._mapped(lambda t: t.detach().clone())
+    def cloned(self, device: torch.device | str | None = None) -> LoraAdapter:
+        """The same adapter with tensors of its own (a few MB), on ``device`` (None: where they are)."""
+        return self._mapped(lambda t: t.detach().to(t.device if device is None else device, copy=True))
 
     def _mapped(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> LoraAdapter:
         layers = {name: LoraLayerWeights(fn(w.lora_a), fn(w.lora_b), w.scaling) for name, w in self.layers.items()}
-        return LoraAdapter(layers=layers, rank=self.rank)
+        return LoraAdapter(layers=layers, rank=self.rank, layer_ranks=dict(self.layer_ranks))
 
     def flat(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """The adapter as plain data to send: ``<weight name>.lora_A`` / ``.lora_B`` -> tensor, and
@@ -107,24 +129,54 @@ class LoraAdapter:
         return {name: t.detach().cpu().contiguous() for name, t in tensors.items()}, scalings
 
     @classmethod
-    def from_flat(cls, tensors: Mapping[str, torch.Tensor], scalings: Mapping[str, float], rank: int) -> LoraAdapter:
+    def from_flat(
+        cls,
+        tensors: Mapping[str, torch.Tensor],
+        scalings: Mapping[str, float],
+        rank: int,
+        layer_ranks: Mapping[str, int] | None = None,
+    ) -> LoraAdapter:
         """The adapter :meth:`flat` gave."""
         layers = {
             name: LoraLayerWeights(tensors[f"{name}.lora_A"], tensors[f"{name}.lora_B"], float(scaling))
             for name, scaling in scalings.items()
         }
-        return cls(layers=layers, rank=rank)
+        return cls(layers=layers, rank=int(rank), layer_ranks={k: int(v) for k, v in (layer_ranks or {}).items()})
+
+    def state(self) -> dict[str, Any]:
+        """The adapter as plain data (tensors, floats, ints) for a checkpoint; :meth:`from_state` rebuilds it."""
+        tensors, scalings = self.flat()
+        return {"tensors": tensors, "scalings": scalings, "rank": self.rank, "layer_ranks": dict(self.layer_ranks)}
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> LoraAdapter:
+        """The adapter :meth:`state` described (a TypeError/ValueError naming what is wrong, for a
+        state that is not one)."""
+        if not isinstance(state, Mapping) or not {"tensors", "scalings", "rank"} <= set(state):
+            raise ValueError(
+                "a saved LoRA adapter needs 'tensors', 'scalings' and 'rank'; this state was not saved by lmcollect."
+            )
+        tensors, scalings = state["tensors"], state["scalings"]
+        missing = [f"{name}.lora_{half}" for name in scalings for half in "AB" if f"{name}.lora_{half}" not in tensors]
+        if missing:
+            raise ValueError(
+                f"the saved LoRA adapter misses tensors {missing[:5]}; this state was not saved by lmcollect."
+            )
+        return cls.from_flat(tensors, scalings, state["rank"], state.get("layer_ranks"))
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         """Pickled (e.g. by ``ray.put``) as one packed byte buffer per dtype, held in numpy arrays:
         Ray stores those without copying, where pickling each tensor would serialize it on its own.
         Unpickled, the tensors are views of those bytes (read-only in an object store)."""
         tensors, scalings = self.cpu_flat()
-        return (_unpacked_adapter, (pack_buckets(tensors, device="cpu").to_numpy(), scalings, self.rank))
+        packed = pack_buckets(tensors, device="cpu").to_numpy()
+        return (_unpacked_adapter, (packed, scalings, self.rank, dict(self.layer_ranks)))
 
 
-def _unpacked_adapter(buckets: WeightBuckets, scalings: Mapping[str, float], rank: int) -> LoraAdapter:
-    return LoraAdapter.from_flat(buckets.tensors(), scalings, rank)
+def _unpacked_adapter(
+    buckets: WeightBuckets, scalings: Mapping[str, float], rank: int, layer_ranks: Mapping[str, int] | None = None
+) -> LoraAdapter:
+    return LoraAdapter.from_flat(buckets.tensors(), scalings, rank, layer_ranks)
 
 
 # ---------------------------------------------------------------------- building an adapter
@@ -186,17 +238,23 @@ def _from_peft_model(model: Any) -> LoraAdapter:
     name = model.active_adapter
     name = name[0] if isinstance(name, (list, tuple)) else name
     _refuse_unsupported(vars(model.peft_config[name]))
+    rank = int(model.peft_config[name].r)
     layers: dict[str, LoraLayerWeights] = {}
+    layer_ranks: dict[str, int] = {}
     for module_name, module in model.named_modules():
         lora_a, lora_b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
         if lora_a is None or lora_b is None or name not in lora_a:
             continue
-        layers[_base_name(module_name) + ".weight"] = LoraLayerWeights(
+        weight_name = _base_name(module_name) + ".weight"
+        # the layer's own rank and scaling: peft resolved rank_pattern / alpha_pattern for it
+        layers[weight_name] = LoraLayerWeights(
             lora_a[name].weight.detach(), lora_b[name].weight.detach(), float(module.scaling[name])
         )
+        if int(module.r[name]) != rank:
+            layer_ranks[weight_name] = int(module.r[name])
     if not layers:
         raise ValueError(f"the peft model has no LoRA layers for its active adapter {name!r}: nothing to push.")
-    return LoraAdapter(layers=layers, rank=int(model.peft_config[name].r))
+    return LoraAdapter(layers=layers, rank=rank, layer_ranks=layer_ranks)
 
 
 def _from_state_dict(state: Mapping[str, torch.Tensor], fields: Mapping[str, Any]) -> LoraAdapter:
@@ -215,13 +273,15 @@ def _from_state_dict(state: Mapping[str, torch.Tensor], fields: Mapping[str, Any
     ]
     if missing:
         raise ValueError(f"the adapter state dict misses half of a LoRA pair: {missing[:5]}.")
-    layers = {}
+    layers, layer_ranks = {}, {}
     for module, pair in halves.items():
-        layer_rank = _pattern_value(fields.get("rank_pattern"), module, rank)
-        layer_alpha = _pattern_value(fields.get("alpha_pattern"), module, alpha)
+        layer_rank = int(_pattern_value(fields.get("rank_pattern"), module, rank))
+        layer_alpha = float(_pattern_value(fields.get("alpha_pattern"), module, alpha))
         root = math.sqrt(layer_rank) if fields.get("use_rslora") else layer_rank
         layers[module + ".weight"] = LoraLayerWeights(pair["A"], pair["B"], layer_alpha / root)
-    return LoraAdapter(layers=layers, rank=rank)
+        if layer_rank != rank:
+            layer_ranks[module + ".weight"] = layer_rank
+    return LoraAdapter(layers=layers, rank=rank, layer_ranks=layer_ranks)
 
 
 def _base_name(module: str) -> str:
@@ -229,8 +289,10 @@ def _base_name(module: str) -> str:
 
 
 def _pattern_value(patterns: Mapping[str, Any] | None, module: str, default: float) -> Any:
+    """The value of the first of peft's ``rank_pattern`` / ``alpha_pattern`` keys that matches
+    ``module`` (matched as peft does: a regex for the name's tail), else ``default``."""
     for pattern, value in (patterns or {}).items():
-        if re.fullmatch(rf"(.*\.)?{pattern}", module):
+        if re.match(rf"(.*\.)?({pattern})$", module):
             return value
     return default
 
@@ -242,7 +304,7 @@ def adapter_problems(adapter: LoraAdapter, metadata: Metadata) -> list[str]:
     layer, a rank other than the adapter's, non-floating or non-finite tensors. Empty: it fits."""
     problems: list[str] = []
     for name, layer in adapter.layers.items():
-        problems.extend(f"{name}: {p}" for p in _layer_problems(layer, metadata.get(name), adapter.rank))
+        problems.extend(f"{name}: {p}" for p in _layer_problems(layer, metadata.get(name), adapter.rank_of(name)))
     return problems
 
 
@@ -271,6 +333,38 @@ def _layer_problems(layer: LoraLayerWeights, held: tuple[torch.dtype, torch.Size
     return problems
 
 
+def max_magnitude(tensor: torch.Tensor) -> float:
+    """The largest magnitude in ``tensor`` (0 when empty; NaN propagates), from one min/max pass
+    (no ``abs()`` copy of the tensor)."""
+    if tensor.numel() == 0:
+        return 0.0
+    low, high = torch.aminmax(tensor.detach())
+    return max(-float(low), float(high))
+
+
+def check_merge(
+    adapter: LoraAdapter,
+    bases: Mapping[str, torch.Tensor],
+    *,
+    receiver: str = "the model",
+    base_absmax: Mapping[str, float] | None = None,
+) -> None:
+    """Raise a ValueError, before anything is written, when merging ``adapter`` into ``bases``
+    (name -> the base weight each adapted layer merges into) gives a weight that is not finite in
+    its dtype (see :meth:`LoraLayerWeights.merge_overflows`; ``base_absmax``: known magnitudes)."""
+    known = base_absmax or {}
+    overflowing = [
+        name for name, layer in adapter.layers.items() if layer.merge_overflows(bases[name], known.get(name))
+    ]
+    if overflowing:
+        raise ValueError(
+            f"merging this LoRA adapter into {receiver} gives weights that are not finite in their dtype "
+            f"(inf or NaN) in {len(overflowing)} layer(s): {overflowing[:5]}; nothing was loaded and the version "
+            "is unchanged. Its factors or scaling are out of range: check the training run (the loss, the "
+            "learning rate, lora_alpha) before pushing it."
+        )
+
+
 def check_adapter(adapter: LoraAdapter, metadata: Metadata, *, receiver: str = "the model") -> None:
     """Raise one ValueError naming every problem of :func:`adapter_problems` (nothing is loaded)."""
     problems = adapter_problems(adapter, metadata)
@@ -280,69 +374,3 @@ def check_adapter(adapter: LoraAdapter, metadata: Metadata, *, receiver: str = "
             + "; ".join(problems[:8])
             + ". Build the adapter on the model the engine serves, with the same rank as its LoraConfig."
         )
-
-
-class KeptBase:
-    """The base weights of the layers adapters touch, kept by an engine so adapters replace each
-    other: :meth:`merge_into` takes the copy at the first adapter push and writes
-    ``base + scaling * B @ A`` into the model's tensors in place. When the model's tensors are no
-    longer what the last merge wrote (a full or delta push went in, by any path), the model holds a
-    new base: the copy is taken again. :meth:`forget` does that explicitly.
-
-    Whether the tensors changed is read from their storage and version counter (every in-place
-    write bumps it), so the usual push costs no pass over the weights; only after another write
-    are the values compared with the last merge (recomputed), and a write of those very values
-    (a full push of the merged model) keeps the base.
-    """
-
-    def __init__(self) -> None:
-        self._base: dict[str, torch.Tensor] = {}
-        self._last: LoraAdapter | None = None  # the adapter of the last merge
-        self._stamps: dict[str, tuple[int, int | None]] = {}  # name -> _stamp() after the last merge
-
-    def merge_into(self, adapter: LoraAdapter, targets: Mapping[str, torch.Tensor]) -> None:
-        """Write the weights of ``adapter`` into the model's ``targets`` (name -> tensor), in place:
-        its layers as ``base + scaling * B @ A``, and the layers an earlier adapter touched and this
-        one does not back to their base."""
-        if not self._holds_last_merge(targets):
-            self.forget()
-        for name in adapter.layers:
-            if name not in self._base:
-                self._base[name] = targets[name].detach().clone()
-        for name, base in self._base.items():
-            layer = adapter.layers.get(name)
-            if layer is None:
-                targets[name].copy_(base)
-            else:
-                layer.merge_into(base, targets[name])
-        self._last = adapter.cloned()  # its tensors may be the trainer's, which train on
-        self._stamps = {name: _stamp(targets[name]) for name in self._base}
-
-    def _holds_last_merge(self, targets: Mapping[str, torch.Tensor]) -> bool:
-        changed = [name for name, stamp in self._stamps.items() if _stamp(targets[name]) != stamp or stamp[1] is None]
-        if not changed:
-            return True
-        layers = self._last.layers if self._last is not None else {}
-        for name in changed:
-            layer = layers.get(name)
-            written = layer.merged(self._base[name]) if layer is not None else self._base[name]
-            if not torch.equal(targets[name], written):
-                return False
-        return True
-
-    def forget(self) -> None:
-        """The model got new base weights: take the copy again at the next adapter push."""
-        self._base.clear()
-        self._last = None
-        self._stamps = {}
-
-    @property
-    def names(self) -> set[str]:
-        """The weights whose base is kept now."""
-        return set(self._base)
-
-
-def _stamp(tensor: torch.Tensor) -> tuple[int, int | None]:
-    """Where ``tensor``'s data is and its version counter (None for an inference tensor, which has
-    none: its values are then compared)."""
-    return tensor.data_ptr(), None if tensor.is_inference() else tensor._version

@@ -368,6 +368,100 @@ def test_a_refused_full_push_leaves_the_workers_base_as_it_was(engine, model_dir
     expect_answers_of(hf_model, engine, prompt)
 
 
+def lora_collector(kind: str, greedy_policy: Any, engine: VLLMEngine, **options: Any) -> Any:
+    """A lockstep collector over the session's VLLMPolicy, or a continuous one over its engine."""
+    if kind == "lockstep":
+        return LLMCollector(guessing_env(), policy=greedy_policy, dialog_turns_per_batch=2, **options)
+    return ContinuousLLMCollector(
+        [guessing_env()], engine=engine, tokenizer=greedy_policy.tokenizer, sampling=greedy_policy.sampling,
+        dialog_turns_per_batch=2, **options,
+    )
+
+
+@pytest.mark.parametrize("kind", ["lockstep", "continuous"])
+def test_lora_base_rule_and_rank_patterns_in_the_workers(kind, greedy_policy, engine, model_dir, hf_model) -> None:
+    """The workers follow the one base rule through either collector: push A, then the merged
+    weights in full (exactly what is served), then B: B lands on merged A (peft: B trained on A's
+    merge_and_unload()). A peft model with rank_pattern / alpha_pattern pushes as its merge."""
+    pytest.importorskip("peft")
+    from tests.factories import merged_copy, trained_lora
+
+    base = perturbed_model(model_dir, seed=71).eval()
+    peft_a = trained_lora(model_dir, seed=72, base=perturbed_model(model_dir, seed=71))
+    merged_a = merged_copy(peft_a)
+    peft_on_merged = trained_lora(model_dir, seed=73, targets=("q_proj", "o_proj"), base=merged_copy(peft_a))
+    patterns = trained_lora(
+        model_dir, seed=74, base=perturbed_model(model_dir, seed=71), rank_pattern={"v_proj": 8}, alpha_pattern={"q_proj": 32}
+    )
+    prompt = [1, 2, 3, 4, 5]
+    collector = lora_collector(kind, greedy_policy, engine)
+    try:
+        collector.update_policy_weights_(base)
+        collector.update_policy_weights_(peft_a)
+        expect_answers_of(merged_a, engine, prompt)
+        collector.update_policy_weights_(merged_a)  # the values served: still a new base
+        collector.update_policy_weights_(peft_on_merged)
+        expect_answers_of(merged_copy(peft_on_merged), engine, prompt)
+        collector.update_policy_weights_(base)
+        collector.update_policy_weights_(patterns)
+        expect_answers_of(merged_copy(patterns), engine, prompt)
+    finally:
+        collector.shutdown()
+        engine.load_weights(hf_model.state_dict().items(), version=engine.version + 1)
+
+
+@pytest.mark.parametrize("kind", ["lockstep", "continuous"])
+def test_lora_checkpoint_restores_the_workers_base_and_adapter(kind, greedy_policy, engine, model_dir, hf_model) -> None:
+    """A collector's state holds the workers' base (the pushed one, not the merge) and the adapter
+    held. The session's one engine stands in for a new process's: between the save and the restore
+    it gets other weights (the checkpoint files and another adapter). Restored into a fresh collector,
+    it serves base + A, and B then replaces A: base + B, never base + A + B. (Versions untracked: the
+    shared engine's version only goes up, and a checkpoint's is older than what it holds by then.)"""
+    pytest.importorskip("peft")
+    from lmcollect.weights.lora import lora_adapter
+    from tests.factories import merged_copy, trained_lora
+
+    base = perturbed_model(model_dir, seed=61).eval()
+    peft_a = trained_lora(model_dir, seed=62, base=perturbed_model(model_dir, seed=61))
+    peft_b = trained_lora(model_dir, seed=63, targets=("q_proj", "o_proj"), base=perturbed_model(model_dir, seed=61))
+    other = trained_lora(model_dir, seed=64, base=load_model_and_tokenizer(model_dir)[0])
+    prompt = [1, 2, 3, 4, 5]
+    first = lora_collector(kind, greedy_policy, engine, track_policy_version=False)
+    fresh = lora_collector(kind, greedy_policy, engine, track_policy_version=False)
+    try:
+        first.update_policy_weights_(base)
+        first.update_policy_weights_(peft_a)
+        with first.pause():
+            state = first.state_dict()
+        saved = state["policy_state_dict"]
+        assert all(torch.equal(saved[name], tensor) for name, tensor in base.state_dict().items() if name in saved)
+        assert state["lora_adapter"]["scalings"].keys() == lora_adapter(peft_a).layers.keys()
+        engine.load_weights(hf_model.state_dict().items(), version=engine.version + 1)
+        engine.load_weights(lora_adapter(other), version=engine.version + 1)
+        fresh.load_state_dict(state)
+        expect_answers_of(merged_copy(peft_a), engine, prompt)
+        fresh.update_policy_weights_(peft_b)
+        expect_answers_of(merged_copy(peft_b), engine, prompt)
+    finally:
+        first.shutdown()
+        fresh.shutdown()
+        engine.load_weights(hf_model.state_dict().items(), version=engine.version + 1)
+
+
+def test_an_adapter_whose_merge_overflows_is_refused_by_the_workers(engine, hf_model) -> None:
+    """Finite factors or scaling whose merge is not: each worker checks the merge before its reload
+    (security issue, item 6; the collectors' side is tests/security/test_lora_overflow.py)."""
+    from tests.security.test_lora_overflow import huge_factors, huge_scaling
+
+    prompt = [1, 2, 3, 4, 5]
+    held = engine.version
+    for overflowing in (huge_factors, huge_scaling):
+        with pytest.raises(ValueError, match="not finite in their dtype"):
+            engine.load_weights(overflowing(hf_model), version=held + 1)
+        assert engine.version == held
+    expect_answers_of(hf_model, engine, prompt)
+
+
 def test_a_delta_loads_in_the_workers_and_a_refused_one_changes_nothing(engine, model_dir, hf_model) -> None:
     """A WeightDelta (what RayRemoteWeightUpdater(delta=True) sends a continuous collector) is staged
     in every worker, then reloaded: answers equal the trainer's. A corrupted delta (checksum) or one

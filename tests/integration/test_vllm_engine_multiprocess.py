@@ -5,7 +5,7 @@ The engine packs every push into one of two files under ``/dev/shm`` that it kee
 push (the worker maps each once) and removes when it closes. After a full push the engine answers
 as the pushed model (greedy tokens and log-probs); a push refused after it was packed leaves the
 worker's base (the other file) as it was, so a LoRA adapter still merges into the last accepted
-push. Skipped where vLLM is not installed.
+push, and a checkpoint reads that base back from the worker. Skipped where vLLM is not installed.
 """
 from __future__ import annotations
 
@@ -66,6 +66,9 @@ def test_pushes_pack_into_two_shared_files_kept_from_push_to_push(tiny_model_pat
         adapted = trained_lora(tiny_model_path, seed=42, base=perturbed_model(tiny_model_path, seed=41).eval())
         engine.load_weights(lora_adapter(adapted), version=3)
         expect_answers_of(merged_copy(adapted), engine)
+        base, held = engine.checkpoint_weights()  # what a checkpoint saves: the base comes back over the RPC
+        assert base and all(torch.equal(base[name], t) for name, t in new.state_dict().items() if name in base)
+        assert held is not None and held.layers.keys() == lora_adapter(adapted).layers.keys()
         engine.load_weights(new.state_dict().items(), version=4)  # set 0 again
         expect_answers_of(new, engine)
         assert push_files() - before == files, "a push made a shared-memory file of its own"

@@ -14,7 +14,8 @@ import torch
 from benchmarks.weight_sync import LORA_TARGETS, adamw_step, lora_rounds, lora_rows, medium_lora_model, merged_weights
 from lmcollect.cli.bench import normalize_row
 from lmcollect.weights.delta import PushStats
-from lmcollect.weights.lora import KeptBase, is_lora_source, lora_adapter
+from lmcollect.weights.kept_base import KeptBase
+from lmcollect.weights.lora import is_lora_source, lora_adapter
 
 pytest.importorskip("peft")
 
@@ -53,7 +54,7 @@ def test_lora_rounds_alternate_adapter_and_merged_full_pushes(tiny_model_path) -
         landed.append(True)
 
     adapter_s, full_s, merge_s, stats, full_nbytes = lora_rounds(updater, peft_model, optimizer, base_state, 2, check)
-    assert updater.kinds == ["lora"] + ["lora", "full", "lora"] * 3 and landed == [True]
+    assert updater.kinds == ["lora"] + ["lora", "full", "full", "lora"] * 3 and landed == [True]
     assert len(adapter_s) == len(full_s) == len(merge_s) == len(stats) == 2
     # B pushes every tensor of the model, the adapted ones merged (one AdamW step moved them off the base)
     merged = merged_weights(peft_model, base_state)

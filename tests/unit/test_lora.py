@@ -15,7 +15,9 @@ from lmcollect.collectors import LLMCollector
 from lmcollect.engines import EngineRequest, TransformersEngine
 from lmcollect.policies import SamplingConfig, TransformersPolicy
 from lmcollect.weight_sync import LocalWeightUpdater
-from lmcollect.weights.lora import KeptBase, LoraAdapter, LoraLayerWeights, adapter_problems, lora_adapter
+from lmcollect.weights.delta import PushStats
+from lmcollect.weights.kept_base import KeptBase
+from lmcollect.weights.lora import LoraAdapter, LoraLayerWeights, adapter_problems, lora_adapter
 from tests.engine_contract import forward_log_probs, generate_greedy
 from tests.factories import merged_copy, perturbed_model, trained_lora
 
@@ -135,30 +137,32 @@ def test_an_adapter_pickles_as_packed_bytes_and_comes_back_equal(peft_a, dtype):
         assert torch.equal(got.lora_a, layer.lora_a) and torch.equal(got.lora_b, layer.lora_b), name
 
 
-def test_the_kept_base_survives_a_write_of_the_merged_values_and_not_a_new_base(peft_a, peft_b):
-    """A merge is written in place; a later write by another path (a full push) is a new base,
-    unless it wrote exactly what the last merge did (a full push of the merged model)."""
+def test_any_write_but_the_merge_is_a_new_base_even_of_the_merged_values(peft_a, peft_b):
+    """The base rule: a merge is written in place and adapters replace each other on the kept base;
+    a write by another path (a full push) is a new base, even one of exactly the merged values."""
     a, b = lora_adapter(peft_a), lora_adapter(peft_b)
     base = {name: torch.randn(layer.lora_b.shape[0], layer.lora_a.shape[1]) for name, layer in {**a.layers, **b.layers}.items()}
     model = {name: t.clone() for name, t in base.items()}
     kept = KeptBase()
     kept.merge_into(a, model)
-    written = {name: t.clone() for name, t in model.items()}
     for name, tensor in a.merged_into(base).items():
         assert torch.equal(model[name], tensor), name
-    for name, tensor in model.items():  # the merged model pushed in full: the same values, rewritten
-        tensor.copy_(written[name])
     kept.merge_into(b, model)  # q/v back to the base, o_proj adapted
     for name in base:
         expected = b.layers[name].merged(base[name]) if name in b.layers else base[name]
         assert torch.equal(model[name], expected), name
-    new_base = {name: t + 1.0 for name, t in base.items()}
-    for name, tensor in model.items():
-        tensor.copy_(new_base[name])
+    merged_b = {name: t.clone() for name, t in model.items()}
+    for name, tensor in model.items():  # the merged model pushed in full: the same values, a new base
+        tensor.copy_(merged_b[name])
+    assert kept.held(model) is None
     kept.merge_into(a, model)
     for name in base:
-        expected = a.layers[name].merged(new_base[name]) if name in a.layers else new_base[name]
+        expected = a.layers[name].merged(merged_b[name]) if name in a.layers else merged_b[name]
         assert torch.equal(model[name], expected), name
+    held_base, held_adapter = kept.held(model)
+    assert held_adapter.layers.keys() == a.layers.keys()
+    for name in a.layers:
+        assert torch.equal(held_base[name], merged_b[name]), name
 
 
 def _reranked(adapter: LoraAdapter) -> LoraAdapter:
@@ -293,3 +297,108 @@ def test_an_adapter_pushed_mid_turn_under_continuous_collection_versions_each_to
     for model, version in ((base, 0), (merged, 1)):
         segment = versions == version
         torch.testing.assert_close(stored[segment], _forward_log_probs(model, full, num_prompt)[segment], atol=1e-4, rtol=0)
+
+
+# ---------------------------------------------------------------------- rank_pattern / alpha_pattern
+PATTERNS = {"rank_pattern": {"v_proj": 8}, "alpha_pattern": {"q_proj": 32}}
+
+
+@pytest.fixture(scope="module")
+def peft_patterns(tiny_model_path):
+    """q and v adapted, v at rank 8 (r=4 elsewhere), q with lora_alpha 32 (8 elsewhere)."""
+    return trained_lora(tiny_model_path, seed=14, **PATTERNS)
+
+
+def test_rank_and_alpha_patterns_give_each_layer_its_own_rank_and_scaling(tiny_model_path, peft_patterns):
+    from peft import get_peft_model_state_dict
+
+    adapter = lora_adapter(peft_patterns)
+    assert adapter.rank == 4
+    v_layers = [name for name in adapter.layers if ".v_proj." in name]
+    assert v_layers and adapter.layer_ranks == dict.fromkeys(v_layers, 8)
+    for name, layer in adapter.layers.items():
+        rank, alpha = (8, 8) if ".v_proj." in name else (4, 32)
+        assert layer.rank == rank and adapter.rank_of(name) == rank
+        assert math.isclose(layer.scaling, alpha / rank), name
+    from_state = lora_adapter(get_peft_model_state_dict(peft_patterns), peft_patterns.peft_config["default"])
+    assert from_state.layer_ranks == adapter.layer_ranks
+    for name, layer in adapter.layers.items():
+        assert math.isclose(from_state.layers[name].scaling, layer.scaling), name
+    back = pickle.loads(pickle.dumps(adapter))  # how Ray carries it
+    assert back.layer_ranks == adapter.layer_ranks
+    assert LoraAdapter.from_state(adapter.state()).layer_ranks == adapter.layer_ranks
+    wrong = dataclasses.replace(adapter, layer_ranks={})  # the patterns' ranks dropped: refused
+    assert any("rank 8 but the adapter's rank is 4" in p for p in adapter_problems(wrong, expected_of(peft_patterns)))
+
+
+def expected_of(peft_model) -> dict:
+    from lmcollect.weights.tensors import expected_metadata
+
+    return expected_metadata(merged_copy(peft_model))[0]
+
+
+@pytest.mark.parametrize("kind", ["lockstep", "continuous"])
+def test_a_peft_model_with_rank_and_alpha_patterns_pushes_as_its_merged_model(kind, tiny_model_path, peft_patterns):
+    from tests.lora_resume_worker import build, close, greedy_answers, model_of
+
+    collector = build(kind, str(tiny_model_path))
+    merged = merged_copy(peft_patterns)
+    try:
+        collector.update_policy_weights_(perturbed_model(tiny_model_path, seed=1))
+        collector.update_policy_weights_(peft_patterns)
+        assert_same_weights(model_of(collector), merged)
+        assert greedy_answers(collector) == [generate_greedy(merged, list(p), 8, min_new_tokens=8) for p in PROMPTS]
+        assert collector.weight_updater.last_push_stats.kind == "lora"
+    finally:
+        close(collector)
+
+
+# ---------------------------------------------------------------------- push stats
+@pytest.mark.parametrize("kind", ["lockstep", "continuous"])
+def test_a_local_updater_reports_what_each_push_moved(kind, tiny_model_path, peft_a):
+    from lmcollect.weights.delta import distinct_nbytes
+    from tests.lora_resume_worker import build, close
+
+    collector = build(kind, str(tiny_model_path))
+    updater = collector.weight_updater
+    assert isinstance(updater, LocalWeightUpdater) and updater.last_push_stats is None
+    try:
+        new_base = perturbed_model(tiny_model_path, seed=1)
+        collector.update_policy_weights_(new_base)
+        nbytes = distinct_nbytes(new_base.state_dict())
+        assert updater.last_push_stats == PushStats.full(nbytes, num_full=1)
+        collector.update_policy_weights_(peft_a)
+        adapter = lora_adapter(peft_a)
+        assert updater.last_push_stats == PushStats.lora(adapter.nbytes, num_receivers=1)
+        assert updater.last_push_stats.kind == "lora" and updater.last_push_stats.nbytes < nbytes
+    finally:
+        close(collector)
+
+
+def test_every_updater_has_last_push_stats_of_one_type(peft_a):
+    """The base class sets them, so any updater (the shipped ones, or one of the user's own) has them."""
+    from lmcollect.weight_sync import vLLMUpdater
+    from lmcollect.weight_sync.base import WeightUpdaterBase
+
+    class ListUpdater(WeightUpdaterBase[int]):  # an updater that only records what it is given
+        def __init__(self) -> None:
+            super().__init__()
+            self.sent: list = []
+
+        def all_worker_ids(self) -> list[int]:
+            return [0, 1]
+
+        def _adapter_metadata(self, worker_id: int) -> None:
+            return None
+
+        def _sync_weights_with_worker(self, *, worker_id, server_weights, version) -> None:
+            self.sent.append((worker_id, version.index))
+
+    for fresh in (LocalWeightUpdater(), vLLMUpdater(), ListUpdater()):
+        assert fresh.last_push_stats is None, type(fresh).__name__
+    updater = ListUpdater()
+    updater.push_weights({"w": torch.zeros(4, 4)})
+    assert updater.last_push_stats == PushStats.full(64, num_full=2)
+    updater.push_weights(peft_a, worker_ids=[1])
+    assert updater.last_push_stats == PushStats.lora(lora_adapter(peft_a).nbytes, num_receivers=1)
+    assert updater.sent == [(0, 1), (1, 1), (1, 2)]
