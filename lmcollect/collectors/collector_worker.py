@@ -177,6 +177,7 @@ _READABLE = {
     "total_dialog_turns",
     "turns_run",
     "turns_yielded",
+    "turns_counted",
     "num_buffered_turns",
     "policy_version",
     "worker_idx",

@@ -28,7 +28,9 @@ class CollectionConfig:
     dialog_turns_per_batch: int
     """Turns per batch (at least; exactly with ``yield_only_last_steps`` and in the continuous collector)."""
     total_dialog_turns: int = -1
-    """Turns to yield in the collector's life, rounded up to whole batches; -1 runs forever."""
+    """Env dialog turns to run in the collector's life, in whole batches, as torchrl counts them (with
+    ``yield_only_last_steps`` the intermediate turns left out count too; docs/collectors.md, "Turn
+    budget"); -1 runs forever."""
     yield_only_last_steps: bool | None = None
     """Yield only the last turn of completed trajectories."""
     yield_completed_trajectories: bool | None = None
