@@ -22,6 +22,7 @@ from lmcollect.collectors.shell import CollectorShell
 from lmcollect.collectors.trajectories import TrajectoryTracker, id_base, random_namespace
 from lmcollect.collectors.versioning import make_policy_version
 from lmcollect.collectors.weights import WeightReceiverMixin
+from lmcollect.compat.torchrl import TorchrlEnv, is_torchrl_env
 from lmcollect.engines.protocol import engine_of
 from lmcollect.weights.version import PushVersion
 
@@ -540,6 +541,8 @@ def _build_envs(env: Any, async_envs: bool) -> list[Any]:
 def instantiate_env(env: Any) -> Any:
     if isinstance(env, type) or (callable(env) and not hasattr(env, "batch_size")):
         env = env()  # a constructor
+    if is_torchrl_env(env):  # a torchrl LLM env runs as it is: only its chat histories are translated
+        env = TorchrlEnv(env)
     if not (hasattr(env, "step") and hasattr(env, "reset") and hasattr(env, "batch_size")):
         raise TypeError(
             f"env must follow lmcollect.envs.EnvProtocol (batch_size, reset, step), got {type(env).__name__}."
