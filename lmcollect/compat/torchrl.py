@@ -103,7 +103,8 @@ class TorchrlEnv:
                 "need it: use a ChatEnv in history mode."
             )
         converted = out.exclude("history")
-        self._env_keys.update(k for k in converted if isinstance(k, str))  # its top-level entries
+        # its top-level entries (iterating a TensorDict would go over its batch, not its keys)
+        self._env_keys.update(k for k in converted.keys() if isinstance(k, str))  # noqa: SIM118
         rows = [to_lmcollect_history(prompts[i]) for i in range(self.batch_size[0])]
         converted.set(keys.HISTORY_PROMPT, NonTensorStack(*rows))
         return converted
