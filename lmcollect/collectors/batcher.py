@@ -33,7 +33,9 @@ class Batcher:
       * ``"trajectories"``: whole completed trajectories, each contiguous, flat; trajectories
         past the threshold wait for the next batch.
       * ``"last_steps"``: exactly ``turns_per_batch`` rows, the last turn of distinct trajectories.
-    Nothing is dropped: what does not fit in a batch is carried to the next one.
+    Nothing is dropped: what does not fit in a batch is carried to the next one. :meth:`pop_counted`
+    also says how many turns ran for a batch (``total_dialog_turns`` counts those): its rows, and in
+    ``"last_steps"`` mode the intermediate turns of their trajectories too (run, then left out).
     """
 
     def __init__(self, *, mode: BatchMode, num_slots: int, turns_per_batch: int, flatten: bool) -> None:
@@ -44,6 +46,7 @@ class Batcher:
         self.steps_per_slot = math.ceil(turns_per_batch / num_slots)
         self._per_slot: list[deque[CollectedTurn]] = [deque() for _ in range(num_slots)]
         self._completed: deque[list[CollectedTurn]] = deque()
+        self._completed_run: deque[int] = deque()  # turns each completed trajectory ran (last steps: > its rows)
         self._num_completed_turns = 0
 
     def add(self, turn: CollectedTurn) -> None:
@@ -55,6 +58,7 @@ class Batcher:
         if turn.done:
             traj = list(pending)
             pending.clear()
+            self._completed_run.append(len(traj))
             if self.mode == "last_steps":
                 traj = traj[-1:]
             self._completed.append(traj)
@@ -77,6 +81,24 @@ class Batcher:
         """Turns of completed trajectories waiting for a batch (trajectory modes)."""
         return self._num_completed_turns
 
+    def covers(self, budget: int) -> bool:
+        """Trajectory modes: whether the completed trajectories waiting fill every batch still due.
+
+        Batches are due until the turns they ran reach ``budget``; in ``"trajectories"`` mode the
+        last one takes every completed trajectory, so the rows must reach ``budget`` (and a batch);
+        in ``"last_steps"`` mode whole batches of ``turns_per_batch`` rows are taken in order.
+        """
+        if budget <= 0:
+            return True
+        if self.mode == "trajectories":
+            return self._num_completed_turns >= max(budget, self.turns_per_batch)
+        runs, per_batch = list(self._completed_run), self.turns_per_batch
+        for start in range(0, len(runs) - per_batch + 1, per_batch):
+            budget -= sum(runs[start : start + per_batch])
+            if budget <= 0:
+                return True
+        return False
+
     def num_pending_steps(self, slot: int) -> int:
         """Turns of ``slot`` waiting for a batch (steps mode)."""
         return len(self._per_slot[slot])
@@ -84,26 +106,36 @@ class Batcher:
     def pop(self, *, take_all: bool = False) -> TensorDictBase:
         """The next batch; call only when :meth:`ready`.
 
-        ``take_all`` (``"trajectories"`` mode, the collector's last batch): every completed
-        trajectory goes into it, so no finished turn is left behind.
+        ``take_all`` (trajectory modes, the collector's last batch): every completed trajectory
+        goes into it, so no finished turn is left behind.
         """
-        assert self.ready() or (take_all and self.mode == "trajectories"), "pop() called before the batch was ready"
+        return self.pop_counted(take_all=take_all)[0]
+
+    def pop_counted(self, *, take_all: bool = False) -> tuple[TensorDictBase, int]:
+        """:meth:`pop`, and the turns that ran for the batch (see the class docstring)."""
+        assert self.ready() or (take_all and self.mode != "steps"), "pop() called before the batch was ready"
         if self.mode == "steps":
             rows = [[q.popleft().td for _ in range(self.steps_per_slot)] for q in self._per_slot]
-            return stack_turns([t for row in rows for t in row]) if self.flatten else stack_rows(rows)
+            batch = stack_turns([t for row in rows for t in row]) if self.flatten else stack_rows(rows)
+            return batch, batch.batch_size.numel()
         turns: list[TensorDictBase] = []
-        while self._completed and (len(turns) < self.turns_per_batch or (take_all and self.mode == "trajectories")):
+        run = 0
+        while self._completed and (len(turns) < self.turns_per_batch or take_all):
             traj = self._completed.popleft()
+            run += self._completed_run.popleft()
             self._num_completed_turns -= len(traj)
             turns.extend(t.td for t in traj)
-        return stack_turns(turns)
+        return stack_turns(turns), run
 
-    def pop_completed(self) -> list[TensorDictBase]:
-        """Every turn of the completed trajectories (``"trajectories"`` / ``"last_steps"``), however few."""
+    def pop_completed(self) -> tuple[list[TensorDictBase], int]:
+        """Every turn of the completed trajectories (``"trajectories"`` / ``"last_steps"``), however
+        few, and the turns that ran for them."""
         turns = [t.td for traj in self._completed for t in traj]
+        run = sum(self._completed_run)
         self._completed.clear()
+        self._completed_run.clear()
         self._num_completed_turns = 0
-        return turns
+        return turns, run
 
     def drop_pending(self, slot: int) -> int:
         """Forget the unfinished trajectory of ``slot`` (after a forced reset); returns turns dropped."""
@@ -118,6 +150,7 @@ class Batcher:
         return {
             "per_slot": [[turn_state(t) for t in q] for q in self._per_slot],
             "completed": [[turn_state(t) for t in traj] for traj in self._completed],
+            "completed_run": list(self._completed_run),
         }
 
     def check_state_dict(self, state: dict) -> None:
@@ -125,10 +158,10 @@ class Batcher:
         self._parsed_state(state)
 
     def load_state_dict(self, state: dict) -> None:
-        self._per_slot, self._completed = self._parsed_state(state)
+        self._per_slot, self._completed, self._completed_run = self._parsed_state(state)
         self._num_completed_turns = sum(len(traj) for traj in self._completed)
 
-    def _parsed_state(self, state: dict) -> tuple[list[deque[CollectedTurn]], deque[list[CollectedTurn]]]:
+    def _parsed_state(self, state: dict) -> tuple[list[deque[CollectedTurn]], deque[list[CollectedTurn]], deque[int]]:
         if len(state["per_slot"]) != self.num_slots:
             raise ValueError(
                 f"the state holds turns of {len(state['per_slot'])} env slots, this collector has {self.num_slots}; "
@@ -136,11 +169,24 @@ class Batcher:
             )
         per_slot = [deque(turn_from_state(t, self.num_slots) for t in q) for q in state["per_slot"]]
         completed = deque([turn_from_state(t, self.num_slots) for t in traj] for traj in state["completed"])
-        return per_slot, completed
+        # a state from before the turns run were kept: each trajectory ran the rows it kept
+        completed_run = deque(int(n) for n in state.get("completed_run", [len(traj) for traj in completed]))
+        if len(completed_run) != len(completed) or any(n < len(t) for n, t in zip(completed_run, completed)):
+            raise ValueError(
+                "the state's completed_run does not match its completed trajectories; it was not saved by lmcollect."
+            )
+        return per_slot, completed, completed_run
 
     @property
     def num_buffered_turns(self) -> int:
+        """Rows held for the next batches (trajectories under way, completed ones waiting)."""
         return sum(len(q) for q in self._per_slot) + self._num_completed_turns
+
+    @property
+    def num_uncounted_turns(self) -> int:
+        """Turns run that no batch has counted yet: :attr:`num_buffered_turns`, and in ``"last_steps"``
+        mode the intermediate turns of the completed trajectories waiting too."""
+        return sum(len(q) for q in self._per_slot) + sum(self._completed_run)
 
 
 def turn_state(turn: CollectedTurn) -> dict:

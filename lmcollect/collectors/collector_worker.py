@@ -173,6 +173,7 @@ _READABLE = {
     "total_dialog_turns",
     "turns_run",
     "turns_yielded",
+    "turns_counted",
     "num_buffered_turns",
     "sampling_counts",
     "last_batch_counts",

@@ -29,13 +29,16 @@ class CollectionConfig:
     dialog_turns_per_batch: int
     """Turns per batch (at least; exactly with ``yield_only_last_steps`` and in the continuous collector)."""
     total_dialog_turns: int = -1
-    """Turns to yield in the collector's life, rounded up to whole batches; -1 runs forever."""
+    """Env dialog turns to run in the collector's life, in whole batches, as torchrl counts them (with
+    ``yield_only_last_steps`` the intermediate turns left out count too; docs/collectors.md, "Turn
+    budget"); -1 runs forever."""
     yield_only_last_steps: bool | None = None
     """Yield only the last turn of completed trajectories."""
     yield_completed_trajectories: bool | None = None
     """Yield only whole completed trajectories (defaults to ``yield_only_last_steps``)."""
     flatten_data: bool | None = None
-    """Batches flat ``(N,)`` instead of ``(num_envs, T)`` (trajectory modes are always flat)."""
+    """Batches flat ``(N,)`` instead of ``(num_envs, T)`` (trajectory modes are always flat); None:
+    flat when a ``replay_buffer`` is given, as in torchrl."""
     postproc: Callable[[TensorDictBase], TensorDictBase] | None = None
     """Applied to every batch before it is yielded or written (returning None holds it back)."""
     replay_buffer: Any | None = None
@@ -60,6 +63,7 @@ class CollectionConfig:
             yield_only_last_steps=self.yield_only_last_steps,
             yield_completed_trajectories=self.yield_completed_trajectories,
             flatten_data=self.flatten_data,
+            has_replay_buffer=self.replay_buffer is not None,
         )
         object.__setattr__(self, "mode", mode)
         object.__setattr__(self, "flatten", flatten)
@@ -129,8 +133,10 @@ def resolve_batching(
     yield_only_last_steps: bool | None,
     yield_completed_trajectories: bool | None,
     flatten_data: bool | None,
+    has_replay_buffer: bool = False,
 ) -> tuple[BatchMode, bool]:
-    """Check the batching arguments and return (batch mode, flatten)."""
+    """Check the batching arguments and return (batch mode, flatten); ``flatten_data=None`` flattens
+    when batches go to a replay buffer (as torchrl does: a buffer stores turns, not ``(num_envs, T)`` rows)."""
     if not isinstance(dialog_turns_per_batch, int) or dialog_turns_per_batch <= 0:
         raise ValueError(
             f"dialog_turns_per_batch must be a positive int, got {dialog_turns_per_batch!r}; "
@@ -158,5 +164,5 @@ def resolve_batching(
             f"flatten_data=False cannot be combined with {'yield_only_last_steps' if mode == 'last_steps' else 'yield_completed_trajectories'}=True: "
             "those batches are flat lists of turns. Leave flatten_data=None or set it to True."
         )
-    flatten = True if mode != "steps" else bool(flatten_data)
+    flatten = True if mode != "steps" else (has_replay_buffer if flatten_data is None else flatten_data)
     return mode, flatten

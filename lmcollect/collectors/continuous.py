@@ -68,7 +68,8 @@ class ContinuousLLMCollector(
     ``GroupAdvantage(group_size=k)`` (single-turn) or ``GroupAdvantage()`` (multi-turn) normalises
     every group. ``max_policy_lag`` then holds per group: a group admitted under version ``v`` leaves
     by version ``v + max_policy_lag`` (see :mod:`lmcollect.collectors.group_flow`);
-    ``total_dialog_turns`` counts dialogs and ``max_buffered_turns`` is divided by ``k`` into groups.
+    ``total_dialog_turns`` counts turns run, as everywhere (groups are admitted until their turns
+    reach it, then to fill the last batch), and ``max_buffered_turns`` is divided by ``k`` into groups.
     At :meth:`shutdown` the turns of groups not complete go to :attr:`leftover_turns` (never to the
     buffer).
 
@@ -91,7 +92,8 @@ class ContinuousLLMCollector(
         sampling: sampling settings of every request (default ``SamplingConfig()``).
         stop_token_ids: ids that end a response (default: the tokenizer's eos).
         dialog_turns_per_batch: turns per batch (exactly).
-        total_dialog_turns: turns to run in the collector's life; -1 runs forever.
+        total_dialog_turns: env dialog turns to run in the collector's life, as torchrl counts them
+            (see :attr:`turns_counted`); -1 runs forever.
         yield_only_last_steps: yield only the last turn of completed trajectories.
         yield_completed_trajectories: yield only whole completed trajectories.
         postproc: applied to every batch before it is yielded or written.
@@ -189,8 +191,11 @@ class ContinuousLLMCollector(
         return len(self._tasks.slots)
 
     turns_run = forwarded("_tasks.turns_run", "Turns finished so far (including turns not yet yielded).")
-    turns_yielded = forwarded(
-        "_flow.num_consumed", 'Turns that left in batches so far (see "Turn budget" in docs/collectors.md).'
+    turns_yielded = forwarded("_flow.num_consumed", "Turns (batch rows) that left in batches so far.")
+    turns_counted = forwarded(
+        "_flow.num_counted",
+        "Turns run for the rows that left so far (with ``yield_only_last_steps``, every turn of each "
+        'trajectory): what ``total_dialog_turns`` counts (see "Turn budget" in docs/collectors.md).',
     )
     num_buffered_turns = forwarded(
         "_flow.num_buffered_turns",

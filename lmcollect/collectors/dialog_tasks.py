@@ -344,7 +344,7 @@ class DialogTasks:
             env_number=slot.parent,
             num_envs=self.num_parents,
         )
-        slot.obs = None if done else next_observation(turn, nxt)
+        slot.obs = None if done else next_observation(turn, nxt, slot.env)
         return collected
 
     async def _new_dialog(self, i: int, slot: Slot, index: int) -> TensorDictBase:

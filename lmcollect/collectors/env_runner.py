@@ -160,7 +160,7 @@ class EnvRunner:
             if done:
                 done_rows.append(i)
             else:
-                next_obs[i] = next_observation(turn, nxt_i)
+                next_obs[i] = next_observation(turn, nxt_i, self.env)
         self._obs = next_obs
         if done_rows:
             self._reset_rows(next_obs, done_rows)
@@ -199,9 +199,13 @@ def record_turn(
     return CollectedTurn(slot=slot, traj_id=traj_id, done=done, td=turn)
 
 
-def next_observation(turn: TensorDictBase, nxt: TensorDictBase) -> TensorDictBase:
-    """The env's next observation plus the dialog's tokens so far (token-exact multi-turn)."""
-    obs = nxt.exclude(keys.REWARD)
+def next_observation(turn: TensorDictBase, nxt: TensorDictBase, env: object = None) -> TensorDictBase:
+    """The env's next observation plus the dialog's tokens so far (token-exact multi-turn).
+
+    The rewards stay behind: ``"reward"``, or every key in ``env.reward_keys`` when the env names
+    them (torchrl envs do, e.g. a reward parser's parts), as torchrl's ``step_mdp`` leaves them.
+    """
+    obs = nxt.exclude(*(getattr(env, "reward_keys", None) or (keys.REWARD,)))
     if keys.TOKENS_FULL in turn.keys(include_nested=True):
         obs.set(keys.TOKENS_PREFIX, turn.get(keys.TOKENS_FULL))
         obs.set(keys.HISTORY_PREFIX, turn.get(keys.HISTORY_FULL))

@@ -34,7 +34,6 @@ kept group whose deadline has passed (``version + L`` below the collector's vers
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -68,7 +67,9 @@ class GroupFlow:
         turns_per_batch: ``dialog_turns_per_batch``; a batch holds ``max(1, turns_per_batch // k)`` groups.
         capacity: groups admitted and not consumed beyond which no group is admitted.
         max_policy_lag: ``L``, or None for no lag bound.
-        max_turns: dialogs to start in the collector's life (None: endless), rounded up to whole batches.
+        max_turns: ``total_dialog_turns``, turns to run in the collector's life (None: endless): groups
+            are admitted until the turns they run reach it (a group counts ``k`` turns when admitted,
+            and each later turn of its dialogs one more), then to fill the last batch's groups.
         base_version: the version index when the flow began.
         sampling: dynamic sampling (filter complete groups, refill, over-sample), or None.
     """
@@ -91,8 +92,8 @@ class GroupFlow:
         self.groups_per_batch = max(1, turns_per_batch // group_size)
         self.capacity = capacity
         self.max_policy_lag = max_policy_lag
-        per_batch = self.groups_per_batch * group_size
-        self.max_groups = None if max_turns is None else math.ceil(max_turns / per_batch) * self.groups_per_batch
+        self.max_turns = max_turns
+        self.num_turns_counted = 0  # turns of the admitted groups: k each at admission, then every later turn
         self.base_version = base_version
         self.num_started = 0  # groups admitted (and not dropped by the group filter)
         self.num_consumed = 0  # turns that left in batches
@@ -121,12 +122,20 @@ class GroupFlow:
         return held + sum(len(turns) for _, _, turns in self._finished)
 
     @property
+    def num_counted(self) -> int:
+        """Turns counted against ``total_dialog_turns`` that left: every turn of a group is a row."""
+        return self.num_consumed
+
+    @property
     def num_groups_open(self) -> int:
         """Groups admitted and not complete."""
         return len(self._open)
 
     def budget_left(self) -> bool:
-        return self.max_groups is None or self.num_started < self.max_groups
+        """Whether a group may still be admitted: turns run count, as torchrl counts ``total_dialog_turns``."""
+        if self.max_turns is None or self.num_turns_counted < self.max_turns:
+            return True
+        return self.num_started % self.groups_per_batch != 0  # fill the last batch with whole groups
 
     # ------------------------------------------------------------------ admission
     def assign(self, slot: int, group: int) -> None:
@@ -165,6 +174,9 @@ class GroupFlow:
             expected = self.group_size - self._missing.pop(group, 0)
             self._open[group] = _Group(version=version_index, expected=max(1, expected))
             self.num_started += 1
+            self.num_turns_counted += self._open[group].expected
+        if not new_dialog:
+            self.num_turns_counted += 1
         self._num_in_flight += 1
         if new_dialog:
             self.num_dialogs_running += 1
@@ -287,6 +299,7 @@ class GroupFlow:
         assert not self._num_in_flight, "state_dict() with turns in flight"
         return {
             **{k: getattr(self, k) for k in _COUNTERS},
+            "num_turns_counted": self.num_turns_counted,
             "finished": [{"version": v, "turns": [turn_state(t) for t in turns]} for v, _, turns in self._finished],
             "open": {
                 str(g): {
@@ -328,6 +341,8 @@ class GroupFlow:
         if ("sampling" in state) != (self.tally is not None):
             raise missing_filter_state("ContinuousLLMCollector")
         counters = {name: int(state[name]) for name in _COUNTERS}
+        # a state from before turns were counted: k turns per group admitted (single-turn dialogs)
+        counters["num_turns_counted"] = int(state.get("num_turns_counted", counters["num_started"] * self.group_size))
         finished = [(int(item["version"]), [turn_from_state(t) for t in item["turns"]]) for item in state["finished"]]
         open_groups = {
             int(g): _Group(

@@ -38,6 +38,7 @@ from lmcollect.collectors.state_checks import (
 from lmcollect.collectors.trajectories import TrajectoryTracker, id_base, random_namespace
 from lmcollect.collectors.versioning import make_policy_version
 from lmcollect.collectors.weights import WeightReceiverMixin
+from lmcollect.compat.torchrl import TorchrlEnv, is_torchrl_env
 from lmcollect.engines.protocol import engine_of
 from lmcollect.weights.version import PushVersion
 
@@ -60,8 +61,9 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin, R
         policy: a callable ``td -> td`` (see :class:`lmcollect.policies.PolicyProtocol`).
         policy_factory: a callable building the policy (exclusive with ``policy``).
         dialog_turns_per_batch: turns per batch (at least; exactly with ``yield_only_last_steps``).
-        total_dialog_turns: turns to yield in the collector's life, rounded up to whole batches (see
-            :attr:`turns_yielded`); -1 runs forever.
+        total_dialog_turns: env dialog turns to run in the collector's life, in whole batches (see
+            :attr:`turns_counted`; as torchrl counts them, with ``yield_only_last_steps`` the
+            intermediate turns left out count too); -1 runs forever.
         yield_only_last_steps: yield only the last turn of completed trajectories.
         yield_completed_trajectories: yield only whole completed trajectories.
         postproc: applied to every batch before it is yielded or written.
@@ -113,6 +115,7 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin, R
         )
         self._turns_run = 0
         self._turns_yielded = 0
+        self._turns_counted = 0
         self._batches = 0
         self._lock = threading.RLock()  # one batch at a time (iterator vs start() thread)
         self._stop = threading.Event()
@@ -165,22 +168,33 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin, R
 
     @property
     def turns_yielded(self) -> int:
-        """Turns yielded (or written to the replay buffer) so far: what ``total_dialog_turns`` counts.
-
-        A finite collector yields whole batches until this reaches ``total_dialog_turns``: in steps
-        mode exactly ``ceil(total / B) * B`` turns (``B`` the turns of one batch), with
-        ``yield_only_last_steps`` ``ceil(total / dialog_turns_per_batch)`` full batches, and with
-        ``yield_completed_trajectories`` at least ``total`` (the last batch takes every trajectory
-        completed by then). Only turns of dialogs still under way at the end stay unyielded
-        (:attr:`num_buffered_turns`; kept by :meth:`state_dict`).
-        """
+        """Turns (batch rows) yielded or written to the replay buffer so far."""
         return self._turns_yielded
 
     @property
+    def turns_counted(self) -> int:
+        """Turns run for the batches yielded (or written) so far: what ``total_dialog_turns`` counts.
+
+        Their rows, and with ``yield_only_last_steps`` every turn of each yielded trajectory (its
+        intermediate turns ran and were left out), as torchrl counts. A finite collector yields
+        whole batches until this reaches ``total_dialog_turns``: in steps mode exactly
+        ``ceil(total / B) * B`` turns (``B`` the turns of one batch), with
+        ``yield_completed_trajectories`` at least ``total`` (the last batch takes every trajectory
+        completed by then), and with ``yield_only_last_steps`` full batches of last steps until
+        their trajectories' turns reach ``total``. Only turns of dialogs under way at the end (and
+        in last-steps mode completed trajectories no batch took) stay in the collector
+        (:attr:`num_buffered_turns`; kept by :meth:`state_dict`).
+        """
+        return self._turns_counted
+
+    @property
     def num_buffered_turns(self) -> int:
-        """Turns run but not yet yielded (carried to the next batch)."""
+        """Turns run and not yet counted (carried to the next batches): ``turns_run - turns_counted``
+        less the turns ``reset()`` dropped. With ``yield_only_last_steps`` they include the
+        intermediate turns of the completed trajectories waiting for a batch; with dynamic sampling,
+        the turns of the groups its gate holds."""
         held = 0 if self._gate is None else self._gate.num_buffered_turns
-        return self._batcher.num_buffered_turns + held
+        return self._batcher.num_uncounted_turns + held
 
     def _sampling_tally(self) -> GroupTally | None:
         return None if self._gate is None else self._gate.tally
@@ -192,17 +206,18 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin, R
 
     # ------------------------------------------------------------------ collection
     def _finished(self) -> bool:
-        return self.total_dialog_turns != -1 and self._turns_yielded >= self.total_dialog_turns
+        return self.total_dialog_turns != -1 and self._turns_counted >= self.total_dialog_turns
 
     def _budget_left(self) -> int | None:
-        """Turns still to yield (None: endless)."""
-        return None if self.total_dialog_turns == -1 else self.total_dialog_turns - self._turns_yielded
+        """Turns still to count (None: endless)."""
+        return None if self.total_dialog_turns == -1 else self.total_dialog_turns - self._turns_counted
 
     def _may_step(self, index: int, steps_started: int) -> bool:
         """Whether env ``index`` (async_envs) may start a step: only for turns a batch will take."""
         budget = self._budget_left()
-        if self.config.mode != "steps":  # trajectory modes: until the completed turns cover the budget
-            return budget is None or self._batcher.num_completed_turns < self._rows_needed(budget)
+        if self.config.mode != "steps":  # trajectory modes: until the completed trajectories cover the budget
+            # a finite collector also waits until the batcher has this env's last step: it sees every turn run
+            return budget is None or (steps_started == self._steps_taken[index] and not self._batcher.covers(budget))
         runner = self._runners.runners[index]
         pending = self._batcher.num_pending_steps(runner.slot_offset) + steps_started - self._steps_taken[index]
         per_slot = self._batcher.steps_per_slot
@@ -215,17 +230,12 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin, R
         batches_left = -(-budget // batch_rows)
         return pending < batches_left * per_slot
 
-    def _rows_needed(self, budget: int) -> int:
-        """Completed rows that cover ``budget`` in whole batches (the last trajectories batch may be larger)."""
-        per_batch = self.dialog_turns_per_batch
-        return -(-budget // per_batch) * per_batch if self.config.mode == "last_steps" else max(budget, per_batch)
-
     def _last_batch_due(self) -> bool:
         """Trajectories mode: the completed trajectories cover the budget; they all go out now."""
         budget = self._budget_left()
         if self.config.mode != "trajectories" or budget is None:
             return False
-        return self._batcher.num_completed_turns >= self._rows_needed(budget)
+        return self._batcher.covers(budget)
 
     def _add_turns(self, turns: list) -> None:
         steps = [0] * len(self._steps_taken)
@@ -254,13 +264,14 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin, R
             with self._lock:  # one turn at a time (iterator vs start() thread vs control calls)
                 if self._batch_ready():
                     self._halt()
-                    batch = self._pop_batch()
+                    batch, run = self._pop_batch()
                     self._batches += 1
                     self._turns_yielded += batch.batch_size.numel()
+                    self._turns_counted += run
                     break
                 self._add_turns(self._runners.next_turns())
         if self.verbose:
-            logger.info("batch %d: %d turns yielded of %s", self._batches, self._turns_yielded, self.total_dialog_turns)
+            logger.info("batch %d: %d turns counted of %s", self._batches, self._turns_counted, self.total_dialog_turns)
             if self._gate is not None:
                 logger.info("batch %d: %s", self._batches, self._gate.tally.last_batch)
         return self.postproc(batch) if self.postproc is not None else batch
@@ -270,8 +281,13 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin, R
         its filter has dropped too many groups in a row)."""
         return self._gate.ready() if self._gate is not None else self._batcher.ready()
 
-    def _pop_batch(self) -> TensorDictBase:
-        return self._gate.pop() if self._gate is not None else self._batcher.pop(take_all=self._last_batch_due())
+    def _pop_batch(self) -> tuple[TensorDictBase, int]:
+        """The next batch and the turns it counts toward the budget (with dynamic sampling: its rows;
+        the dropped groups' turns are in :attr:`sampling_counts`)."""
+        if self._gate is None:
+            return self._batcher.pop_counted(take_all=self._last_batch_due())
+        batch = self._gate.pop()
+        return batch, batch.batch_size.numel()
 
     def _collect_output(self) -> TensorDictBase | None:
         """The next batch after ``postproc``; a postproc may hold a whole batch back (return None),
@@ -286,8 +302,9 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin, R
         self._raise_if_unusable()
         if self._finished():
             raise StopIteration(
-                f"the collector has yielded total_dialog_turns={self.total_dialog_turns} turns "
-                f"({self._turns_yielded} yielded); build a new collector or raise total_dialog_turns."
+                f"the collector has run total_dialog_turns={self.total_dialog_turns} turns "
+                f"({self._turns_counted} counted, {self._turns_yielded} yielded); build a new collector or raise "
+                "total_dialog_turns."
             )
         batch = self._collect_output()
         if self.replay_buffer is not None:
@@ -430,6 +447,7 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin, R
             state.update(self._weights_for_state())  # policy_state_dict, lora_adapter
             state["turns_run"] = self._turns_run
             state["turns_yielded"] = self._turns_yielded
+            state["turns_counted"] = self._turns_counted
             state["batches"] = self._batches
             state["policy_version"] = None if self._policy_version is None else self._policy_version.state_dict()
             state["trajectories"] = self._tracker.state_dict()
@@ -560,6 +578,7 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin, R
                 self.policy.set_rng_state(rng["policy"])
         if state_dict.get("observations") is None:
             self._turns_yielded = state_dict.get("turns_yielded", self._turns_run)
+            self._turns_counted = state_dict.get("turns_counted", self._turns_yielded)
             self.reset()  # an older state without dialogs in flight: they restart from the env state
             return
         for runner, observations in zip(self._runners.runners, state_dict["observations"], strict=False):
@@ -569,6 +588,8 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin, R
             self._gate.load_state_dict(state_dict["group_gate"])
         # a state from before turns_yielded was saved: every turn run and not pending was yielded
         self._turns_yielded = state_dict.get("turns_yielded", self._turns_run - self._batcher.num_buffered_turns)
+        # a state from before turns_counted was saved: it counted the rows yielded
+        self._turns_counted = state_dict.get("turns_counted", self._turns_yielded)
 
     # ------------------------------------------------------------------ attribute access
     def getattr_env(self, attr: str) -> Any:
@@ -642,6 +663,8 @@ def _build_envs(env: Any, async_envs: bool) -> list[Any]:
 def instantiate_env(env: Any) -> Any:
     if isinstance(env, type) or (callable(env) and not hasattr(env, "batch_size")):
         env = env()  # a constructor
+    if is_torchrl_env(env):  # a torchrl LLM env runs as it is: only its chat histories are translated
+        env = TorchrlEnv(env)
     if not (hasattr(env, "step") and hasattr(env, "reset") and hasattr(env, "batch_size")):
         raise TypeError(
             f"env must follow lmcollect.envs.EnvProtocol (batch_size, reset, step), got {type(env).__name__}."

@@ -53,8 +53,10 @@ class TurnFlow:
         capacity: turns started and not consumed beyond which no turn (steps) or dialog
             (trajectory modes) starts.
         max_policy_lag: ``k`` (steps mode only), or None for no lag bound.
-        max_turns: turns to start in the collector's life (None: endless); in steps mode rounded up
-            to whole batches.
+        max_turns: ``total_dialog_turns``, turns to run in the collector's life (None: endless). Steps
+            mode starts exactly that many rounded up to whole batches; trajectory modes start no
+            dialog once that many turns have started, every dialog under way finishes, and the last
+            batch takes every trajectory left.
         base_version: the version index when the flow began (AReaL's rule counts versions from it).
     """
 
@@ -82,12 +84,13 @@ class TurnFlow:
         self.turns_per_batch = turns_per_batch
         self.capacity = capacity
         self.max_policy_lag = max_policy_lag
-        if max_turns is not None and mode != "trajectories":  # whole batches (last steps: of dialogs)
+        if max_turns is not None and mode == "steps":  # whole batches
             max_turns = math.ceil(max_turns / turns_per_batch) * turns_per_batch
         self.max_turns = max_turns
         self.base_version = base_version
         self.num_started = 0
         self.num_consumed = 0
+        self.num_counted = 0  # turns run for the consumed rows (last steps: their dialogs' every turn)
         self.num_batches = 0
         self.num_dialogs_running = 0
         self.num_dialogs_started = 0
@@ -112,11 +115,9 @@ class TurnFlow:
         return len(self._finished) if self._batcher is None else self._batcher.num_buffered_turns
 
     def budget_left(self) -> bool:
-        """Whether a turn (last-steps mode: a dialog, one row each) may still start."""
-        if self.max_turns is None:
-            return True
-        started = self.num_dialogs_started if self.mode == "last_steps" else self.num_started
-        return started < self.max_turns
+        """Whether a turn (trajectory modes: a new dialog) may still start: turns that ran count,
+        in every mode (last steps too: a row stands for its dialog's turns), as torchrl counts."""
+        return self.max_turns is None or self.num_started < self.max_turns
 
     def may_start(self, *, new_dialog: bool, version_index: int, group: int | None = None) -> bool:
         """Whether a dialog may start its next turn (a new dialog: its first one; ``group``: see GroupFlow)."""
@@ -200,8 +201,9 @@ class TurnFlow:
         """The next batch (call only when :meth:`ready`)."""
         assert self.ready(version_index), "pop() called before a batch was ready"
         if self._batcher is not None:
-            batch = self._batcher.pop(take_all=self._last_trajectories_due())
+            batch, run = self._batcher.pop_counted(take_all=self._last_trajectories_due())
             self.num_consumed += batch.shape[0]
+            self.num_counted += run
             self.num_batches += 1
             return batch
         if self.max_policy_lag is None:
@@ -209,17 +211,18 @@ class TurnFlow:
         else:
             taken, self._finished = take_oldest(self._finished, self.turns_per_batch)
         self.num_consumed += len(taken)
+        self.num_counted += len(taken)
         self.num_batches += 1
         return stack_turns([item[2].td for item in taken])
 
     def _last_trajectories_due(self) -> bool:
-        """Trajectories mode, budget spent, every dialog ended: the rest goes out as the last batch."""
+        """Trajectory modes, budget spent, every dialog ended: the rest goes out as the last batch."""
         return (
-            self.mode == "trajectories"
+            self.mode != "steps"
             and not self.budget_left()
             and not self.num_in_flight
             and not self.num_dialogs_running
-            and self._batcher is not None  # it is in trajectories mode
+            and self._batcher is not None  # it is in a trajectory mode
             and self._batcher.num_completed_turns > 0
         )
 
@@ -241,11 +244,12 @@ class TurnFlow:
     def drain(self) -> TensorDictBase | None:
         """Every finished turn that could go into a batch (trajectory modes: whole trajectories), consumed now."""
         if self._batcher is not None:
-            tds = self._batcher.pop_completed()
+            tds, run = self._batcher.pop_completed()
         else:
-            tds = [item[2].td for item in self._finished]
+            tds, run = [item[2].td for item in self._finished], len(self._finished)
             self._finished = []
         self.num_consumed += len(tds)
+        self.num_counted += run
         return stack_turns(tds) if tds else None
 
     def drain_incomplete(self) -> TensorDictBase | None:
@@ -263,7 +267,7 @@ class TurnFlow:
                 for v, _, t in self._finished
             ]
         )
-        counters = {k: getattr(self, k) for k in (*_COUNTERS, "num_dialogs_started")}
+        counters = {k: getattr(self, k) for k in (*_COUNTERS, "num_dialogs_started", "num_counted")}
         return {**counters, "pending": pending}
 
     def check_state_dict(self, state: dict) -> None:
@@ -290,6 +294,7 @@ class TurnFlow:
         counters = {name: int(state[name]) for name in _COUNTERS}
         # a state from before dialogs were counted: as many as rows were taken (last-steps mode)
         counters["num_dialogs_started"] = int(state.get("num_dialogs_started", counters["num_consumed"]))
+        counters["num_counted"] = int(state.get("num_counted", counters["num_consumed"]))  # older states counted rows
         if self._batcher is not None:
             self._batcher.check_state_dict(state["pending"])
             return counters, []

@@ -440,12 +440,17 @@ class RayLLMCollector(ConfiguredCollector, HoldsWeightUpdater, ShutsDownOnExit):
 
     @property
     def turns_yielded(self) -> int:
-        """Turns yielded so far: what ``total_dialog_turns`` counts (see ``LLMCollector.turns_yielded``)."""
+        """Turns (batch rows) yielded or written so far."""
         return self._call("get_attribute", "turns_yielded")
 
     @property
+    def turns_counted(self) -> int:
+        """Turns run for what was yielded so far: what ``total_dialog_turns`` counts (see ``LLMCollector.turns_counted``)."""
+        return self._call("get_attribute", "turns_counted")
+
+    @property
     def num_buffered_turns(self) -> int:
-        """Turns run in the actor and not yet yielded or written."""
+        """Turns run in the actor and not yet counted (see ``LLMCollector.num_buffered_turns``)."""
         return self._call("get_attribute", "num_buffered_turns")
 
     @property

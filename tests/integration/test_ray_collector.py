@@ -138,19 +138,29 @@ def test_max_restarts_brings_the_actor_back(ray_cluster) -> None:
 
 
 # ---------------------------------------------------------------------- the turn budget through the actor
-@pytest.mark.parametrize("mode", ["steps", "trajectories"])
+MODE_ARGUMENTS = {
+    "steps": {},
+    "trajectories": {"yield_completed_trajectories": True},
+    "last_steps": {"yield_only_last_steps": True},
+}
+
+
+@pytest.mark.parametrize("mode", list(MODE_ARGUMENTS))
 def test_a_finite_ray_collector_over_uneven_async_envs_yields_every_promised_turn(ray_cluster, mode: str) -> None:
     envs = [functools.partial(make_uneven_guessing_env, seed) for seed in range(8)]
-    kwargs = {"yield_completed_trajectories": True} if mode == "trajectories" else {}
     with RayLLMCollector(envs, async_envs=True, policy_factory=make_policy, dialog_turns_per_batch=16,
-                         total_dialog_turns=64, num_cpus=0.25, **kwargs) as c:
+                         total_dialog_turns=64, num_cpus=0.25, **MODE_ARGUMENTS[mode]) as c:
         batches = list(c)
         ids = [(int(t[keys.TRAJ_IDS]), int(t[keys.STEP_COUNT])) for b in batches for t in flatten_turns(b)]
         assert len(ids) == len(set(ids)) == c.turns_yielded
         if mode == "steps":
-            assert len(ids) == 64 == c.turns_run, "every turn run is yielded, none past the budget"
-        else:
-            assert 64 <= len(ids) < 64 + 16 + 5 * 8
+            assert len(ids) == 64 == c.turns_run == c.turns_counted, "every turn run is yielded, none past the budget"
+        elif mode == "trajectories":
+            assert 64 <= len(ids) == c.turns_counted < 64 + 16 + 5 * 8
+        else:  # a last step counts its trajectory's every turn (torchrl's rule): whole batches until 64 ran
+            counted = [sum(int(t[keys.STEP_COUNT]) + 1 for t in flatten_turns(b)) for b in batches]
+            assert c.turns_counted == sum(counted) >= 64 > sum(counted[:-1])
+            assert c.turns_run == c.turns_counted + c.num_buffered_turns
 
 
 def test_start_into_a_ray_buffer_writes_every_promised_turn(ray_cluster) -> None:

@@ -73,8 +73,10 @@ def test_each_batch_holds_whole_groups_of_k_dialogs_answering_one_prompt() -> No
         seen_groups |= set(groups)
         dialogs_per_batch.append(len({int(t[keys.TRAJ_IDS]) for t in turns}))
     collector.shutdown()
-    assert dialogs_per_batch == [2 * K] * 6  # dialog_turns_per_batch // K groups, each of K dialogs
-    assert len(seen_groups) == 12 and collector.leftover_turns is None
+    assert set(dialogs_per_batch) == {2 * K}  # dialog_turns_per_batch // K groups, each of K dialogs
+    assert len(seen_groups) == 2 * len(dialogs_per_batch) and collector.leftover_turns is None
+    # total_dialog_turns counts turns run (torchrl's rule), not dialogs: whole batches until they reach 48
+    assert collector.turns_counted == collector.turns_run >= 48
 
 
 def test_group_ids_are_unique_across_the_envs_and_the_slots_of_one_env() -> None:
@@ -111,7 +113,7 @@ def test_single_turn_groups_give_exact_batches_and_every_group_is_normalised() -
 def test_a_group_admitted_under_version_v_leaves_by_v_plus_the_lag(max_policy_lag: int) -> None:
     envs = [group_env(s, latency_s=0.03) for s in range(3)]
     collector = make_collector(
-        envs, total_dialog_turns=96, track_policy_version=True, max_policy_lag=max_policy_lag
+        envs, total_dialog_turns=192, track_policy_version=True, max_policy_lag=max_policy_lag
     )
     lags = []
     for batch in collector:
@@ -121,7 +123,7 @@ def test_a_group_admitted_under_version_v_leaves_by_v_plus_the_lag(max_policy_la
             lags.append(now - admitted)
         collector.update_policy_weights_({"tag": torch.tensor([float(now + 1)])})
     collector.shutdown()
-    assert len(lags) == 24 and max(lags) <= max_policy_lag
+    assert len(lags) >= 12 and len(lags) % 2 == 0 and max(lags) <= max_policy_lag
     assert max(lags) == max_policy_lag or max_policy_lag == 0  # the bound is used, not just met trivially
 
 

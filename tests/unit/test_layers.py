@@ -15,7 +15,7 @@ LAYERS = [
     {"files", "lazy", "plumbing", "startup", "data", "models", "loggers"},
     {"weights"},
     {"transports"},
-    {"envs", "buffers", "checkpoint", "diagnostics", "viewer"},
+    {"envs", "buffers", "checkpoint", "diagnostics", "viewer", "compat"},
     {"engines"},
     {"policies"},
     {"testing"},

@@ -1,0 +1,1 @@
+"""Adapters to other RL libraries' objects (torchrl: :mod:`lmcollect.compat.torchrl`)."""
