@@ -171,7 +171,9 @@ class Batcher:
         completed = deque([turn_from_state(t, self.num_slots) for t in traj] for traj in state["completed"])
         # a state from before the turns run were kept: each trajectory ran the rows it kept
         completed_run = deque(int(n) for n in state.get("completed_run", [len(traj) for traj in completed]))
-        if len(completed_run) != len(completed) or any(n < len(t) for n, t in zip(completed_run, completed)):
+        if len(completed_run) != len(completed) or any(
+            n < len(t) for n, t in zip(completed_run, completed, strict=True)
+        ):
             raise ValueError(
                 "the state's completed_run does not match its completed trajectories; it was not saved by lmcollect."
             )

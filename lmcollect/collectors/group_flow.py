@@ -226,6 +226,7 @@ class GroupFlow:
             return
         if self.tally is not None and self.tally.judge([(t.traj_id, t.td) for t in held.turns]) is not None:
             self.num_started -= 1  # dropped: it frees its admission place, a refill takes it
+            self.num_turns_counted -= len(held.turns)  # the budget counts delivered turns (drops: sampling counts)
             return
         self._finished.append((held.version, self._seq, held.turns))
         self._seq += 1
@@ -254,9 +255,10 @@ class GroupFlow:
         if not stale:
             return
         self._finished = [item for item in self._finished if item[0] + lag >= version_index]
-        for _ in stale:
+        for _, _, turns in stale:
             self.tally.drop_stale()
             self.num_started -= 1  # its place goes to a refill, as a filtered group's does
+            self.num_turns_counted -= len(turns)
 
     def pop(self, version_index: int) -> TensorDictBase:
         """The next batch: ``G`` whole groups, oldest admission first (call only when :meth:`ready`)."""
