@@ -316,6 +316,7 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
             }
             self.last_push_stats = PushStats.full(payload.nbytes, num_full=len(targets))
         handle = self._handle(refs, targets, pushed, repair=repair, wait=wait)
+        self._record_call_s(started if wait else None)
         stats = self.last_push_stats
         if self._chooser is not None and targets and stats is not None:  # only a waited push is timed
             seconds = time.perf_counter() - started if wait else None
@@ -368,6 +369,7 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
         the adapter's tensors, which each worker's engine merges into its kept base weights.
         Never a delta (an adapter is already small); the workers' delta base stays as it was, so
         the next delta push goes full to them (their held version moved on)."""
+        started = time.perf_counter()
         ids = self._resolve_worker_ids(worker_ids)
         pushed = self.next_version(version)
         metadata = self._fetch_metadata()
@@ -380,7 +382,9 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
             i: self._sync_weights_with_worker(worker_id=i, server_weights=adapter_ref, version=pushed) for i in targets
         }
         self.last_push_stats = PushStats.lora(adapter.nbytes, num_receivers=len(targets))
-        return self._handle(refs, targets, pushed, repair=None, wait=wait)
+        handle = self._handle(refs, targets, pushed, repair=None, wait=wait)
+        self._record_call_s(started if wait else None)
+        return handle
 
     def _settle_in_flight(self) -> None:
         handle, self._in_flight = self._in_flight, None

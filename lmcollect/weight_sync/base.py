@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import abc
+import dataclasses
 import logging
+import time
 import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Generic, TypeAlias, TypeVar
@@ -195,6 +197,7 @@ class WeightUpdaterBase(abc.ABC, Generic[WorkerId]):
         if is_lora_source(policy_or_weights):
             return self._push_adapter(lora_adapter(policy_or_weights), worker_ids, version=version)
         weights = self._resolve_weights(policy_or_weights)
+        started = time.perf_counter()
         ids = self._resolve_worker_ids(worker_ids)
         pushed = self.next_version(version)
         self._validate(weights, ids)
@@ -203,9 +206,16 @@ class WeightUpdaterBase(abc.ABC, Generic[WorkerId]):
         for worker_id in targets:
             self._sync_weights_with_worker(worker_id=worker_id, server_weights=weights, version=pushed)
         self._record_push_stats(weights, targets)
+        self._record_call_s(started)
         if targets:
             self._run_post_hooks()
         return None
+
+    def _record_call_s(self, started: float | None) -> None:
+        """:attr:`last_push_stats` with the push call's seconds since ``started`` (None: not waited for)."""
+        if self.last_push_stats is not None:
+            seconds = None if started is None else time.perf_counter() - started
+            self.last_push_stats = dataclasses.replace(self.last_push_stats, call_s=seconds)
 
     def _record_push_stats(self, weights: WeightDict, targets: list[WorkerId]) -> None:
         """Set :attr:`last_push_stats` after a full push to ``targets`` (an updater whose transport
@@ -221,6 +231,7 @@ class WeightUpdaterBase(abc.ABC, Generic[WorkerId]):
         that does not fit changes nothing anywhere; each worker's engine then merges it into its
         kept base weights between two decoding steps and takes the version.
         """
+        started = time.perf_counter()
         ids = self._resolve_worker_ids(worker_ids)
         pushed = self.next_version(version)
         for worker_id in ids:
@@ -232,6 +243,7 @@ class WeightUpdaterBase(abc.ABC, Generic[WorkerId]):
         for worker_id in targets:
             self._send_adapter(worker_id=worker_id, adapter=adapter, version=pushed)
         self.last_push_stats = PushStats.lora(adapter.nbytes, num_receivers=len(targets))
+        self._record_call_s(started)
         if targets:
             self._run_post_hooks()
         return None

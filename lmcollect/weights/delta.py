@@ -141,6 +141,10 @@ class PushStats:
     not hold its base (they skipped a push, restarted) or refused it."""
     num_repaired: int = 0
     """Receivers that refused the delta and got a full push (counted in ``num_full`` too)."""
+    call_s: float | None = None
+    """Seconds of the push call as the trainer waited for it (checks, send, every engine's pause,
+    load and resume); None for a push not waited for. What the push costs the engines afterwards
+    (keys/values computed again) comes later: ``collector.push_costs()``."""
 
     @classmethod
     def full(cls, nbytes: int, *, num_full: int, num_repaired: int = 0) -> PushStats:
