@@ -108,6 +108,8 @@ def record_token_versions(
     keys for policies that report none, and writes -1 everywhere when it does not track versions."""
     if token_versions is not None:
         out.set(keys.TOKEN_VERSIONS, token_versions.to(torch.int64).clamp(min=0))
+    if kv_versions is None:
+        kv_versions = token_versions  # an engine that reports none recomputes: each token's own version
     if kv_versions is not None:
         out.set(keys.KV_VERSIONS, kv_versions.to(torch.int64).clamp(min=0))
 

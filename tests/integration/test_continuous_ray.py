@@ -100,11 +100,12 @@ def test_dynamic_sampling_in_the_actor_refills_and_counts(ray_cluster) -> None:
     with RayContinuousLLMCollector(
         make_group_tool_env, engine_factory=make_engine, tokenizer=ByteTokenizer(),
         sampling=SamplingConfig(max_new_tokens=64), dialog_turns_per_batch=4, max_dialogs_in_flight=8,
-        track_policy_version=True, max_policy_lag=1, num_cpus=0.25, total_dialog_turns=12,
+        track_policy_version=True, max_policy_lag=1, num_cpus=0.25,
         dynamic_sampling=DynamicSampling(group_filter=EveryOtherGroup(), oversample_groups=1),
     ) as c:
         groups = []
-        for batch in c:
+        for _ in range(3):  # multi-turn dialogs: the turn budget would end after a group or two; take 3 batches
+            batch = c.next()
             turns = flatten_turns(batch)
             assert len({int(t[keys.GROUP_ID]) for t in turns}) == 1  # one whole kept group per batch
             assert len({int(t[keys.TRAJ_IDS]) for t in turns}) == 4
