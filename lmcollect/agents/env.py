@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tensordict import NonTensorData, TensorDict, TensorDictBase, lazy_stack
+from tensordict import TensorDict, TensorDictBase, lazy_stack
 
 from lmcollect.agents.config import AgentEnvConfig
 from lmcollect.agents.openai_format import ChatRequest, completion_json, cut_at_stops, history_of, reply_key
@@ -102,8 +102,8 @@ class AgentEnv(ClosesOnExit):
     gets a slot (:meth:`split_elements`). One endpoint serves every element (:attr:`server`).
 
     Outputs besides ``ChatEnv``'s: ``("agent", "tool_parse_error")``, ``("agent", "error")`` and
-    ``("agent", "metadata")`` (str) about the step, and ``("sampling", "overrides")`` (the next call's
-    ``max_tokens`` / ``stop``, and with ``agent_sampling`` its temperature / top-p).
+    ``("agent", "metadata")`` (str) about the step, and ``("sampling", "overrides")`` (JSON text: the
+    next call's ``max_tokens`` / ``stop``, and with ``agent_sampling`` its temperature / top-p).
     """
 
     def __init__(
@@ -397,10 +397,11 @@ class AgentEnvElement:
             return self._output(
                 full, reward=reward, flags=(True, True, False), parse_error=parse_error, metadata=metadata
             )
-        if self.parent.config.on_agent_error != "keep" or self.parent.run_failed():
-            self._fail(
-                event, where=f"after its call {run.num_calls - 1}", counted=self.parent.config.on_agent_error == "keep"
-            )
+        where = f"after its call {run.num_calls - 1}"
+        if self.parent.config.on_agent_error != "keep" or isinstance(event.error, DialogEndedError):
+            self._fail(event, where=where)
+        if self.parent.run_failed():  # kept, but max_failures_in_a_row say the agent itself is broken
+            self._fail(event, where=where, counted=True)
         error = f"{type(event.error).__name__}: {event.error}"
         logger.warning(
             "%s failed; its dialog ends at this turn with reward %s: %s",
@@ -439,10 +440,12 @@ class AgentEnvElement:
         consumer (``on_agent_error="raise"``, or ``max_failures_in_a_row`` failures in a row)."""
         run, draw = self._run, self._draw
         assert run is not None and draw is not None, "a failure comes from a run"
+        cause = event.error if event.error is not None else RuntimeError("the agent returned without calling the model")
+        if isinstance(cause, DialogEndedError):  # the env ended the run itself (closing): no failure of the agent's
+            raise DialogFailed(f"{run.dialog} was ended: {cause}", prompt_id=draw.prompt_id) from cause
         broken = self.parent.stats.failures_in_a_row >= self.parent.config.max_failures_in_a_row
         if not counted:
             broken = self.parent.run_failed()
-        cause = event.error if event.error is not None else RuntimeError("the agent returned without calling the model")
         self.end("the agent failed")
         message = f"{run.dialog} failed {where}: {type(cause).__name__}: {cause}"
         if event.result is not None:
@@ -476,7 +479,7 @@ class AgentEnvElement:
             keys.TRUNCATED: torch.tensor([flags[2]]),
             "env": {"prompt_id": torch.tensor(draw.prompt_id), "sample_index": torch.tensor(draw.sample_index)},
             "agent": {"tool_parse_error": parse_error, "error": error, "metadata": metadata},
-            "sampling": {"overrides": NonTensorData(overrides or {})},
+            "sampling": {"overrides": json.dumps(overrides or {})},
         }
         if reward is not None:
             entries[keys.REWARD] = torch.tensor([reward], dtype=torch.float32)

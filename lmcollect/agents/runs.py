@@ -137,7 +137,8 @@ class AgentRun:
         return reward
 
     def end(self, reason: str) -> None:
-        """The dialog is over: refuse later calls, fail the calls still queued, cancel an async agent."""
+        """The dialog is over: refuse later calls, fail the calls still queued, cancel an async agent,
+        and wake a reader still waiting for an event (the env closing under a waiting reset)."""
         with self._lock:
             if self._ended is not None:
                 return
@@ -145,6 +146,8 @@ class AgentRun:
             queued = [e for e in self._events if isinstance(e, AgentCall)]
             self._events.clear()
             task = self._task
+            if self._waiter is not None:
+                self._post(RunEnded(error=DialogEndedError(f"{self.dialog} has ended ({reason})")))
         for call in queued:
             _answer(
                 call.reply, error=DialogEndedError(f"{self.dialog} has ended ({reason}); this call was not recorded.")

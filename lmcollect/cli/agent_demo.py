@@ -250,6 +250,7 @@ class AgentDemoRun:
             )
             with collector:
                 batch = collector.next()
+        assert batch is not None, "no replay buffer: next() returns the batch"
         return float(batch.get(keys.NEXT_REWARD).sum()) / num
 
     @contextlib.contextmanager

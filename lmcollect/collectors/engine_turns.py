@@ -8,6 +8,7 @@ element at a time, so a continuous turn has exactly the layout of a lockstep one
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -54,7 +55,8 @@ def prompt_of(obs: TensorDictBase, tokenizer: Any, stop_token_ids: Collection[in
 
 
 def sampling_of(obs: TensorDictBase, sampling: SamplingConfig) -> SamplingConfig:
-    """The sampling of one turn: ``sampling``, with the observation's ``keys.SAMPLING_OVERRIDES`` applied.
+    """The sampling of one turn: ``sampling``, with the observation's ``keys.SAMPLING_OVERRIDES`` (a dict,
+    or its JSON text) applied.
 
     ``temperature`` and ``top_p`` replace the collector's; ``max_new_tokens`` may only lower its
     budget; ``stop_strings`` add to its stop strings. Other fields are refused (ValueError).
@@ -63,6 +65,8 @@ def sampling_of(obs: TensorDictBase, sampling: SamplingConfig) -> SamplingConfig
     if overrides is None:
         return sampling
     overrides = overrides.data if isinstance(overrides, NonTensorData) else overrides
+    if isinstance(overrides, str):  # JSON text: what an env stores (a str survives stacks and checkpoints as it is)
+        overrides = json.loads(overrides)
     if not isinstance(overrides, Mapping) or not set(overrides) <= OVERRIDABLE:
         raise ValueError(
             f"{keys.SAMPLING_OVERRIDES} must be a dict with keys among {sorted(OVERRIDABLE)}, got {overrides!r}."

@@ -82,8 +82,8 @@ NEXT_HISTORY_PROMPT = ("next", "history", "prompt")
 ENV_PROMPT_ID = ("env", "prompt_id")
 
 # An observation may carry per-turn sampling settings (a dict of SamplingConfig fields: max_new_tokens,
-# temperature, top_p, stop_strings) that its turn uses instead of the collector's (continuous collection;
-# never in a collected turn: the turn records the settings used under ("sampling", ...)).
+# temperature, top_p, stop_strings; or that dict as JSON text) that its turn uses instead of the collector's
+# (continuous collection; never in a collected turn: the turn records the settings used under ("sampling", ...)).
 SAMPLING_OVERRIDES = ("sampling", "overrides")
 
 # Partial reset mask passed to env.reset (bool, shape [B, 1]).

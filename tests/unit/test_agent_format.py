@@ -114,3 +114,38 @@ def test_tools_reach_a_chat_template_that_renders_them() -> None:
 
     rendered = json.loads(History.from_dicts([{"role": "user", "content": "q"}], tools=TOOLS).apply_chat_template(ShowsTools()))
     assert rendered["tools"] == TOOLS
+
+
+def test_the_demos_compact_calls_parse_render_and_warm_up() -> None:
+    from lmcollect.agents.compare_agent import CompactCallParser, compare, compare_rows, warmup_rows
+
+    parser = CompactCallParser()
+    (call,) = parser.parse("call: compare", call_id=ids).tool_calls
+    assert (call.name, json.loads(call.arguments)) == ("compare", {})
+    assert parser.parse("call: add {\"a\": 1}", call_id=ids).tool_calls[0].arguments == '{"a": 1}'
+    assert "not JSON" in parser.parse("call: add {oops", call_id=ids).error
+    assert parser.parse("7", call_id=ids) == parser.parse("7", call_id=ids) and not parser.parse("7", call_id=ids).tool_calls
+    assert parser.render(None, [call]) == "call: compare"
+    row = compare_rows(1, seed=0)[0]
+    assert compare(row["prompt"]) == row["answer"]
+    first, second = warmup_rows([row], seed=0)
+    assert first["answer"] == "call: compare" and second["prompt"][-1] == {"role": "tool", "content": row["answer"]}
+    assert second["answer"] in row["prompt"]
+
+
+def test_an_observation_sets_its_turns_sampling_within_the_collectors() -> None:
+    from tensordict import TensorDict
+
+    from lmcollect.collectors.engine_turns import sampling_of
+    from lmcollect.data import keys
+    from lmcollect.policies import SamplingConfig
+
+    base = SamplingConfig(max_new_tokens=16, temperature=1.0, stop_strings=("END",))
+    obs = TensorDict({}, [])
+    assert sampling_of(obs, base) is base
+    obs.set(keys.SAMPLING_OVERRIDES, json.dumps({"max_new_tokens": 99, "stop_strings": ["STOP"], "temperature": 0.0}))
+    turn = sampling_of(obs, base)
+    assert (turn.max_new_tokens, turn.stop_strings, turn.temperature) == (16, ("END", "STOP"), 0.0)  # capped, added
+    obs.set(keys.SAMPLING_OVERRIDES, json.dumps({"top_k": 3}))
+    with pytest.raises(ValueError, match="keys among"):
+        sampling_of(obs, base)

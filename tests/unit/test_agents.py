@@ -79,8 +79,14 @@ REPLIES: dict[str, list] = defaultdict(list)  # api key -> the completions its r
 LATE: list[int] = []  # status codes of calls made after a dialog ended
 
 
+FAILED_EARLY: set[str] = set()  # rows whose first run failed before calling the model
+
+
 def calc_agent(ctx, row):
     """Calls the model, runs its add calls, calls again with the results; reward 1 for the right answer."""
+    if row["behaviour"] == "early" and row["prompt"] not in FAILED_EARLY:
+        FAILED_EARLY.add(row["prompt"])
+        raise ConnectionError("the sandbox did not start")  # before any call: the group waits for one run fewer
     client = ctx.openai()
     messages = [{"role": "user", "content": row["prompt"]}]
     for number in range(4):
@@ -227,20 +233,26 @@ def test_a_push_between_two_calls_of_a_dialog_is_recorded_per_turn(server) -> No
 
 
 def test_bad_agents_end_only_their_own_dialogs_named(server, caplog) -> None:
-    behaviours = ["ok", "raise", "hang", "none", "malformed", "late", "ok", "ok"]
+    behaviours = ["ok", "raise", "hang", "none", "malformed", "late", "early", "ok"]
     env = AgentEnv(rows(behaviours), calc_agent, batch_size=4, repeats=2, seed=0, server=server, agent_timeout_s=1.0)
     engine = scripted_engine()
     with caplog.at_level(logging.WARNING, logger="lmcollect"):
         collector = ContinuousLLMCollector([env], engine=engine, tokenizer=ByteTokenizer(), sampling=SAMPLING,
                                            dialog_turns_per_batch=4)  # 2 groups per batch
+        turns, kept = [], set()
         with collector:
-            turns = [t for _ in range(2) for t in flatten_turns(collector.next())]
+            while kept != {"ok", "malformed", "late", "early"}:  # every row that can succeed, each group whole
+                assert len(turns) < 40, f"only {kept} came back"
+                turns += flatten_turns(collector.next())
+                kept |= {re.search(r"add \d+ \d+ (\w+)", text(t, keys.TEXT_PROMPT)).group(1) for t in turns}
     engine.close()
-    # 2 runs each of raise, hang, none (shutdown waited for the hanging ones' steps to time out)
-    assert collector.num_failed_dialogs == env.stats.runs_failed == 6
-    kept = {re.search(r"add \d+ \d+ (\w+)", text(t, keys.TEXT_PROMPT)).group(1) for t in turns}
-    assert kept == {"ok", "malformed", "late"}  # the failed groups' turns were dropped
-    failures = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    # 2 runs each of raise, hang, none, and the first of early, at least (rows come round again)
+    assert collector.num_failed_dialogs == env.stats.runs_failed >= 7
+    first_early = next(t for t in turns if "early" in text(t, keys.TEXT_PROMPT))
+    group = [t for t in turns if int(t[keys.GROUP_ID]) == int(first_early[keys.GROUP_ID])]
+    assert len(group) == 2 and len({int(t[keys.TRAJ_IDS]) for t in group}) == 1  # its group: one run fewer
+    assert any("dataset row 6) failed before its first model call: ConnectionError" in m for m in caplog.messages)
+    failures = [m for m in caplog.messages if "failed" in m]
     assert any(re.search(r"agent run \d+ \(env element \d, dataset row 1\) failed .*ValueError: the tool exploded", m) for m in failures)
     assert any("dataset row 2) failed" in m and "agent_timeout_s=1.0" in m for m in failures)
     assert any("dataset row 3) failed" in m and "not a reward" in m for m in failures)
@@ -264,6 +276,13 @@ def test_a_failed_run_is_kept_with_its_error_or_raised_to_the_consumer(server) -
                                 dialog_turns_per_batch=1) as collector:
         with pytest.raises(DialogFailed, match=r"agent run \d+ \(env element 0, dataset row 0\) failed"):
             collector.next()
+    # dropped one by one, until so many fail in a row that the agent itself must be broken
+    env = AgentEnv(rows(["raise"] * 4), calc_agent, seed=0, server=server, max_failures_in_a_row=3)
+    with ContinuousLLMCollector([env], engine=engine, tokenizer=ByteTokenizer(), sampling=SAMPLING,
+                                dialog_turns_per_batch=1) as collector:
+        with pytest.raises(DialogFailed, match="3 runs failed in a row"):
+            collector.next()
+        assert collector.num_failed_dialogs == 3
     engine.close()
 
 
