@@ -6,15 +6,8 @@ tool calls out of the model's text. Needs ``pip install 'lmcollect[agents]'`` (f
 """
 
 from lmcollect.agents.config import AgentEnvConfig
-from lmcollect.agents.env import (
-    AGENT_ERROR,
-    AGENT_METADATA,
-    TOOL_PARSE_ERROR,
-    Agent,
-    AgentEnv,
-    AgentEnvElement,
-    AgentStats,
-)
+from lmcollect.agents.element import AGENT_ERROR, AGENT_METADATA, TOOL_PARSE_ERROR, AgentEnvElement
+from lmcollect.agents.env import Agent, AgentEnv, AgentStats
 from lmcollect.agents.openai_format import RequestError
 from lmcollect.agents.runs import AgentContext, AgentResult, DialogEndedError
 from lmcollect.agents.server import AgentServer
