@@ -156,6 +156,7 @@ def dialogs_of(turns) -> dict[int, list]:
 
 # ---------------------------------------------------------------------- the tests
 def test_every_call_is_one_turn_with_exact_tokens_groups_and_tool_round_trips(server) -> None:
+    REPLIES.clear()
     env = AgentEnv(rows(["ok"] * 16), calc_agent, batch_size=4, repeats=2, seed=0, server=server)
     engine = scripted_engine()
     turns = collect(env, engine, batches=2, total_dialog_turns=8)  # 2 batches of 2 groups of 2 dialogs
@@ -234,7 +235,7 @@ def test_a_push_between_two_calls_of_a_dialog_is_recorded_per_turn(server) -> No
 
 def test_bad_agents_end_only_their_own_dialogs_named(server, caplog) -> None:
     behaviours = ["ok", "raise", "hang", "none", "malformed", "late", "early", "ok"]
-    env = AgentEnv(rows(behaviours), calc_agent, batch_size=4, repeats=2, seed=0, server=server, agent_timeout_s=1.0)
+    env = AgentEnv(rows(behaviours), calc_agent, batch_size=4, repeats=2, seed=0, server=server, agent_timeout_s=2.0)
     engine = scripted_engine()
     with caplog.at_level(logging.WARNING, logger="lmcollect"):
         collector = ContinuousLLMCollector([env], engine=engine, tokenizer=ByteTokenizer(), sampling=SAMPLING,
@@ -254,7 +255,7 @@ def test_bad_agents_end_only_their_own_dialogs_named(server, caplog) -> None:
     assert any("dataset row 6) failed before its first model call: ConnectionError" in m for m in caplog.messages)
     failures = [m for m in caplog.messages if "failed" in m]
     assert any(re.search(r"agent run \d+ \(env element \d, dataset row 1\) failed .*ValueError: the tool exploded", m) for m in failures)
-    assert any("dataset row 2) failed" in m and "agent_timeout_s=1.0" in m for m in failures)
+    assert any("dataset row 2) failed" in m and "agent_timeout_s=2.0" in m for m in failures)
     assert any("dataset row 3) failed" in m and "not a reward" in m for m in failures)
     malformed = [t for t in turns if "malformed" in text(t, keys.TEXT_PROMPT)]
     assert malformed and all("not JSON" in text(t, ("next", *TOOL_PARSE_ERROR)) for t in malformed)
@@ -282,7 +283,7 @@ def test_a_failed_run_is_kept_with_its_error_or_raised_to_the_consumer(server) -
                                 dialog_turns_per_batch=1) as collector:
         with pytest.raises(DialogFailed, match="3 runs failed in a row"):
             collector.next()
-        assert collector.num_failed_dialogs == 3
+        assert collector.num_failed_dialogs >= 3  # (a fourth run may fail before this line reads the count)
     engine.close()
 
 
