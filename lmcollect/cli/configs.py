@@ -46,7 +46,8 @@ class DemoConfig:
     backend: Backend = "transformers"
     """Inference backend of the collectors ('vllm' needs vLLM installed)."""
     task: str = "comparison"
-    """Shipped single-turn task: comparison, addition or arithmetic."""
+    """Shipped single-turn task: comparison, addition or arithmetic; or 'agent': an OpenAI-client agent with a
+    compare tool, collected through the agent endpoint in this process (no Ray; --backend transformers)."""
     num_collectors: int = 2
     """RayLLMCollector actors writing into the shared RayReplayBuffer."""
     cpus_per_collector: float = 0.5

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from lmcollect.cli.agent_demo import AGENT_TASK, run_agent_demo
 from lmcollect.cli.builders import (
     EnvFactory,
     PolicyFactory,
@@ -94,6 +95,9 @@ it, nearly every group's answers all get the same reward and would be dropped.""
 
 
 def run_demo(config: DemoConfig) -> int:
+    if config.task == AGENT_TASK:  # an agent program through the OpenAI-compatible endpoint
+        _check_logger(config.logger)
+        return run_agent_demo(config)
     task = _single_turn_task(config.task)
     check_backend(config.backend)
     _check_logger(config.logger)
@@ -157,7 +161,8 @@ def _single_turn_task(name: str) -> ShippedTask:
     task = resolve_task(name)
     if task.max_turns != 1 or not task.has_reference_answers:
         raise UsageError(
-            f"--task {name}: the demo trains on single-turn tasks with reference answers (comparison, addition, arithmetic)."
+            f"--task {name}: the demo trains on single-turn tasks with reference answers (comparison, addition, "
+            f"arithmetic), or on an agent program ({AGENT_TASK})."
         )
     return task
 

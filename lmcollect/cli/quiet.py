@@ -30,7 +30,7 @@ LIBRARY_LOG = "libraries.log"
 
 LIBRARY_LOGGERS = (
     "ray", "vllm", "transformers", "torch", "tensordict", "peft", "huggingface_hub", "filelock", "urllib3",
-    "py.warnings",
+    "py.warnings", "httpx", "httpx2", "httpcore", "openai", "uvicorn", "fastapi",
 )  # fmt: skip
 """Loggers (and their children) sent to the log file."""
 

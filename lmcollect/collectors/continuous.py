@@ -202,6 +202,15 @@ class ContinuousLLMCollector(
         "Finished turns not yet yielded (trajectory modes: with the turns of dialogs under way).",
     )
     num_in_flight = forwarded("_flow.num_in_flight", "Turns started and not finished.")
+    num_prefix_mismatches = forwarded(
+        "_tasks.num_prefix_mismatches",
+        "Turns whose prompt reused their dialog's recorded tokens where the chat template tokenizes the same "
+        "conversation otherwise (each such turn has ``('collector', 'prefix_mismatch')`` True).",
+    )
+    num_failed_dialogs = forwarded(
+        "_tasks.num_failed_dialogs",
+        "Dialogs an env ended with :class:`~lmcollect.envs.DialogFailed`: dropped and logged, collection went on.",
+    )
 
     def _sampling_tally(self) -> GroupTally | None:
         return self._flow.tally

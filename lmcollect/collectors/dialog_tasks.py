@@ -22,7 +22,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
 
 from lmcollect.collectors.batcher import CollectedTurn
-from lmcollect.collectors.engine_turns import prompt_of, request_of, turn_from_result
+from lmcollect.collectors.engine_turns import prompt_of, request_of, sampling_of, turn_from_result
 from lmcollect.collectors.env_runner import VersionFn, check_turn, env_next, next_observation, record_turn
 from lmcollect.collectors.group_flow import GroupFlow
 from lmcollect.collectors.trajectories import TrajectoryTracker
@@ -30,7 +30,7 @@ from lmcollect.collectors.turn_flow import TurnFlow
 from lmcollect.data import keys
 from lmcollect.engines.protocol import EngineProtocol, EngineResult
 from lmcollect.engines.sampling import SamplingConfig
-from lmcollect.envs.protocol import AsyncEnvProtocol
+from lmcollect.envs.protocol import AsyncEnvProtocol, DialogFailed
 from lmcollect.plumbing import forwarded
 
 logger = logging.getLogger(__name__)
@@ -114,6 +114,10 @@ class DialogTasks:
         self.tracker = tracker
         self.version_fn = version_fn
         self.turns_run = 0
+        self.num_prefix_mismatches = 0
+        """Turns whose prompt reused recorded tokens that the chat template tokenizes otherwise."""
+        self.num_failed_dialogs = 0
+        """Dialogs an env ended with :class:`~lmcollect.envs.DialogFailed` (dropped, collection went on)."""
         self._runner = LoopThread("lmcollect-dialogs")
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(slots), thread_name_prefix="lmcollect-env")
         self._cond = self.call(_make_condition())
@@ -246,13 +250,11 @@ class DialogTasks:
                 slot.fresh = False
             try:
                 turn = await self._run_turn(i, slot, version, index)
-            except Exception as exc:  # designed: surfaced by the consumer's next(); this dialog is dropped
-                exc.add_note(f"raised in dialog slot {i} (env index {i}) of a ContinuousLLMCollector")
+            except Exception as exc:  # designed: this dialog is dropped; the consumer's next() raises it
                 async with self._cond:
                     self.flow.abandon_turn(index, end_dialog=True)
                     self._drop_dialog(i, slot, index)
-                    self._errors.append(exc)
-                    self._cond.notify_all()
+                    self._report(i, exc, "in dialog slot")
                 continue
             async with self._cond:
                 self.flow.finish_turn(index, turn)
@@ -268,12 +270,14 @@ class DialogTasks:
             self._resetting += 1
         try:
             obs = await self._new_dialog(i, slot, self.version_fn()[1])
-        except Exception as exc:  # designed: surfaced by the consumer's next(); the slot tries again
-            exc.add_note(f"raised resetting dialog slot {i} (env index {i}) of a ContinuousLLMCollector")
+        except Exception as exc:  # designed: the consumer's next() raises it; the slot tries again
             async with self._cond:
                 self._resetting -= 1
-                self._errors.append(exc)
-                self._cond.notify_all()
+                prompt_id = exc.prompt_id if isinstance(exc, DialogFailed) else None
+                if prompt_id is not None:  # its group will wait for one dialog fewer
+                    self.flow.assign(i, self.tracker.group_id(slot.parent, self.num_parents, prompt_id))
+                    self.flow.drop_dialog(i)
+                self._report(i, exc, "resetting dialog slot")
             return True
         async with self._cond:
             self._resetting -= 1
@@ -283,6 +287,18 @@ class DialogTasks:
             self.flow.assign(i, group)
             self._cond.notify_all()
         return True
+
+    def _report(self, i: int, exc: Exception, where: str) -> None:
+        """A dialog's error (under the lock): a :class:`DialogFailed` is logged and counted, any other
+        error (or one to raise) raised by the consumer's next ``next()`` (admission waits until it is)."""
+        if isinstance(exc, DialogFailed):
+            self.num_failed_dialogs += 1
+        if isinstance(exc, DialogFailed) and not exc.raise_to_consumer:
+            logger.warning("dialog slot %d: the dialog failed and was dropped: %s", i, exc)
+        else:
+            exc.add_note(f"raised {where} {i} (env index {i}) of a ContinuousLLMCollector")
+            self._errors.append(exc)
+        self._cond.notify_all()
 
     def _group_of(self, i: int, slot: Slot) -> int | None:
         """The collector-wide group id of the slot's dialog (grouped envs only)."""
@@ -320,9 +336,10 @@ class DialogTasks:
         obs, side = slot.obs, self.engine_side
         traj_id = self.tracker.traj_id(i)
         prompt = prompt_of(obs, side.tokenizer, side.stop_token_ids)
+        sampling = sampling_of(obs, side.sampling)
         request = request_of(
             prompt,
-            sampling=side.sampling,
+            sampling=sampling,
             stop_token_ids=side.stop_token_ids,
             request_id=str(traj_id),
             affinity=str(traj_id),
@@ -330,8 +347,10 @@ class DialogTasks:
         )
         result = await asyncio.wrap_future(side.engine.submit(request))
         slot.kv_floor = _kv_floor(slot.kv_floor, result)
-        turn = turn_from_result(obs, prompt, result, tokenizer=side.tokenizer, sampling=side.sampling)
+        turn = turn_from_result(obs, prompt, result, tokenizer=side.tokenizer, sampling=sampling)
         check_turn(turn, i, side.engine)
+        if prompt.prefix_mismatch:
+            self._count_prefix_mismatch(i)
         nxt = await self._step_env(i, slot.env, turn)
         done = bool(nxt.get(keys.DONE).any())
         collected = record_turn(
@@ -346,6 +365,16 @@ class DialogTasks:
         )
         slot.obs = None if done else next_observation(turn, nxt, slot.env)
         return collected
+
+    def _count_prefix_mismatch(self, i: int) -> None:
+        self.num_prefix_mismatches += 1
+        if self.num_prefix_mismatches == 1:
+            logger.info(
+                "slot %d: a prompt reused its dialog's recorded tokens, which the chat template tokenizes "
+                "otherwise; the turn keeps the recorded ones (%s, counted in num_prefix_mismatches).",
+                i,
+                keys.PREFIX_MISMATCH,
+            )
 
     async def _new_dialog(self, i: int, slot: Slot, index: int) -> TensorDictBase:
         if slot.was_reset:

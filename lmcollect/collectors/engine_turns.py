@@ -7,17 +7,24 @@ element at a time, so a continuous turn has exactly the layout of a lockstep one
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import dataclasses
+import json
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tensordict import TensorDictBase
+import torch
+from tensordict import NonTensorData, TensorDictBase
 
+from lmcollect.data import keys
 from lmcollect.data.history import History
 from lmcollect.engines.protocol import EngineRequest, EngineResult
 from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.policies.outputs import Generation, prompts_of, turn_of
-from lmcollect.policies.prompt_tokens import dialog_prompt_ids
+from lmcollect.policies.prompt_tokens import dialog_prompt_ids, tokenize_texts
+
+OVERRIDABLE = frozenset({"max_new_tokens", "temperature", "top_p", "stop_strings"})
+"""The sampling fields an observation may set for its own turn (``keys.SAMPLING_OVERRIDES``)."""
 
 
 @dataclass(frozen=True)
@@ -27,14 +34,49 @@ class TurnPrompt:
     history: History
     text: str
     ids: list[int]
+    prefix_mismatch: bool = False
+    """The ids reuse the dialog's recorded tokens and the chat template tokenizes ``text`` otherwise."""
 
 
 def prompt_of(obs: TensorDictBase, tokenizer: Any, stop_token_ids: Collection[int]) -> TurnPrompt:
-    """The prompt of one observation (empty batch size): the dialog's tokens so far + the new messages."""
+    """The prompt of one observation (empty batch size): the dialog's tokens so far + the new messages.
+
+    When the ids start with the recorded tokens the observation carries (``keys.TOKENS_PREFIX``),
+    they are compared with the chat template's own tokenization of ``text``: a difference is a
+    prefix mismatch (the turn keeps the recorded tokens, which are what the model saw).
+    """
     history = prompts_of(obs)[0]
     text = history.apply_chat_template(tokenizer)
     ids = dialog_prompt_ids([obs], [history], [text], tokenizer, stop_token_ids)[0]
-    return TurnPrompt(history, text, ids)
+    prefix = obs.get(keys.TOKENS_PREFIX, None)
+    reused = isinstance(prefix, torch.Tensor) and 0 < prefix.numel() <= len(ids)
+    mismatch = reused and ids[: prefix.numel()] == prefix.tolist() and tokenize_texts(tokenizer, [text])[0] != ids
+    return TurnPrompt(history, text, ids, prefix_mismatch=bool(mismatch))
+
+
+def sampling_of(obs: TensorDictBase, sampling: SamplingConfig) -> SamplingConfig:
+    """The sampling of one turn: ``sampling``, with the observation's ``keys.SAMPLING_OVERRIDES`` (a dict,
+    or its JSON text) applied.
+
+    ``temperature`` and ``top_p`` replace the collector's; ``max_new_tokens`` may only lower its
+    budget; ``stop_strings`` add to its stop strings. Other fields are refused (ValueError).
+    """
+    overrides = obs.get(keys.SAMPLING_OVERRIDES, None)
+    if overrides is None:
+        return sampling
+    overrides = overrides.data if isinstance(overrides, NonTensorData) else overrides
+    if isinstance(overrides, str):  # JSON text: what an env stores (a str survives stacks and checkpoints as it is)
+        overrides = json.loads(overrides)
+    if not isinstance(overrides, Mapping) or not set(overrides) <= OVERRIDABLE:
+        raise ValueError(
+            f"{keys.SAMPLING_OVERRIDES} must be a dict with keys among {sorted(OVERRIDABLE)}, got {overrides!r}."
+        )
+    changes = dict(overrides)
+    if "max_new_tokens" in changes:
+        changes["max_new_tokens"] = min(int(changes["max_new_tokens"]), sampling.max_new_tokens)
+    if "stop_strings" in changes:
+        changes["stop_strings"] = (*sampling.stop_strings, *changes["stop_strings"])
+    return dataclasses.replace(sampling, **changes) if changes else sampling
 
 
 def request_of(
@@ -59,7 +101,8 @@ def request_of(
 def turn_from_result(
     obs: TensorDictBase, prompt: TurnPrompt, result: EngineResult, *, tokenizer: Any, sampling: SamplingConfig
 ) -> TensorDictBase:
-    """The turn of one request, built by the lockstep policies' own :func:`~lmcollect.policies.outputs.turn_of`."""
+    """The turn of one request, built by the lockstep policies' own :func:`~lmcollect.policies.outputs.turn_of`,
+    plus ``keys.PREFIX_MISMATCH``."""
     generation = Generation(
         result.tokens,
         result.log_probs,
@@ -67,7 +110,9 @@ def turn_from_result(
         result.token_versions,
         result.kv_versions,
     )
-    return turn_of(
+    turn = turn_of(
         obs, prompt=prompt.history, prompt_text=prompt.text, prompt_ids=prompt.ids, generation=generation,
         tokenizer=tokenizer, sampling=sampling,
     )  # fmt: skip
+    turn.set(keys.PREFIX_MISMATCH, torch.tensor(prompt.prefix_mismatch))
+    return turn

@@ -33,7 +33,8 @@ class Encoder:
             self.tensors[name] = value.detach().cpu().contiguous().clone()
             return {_TAG: "tensor", "name": name}
         if isinstance(value, History):
-            return {_TAG: "history", "messages": value.to_dicts()}
+            saved = {_TAG: "history", "messages": value.to_dicts()}
+            return saved if value.tools is None else {**saved, "tools": [dict(tool) for tool in value.tools]}
         if isinstance(value, TensorDictBase):
             return self._tensordict(value, where)
         if isinstance(value, Mapping):
@@ -86,7 +87,7 @@ def decode(data: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     if tag == "tensor":
         return tensors[data["name"]]
     if tag == "history":
-        return History.from_dicts(data["messages"])
+        return History.from_dicts(data["messages"], tools=data.get("tools"))
     if tag == "dict":
         return {k: decode(v, tensors) for k, v in data["items"].items()}
     if tag == "list":

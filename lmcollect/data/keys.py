@@ -65,6 +65,11 @@ TOKEN_VERSIONS = (
 # were computed by older weights). Tokens where it differs from TOKEN_VERSIONS are off-policy in the
 # context too: mask them, or correct with importance weights (see docs/continuous.md, "KV policy").
 KV_VERSIONS = ("collector", "kv_versions")
+PREFIX_MISMATCH = ("collector", "prefix_mismatch")
+"""bool scalar (continuous collection): the turn's prompt reused its dialog's recorded tokens (prompt +
+response of the previous turn, exactly as generated) and the chat template tokenizes the same
+conversation differently (a reply cut by ``max_new_tokens`` or a stop string, tokens that merge
+otherwise when re-encoded). The recorded tokens are what the model saw and what the turn holds."""
 STEP_COUNT = "step_count"  # index of the turn within its trajectory (int64 scalar, 0-based)
 
 # Written by the env's step under "next" (shape [1], as in torchrl).
@@ -81,6 +86,11 @@ NEXT_HISTORY_PROMPT = ("next", "history", "prompt")
 # Written by envs that draw prompts in groups (ChatEnv): the env's own draw counter; the collector
 # turns it into GROUP_ID.
 ENV_PROMPT_ID = ("env", "prompt_id")
+
+# An observation may carry per-turn sampling settings (a dict of SamplingConfig fields: max_new_tokens,
+# temperature, top_p, stop_strings; or that dict as JSON text) that its turn uses instead of the collector's
+# (continuous collection; never in a collected turn: the turn records the settings used under ("sampling", ...)).
+SAMPLING_OVERRIDES = ("sampling", "overrides")
 
 # Partial reset mask passed to env.reset (bool, shape [B, 1]).
 RESET = "_reset"

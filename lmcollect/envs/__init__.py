@@ -5,7 +5,7 @@ from lmcollect.envs.chat_env import ChatEnv, ChatEnvElement, RewardError
 from lmcollect.envs.config import ChatEnvConfig
 from lmcollect.envs.datasets import PromptDataset, row_to_history
 from lmcollect.envs.pool import AsyncEnvPool
-from lmcollect.envs.protocol import AsyncEnvProtocol, EnvProtocol
+from lmcollect.envs.protocol import AsyncEnvProtocol, DialogFailed, EnvProtocol
 from lmcollect.envs.rewards import (
     ExactMatchReward,
     MathAnswerReward,
@@ -42,6 +42,7 @@ __all__ = [
     "ChatEnv",
     "ChatEnvConfig",
     "ChatEnvElement",
+    "DialogFailed",
     "EnvProtocol",
     "ExactMatchReward",
     "GuessingGameTask",

@@ -47,3 +47,23 @@ class AsyncEnvProtocol(EnvProtocol, Protocol):
     """
 
     async def astep(self, td: TensorDictBase) -> TensorDictBase: ...
+
+
+class DialogFailed(RuntimeError):
+    """An env raises it from ``reset`` or ``step`` to end one dialog without stopping collection.
+
+    The continuous collector then drops the dialog as it drops any dialog that failed (the turn
+    under way is dropped; in trajectory modes and GRPO groups the dialog's finished turns too, its
+    group completing with one dialog fewer), logs the error as a warning and counts it in
+    ``num_failed_dialogs``, but does not raise it to the consumer: collection of the other dialogs
+    goes on. Any other error from an env (and a ``DialogFailed`` with ``raise_to_consumer=True``)
+    is raised by the consumer's next ``next()``.
+
+    ``prompt_id``: the group draw (``("env", "prompt_id")``) the dialog was to answer when a
+    ``reset`` fails, so the collector knows its GRPO group waits for one dialog fewer.
+    """
+
+    def __init__(self, message: str, *, prompt_id: int | None = None, raise_to_consumer: bool = False) -> None:
+        super().__init__(message)
+        self.prompt_id = prompt_id
+        self.raise_to_consumer = raise_to_consumer

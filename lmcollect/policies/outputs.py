@@ -63,8 +63,9 @@ def turn_output(
     num_prompt, num_response = prompt_tokens.numel(), response_tokens.numel()
     assistant_mask = torch.zeros(num_prompt + num_response, dtype=torch.bool)
     assistant_mask[num_prompt:] = True
-    # the observation's entries (env ids, flags) travel with the turn; the carried prefix does not
-    out = obs.exclude(keys.HISTORY_PREFIX, keys.TOKENS_PREFIX)
+    # the observation's entries (env ids, flags) travel with the turn; the carried prefix and the
+    # requested sampling do not (the turn records the sampling used)
+    out = obs.exclude(keys.HISTORY_PREFIX, keys.TOKENS_PREFIX, keys.SAMPLING_OVERRIDES)
     out.update(
         {
             "history": {"prompt": prompt, "response": History(full.messages[-1:]), "full": full},

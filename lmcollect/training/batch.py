@@ -52,10 +52,20 @@ class GroupAdvantage:
     keep_keys: tuple | None = None
     """Keep only these keys in each turn (e.g. :data:`LEARNER_KEYS`): turns then cross the object
     store about four times faster; histories and texts are dropped. None keeps every key."""
+    per_dialog: bool = False
+    """Multi-turn credit: each dialog's return (the sum of its turns' rewards) is normalised over its
+    group's dialogs, and every turn of the dialog gets that advantage (agents, tool dialogs whose
+    reward comes at the end). Needs whole dialogs in each batch, as the continuous collector's GRPO
+    groups give (so ``group_size=None``). False: each turn's own reward is normalised over its group's turns."""
 
     def __post_init__(self) -> None:
         if self.group_size is not None and (isinstance(self.group_size, bool) or self.group_size < 1):
             raise ValueError(f"group_size must be a positive int or None, got {self.group_size!r}.")
+        if self.per_dialog and self.group_size is not None:
+            raise ValueError(
+                "per_dialog=True normalises whole dialogs, which the continuous collector's GRPO groups bring "
+                f"in one batch; drop group_size={self.group_size} (it counts turns)."
+            )
         self._pending: dict[int, list[TensorDictBase]] = {}
 
     @property
@@ -69,12 +79,26 @@ class GroupAdvantage:
             return None  # every group is still incomplete: nothing to write yet
         rewards = torch.stack([turn.get(keys.NEXT_REWARD).sum() for turn in turns])
         groups = torch.stack([_group_of(turn) for turn in turns])
-        advantages = group_advantages(rewards, groups, normalize_std=self.normalize_std, eps=self.eps)
+        if self.per_dialog:
+            advantages = self._dialog_advantages(turns, rewards, groups)
+        else:
+            advantages = group_advantages(rewards, groups, normalize_std=self.normalize_std, eps=self.eps)
         for turn, advantage in zip(turns, advantages, strict=True):
             turn.set(ADVANTAGE, advantage)
         if self.keep_keys is not None:
             turns = [turn.select(*self.keep_keys, strict=False) for turn in turns]
         return stack_turns(turns)
+
+    def _dialog_advantages(
+        self, turns: list[TensorDictBase], rewards: torch.Tensor, groups: torch.Tensor
+    ) -> torch.Tensor:
+        """Each turn's dialog's advantage: dialog returns normalised within their groups."""
+        dialogs = torch.stack([turn.get(keys.TRAJ_IDS).reshape(()) for turn in turns])
+        ids, dialog_of_turn = torch.unique(dialogs, return_inverse=True)
+        returns = torch.zeros(len(ids)).index_add_(0, dialog_of_turn, rewards.float())
+        dialog_groups = torch.zeros(len(ids), dtype=groups.dtype).index_copy_(0, dialog_of_turn, groups)
+        per_dialog = group_advantages(returns, dialog_groups, normalize_std=self.normalize_std, eps=self.eps)
+        return per_dialog[dialog_of_turn]
 
     def _complete(self, turns: list[TensorDictBase]) -> list[TensorDictBase]:
         """The turns of complete groups (pending ones first joined with their earlier turns)."""

@@ -92,3 +92,19 @@ def test_dynamic_sampling_bench_counts_its_groups_and_useful_turns() -> None:
     assert counts["groups_generated"] >= counts["groups_kept"] + sum(counts["groups_dropped"].values())
     row = sampling_row("filter vs none", [filtered], [base])
     assert {"row", "metric", "value", "this", "baseline"} <= set(row) and "groups kept 4 of" in row["metric"]
+
+
+def test_the_agent_modes_do_the_chat_env_work_through_the_endpoint() -> None:
+    """An agent program through the OpenAI-compatible endpoint, sync and async, against the same dialogs
+    as a ChatEnv task: the same rows start in the same order and greedy replies are the same."""
+    from benchmarks.agentic import TARGET_AGENT
+
+    chat_env = run_sample("transformers", "continuous", 4, SMALLEST)
+    for mode in ("agent", "agent-sync"):
+        agent = run_sample("transformers", mode, 4, SMALLEST)
+        assert agent.turns == SMALLEST.turns_per_batch * SMALLEST.num_batches
+        theirs = {tuple(key): n for key, n in zip(chat_env.dialog_keys, chat_env.lengths)}
+        common = [(tuple(key), n) for key, n in zip(agent.dialog_keys, agent.lengths) if tuple(key) in theirs]
+        assert len(common) >= agent.turns // 2 and all(theirs[key] == n for key, n in common)
+        row = ratio_row("agent vs ChatEnv", [agent], [chat_env], SMALLEST, TARGET_AGENT, "ChatEnv task")
+        assert ROW_KEYS <= set(row) and isinstance(row["value"], float)

@@ -145,7 +145,7 @@ def test_turns_have_the_synchronous_collectors_layout_and_values() -> None:
     sync.shutdown()
     assert len(got) == len(expected) == 12
     for mine, theirs in zip(got, expected):
-        assert set(leaf_keys(mine)) == set(leaf_keys(theirs)) | {keys.TOKEN_VERSIONS}
+        assert set(leaf_keys(mine)) == set(leaf_keys(theirs)) | {keys.TOKEN_VERSIONS, keys.PREFIX_MISMATCH}
         for key in leaf_keys(theirs):
             a, b = value(mine, key), value(theirs, key)
             if isinstance(a, torch.Tensor):

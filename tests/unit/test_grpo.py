@@ -253,3 +253,23 @@ def test_shipped_tasks_score_their_own_reference_answers() -> None:
         assert task.make_task().respond(state, history).reward == 1.0, name
     with pytest.raises(ValueError, match="unknown task 'nope'; shipped tasks: comparison"):
         get_shipped_task("nope")
+
+
+def test_per_dialog_advantages_give_every_turn_its_dialogs_normalised_return() -> None:
+    from tensordict import TensorDict
+
+    from lmcollect.data import keys
+    from lmcollect.data.turns import flatten_turns, stack_turns
+    from lmcollect.training.batch import GroupAdvantage
+    from lmcollect.training.grpo import ADVANTAGE
+
+    # group 7: dialog 1 (two turns, return 1), dialog 2 (one turn, return 0); group 8: dialog 3 alone
+    spec = [(7, 1, 0.0), (7, 1, 1.0), (7, 2, 0.0), (8, 3, 1.0)]
+    turns = [
+        TensorDict({keys.GROUP_ID: torch.tensor(g), keys.TRAJ_IDS: torch.tensor(t), keys.NEXT_REWARD: torch.tensor([r])}, [])
+        for g, t, r in spec
+    ]
+    out = flatten_turns(GroupAdvantage(per_dialog=True, normalize_std=False)(stack_turns(turns)))
+    assert [float(t[ADVANTAGE]) for t in out] == [0.5, 0.5, -0.5, 0.0]
+    with pytest.raises(ValueError, match="drop group_size"):
+        GroupAdvantage(per_dialog=True, group_size=4)

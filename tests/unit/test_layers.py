@@ -16,6 +16,7 @@ LAYERS = [
     {"weights"},
     {"transports"},
     {"envs", "buffers", "checkpoint", "diagnostics", "viewer", "compat"},
+    {"agents"},
     {"engines"},
     {"policies"},
     {"testing"},

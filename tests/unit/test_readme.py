@@ -56,6 +56,7 @@ def test_readme_links_resolve() -> None:
 
 # each public package -> its page of the API reference (docs/api/); mkdocs renders them from the docstrings
 API_PAGES = {
+    "lmcollect.agents": "agents.md",
     "lmcollect.collectors": "collectors.md",
     "lmcollect.buffers": "buffers.md",
     "lmcollect.data": "data.md",

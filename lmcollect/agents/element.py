@@ -1,0 +1,259 @@
+"""One element of an AgentEnv as a batch-1 env: a run of the agent at a time, its calls as observations, its replies handed back."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import uuid
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase, lazy_stack
+
+from lmcollect.agents.openai_format import ChatRequest, completion_json, cut_at_stops, history_of, reply_key
+from lmcollect.agents.runs import AgentCall, AgentRun, DialogEndedError, Event, RunEnded, answer_call, refuse_call
+from lmcollect.agents.tool_parsers import ParsedReply
+from lmcollect.data import keys
+from lmcollect.data.history import History
+from lmcollect.data.turns import non_tensor_values
+from lmcollect.envs.protocol import DialogFailed
+from lmcollect.envs.sampling import Draw
+
+if TYPE_CHECKING:  # the parent imports this module to build its elements
+    from lmcollect.agents.env import AgentEnv
+
+logger = logging.getLogger(__name__)
+
+TOOL_PARSE_ERROR = ("agent", "tool_parse_error")
+"""str: why the tool calls of this step's reply could not be read ("" if they could or there were none)."""
+AGENT_ERROR = ("agent", "error")
+"""str: the failure that ended the run at this step (``on_agent_error="keep"``), else ""."""
+AGENT_METADATA = ("agent", "metadata")
+"""str: JSON of the metadata the agent returned (at its last step), else "{}"."""
+
+
+class AgentEnvElement:
+    """Element ``index`` of an :class:`AgentEnv` as a batch-1 env: one run at a time, one turn per call.
+
+    Built by :meth:`AgentEnv.split_elements`. Implements :class:`~lmcollect.envs.AsyncEnvProtocol`
+    (``astep`` awaits the agent's next call without holding a thread).
+    """
+
+    def __init__(self, parent: AgentEnv, index: int) -> None:
+        self.parent = parent
+        self.index = index
+        self.batch_size = torch.Size([1])
+        self._run: AgentRun | None = None
+        self._draw: Draw | None = None
+        self._call: AgentCall | None = None  # the call whose reply the collector generates now
+        self._request: ChatRequest | None = None
+        self._last: TensorDictBase | None = None
+        self._parse_error = ""  # of the reply handed out last (recorded in the step's output)
+
+    # ------------------------------------------------------------------ protocol
+    def reset(self, td: TensorDictBase | None = None) -> TensorDictBase:
+        """A new run on this element's next row draw; returns its first call (blocks until it comes)."""
+        self.end("the collector started a new dialog in its slot")
+        draw = self.parent.draw_for(self.index)
+        self._draw, self._run = draw, self.parent.start_run(self.index, draw)
+        event = _wait(self._run.next_event(), self.parent.config.agent_timeout_s, self._run.dialog)
+        if isinstance(event, AgentCall):
+            return lazy_stack([self._take_call(event, reward=None)])
+        self._fail(event, where="before its first model call")
+        raise AssertionError("_fail raises")  # for the type checker
+
+    def step(self, td: TensorDictBase) -> TensorDictBase:
+        td.set("next", lazy_stack([self.step_turn(td[0])]))
+        return td
+
+    async def astep(self, td: TensorDictBase) -> TensorDictBase:
+        td.set("next", lazy_stack([await self.astep_turn(td[0])]))
+        return td
+
+    def step_turn(self, turn: TensorDictBase) -> TensorDictBase:
+        """The ``"next"`` of one turn (batch size ()): reply, then wait for the run's next event."""
+        run = self._answer(turn)
+        return self._next_of(_wait(run.next_event(), self.parent.config.agent_timeout_s, run.dialog), turn)
+
+    async def astep_turn(self, turn: TensorDictBase) -> TensorDictBase:
+        run = self._answer(turn)
+        future = asyncio.wrap_future(run.next_event())
+        try:
+            event = await asyncio.wait_for(future, self.parent.config.agent_timeout_s)
+        except TimeoutError:
+            event = RunEnded(error=_timeout(run.dialog, self.parent.config.agent_timeout_s))
+        return self._next_of(event, turn)
+
+    def last_output(self) -> TensorDictBase:
+        """The element's latest output (batch size ()), for a batched reset that leaves it as it is."""
+        if self._last is None:
+            raise RuntimeError(f"element {self.index} of the AgentEnv has not started a run; reset it first.")
+        return self._last
+
+    def end(self, reason: str) -> None:
+        """End the run under way (its call waiting for a reply is refused with HTTP 409)."""
+        run, call, self._call = self._run, self._call, None
+        if call is not None and run is not None:
+            refuse_call(call, DialogEndedError(f"{run.dialog} has ended ({reason}); this call was not recorded."))
+        if run is not None and not run.ended:
+            self.parent.end_run(run, reason)
+
+    # ------------------------------------------------------------------ one step
+    def _answer(self, turn: TensorDictBase) -> AgentRun:
+        """Hand the turn's reply to the waiting call (parsing its tool calls); the run."""
+        run, call, request = self._run, self._call, self._request
+        if run is None or call is None or request is None:
+            raise RuntimeError(f"element {self.index} of the AgentEnv has no call to answer; reset it first.")
+        self._call = None
+        text = str(non_tensor_values(turn, keys.TEXT_RESPONSE)[0])
+        content, stopped = cut_at_stops(text, request.stop)
+        num_tokens = turn.get(keys.TOKENS_RESPONSE).numel()
+        budget = int(turn.get(keys.SAMPLING_MAX_NEW_TOKENS))
+        reply = self._parse(content, run) if request.parse_tool_calls else ParsedReply(content=content)
+        run.replies[reply_key(reply.content, reply.tool_calls)] = text
+        self.parent.count(calls=1, tool_calls=len(reply.tool_calls), tool_parse_errors=int(bool(reply.error)))
+        self._parse_error = reply.error
+        answer_call(
+            call,
+            completion_json(
+                completion_id=f"chatcmpl-{uuid.uuid4().hex}",
+                model=self.parent.config.model_name,
+                reply=reply,
+                finish_reason="stop" if stopped or num_tokens < budget else "length",
+                prompt_tokens=turn.get(keys.TOKENS_PROMPT).numel(),
+                completion_tokens=num_tokens,
+            ),
+        )
+        return run
+
+    def _parse(self, content: str, run: AgentRun) -> ParsedReply:
+        number = run.num_calls
+        reply = self.parent.parser.parse(content, call_id=lambda k: f"call_{run.key[:8]}_{number}_{k}")
+        if reply.error:
+            logger.info("%s, call %d: malformed tool call returned as text: %s", run.dialog, number, reply.error)
+        return reply
+
+    def _next_of(self, event: Event, turn: TensorDictBase) -> TensorDictBase:
+        """The step's ``"next"``: the run's next call, or its end."""
+        run = self._run
+        assert run is not None, "a step follows a reset"
+        parse_error = self._parse_error
+        if isinstance(event, AgentCall):
+            if run.num_calls < self.parent.config.max_calls:
+                return self._take_call(event, reward=run.take_reward(), parse_error=parse_error)
+            return self._truncate(event, turn, parse_error)
+        full = non_tensor_values(turn, keys.HISTORY_FULL)[0]
+        if event.result is not None:
+            self.parent.run_finished()
+            self.end("the agent returned")
+            metadata = json.dumps(dict(event.result.metadata), default=str)
+            reward = run.take_reward() + event.result.reward
+            return self._output(
+                full, reward=reward, flags=(True, True, False), parse_error=parse_error, metadata=metadata
+            )
+        where = f"after its call {run.num_calls - 1}"
+        if self.parent.config.on_agent_error != "keep" or isinstance(event.error, DialogEndedError):
+            self._fail(event, where=where)
+        if self.parent.run_failed():  # kept, but max_failures_in_a_row say the agent itself is broken
+            self._fail(event, where=where, counted=True)
+        error = f"{type(event.error).__name__}: {event.error}"
+        logger.warning(
+            "%s failed; its dialog ends at this turn with reward %s: %s",
+            run.dialog,
+            self.parent.config.failure_reward,
+            error,
+        )
+        self.end("the agent failed")
+        reward = run.take_reward() + self.parent.config.failure_reward
+        return self._output(full, reward=reward, flags=(True, True, False), parse_error=parse_error, error=error)
+
+    def _truncate(self, call: AgentCall, turn: TensorDictBase, parse_error: str) -> TensorDictBase:
+        run = self._run
+        assert run is not None, "a step follows a reset"
+        limit = self.parent.config.max_calls
+        refuse_call(call, DialogEndedError(f"{run.dialog} reached max_calls={limit}; this call was not recorded."))
+        self.parent.count(runs_truncated=1)
+        self.end(f"it reached max_calls={limit}")
+        full = non_tensor_values(turn, keys.HISTORY_FULL)[0]
+        return self._output(full, reward=run.take_reward(), flags=(True, False, True), parse_error=parse_error)
+
+    def _take_call(self, call: AgentCall, *, reward: float | None, parse_error: str = "") -> TensorDictBase:
+        """The observation of a call: its conversation, ids and what it asks of the sampling."""
+        run = self._run
+        assert run is not None, "a call comes from a run"
+        self._call, self._request = call, call.request
+        run.num_calls += 1
+        history = history_of(call.request, run.replies, self.parent.parser)
+        overrides = call.request.sampling_overrides(agent_sampling=self.parent.config.agent_sampling)
+        return self._output(
+            history, reward=reward, flags=(False, False, False), parse_error=parse_error, overrides=overrides
+        )
+
+    def _fail(self, event: RunEnded, *, where: str, counted: bool = False) -> None:
+        """Raise the run's failure as a :class:`DialogFailed`: dropped by the collector, or raised to the
+        consumer (``on_agent_error="raise"``, or ``max_failures_in_a_row`` failures in a row)."""
+        run, draw = self._run, self._draw
+        assert run is not None and draw is not None, "a failure comes from a run"
+        cause = event.error if event.error is not None else RuntimeError("the agent returned without calling the model")
+        if isinstance(cause, DialogEndedError):  # the env ended the run itself (closing): no failure of the agent's
+            raise DialogFailed(f"{run.dialog} was ended: {cause}", prompt_id=draw.prompt_id) from cause
+        broken = self.parent.stats.failures_in_a_row >= self.parent.config.max_failures_in_a_row
+        if not counted:
+            broken = self.parent.run_failed()
+        self.end("the agent failed")
+        message = f"{run.dialog} failed {where}: {type(cause).__name__}: {cause}"
+        if event.result is not None:
+            message = f"{run.dialog} returned without calling the model: nothing to record"
+        if broken:
+            message += (
+                f" ({self.parent.config.max_failures_in_a_row} runs failed in a row, none returned a reward: "
+                "is the agent itself broken? see AgentEnvConfig.max_failures_in_a_row)"
+            )
+        raise_it = broken or self.parent.config.on_agent_error == "raise"
+        raise DialogFailed(message, prompt_id=draw.prompt_id, raise_to_consumer=raise_it) from cause
+
+    def _output(
+        self,
+        history: History,
+        *,
+        reward: float | None,
+        flags: tuple[bool, bool, bool],
+        parse_error: str = "",
+        error: str = "",
+        metadata: str = "{}",
+        overrides: dict[str, Any] | None = None,
+    ) -> TensorDictBase:
+        """One output (batch size ()): ChatEnv's keys, the agent's records and the next call's sampling."""
+        draw = self._draw
+        assert draw is not None, "an output follows a draw"
+        entries: dict[str, Any] = {
+            "history": {"prompt": history},
+            keys.DONE: torch.tensor([flags[0]]),
+            keys.TERMINATED: torch.tensor([flags[1]]),
+            keys.TRUNCATED: torch.tensor([flags[2]]),
+            "env": {"prompt_id": torch.tensor(draw.prompt_id), "sample_index": torch.tensor(draw.sample_index)},
+            "agent": {"tool_parse_error": parse_error, "error": error, "metadata": metadata},
+            "sampling": {"overrides": json.dumps(overrides or {})},
+        }
+        if reward is not None:
+            entries[keys.REWARD] = torch.tensor([reward], dtype=torch.float32)
+        self._last = TensorDict(entries, batch_size=[])
+        return self._last
+
+
+def _wait(future: concurrent.futures.Future, timeout_s: float, dialog: str) -> Event:
+    """The run's next event, or its failure after ``timeout_s`` (blocking: a reset runs in a thread)."""
+    try:
+        return future.result(timeout_s)
+    except concurrent.futures.TimeoutError:
+        future.cancel()  # the run queues its event instead
+        return RunEnded(error=_timeout(dialog, timeout_s))
+
+
+def _timeout(dialog: str, timeout_s: float) -> TimeoutError:
+    return TimeoutError(
+        f"{dialog} made no model call and returned nothing for agent_timeout_s={timeout_s} s; raise "
+        "AgentEnvConfig.agent_timeout_s if its tools are that slow."
+    )

@@ -1,0 +1,238 @@
+"""OpenAI chat-completions JSON in and out: requests checked and read, messages as a History, replies as JSON (pure logic)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lmcollect.agents.tool_parsers import ParsedReply, ToolCall, ToolParser
+from lmcollect.data.history import History, Message, tools_of
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+"""OpenAI message roles and the History role each becomes (``developer`` is OpenAI's newer ``system``)."""
+
+
+class RequestError(ValueError):
+    """A request the endpoint refuses: its HTTP status and OpenAI error type say why (nothing was recorded)."""
+
+    def __init__(self, message: str, *, status: int = 400, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+
+
+ReplyKey = tuple[str, tuple[tuple[str, str, str], ...]]
+"""An assistant message as (text, ((call id, name, arguments), ...)): how a reply the agent echoes is recognised."""
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """One ``POST /v1/chat/completions`` body, checked."""
+
+    messages: tuple[Mapping[str, Any], ...]
+    """The conversation as the agent sent it."""
+    tools: tuple[dict[str, Any], ...] | None
+    """Function definitions offered to the model (None: none)."""
+    parse_tool_calls: bool
+    """Read tool calls out of the reply: tools were offered and ``tool_choice`` is not "none"."""
+    max_tokens: int | None
+    """``max_tokens`` / ``max_completion_tokens`` (None: the collector's budget)."""
+    temperature: float | None
+    top_p: float | None
+    stop: tuple[str, ...]
+    """Stop strings: the reply ends at the first one, which the returned text leaves out."""
+
+    def sampling_overrides(self, *, agent_sampling: bool) -> dict[str, Any]:
+        """What this call asks of the sampling (``keys.SAMPLING_OVERRIDES``): its token budget and stop
+        strings always, its temperature and top-p only with ``agent_sampling``."""
+        overrides: dict[str, Any] = {}
+        if self.max_tokens is not None:
+            overrides["max_new_tokens"] = self.max_tokens
+        if self.stop:
+            overrides["stop_strings"] = list(self.stop)
+        if agent_sampling:
+            overrides.update(
+                {k: v for k, v in (("temperature", self.temperature), ("top_p", self.top_p)) if v is not None}
+            )
+        return overrides
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    """A :class:`ChatRequest` from the JSON body, or :class:`RequestError` naming what is wrong."""
+    if not isinstance(body, Mapping):
+        raise RequestError("the request body must be a JSON object with 'messages'.")
+    if body.get("stream"):
+        raise RequestError(
+            "streaming is not supported by the lmcollect agent endpoint; call chat.completions.create(..., stream=False)."
+        )
+    if body.get("n") not in (None, 1):
+        raise RequestError(
+            f"n={body.get('n')!r}: the endpoint answers one completion per call; to answer a row k times, "
+            "run the agent k times (AgentEnv(repeats=k): a GRPO group)."
+        )
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("'messages' must be a non-empty list of {'role': ..., 'content': ...} objects.")
+    for i, message in enumerate(messages):
+        _check_message(i, message)
+    tools = _tools_of(body.get("tools"))
+    return ChatRequest(
+        messages=tuple(messages),
+        tools=tools,
+        parse_tool_calls=tools is not None and body.get("tool_choice") != "none",
+        max_tokens=_max_tokens(body),
+        temperature=_number(body, "temperature", lambda v: v >= 0, ">= 0"),
+        top_p=_number(body, "top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+        stop=_stops(body.get("stop")),
+    )
+
+
+def _check_message(i: int, message: Any) -> None:
+    if not isinstance(message, Mapping) or message.get("role") not in ROLES:
+        raise RequestError(
+            f"messages[{i}] must be an object whose 'role' is one of {sorted(ROLES)}, got {message!r:.200}."
+        )
+    content = message.get("content")
+    if content is None and not (message["role"] == "assistant" and message.get("tool_calls")):
+        raise RequestError(f"messages[{i}] ({message['role']}) has no 'content'.")
+    text_of(content, where=f"messages[{i}].content")
+    if message["role"] == "assistant":
+        calls_of(message.get("tool_calls"), where=f"messages[{i}].tool_calls")
+
+
+def text_of(content: Any, *, where: str = "content") -> str:
+    """A message's text: a string, a list of text parts joined, or "" for None."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(p, Mapping) and p.get("type") == "text" for p in content):
+        return "".join(str(part.get("text", "")) for part in content)
+    raise RequestError(f"{where}: only text is supported (a string or a list of {{'type': 'text'}} parts).")
+
+
+def calls_of(tool_calls: Any, *, where: str = "tool_calls") -> tuple[ToolCall, ...]:
+    """An assistant message's ``tool_calls`` as :class:`ToolCall` s."""
+    if tool_calls is None:
+        return ()
+    calls = []
+    for k, call in enumerate(tool_calls if isinstance(tool_calls, list) else [None]):
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise RequestError(
+                f"{where}[{k}] must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}."
+            )
+        arguments = function.get("arguments", "{}")
+        calls.append(ToolCall(id=str(call.get("id", "")), name=function["name"], arguments=str(arguments)))
+    return tuple(calls)
+
+
+def _tools_of(tools: Any) -> tuple[dict[str, Any], ...] | None:
+    if tools is None:
+        return None
+    ok = isinstance(tools, list) and all(
+        isinstance(t, Mapping) and isinstance(t.get("function"), Mapping) and isinstance(t["function"].get("name"), str)
+        for t in tools
+    )
+    if not ok:
+        raise RequestError("'tools' must be a list of {'type': 'function', 'function': {'name': ..., ...}} objects.")
+    return tools_of(tools)
+
+
+def _max_tokens(body: Mapping[str, Any]) -> int | None:
+    value = body.get("max_completion_tokens", body.get("max_tokens"))
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RequestError(f"max_tokens must be an integer >= 1, got {value!r}.")
+    return value
+
+
+def _number(body: Mapping[str, Any], name: str, ok: Any, rule: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or not ok(value):
+        raise RequestError(f"{name} must be a number {rule}, got {value!r}.")
+    return float(value)
+
+
+def _stops(stop: Any) -> tuple[str, ...]:
+    stops = [stop] if isinstance(stop, str) else stop
+    if stops is None:
+        return ()
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise RequestError(f"stop must be a non-empty string or a list of them, got {stop!r}.")
+    return tuple(stops)
+
+
+# ---------------------------------------------------------------------- messages -> History
+def reply_key(content: Any, tool_calls: Sequence[ToolCall]) -> ReplyKey:
+    return text_of(content), tuple((c.id, c.name, c.arguments) for c in tool_calls)
+
+
+def history_of(request: ChatRequest, replies: Mapping[ReplyKey, str], parser: ToolParser) -> History:
+    """The conversation as the model sees it.
+
+    An assistant message that is one of the replies this dialog got (``replies``: its key -> the
+    text the model wrote, exactly) becomes that text, so the conversation extends the recorded
+    tokens; any other assistant message is rendered by ``parser`` (text, then its tool calls). A
+    ``tool`` message keeps its text (templates that need the call's id are not supported).
+    """
+    messages = []
+    for message in request.messages:
+        role, content = ROLES[message["role"]], text_of(message.get("content"))
+        if role == "assistant":
+            calls = calls_of(message.get("tool_calls"))
+            written = replies.get(reply_key(message.get("content"), calls))
+            content = written if written is not None else (parser.render(content, calls) if calls else content)
+        messages.append(Message(role, content))
+    return History(tuple(messages), request.tools)
+
+
+# ---------------------------------------------------------------------- the reply
+def cut_at_stops(text: str, stops: Sequence[str]) -> tuple[str, bool]:
+    """``text`` up to its first stop string (left out, as OpenAI does), and whether one was found."""
+    cuts = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return (text[: min(cuts)], True) if cuts else (text, False)
+
+
+def completion_json(
+    *,
+    completion_id: str,
+    model: str,
+    reply: ParsedReply,
+    finish_reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+) -> dict[str, Any]:
+    """A ``chat.completion`` object (``finish_reason`` "tool_calls" when the reply holds calls)."""
+    message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+    if reply.tool_calls:
+        message["tool_calls"] = [call.to_openai() for call in reply.tool_calls]
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "finish_reason": "tool_calls" if reply.tool_calls else finish_reason,
+                "logprobs": None,
+            }
+        ],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+
+
+def error_json(message: str, kind: str, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error body (the ``openai`` client raises it with this message)."""
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}

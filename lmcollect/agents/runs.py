@@ -1,0 +1,285 @@
+"""One run of an agent program on one dataset row: its key, the calls it makes and how it ended, handed between threads.
+
+The agent runs in a thread of its own (a plain function) or on the env's agent loop (an ``async``
+one). Its HTTP calls arrive on the server's loop; the env element that owns the run takes them one
+at a time from the collector's side. :class:`AgentRun` is the meeting point: a queue of events
+(a call, the run's end) guarded by a lock, read through futures, so no side blocks another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+import numbers
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from lmcollect.agents.openai_format import ChatRequest, ReplyKey
+
+if TYPE_CHECKING:  # the openai package is the agent's dependency, imported only when a run asks for a client
+    import openai as openai_package  # (its own name is AgentContext's method)
+
+logger = logging.getLogger(__name__)
+
+
+class DialogEndedError(RuntimeError):
+    """A call reached a run whose dialog had ended (HTTP 409)."""
+
+
+@dataclass(frozen=True)
+class AgentCall:
+    """One model call of a run, waiting for its reply (the ``chat.completion`` JSON, or an error)."""
+
+    request: ChatRequest
+    reply: Future = field(default_factory=Future)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentResult:
+    """What an agent returns: its reward (on the dialog's last turn) and anything to keep beside it."""
+
+    reward: float
+    """The dialog's reward, added to its last turn's."""
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    """JSON-able details stored with the last turn (``("agent", "metadata")``, as JSON text)."""
+
+
+@dataclass(frozen=True)
+class RunEnded:
+    """The run returned (``result``) or raised (``error``)."""
+
+    result: AgentResult | None = None
+    error: BaseException | None = None
+
+
+Event = AgentCall | RunEnded
+
+
+def result_of(value: Any, dialog: str) -> AgentResult:
+    """An agent's return value as an :class:`AgentResult`: a number, a dict with ``"reward"``, or one already."""
+    if isinstance(value, AgentResult):
+        return value
+    if isinstance(value, Mapping) and "reward" in value:
+        metadata = value.get("metadata", {k: v for k, v in value.items() if k != "reward"})
+        return AgentResult(reward=_reward(value["reward"], dialog), metadata=dict(metadata))
+    return AgentResult(reward=_reward(value, dialog))
+
+
+def _reward(value: Any, dialog: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise TypeError(
+            f"the agent of {dialog} returned {value!r:.100}, not a reward: return a finite number, "
+            "{'reward': number, 'metadata': {...}} or AgentResult(reward=...)."
+        )
+    return float(value)
+
+
+class AgentRun:
+    """One agent run: its key, its events (calls, its end) and the rewards it added along the way."""
+
+    def __init__(self, *, key: str, dialog: str, prompt_id: int) -> None:
+        self.key = key
+        self.dialog = dialog
+        """Names the run in errors and logs: ``"agent run 12 (env element 3, dataset row 5)"``."""
+        self.prompt_id = prompt_id
+        self.replies: dict[ReplyKey, str] = {}
+        """The replies this run got: their key -> the text the model wrote (see ``history_of``)."""
+        self.num_calls = 0
+        self._lock = threading.Lock()
+        self._events: deque[Event] = deque()
+        self._waiter: Future | None = None
+        self._ended: str | None = None  # why the dialog ended (then calls are refused)
+        self._reward = 0.0
+        self._task: Future | None = None  # the async agent's task (cancelled if the dialog gives up on it)
+
+    # ------------------------------------------------------------------ the agent's side (any thread)
+    def post_call(self, request: ChatRequest) -> Future:
+        """Queue a call; its future resolves with the reply (or :class:`DialogEndedError`)."""
+        call = AgentCall(request)
+        call.reply.set_running_or_notify_cancel()  # nobody may cancel it: the env or end() answers it
+        with self._lock:
+            if self._ended is not None:
+                raise DialogEndedError(f"{self.dialog} has ended ({self._ended}); this call was not recorded.")
+            self._post(call)
+        return call.reply
+
+    def add_reward(self, value: float) -> None:
+        """Add to the reward of the turn of the latest reply (before any reply: of the first turn)."""
+        reward = _reward(value, self.dialog)
+        with self._lock:
+            self._reward += reward
+
+    def finish(self, result: AgentResult | None = None, error: BaseException | None = None) -> None:
+        with self._lock:
+            self._post(RunEnded(result, error))
+
+    # ------------------------------------------------------------------ the env's side
+    def next_event(self) -> Future:
+        """A future of the run's next event (already resolved if one is waiting)."""
+        future: Future = Future()
+        with self._lock:
+            if self._events:
+                future.set_result(self._events.popleft())
+            else:
+                self._waiter = future
+        return future
+
+    def take_reward(self) -> float:
+        """The rewards added since the last call, reset to 0."""
+        with self._lock:
+            reward, self._reward = self._reward, 0.0
+        return reward
+
+    def end(self, reason: str) -> None:
+        """The dialog is over: refuse later calls, fail the calls still queued, cancel an async agent,
+        and wake a reader still waiting for an event (the env closing under a waiting reset)."""
+        with self._lock:
+            if self._ended is not None:
+                return
+            self._ended = reason
+            queued = [e for e in self._events if isinstance(e, AgentCall)]
+            self._events.clear()
+            task = self._task
+            if self._waiter is not None:
+                self._post(RunEnded(error=DialogEndedError(f"{self.dialog} has ended ({reason})")))
+        for call in queued:
+            _answer(
+                call.reply, error=DialogEndedError(f"{self.dialog} has ended ({reason}); this call was not recorded.")
+            )
+        if task is not None:
+            task.cancel()
+
+    @property
+    def ended(self) -> bool:
+        return self._ended is not None
+
+    def _post(self, event: Event) -> None:
+        """Hand ``event`` to a waiting reader, else queue it (under the lock)."""
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            try:
+                waiter.set_result(event)
+                return
+            except InvalidStateError:  # the reader gave up waiting (a timeout cancelled its future)
+                pass
+        self._events.append(event)
+
+    # ------------------------------------------------------------------ running the agent
+    def start(self, agent: Callable[..., Any], context: AgentContext, row: Mapping[str, Any], loop: Any) -> None:
+        """Run ``agent(context, row)``: on ``loop`` (a :class:`AgentLoop`) if it is async, else in a thread."""
+        if is_async_agent(agent):
+            self._task = asyncio.run_coroutine_threadsafe(self._run_async(agent, context, row), loop.loop)
+            return
+        name = f"lmcollect-agent-{self.key[:6]}"
+        threading.Thread(target=self._run_sync, args=(agent, context, row), name=name, daemon=True).start()
+
+    def _run_sync(self, agent: Callable[..., Any], context: AgentContext, row: Mapping[str, Any]) -> None:
+        try:
+            value = agent(context, row)
+        except BaseException as exc:  # designed: the agent's failure ends its dialog, as the env's config says
+            self.finish(error=exc)
+            return
+        self._finish_with(value)
+
+    async def _run_async(self, agent: Callable[..., Any], context: AgentContext, row: Mapping[str, Any]) -> None:
+        try:
+            value = await agent(context, row)
+        except asyncio.CancelledError:
+            self.finish(error=TimeoutError(f"the agent of {self.dialog} was cancelled"))
+            raise
+        except Exception as exc:  # designed: the agent's failure ends its dialog, as the env's config says
+            self.finish(error=exc)
+            return
+        self._finish_with(value)
+
+    def _finish_with(self, value: Any) -> None:
+        try:
+            result = result_of(value, self.dialog)
+        except TypeError as exc:
+            self.finish(error=exc)
+            return
+        self.finish(result=result)
+
+
+def _answer(reply: Future, *, result: Any = None, error: BaseException | None = None) -> None:
+    try:
+        if error is not None:
+            reply.set_exception(error)
+        else:
+            reply.set_result(result)
+    except InvalidStateError:
+        logger.debug("a call's reply was already answered")
+
+
+def answer_call(call: AgentCall, reply: dict[str, Any]) -> None:
+    """Hand ``reply`` (the ``chat.completion`` JSON) to the waiting HTTP request."""
+    _answer(call.reply, result=reply)
+
+
+def refuse_call(call: AgentCall, error: BaseException) -> None:
+    _answer(call.reply, error=error)
+
+
+def is_async_agent(agent: Callable[..., Any]) -> bool:
+    """An ``async def`` function (or an object whose ``__call__`` is one)."""
+    return inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(type(agent).__call__)
+
+
+class AgentContext:
+    """What an agent run gets besides its row: where to send its model calls, and a way to add rewards.
+
+    ``base_url`` and ``api_key`` are those of an OpenAI-compatible endpoint; the key is this run's
+    own (a call with it after the dialog ended gets HTTP 409). :meth:`openai` / :meth:`async_openai`
+    build ``openai`` clients for them (``pip install openai``); any OpenAI-compatible client works.
+    """
+
+    def __init__(self, run: AgentRun, *, base_url: str, model: str) -> None:
+        self._run = run
+        self.base_url = base_url
+        """``http://127.0.0.1:<port>/v1``."""
+        self.api_key = run.key
+        """This run's key (send it as ``Authorization: Bearer <key>``)."""
+        self.model = model
+        """The model name the endpoint serves (any name is accepted)."""
+        self.dialog = run.dialog
+        """This run's name in errors and logs."""
+
+    def openai(self, **kwargs: Any) -> openai_package.OpenAI:
+        """An ``openai.OpenAI`` client for this run (``max_retries=0`` unless given: a refused call stays refused)."""
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, **{"max_retries": 0, **kwargs})
+
+    def async_openai(self, **kwargs: Any) -> openai_package.AsyncOpenAI:
+        """An ``openai.AsyncOpenAI`` client for this run (for ``async`` agents)."""
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **{"max_retries": 0, **kwargs})
+
+    def add_reward(self, value: float) -> None:
+        """Add ``value`` to the reward of the turn of the latest reply (a per-turn reward; before any
+        reply, of the first turn). The number the agent returns goes on the last turn."""
+        self._run.add_reward(value)
+
+
+class AgentLoop:
+    """An asyncio loop on a daemon thread, where ``async`` agents run."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="lmcollect-agents", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.loop.close()
