@@ -159,7 +159,7 @@ def test_every_call_is_one_turn_with_exact_tokens_groups_and_tool_round_trips(se
     REPLIES.clear()
     env = AgentEnv(rows(["ok"] * 16), calc_agent, batch_size=4, repeats=2, seed=0, server=server)
     engine = scripted_engine()
-    turns = collect(env, engine, batches=2, total_dialog_turns=8)  # 2 batches of 2 groups of 2 dialogs
+    turns = collect(env, engine, batches=2, total_dialog_turns=16)  # 2 batches of 2 groups of 2 two-turn dialogs
     engine.close()
     dialogs = dialogs_of(turns)
     assert len(dialogs) == 8 and len(turns) == 16
