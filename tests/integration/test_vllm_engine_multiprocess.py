@@ -72,6 +72,27 @@ def test_pushes_pack_into_two_shared_files_kept_from_push_to_push(tiny_model_pat
         engine.load_weights(new.state_dict().items(), version=4)  # set 0 again
         expect_answers_of(new, engine)
         assert push_files() - before == files, "a push made a shared-memory file of its own"
+        check_keep_across_a_push(engine, other)
     finally:
         engine.close()
     assert push_files() == before, "the engine's shared-memory files outlived it"
+
+
+def check_keep_across_a_push(engine: VLLMEngine, pushed: torch.nn.Module) -> None:
+    """kv_policy="keep" with the engine core in another process: a dialog's prefix cached under the old
+    weights is reused by its own next turn (and says so in kv_versions), never by another dialog."""
+    engine.set_kv_policy("keep")
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    prompt = list(range(5, 150))  # longer than one prefix-cache block (128 tokens on CPU)
+    first = engine.submit(EngineRequest(prompt_ids=prompt, sampling=greedy, affinity="a")).result(120)
+    engine.load_weights(pushed.state_dict().items(), version=5)
+    context = prompt + first.tokens.tolist()
+    other = engine.submit(EngineRequest(prompt_ids=context, sampling=greedy, affinity="b")).result(120)
+    assert other.num_cached_prompt_tokens == 0 and set(other.kv_versions.tolist()) == {5}
+    torch.testing.assert_close(other.log_probs, forward_log_probs(pushed, context, other.tokens.tolist()), atol=ATOL, rtol=0)
+    later = engine.submit(
+        EngineRequest(prompt_ids=context, sampling=greedy, affinity="a", context_kv_version=4)
+    ).result(120)
+    assert later.num_cached_prompt_tokens > 0 and set(later.kv_versions.tolist()) == {4}
+    assert engine.push_costs()[-1].recomputed_tokens == 0 and not engine.push_costs()[-1].recompute_timed
+    engine.set_kv_policy("recompute")
