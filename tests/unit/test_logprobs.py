@@ -150,9 +150,14 @@ def test_cli_check_logprobs(tmp_path: Path, tiny_model_path, collected, suffix, 
     assert "per-sequence ratio" in capsys.readouterr().out
     report = json.loads(report_file.read_text())
     assert report["num_sequences"] == len(records) and report["max_abs_diff"] <= 1e-5
+    assert report["num_stale_context_tokens"] == 0  # lockstep: every token's context is its own weights'
     records[0]["log_probs"] = [lp - 0.1 for lp in records[0]["log_probs"]]
+    records[1]["token_versions"] = [1] * len(records[1]["token_versions"])  # as kv_policy="keep" records a
+    records[1]["kv_versions"] = [0] * len(records[1]["kv_versions"])  # turn over a context of version 0
     write_records(records, rollouts)
     assert main([*argv, "--max-abs-diff", "1e-5"]) == 1
+    assert f"keys/values of older weights (kv_policy='keep'): {len(records[1]['log_probs'])};" in capsys.readouterr().out
+    assert json.loads(report_file.read_text())["num_stale_context_tokens"] == len(records[1]["log_probs"])
 
 
 def test_cli_check_logprobs_input_errors(tmp_path: Path) -> None:
