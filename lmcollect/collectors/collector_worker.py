@@ -15,7 +15,7 @@ from tensordict import TensorDictBase
 from lmcollect.collectors.continuous import ContinuousLLMCollector
 from lmcollect.collectors.llm_collector import LLMCollector
 from lmcollect.collectors.versioning import PolicyVersion
-from lmcollect.data.transport import pack
+from lmcollect.data.packed_turns import pack
 from lmcollect.weights.version import PushVersion
 
 logger = logging.getLogger(__name__)

@@ -322,19 +322,6 @@ class WeightReceiverMixin(HoldsWeightUpdater):
         """:meth:`receive_weights` of given weights (see there)."""
         if is_lora_source(weights):
             weights = lora_adapter(weights)
-        children = getattr(self, "_sub_collectors", None)
-        if children:  # a collector holding collectors passes weights down; each leaf takes the version
-            weights = weights if isinstance(weights, (WeightDelta, LoraAdapter)) else to_weight_dict(weights)
-            for child in children:
-                child._apply_weights(
-                    weights,
-                    model_id=model_id,
-                    convert_dtype=convert_dtype,
-                    version=version,
-                    zero_copy=zero_copy,
-                    allow_non_finite=allow_non_finite,
-                )
-            return
         with self._push_lock:
             return self._apply_leaf(
                 weights,

@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from lmcollect.collectors import LLMCollector
-from lmcollect.collectors.weights import WeightReceiverMixin
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
 from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
@@ -251,26 +250,6 @@ def test_shared_memory_receiver_waits_for_a_push_up_to_its_timeout() -> None:
     timer.join()
     assert collector.policy_version == 1
     assert receiver.receive() is None  # nothing newer
-
-
-class CollectorOfCollectors(WeightReceiverMixin):
-    """A collector that holds collectors: weights it receives go to every leaf."""
-
-    def __init__(self, children: list[LLMCollector]) -> None:
-        self._sub_collectors = children
-        self._init_weight_sync(None)
-
-
-def test_cascade_reaches_every_leaf_and_each_leaf_bumps_once() -> None:
-    leaves = [make_collector(), make_collector()]
-    parent = CollectorOfCollectors(leaves)
-    sender = SharedMemorySender()
-    trainer = trained()
-    sender.send(trainer)
-    parent.register_scheme_receiver({"policy": sender.make_receiver()})
-    for leaf in leaves:
-        assert leaf.policy_version == 1
-        assert_weights(leaf, trainer)
 
 
 def test_get_model_resolves_registered_ids() -> None:

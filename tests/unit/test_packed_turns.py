@@ -8,7 +8,7 @@ import torch
 from tensordict import NonTensorData, TensorDict
 
 from lmcollect.collectors import LLMCollector
-from lmcollect.data.transport import PackedTurns, pack, unpack
+from lmcollect.data.packed_turns import PackedTurns, pack, unpack
 from lmcollect.data.turns import flatten_turns
 from lmcollect.envs import ChatEnv, GuessingGameTask, guessing_game_dataset
 from lmcollect.testing import ScriptedPolicy
