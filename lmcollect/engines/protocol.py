@@ -9,7 +9,7 @@ records the version of the weights that produced it.
 Implementations: :class:`~lmcollect.engines.transformers_engine.TransformersEngine` (our own
 continuous batching over a ``transformers`` causal LM), :class:`~lmcollect.engines.vllm_engine.VLLMEngine`
 (vLLM's ``LLMEngine`` stepped by our decoding thread, engine core in this process),
-:class:`~lmcollect.policies.vllm_server.VLLMServerEngine` (a vLLM server),
+:class:`~lmcollect.engines.served.VLLMServerEngine` (a vLLM server),
 :class:`~lmcollect.ray.engine.RayEngine` (any of them in a Ray actor) and
 :class:`~lmcollect.engines.router.EngineRouter` (replicas behind one engine).
 

@@ -12,8 +12,8 @@ from lmcollect.policies.protocol import PolicyProtocol
 _LAZY = {
     "TransformersPolicy": "lmcollect.policies.transformers_policy",
     "VLLMPolicy": "lmcollect.policies.vllm_policy",
-    "VLLMServer": "lmcollect.policies.vllm_server",
-    "VLLMServerError": "lmcollect.policies.vllm_server",
+    "VLLMServer": "lmcollect.engines.served",
+    "VLLMServerError": "lmcollect.engines.served",
     "VLLMServerPolicy": "lmcollect.policies.vllm_server",
 }
 

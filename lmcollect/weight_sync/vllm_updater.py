@@ -254,7 +254,7 @@ class vLLMUpdater(WeightUpdaterBase[int]):
                 f"vLLM worker 0 did not join the weight group at {config.master_address}:{info['master_port']}: "
                 f"{self._cause(joined, exc)}. The workers must reach that address: for an engine on another "
                 "machine (e.g. a vLLM server) pass vLLMUpdater(master_address=<this machine's address as the "
-                "engine sees it>), e.g. lmcollect.policies.vllm_server.master_address_for(server_url)."
+                "engine sees it>), e.g. lmcollect.engines.served.master_address_for(server_url)."
             ) from exc
         self._wait(joined, deadline, "join_weight_group")
         self._sender = sender

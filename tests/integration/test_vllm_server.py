@@ -39,17 +39,17 @@ from tests.vllm_hold import HOLDING_EXTENSION, held_step
 
 pytest.importorskip("vllm")
 from lmcollect.policies.vllm_policy import VLLMPolicy  # noqa: E402
-from lmcollect.policies.vllm_server import (  # noqa: E402
+from lmcollect.engines.served import (  # noqa: E402
     VLLMServer,
     VLLMServerEngine,
     VLLMServerError,
-    VLLMServerPolicy,
     free_port,
     master_address_for,
     request_json,
     serve_command,
 )
-from lmcollect.policies.vllm_control import CONTROL_TOKEN_HEADER  # noqa: E402
+from lmcollect.policies.vllm_server import VLLMServerPolicy  # noqa: E402
+from lmcollect.engines.served.control import CONTROL_TOKEN_HEADER  # noqa: E402
 from lmcollect.weight_sync.vllm_updater import vLLMUpdater  # noqa: E402
 
 pytestmark = pytest.mark.integration

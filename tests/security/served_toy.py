@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from lmcollect.policies.vllm_control import CONTROL_TOKEN_HEADER, ControlEndpointGuard, ControlSettings, is_public_path
+from lmcollect.engines.served.control import CONTROL_TOKEN_HEADER, ControlEndpointGuard, ControlSettings, is_public_path
 
 TOKEN = "t0ken-for-tests-0123456789abcdef"
 WRONG_TOKEN = "wrong-token-0123456789abcdef"

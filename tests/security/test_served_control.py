@@ -1,7 +1,7 @@
 """A served engine's control endpoints are closed by default: token guard, pause leases, bounded HTTP calls.
 
 Part of the security suite (issue "Closed by default"). No vLLM process: the guard
-(``lmcollect.policies.vllm_control.ControlEndpointGuard``) wraps a toy ASGI app that answers like
+(``lmcollect.engines.served.control.ControlEndpointGuard``) wraps a toy ASGI app that answers like
 vLLM's routes, driven directly with asyncio or served by uvicorn (what ``vllm serve`` runs) on
 loopback; ``request_json`` talks to a tiny ``http.server``. Each server is stopped by its fixture.
 """
@@ -21,7 +21,7 @@ import pytest
 from lmcollect.engines import EngineRequest
 from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.policies import vllm_launcher
-from lmcollect.policies.vllm_control import (
+from lmcollect.engines.served.control import (
     CONTROL_TOKEN_ENV,
     CONTROL_TOKEN_HEADER,
     GUARD_PATH,
@@ -31,8 +31,8 @@ from lmcollect.policies.vllm_control import (
     ControlSettings,
     is_loopback_host,
 )
-from lmcollect.policies.served_http import MAX_ERROR_BODY_BYTES
-from lmcollect.policies.vllm_server import (
+from lmcollect.engines.served.http import MAX_ERROR_BODY_BYTES
+from lmcollect.engines.served import (
     VLLMServer,
     VLLMServerEngine,
     VLLMServerError,

@@ -29,10 +29,10 @@ from urllib.parse import urlsplit
 import pytest
 
 from lmcollect.policies import vllm_control, vllm_launcher
-from lmcollect.policies.control_checks import launch_proof
-from lmcollect.policies.vllm_control import CONTROL_TOKEN_HEADER, IDENTITY_PATH, ControlEndpointGuard
-from lmcollect.policies.vllm_launcher import launch_refusal
-from lmcollect.policies.vllm_server import VLLMServer, VLLMServerEngine
+from lmcollect.engines.served.control_checks import launch_proof
+from lmcollect.engines.served.control import CONTROL_TOKEN_HEADER, IDENTITY_PATH, ControlEndpointGuard
+from lmcollect.engines.served.launcher import launch_refusal
+from lmcollect.engines.served import VLLMServer, VLLMServerEngine
 from tests.security.served_toy import (  # the served_toy fixture comes from conftest
     LAUNCH_SECRET,
     TOKEN,

@@ -1,7 +1,7 @@
 """JSON over HTTP with the standard library, closed by default: a call is bounded as a whole
 (``timeout_s``, not per socket operation), answers are capped (:data:`MAX_RESPONSE_BYTES`),
 loopback URLs never go through a proxy, and redirects are not followed (they could carry a token
-to another host). What :class:`~lmcollect.policies.vllm_server.VLLMServerEngine` talks to a
+to another host). What :class:`~lmcollect.engines.served.VLLMServerEngine` talks to a
 vLLM server with.
 """
 
@@ -18,7 +18,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from lmcollect.policies.vllm_control import is_loopback_host
+from lmcollect.engines.served.control import is_loopback_host
 
 MAX_RESPONSE_BYTES = 64 << 20
 """The largest answer :func:`request_json` accepts (a batch of completions is far smaller)."""

@@ -2,7 +2,7 @@
 
 :class:`VLLMServer` runs :func:`serve_command` in a process group of its own; its control endpoints
 are off unless ``control_endpoints=True``, and then guarded by a token (see
-:mod:`lmcollect.policies.vllm_control`).
+:mod:`lmcollect.engines.served.control`).
 """
 
 from __future__ import annotations
@@ -24,10 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lmcollect.engines.vllm_common import engine_kwargs_for
-from lmcollect.policies.control_checks import launch_proof
-from lmcollect.policies.served_http import VLLMServerError, request_json
-from lmcollect.policies.vllm_control import (
+from lmcollect.engines.served.control import (
     DEFAULT_PAUSE_LEASE_S,
     GUARD_PATH,
     IDENTITY_PATH,
@@ -35,6 +32,9 @@ from lmcollect.policies.vllm_control import (
     check_control_token,
     is_loopback_host,
 )
+from lmcollect.engines.served.control_checks import launch_proof
+from lmcollect.engines.served.http import VLLMServerError, request_json
+from lmcollect.engines.vllm_common import engine_kwargs_for
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def serve_command(model_path: str | Path, *, host: str, port: int, serve_args: S
 
     The settings are :func:`~lmcollect.policies.vllm_policy.engine_kwargs_for`'s (the checkpoint's
     dtype, raw log-probs, lmcollect's worker extension for weight pushes) and the control-endpoint
-    guard (``--middleware``, :class:`~lmcollect.policies.vllm_control.ControlEndpointGuard`; it
+    guard (``--middleware``, :class:`~lmcollect.engines.served.control.ControlEndpointGuard`; it
     reads its token from the environment, never from this command line), then ``serve_args``,
     which win over them (argparse keeps the last value).
     """
@@ -103,7 +103,7 @@ def control_settings_for(
 def launch_refusal(url: str, launch_secret: str, *, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
     """Why the server answering at ``url`` is not the one started with ``launch_secret``, or None when
     it proved it is: it must answer a fresh random challenge at ``/lmcollect/identity`` with
-    :func:`~lmcollect.policies.control_checks.launch_proof`. Nothing else is sent (no token)."""
+    :func:`~lmcollect.engines.served.control_checks.launch_proof`. Nothing else is sent (no token)."""
     challenge = secrets.token_hex(32)
     try:
         answer = request_json("GET", f"{url}{IDENTITY_PATH}?challenge={challenge}", timeout_s=timeout_s)

@@ -1,6 +1,6 @@
 """A guard for a served vLLM's control endpoints: a token on every request outside the public API, and pause leases.
 
-``vllm serve --middleware lmcollect.policies.vllm_control.ControlEndpointGuard`` wraps the server's
+``vllm serve --middleware lmcollect.engines.served.control.ControlEndpointGuard`` wraps the server's
 ASGI app in :class:`ControlEndpointGuard` (vLLM builds it as ``ControlEndpointGuard(app)``):
 
 - Public paths (:data:`PUBLIC_PREFIXES`, :data:`PUBLIC_PATHS`: the OpenAI API under ``/v1``,
@@ -17,9 +17,9 @@ ASGI app in :class:`ControlEndpointGuard` (vLLM builds it as ``ControlEndpointGu
 - A control request that a browser marked as cross-site (``Origin`` of another site,
   ``Sec-Fetch-Site`` other than ``same-origin``/``none``) is refused with 403, token or not; without
   a token its ``Host`` must also name the server's bound address and port (a page's own name after
-  a DNS rebinding is refused). See :mod:`lmcollect.policies.control_checks`.
+  a DNS rebinding is refused). See :mod:`lmcollect.engines.served.control_checks`.
 - ``GET /lmcollect/identity?challenge=<hex>`` answers ``{"proof": HMAC(launch secret, challenge)}``
-  (:func:`~lmcollect.policies.control_checks.launch_proof`) when the launcher gave the server a
+  (:func:`~lmcollect.engines.served.control_checks.launch_proof`) when the launcher gave the server a
   launch secret: the launcher asks it before it sends the token or a prompt, so a process that
   took the port first is never trusted. Anyone may ask (the proof reveals neither secret).
 
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs
 
-from lmcollect.policies.control_checks import (
+from lmcollect.engines.served.control_checks import (
     browser_refusal,
     check_challenge,
     header_value,
@@ -60,7 +60,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-GUARD_PATH = "lmcollect.policies.vllm_control.ControlEndpointGuard"
+GUARD_PATH = "lmcollect.engines.served.control.ControlEndpointGuard"
 """What ``vllm serve --middleware`` takes to install the guard."""
 CONTROL_TOKEN_ENV = "LMCOLLECT_CONTROL_TOKEN"
 PAUSE_LEASE_ENV = "LMCOLLECT_PAUSE_LEASE_S"
@@ -373,7 +373,7 @@ class ControlEndpointGuard:
         return None
 
     def browser_refusal(self, scope: Scope) -> str | None:
-        """Why a browser sent this request for another site (see :mod:`lmcollect.policies.control_checks`), or None.
+        """Why a browser sent this request for another site (see :mod:`lmcollect.engines.served.control_checks`), or None.
 
         Without a token, the ``Host`` must also name the address and port the server is bound to:
         then a DNS-rebound page, whose requests are same-origin to the browser, is refused too. With
