@@ -45,7 +45,15 @@ from lmcollect.cli.builders import resolve_model_path
 from lmcollect.cli.configs import DemoConfig, UsageError
 from lmcollect.cli.progress import training_progress
 from lmcollect.cli.quiet import LIBRARY_LOG, library_logs
-from lmcollect.cli.report import PLOT_FILE, make_run_dir, plot_training, summary_table, write_summary
+from lmcollect.cli.report import (
+    PLOT_FILE,
+    make_run_dir,
+    mean_of,
+    plot_training,
+    run_summary,
+    summary_table,
+    write_summary,
+)
 from lmcollect.collectors import ContinuousLLMCollector
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
@@ -264,19 +272,15 @@ class AgentDemoRun:
     def _summary(self, plotted: bool) -> dict[str, Any]:
         records = self.metrics.records
         return {
-            "command": "demo",
-            "task": AGENT_TASK,
-            "model": str(self.model_path),
-            "interrupted": self.interrupted,
-            "steps": len(records),
-            "policy_version": self.version,
-            "reward": self.rewards,
-            "train_reward": {
-                "first_10_steps": _mean(records[:10], "reward/mean"),
-                "last_10_steps": _mean(records[-10:], "reward/mean"),
-            },
-            "turns_collected": records[-1]["collect/turns"] if records else 0,
-            "weight_push_s": _mean(records, "timing/weight_sync/push_s"),
+            **run_summary(
+                task=AGENT_TASK,
+                model=str(self.model_path),
+                interrupted=self.interrupted,
+                records=records,
+                version=self.version,
+                rewards=self.rewards,
+            ),
+            "weight_push_s": mean_of(records, "timing/weight_sync/push_s"),
             "agents": self.agents,
             "timings_s": self.timings_s,
             "files": {"metrics": METRICS_FILE, "plot": PLOT_FILE if plotted else None},
@@ -303,10 +307,6 @@ def _timed(into: dict[str, float], name: str) -> Iterator[None]:
 class _NoProgress:
     def update(self, record: dict[str, Any]) -> None:
         logger.debug("step %d: %s", record["step"], record)
-
-
-def _mean(records: list[dict[str, Any]], key: str) -> float | None:
-    return sum(r[key] for r in records) / len(records) if records else None
 
 
 def _fmt(value: float | None, spec: str = ".3f") -> str:

@@ -59,7 +59,9 @@ from lmcollect.cli.report import (
     ROLLOUT_REPORT_FILE,
     decoded_turn_records,
     make_run_dir,
+    mean_of,
     plot_training,
+    run_summary,
     sampling_rows,
     summary_table,
     write_summary,
@@ -484,25 +486,21 @@ class DemoRun:
     def _summary(self, collectors: list[dict[str, Any]]) -> dict[str, Any]:
         records = self.metrics.records
         return {
-            "command": "demo",
-            "task": self.task.name,
-            "model": str(self.model_path),
-            "interrupted": self.interrupted,
-            "steps": len(records),
-            "policy_version": self.version,
-            "reward": self.rewards,
-            "train_reward": {
-                "first_10_steps": _mean(records[:10], "reward/mean"),
-                "last_10_steps": _mean(records[-10:], "reward/mean"),
-            },
-            "turns_collected": records[-1]["collect/turns"] if records else 0,
-            "turns_per_s": _mean(records, "collect/turns_per_s"),
+            **run_summary(
+                task=self.task.name,
+                model=str(self.model_path),
+                interrupted=self.interrupted,
+                records=records,
+                version=self.version,
+                rewards=self.rewards,
+            ),
+            "turns_per_s": mean_of(records, "collect/turns_per_s"),
             "weight_push_s": {
-                "mean": _mean(records, "timing/weight_sync/push_s"),
+                "mean": mean_of(records, "timing/weight_sync/push_s"),
                 "max": _max(records, "timing/weight_sync/push_s"),
             },
             "weight_push_bytes": _push_bytes(self.pushes),
-            "staleness": {"mean": _mean(records, "staleness/mean"), "max": _max(records, "staleness/max")},
+            "staleness": {"mean": mean_of(records, "staleness/mean"), "max": _max(records, "staleness/max")},
             "push_cost": _push_cost(self.push_costs),
             "dynamic_sampling": self._sampling_summary(records),
             "timings_s": self.timings_s,
@@ -601,11 +599,7 @@ def _sampling_counts_or(group: RayCollectorGroup, last: SamplingCounts | None) -
 
 def _mean_where(records: list[dict[str, Any]], key: str) -> float | None:
     """The mean of ``key`` over the records that have it (a step in which no group was judged has none)."""
-    return _mean([r for r in records if key in r], key)
-
-
-def _mean(records: list[dict[str, Any]], key: str) -> float | None:
-    return sum(r[key] for r in records) / len(records) if records else None
+    return mean_of([r for r in records if key in r], key)
 
 
 def _max(records: list[dict[str, Any]], key: str) -> float | None:

@@ -35,6 +35,31 @@ def make_run_dir(output_dir: str | Path, prefix: str) -> Path:
             path = base.with_name(f"{base.name}-{n}")
 
 
+def mean_of(records: Sequence[Mapping[str, Any]], key: str) -> float | None:
+    """The mean of ``key`` over ``records`` (None when there are none)."""
+    return sum(r[key] for r in records) / len(records) if records else None
+
+
+def run_summary(
+    *, task: str, model: str, interrupted: bool, records: Sequence[Mapping[str, Any]], version: int, rewards: Any
+) -> dict[str, Any]:
+    """What every demo's ``summary.json`` opens with: the run, its steps and its rewards."""
+    return {
+        "command": "demo",
+        "task": task,
+        "model": model,
+        "interrupted": interrupted,
+        "steps": len(records),
+        "policy_version": version,
+        "reward": rewards,
+        "train_reward": {
+            "first_10_steps": mean_of(records[:10], "reward/mean"),
+            "last_10_steps": mean_of(records[-10:], "reward/mean"),
+        },
+        "turns_collected": records[-1]["collect/turns"] if records else 0,
+    }
+
+
 def write_summary(run_dir: Path, summary: Mapping[str, Any]) -> Path:
     path = run_dir / SUMMARY_FILE
     write_text_atomically(path, json.dumps(summary, indent=2, default=str) + "\n")
