@@ -20,7 +20,7 @@ import pytest
 
 from lmcollect.engines import EngineRequest
 from lmcollect.engines.sampling import SamplingConfig
-from lmcollect.policies import vllm_launcher
+from lmcollect.engines.served import launcher as vllm_launcher
 from lmcollect.engines.served.control import (
     CONTROL_TOKEN_ENV,
     CONTROL_TOKEN_HEADER,

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from lmcollect.policies import vllm_control, vllm_launcher
+from lmcollect.engines.served import control as vllm_control, launcher as vllm_launcher
 from lmcollect.engines.served.control_checks import launch_proof
 from lmcollect.engines.served.control import CONTROL_TOKEN_HEADER, IDENTITY_PATH, ControlEndpointGuard
 from lmcollect.engines.served.launcher import launch_refusal
