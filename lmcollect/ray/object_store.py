@@ -9,7 +9,7 @@ import ray
 from lmcollect.ray.bounded import get_within
 from lmcollect.transports.base import WeightReceiver, WeightSender
 from lmcollect.weights.buckets import view_buckets
-from lmcollect.weights.tensors import WeightDict, to_weight_dict
+from lmcollect.weights.tensors import WeightDict, non_finite_problems, raise_if_problems, to_weight_dict
 
 
 class WeightMailbox:
@@ -46,16 +46,28 @@ class RayObjectStoreSender(WeightSender):
         actor_options: options of the mailbox actor (default: no CPU reserved).
         call_timeout_s: longest a call into the mailbox waits (a hung mailbox raises
             :class:`~lmcollect.ray.bounded.CallTimeoutError` naming this knob).
+        allow_non_finite: publish weights holding NaN or infinite values; False (the default):
+            such a push is refused before anything is put (receivers load what comes as checked here).
     """
 
-    def __init__(self, *, actor_options: dict[str, Any] | None = None, call_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        *,
+        actor_options: dict[str, Any] | None = None,
+        call_timeout_s: float = 60.0,
+        allow_non_finite: bool = False,
+    ) -> None:
         options = {"num_cpus": 0, **(actor_options or {})}
         self._mailbox = ray.remote(**options)(WeightMailbox).remote()
         self._version = 0
         self.call_timeout_s = call_timeout_s
+        self.allow_non_finite = allow_non_finite
 
     def send(self, weights: object) -> None:
-        ref = ray.put(view_buckets(to_weight_dict(weights)).to_numpy())
+        weights = to_weight_dict(weights)
+        if not self.allow_non_finite:
+            raise_if_problems(non_finite_problems(weights), where=" before publishing (or allow_non_finite=True)")
+        ref = ray.put(view_buckets(weights).to_numpy())
         self._version += 1
         get_within(
             self._mailbox.publish.remote(self._version, [ref]),

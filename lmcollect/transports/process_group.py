@@ -9,7 +9,7 @@ import os
 import secrets
 import socket
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -187,6 +187,7 @@ class ProcessGroupSender(WeightSender):
         self._group: Any = None
         self._receiver_metadata: list[tuple[dict, dict]] = []
         self._num_pushes = 0
+        self._last_version = 0  # the index of the last push's version (the next one counts up from it)
         self._out: list[torch.Tensor] | None = None  # packing buffers reused by the next full push
         self._sent: list[torch.Tensor] = []  # the buffers of the last full push (checksums, sizes)
         self._digest_key = derive_key(self._secret, _DIGEST_PURPOSE)
@@ -243,6 +244,9 @@ class ProcessGroupSender(WeightSender):
         self._receiver_metadata = [
             metadata_from_json(self._store.get(f"meta/{rank}")) for rank in range(1, self.config.num_receivers + 1)
         ]  # signed by the receivers: a forged "meta/" value raises here
+        # count up from the newest version a receiver's collector holds: a new sender's pushes are not stale
+        held = [int(self._store.get(f"held/{rank}")) for rank in range(1, self.config.num_receivers + 1)]
+        self._last_version = max(self._last_version, *held)
         logger.info("process group formed: %d receiver(s), backend %s", self.config.num_receivers, self.backend)
 
     def prepare(self, weights: object) -> PreparedPush:
@@ -267,11 +271,13 @@ class ProcessGroupSender(WeightSender):
         return prepared
 
     def send(self, weights: object, *, version: PushVersion | None = None) -> None:
-        """Push ``weights`` (the weights, or what :meth:`prepare` returned) as ``version`` (None: the push count).
+        """Push ``weights`` (the weights, or what :meth:`prepare` returned) as ``version`` (None: one
+        above the last push's). Receivers refuse a version older than the one their collector holds.
 
         A delta that a receiver refuses is followed by a full push within this call."""
         prepared = weights if isinstance(weights, PreparedPush) else self.prepare(weights)
-        version = version if version is not None else PushVersion(self._num_pushes + 1)
+        version = version if version is not None else PushVersion(self._last_version + 1)
+        self._last_version = version.index
         refused: list[int] = []
         if prepared.encoded is not None:
             refused = self._send_delta(prepared.encoded, version)
@@ -486,6 +492,8 @@ class ProcessGroupReceiver(WeightReceiver):
         self._store = GroupStore(tcp_store, self._info["secret"])
         self._expected = self.context.weight_metadata(self.model_id or "policy")
         self._store.set(f"meta/{self._rank}", metadata_to_json(*self._expected))
+        version_index = getattr(self.context, "version_index", None)  # the collector's; a vLLM worker has none
+        self._store.set(f"held/{self._rank}", str(int(version_index()) if callable(version_index) else 0))
         self._group = _make_group(
             self._info["backend"], self._store, self._rank, self._info["world_size"], timeout,
             toward=self._info["master_address"],
@@ -515,6 +523,16 @@ class ProcessGroupReceiver(WeightReceiver):
         if refused_delta is not None:
             self.last_receive_info["after_refused_delta"] = refused_delta
         return self._weights()
+
+    def receive_into(self, apply: Callable[..., None], *, timeout_s: float | None = None) -> bool:
+        """Receive and hand the weights to ``apply`` (the collector's loader) with the version the
+        sender gave the push (``version=``): the collector takes it, and refuses (changing nothing)
+        a push older than the weights it holds. False if none came."""
+        weights = self.receive(timeout_s=timeout_s)
+        if weights is None:
+            return False
+        apply(weights, version=self._held)
+        return True
 
     def _joined(self) -> tuple[dict[str, Any], GroupStore]:
         """The sender's connection info and the group's store (both set by :meth:`connect`)."""

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from lmcollect.transports.base import WeightReceiver, WeightSender
 from lmcollect.weights.buckets import WeightBuckets, pack_buckets
-from lmcollect.weights.tensors import WeightDict, to_weight_dict
+from lmcollect.weights.tensors import WeightDict, non_finite_problems, raise_if_problems, to_weight_dict
 
 
 class SharedMemorySender(WeightSender):
@@ -27,10 +27,14 @@ class SharedMemorySender(WeightSender):
 
     Args:
         bucket_size_bytes: largest flat buffer (None: one buffer per dtype).
+        allow_non_finite: publish weights holding NaN or infinite values; False (the default):
+            such a push is refused before anything is published (receivers load what comes as
+            checked here).
     """
 
-    def __init__(self, *, bucket_size_bytes: int | None = None) -> None:
+    def __init__(self, *, bucket_size_bytes: int | None = None, allow_non_finite: bool = False) -> None:
         self.bucket_size_bytes = bucket_size_bytes
+        self.allow_non_finite = allow_non_finite
         self._cond = threading.Condition()
         self._buckets: WeightBuckets | None = None
         self._version = 0
@@ -42,6 +46,8 @@ class SharedMemorySender(WeightSender):
 
     def send(self, weights: object) -> None:
         weights = to_weight_dict(weights)
+        if not self.allow_non_finite:
+            raise_if_problems(non_finite_problems(weights), where=" before publishing (or allow_non_finite=True)")
         with self._cond:
             out = self._buckets.buffers if self._buckets is not None else None
             self._buckets = pack_buckets(weights, bucket_size_bytes=self.bucket_size_bytes, out=out, device="cpu")

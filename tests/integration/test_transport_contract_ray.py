@@ -1,0 +1,71 @@
+"""The transport contract (tests/transport_contract.py) for the Ray object store pair:
+``RayObjectStoreSender`` (its mailbox actor) -> ``RayObjectStoreReceiver`` registered with a
+collector over the tiny transformers model. The receiver and its collector run in this process (the
+bytes still go through the object store and the mailbox actor); the checks share one sender, so the
+module starts two mailbox actors in all (the dead-peer check kills its own)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lmcollect.ray.object_store import RayObjectStoreSender
+from tests.transport_contract import CHECKS, TransportPair, tiny_collector
+
+pytestmark = pytest.mark.integration
+
+CALL_TIMEOUT_S = 10.0  # the receiver's bound on each call into Ray
+
+
+class RayObjectStorePair(TransportPair):
+    """A ``RayObjectStoreSender`` and one receiver of it, registered with a fresh collector (the
+    sender's mailbox actor is the peer that can die)."""
+
+    supports = frozenset({"dead_peer"})  # no delta, adapter or version: the sender publishes full snapshots
+    bound_s = CALL_TIMEOUT_S + 5.0
+
+    def __init__(self, model_path: Path, sender: RayObjectStoreSender) -> None:
+        super().__init__(tiny_collector(model_path))
+        self.sender = sender
+        receiver = sender.make_receiver(call_timeout_s=CALL_TIMEOUT_S)
+        self.collector.register_scheme_receiver({"policy": receiver}, synchronize_weights=False)
+
+    def push(self, weights: Any, *, version: int | None = None) -> None:
+        self.sender.send(weights, **({} if version is None else {"version": version}))
+        self.collector.receive_weights()
+
+    def last_kind(self) -> str:
+        return "full"  # every push is the whole snapshot
+
+    def kill_peer(self) -> None:
+        self.sender.close()  # kills the mailbox actor
+
+    def call_after_peer_died(self) -> None:
+        self.collector.receive_weights()
+
+    def close(self) -> None:
+        self.collector.shutdown()
+        self.collector.policy.close()
+
+
+@pytest.fixture(scope="module")
+def shared_sender(ray_cluster) -> Iterator[RayObjectStoreSender]:
+    sender = RayObjectStoreSender(call_timeout_s=CALL_TIMEOUT_S)
+    yield sender
+    sender.close()
+
+
+@pytest.mark.parametrize("check", list(CHECKS))
+def test_transport_contract(check: str, tiny_model_path: Path, shared_sender: RayObjectStoreSender) -> None:
+    own = check == "dead_peer"  # it kills the sender's mailbox
+    sender = RayObjectStoreSender(call_timeout_s=CALL_TIMEOUT_S) if own else shared_sender
+    pair = RayObjectStorePair(tiny_model_path, sender)
+    try:
+        CHECKS[check](pair)
+    finally:
+        pair.close()
+        if own:
+            sender.close()
