@@ -37,6 +37,11 @@ class HoldingReceiverExtension(VLLMWeightReceiverExtension):
 
         handle = model.register_forward_hook(hook)
 
+    def base_buffer_addresses(self) -> list[int]:
+        """Where the bytes of the base this worker keeps (its last full push) start, one per buffer."""
+        base = self._lmcollect_base or {}
+        return sorted({tensor.untyped_storage().data_ptr() for tensor in base.values() if tensor.numel()})
+
 
 @contextlib.contextmanager
 def held_step(engine: Any, step: int, folder: Path, hold_s: float = HOLD_S) -> Iterator[threading.Event]:

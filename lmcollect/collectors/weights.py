@@ -25,6 +25,7 @@ from lmcollect.engines.protocol import (
 )
 from lmcollect.engines.weight_group import GroupPush, join_weight_group, weight_receiver_nodes
 from lmcollect.weight_sync.base import resolve_updater
+from lmcollect.weights.buckets import WeightBuckets
 from lmcollect.weights.delta import DeltaRejectedError, WeightDelta, check_delta_base, prepare_delta
 from lmcollect.weights.lora import LoraAdapter, check_adapter, check_merge, is_lora_source, lora_adapter
 from lmcollect.weights.tensors import (
@@ -285,6 +286,10 @@ class WeightReceiverMixin(HoldsWeightUpdater):
 
         ``weights`` may be a :class:`~lmcollect.engines.weight_group.GroupPush` (a ``vLLMUpdater``
         push): the engine's workers receive the trainer's broadcast inside the engine's load.
+
+        ``weights`` may be :class:`~lmcollect.weights.buckets.WeightBuckets` (what a Ray push
+        carries): an engine gets them as they are, not packed again (a ``VLLMEngine`` keeps their
+        buffers as its workers' base: do not write into them after the push).
         """
         given = [x for x in (policy_or_weights, weights, policy) if x is not None]
         if len(given) > 1:
@@ -423,8 +428,10 @@ class WeightReceiverMixin(HoldsWeightUpdater):
         version: PushVersion | None,
         allow_non_finite: bool,
     ) -> Any:
-        """What ``engine.load_weights`` takes for ``weights``: a process-group push, a LoRA adapter or
-        a delta as they are, tensors cast to the engine's dtypes with ``convert_dtype``."""
+        """What ``engine.load_weights`` takes for ``weights``: a process-group push, a LoRA adapter,
+        a delta or a sender's :class:`~lmcollect.weights.buckets.WeightBuckets` as they are (buckets
+        unless ``convert_dtype`` must cast them), other tensors cast to the engine's dtypes with
+        ``convert_dtype``. NaN/Inf are refused here, read through views of the buckets' bytes."""
         if isinstance(weights, GroupPush):
             if not isinstance(engine, WorkerRpcEngine):
                 raise TypeError(_NO_GROUP_ENGINE.format(policy=type(self.policy).__name__))
@@ -437,12 +444,16 @@ class WeightReceiverMixin(HoldsWeightUpdater):
                 raise TypeError("a delta push needs the version it brings (version=PushVersion(...)).")
             check_delta_base(weights, self._held_push)
             return weights
-        weights = to_weight_dict(weights)
+        buckets = weights if isinstance(weights, WeightBuckets) else None
+        weights = to_weight_dict(weights)  # of buckets: views of their bytes
         if convert_dtype:  # cast here to what the engine holds: every engine then checks dtypes strictly
-            weights = cast_to_held(weights, *engine.weight_metadata())
+            cast = cast_to_held(weights, *engine.weight_metadata())
+            if any(cast[name] is not tensor for name, tensor in weights.items()):
+                buckets, weights = None, cast  # new tensors: the engine packs them (once)
         if not allow_non_finite:
             refuse_non_finite(weights)  # the values as the engine will hold them
-        return weights.items()
+        # a sender's buckets go on as they are: the engine checks their layout and reads their bytes
+        return buckets if buckets is not None else weights.items()
 
     def _check_loadable(
         self, weights: Any, *, convert_dtype: bool, allow_non_finite: bool, engine: EngineProtocol | None = None

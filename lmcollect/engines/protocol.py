@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import torch
 
 from lmcollect.engines.sampling import SamplingConfig
+from lmcollect.weights.buckets import WeightBuckets
 from lmcollect.weights.delta import DeltaRejectedError, WeightDelta
 from lmcollect.weights.lora import LoraAdapter
 
@@ -162,12 +163,19 @@ class EngineProtocol(Protocol):
         ...
 
     def load_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | LoraAdapter | WeightDelta, *, version: int
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | WeightBuckets | LoraAdapter | WeightDelta,
+        *,
+        version: int,
     ) -> list[Any] | None:
         """Load weights (all names and shapes checked before any is written) and take ``version``.
 
         A successful load also forgets the cached prefixes (computed with the old weights): callers
         need not call :meth:`reset_prefix_cache` after it.
+
+        Every engine also takes a sender's :class:`~lmcollect.weights.buckets.WeightBuckets` (a
+        layout and its byte buffers) and reads them as they are, through views: a push is packed
+        once, by its sender (an engine with worker processes hands the buffers on to them).
 
         Returns None (a :class:`WorkerRpcEngine` returns its workers' reports for a ``GroupPush``).
 

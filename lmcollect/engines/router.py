@@ -13,6 +13,7 @@ import torch
 from lmcollect.engines.kv_policy import KVPolicy, PushCost, check_kv_policy, configure_kv_policy, push_costs_of
 from lmcollect.engines.protocol import EngineClosedError, EngineProtocol, EngineRequest, EngineResult, WorkerRpcEngine
 from lmcollect.engines.weight_group import GroupPush
+from lmcollect.weights.buckets import WeightBuckets
 from lmcollect.weights.delta import WeightDelta
 from lmcollect.weights.lora import LoraAdapter
 
@@ -106,7 +107,10 @@ class EngineRouter:
         self._on_every(lambda engine: engine.resume())
 
     def load_weights(
-        self, source: Iterable[tuple[str, torch.Tensor]] | GroupPush | LoraAdapter | WeightDelta, *, version: int
+        self,
+        source: Iterable[tuple[str, torch.Tensor]] | WeightBuckets | GroupPush | LoraAdapter | WeightDelta,
+        *,
+        version: int,
     ) -> list[Any] | None:
         """Load the same weights into every replica (each checks them before writing any).
 
@@ -117,8 +121,10 @@ class EngineRouter:
         """
         if isinstance(source, GroupPush):
             return self._load_group_push(source, version)
-        # every replica reads them: an adapter or a delta as it is, tensors as a list
-        weights = source if isinstance(source, (LoraAdapter, WeightDelta)) else list(dict(source).items())
+        # every replica reads them: an adapter, a delta or buckets as they are, tensors as a list
+        weights = (
+            source if isinstance(source, (LoraAdapter, WeightDelta, WeightBuckets)) else list(dict(source).items())
+        )
         errors = self._on_every(lambda engine: engine.load_weights(weights, version=version), raise_first=False)
         failures = {i: error for i, error in enumerate(errors) if error is not None}
         if not failures:

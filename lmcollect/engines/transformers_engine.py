@@ -29,6 +29,7 @@ from lmcollect.engines.protocol import (
 from lmcollect.engines.running_request import RunningRequest
 from lmcollect.engines.sampling import eos_token_ids
 from lmcollect.plumbing import forwarded
+from lmcollect.weights.buckets import WeightBuckets
 from lmcollect.weights.delta import WeightDelta, prepare_delta
 from lmcollect.weights.kept_base import KeptBase
 from lmcollect.weights.lora import LoraAdapter, check_adapter
@@ -200,7 +201,7 @@ class TransformersEngine:
 
     def load_weights(
         self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]] | LoraAdapter | WeightDelta,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | WeightBuckets | LoraAdapter | WeightDelta,
         *,
         version: int,
         convert_dtype: bool = False,
@@ -223,8 +224,13 @@ class TransformersEngine:
         copy of the weights) between two steps: checked first (base version, names, dtypes,
         positions), its checksums verified after writing, and undone on a mismatch, so a refused
         delta (:class:`~lmcollect.weights.delta.DeltaRejectedError`) changes nothing.
+
+        A sender's :class:`~lmcollect.weights.buckets.WeightBuckets` are copied into the model
+        straight from views of their bytes (no other copy).
         """
         _check_int("version", version, minimum=-1, hint="the pushed weights' version")
+        if isinstance(named_tensors, WeightBuckets):
+            named_tensors = named_tensors.tensors().items()
         if isinstance(named_tensors, WeightDelta):
             self._load_delta(named_tensors, version)
             return

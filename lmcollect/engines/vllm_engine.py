@@ -21,6 +21,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import numpy as np
 import torch
 
 from lmcollect.engines.kv_policy import KVPolicy, PushCost, check_kv_policy
@@ -57,10 +58,19 @@ from lmcollect.engines.vllm_worker_ext import (
 )
 from lmcollect.engines.weight_group import RECEIVE_METHOD, GroupPush
 from lmcollect.plumbing import forwarded
-from lmcollect.weights.buckets import LOAD_PACKED_WEIGHTS, layout_to_json, pack_buckets, packed_weights, plan_layout
+from lmcollect.weights.buckets import (
+    LOAD_PACKED_WEIGHTS,
+    WeightBuckets,
+    bucket_problems,
+    byte_views,
+    layout_to_json,
+    pack_buckets,
+    packed_weights,
+    plan_layout,
+)
 from lmcollect.weights.delta import DeltaRejectedError, WeightDelta
 from lmcollect.weights.lora import LoraAdapter, check_adapter
-from lmcollect.weights.tensors import check_weights
+from lmcollect.weights.tensors import check_weights, raise_if_problems, weight_problems
 
 if TYPE_CHECKING:  # vllm is an optional extra and slow to import; the engine imports it when built
     from vllm import SamplingParams
@@ -194,13 +204,21 @@ class VLLMEngine(QueuedAndRunning):
         self._between_steps(lambda: setattr(self, "_paused", False))
 
     def load_weights(
-        self, source: Iterable[tuple[str, torch.Tensor]] | GroupPush | LoraAdapter | WeightDelta, *, version: int
+        self,
+        source: Iterable[tuple[str, torch.Tensor]] | WeightBuckets | GroupPush | LoraAdapter | WeightDelta,
+        *,
+        version: int,
     ) -> list[Any] | None:
         """Check every name, shape and dtype, then reload the weights in every worker and take ``version``.
 
         Names are the checkpoint's (Hugging Face) names; a tied output embedding may be sent or
         left out. A refused load raises ``ValueError`` and changes nothing. The load runs between
         two decoding steps, paused or not; running requests are recomputed under the new weights.
+
+        ``source`` a :class:`~lmcollect.weights.buckets.WeightBuckets` (what a sender packed, e.g.
+        a Ray push's object): its layout is checked, then an in-process worker reloads straight
+        from its buffers, which it keeps as its base (do not write into them afterwards); workers
+        in other processes get them copied as they are into the shared pack set. Not packed again.
 
         ``source`` a :class:`~lmcollect.engines.weight_group.GroupPush`: the workers receive the
         weights from the trainer's process group (joined before) and reload them, inside the same
@@ -213,21 +231,36 @@ class VLLMEngine(QueuedAndRunning):
             return self._load_adapter(source, version)
         if isinstance(source, WeightDelta):
             return self._load_delta(source, version)
+        if isinstance(source, WeightBuckets):
+            problems = bucket_problems(source) or weight_problems(
+                source.layout.metadata(), self._metadata, aliases=self._aliases
+            )
+            raise_if_problems(problems, where=" by VLLMEngine.load_weights")  # before anything is sent or written
+            with self._full_load:
+                method, payload = self._passed_on(source)
+                self._load_full(method, payload, version, into_spare=method == LOAD_SHARED_WEIGHTS)
+            return None
         weights = dict(source)
         check_weights(weights, self._metadata, aliases=self._aliases)  # before anything is sent or written
         with self._full_load:
             method, payload = self._packed(weights)
-
-            def load() -> None:
-                refuse_stale_push(version, self._version, "VLLMEngine")  # here: loads run one at a time
-                started = time.perf_counter()
-                self._llm.collective_rpc(method, args=payload)
-                self._took_base()
-                self._take_version(version, started)
-
-            self._between_steps(load)
-            self._spare ^= 1  # the worker's base is now this set: the next push packs into the other
+            self._load_full(method, payload, version, into_spare=True)
         return None
+
+    def _load_full(self, method: str, payload: tuple[str, Any], version: int, *, into_spare: bool) -> None:
+        """Every worker reloads ``payload`` with ``method`` between two steps (under ``_full_load``).
+        ``into_spare``: the payload is in the spare pack set, which becomes the workers' base."""
+
+        def load() -> None:
+            refuse_stale_push(version, self._version, "VLLMEngine")  # here: loads run one at a time
+            started = time.perf_counter()
+            self._llm.collective_rpc(method, args=payload)
+            self._took_base()
+            self._take_version(version, started)
+
+        self._between_steps(load)
+        if into_spare:
+            self._spare ^= 1  # the worker's base is now this set: the next push packs into the other
 
     def _packed(self, weights: dict[str, torch.Tensor]) -> tuple[str, tuple[str, Any]]:
         """``weights`` packed into the spare one of two sets of buffers, kept from push to push, and
@@ -247,6 +280,18 @@ class VLLMEngine(QueuedAndRunning):
         buckets = pack_buckets(weights, layout=layout, device="cpu", out=spare or None)
         self._pack_sets[self._spare] = buckets.buffers
         return LOAD_PACKED_WEIGHTS, (layout_to_json(layout), [buffer.numpy().data for buffer in buckets.buffers])
+
+    def _passed_on(self, buckets: WeightBuckets) -> tuple[str, tuple[str, Any]]:
+        """The worker call that reloads a sender's ``buckets`` (checked) as they are: an in-process
+        worker reads their buffers themselves; workers in other processes read a copy of each buffer,
+        byte for byte, in the spare shared pack set (the RPC would serialise the bytes; see :meth:`_packed`)."""
+        layout_json = layout_to_json(buckets.layout)
+        if self._shared_sets is None:
+            return LOAD_PACKED_WEIGHTS, (layout_json, byte_views(buckets))
+        out, where = self._shared_sets.buffers(self._spare, buckets.layout.buffer_nbytes)
+        for target, buffer in zip(out, byte_views(buckets), strict=True):
+            target.numpy()[:] = np.frombuffer(buffer, dtype=np.uint8, count=target.numel())
+        return LOAD_SHARED_WEIGHTS, (layout_json, where.as_args())
 
     loads_lora_adapters = True  # load_weights takes a LoraAdapter (merged in the workers)
 

@@ -31,7 +31,7 @@ from lmcollect.collectors.weights import HoldsWeightUpdater
 from lmcollect.engines.kv_policy import PushCost
 from lmcollect.plumbing import ShutsDownOnExit
 from lmcollect.ray.cluster import actor_options, init_ray, torch_threads_for, with_thread_env
-from lmcollect.weights.buckets import view_buckets
+from lmcollect.weights.buckets import WeightBuckets, view_buckets
 from lmcollect.weights.lora import is_lora_source, lora_adapter
 from lmcollect.weights.tensors import to_weight_dict
 from lmcollect.weights.version import PushVersion
@@ -628,6 +628,8 @@ def _put_weights(source: Any) -> ray.ObjectRef:
     # Tensors' bytes go into one object-store object (a single copy); the actor maps it zero-copy.
     if is_lora_source(source):  # a LoRA adapter travels as itself (its tensors only)
         return ray.put(lora_adapter(source).to("cpu"))
+    if isinstance(source, WeightBuckets):  # packed already: its buffers go as they are
+        return ray.put(source.to_numpy())
     return ray.put(view_buckets(to_weight_dict(source)).to_numpy())
 
 

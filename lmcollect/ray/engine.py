@@ -36,6 +36,7 @@ from lmcollect.engines.weight_group import GroupPush
 from lmcollect.plumbing import forwarded
 from lmcollect.ray.bounded import DEFAULT_CALL_TIMEOUT_S, get_within
 from lmcollect.ray.cluster import actor_options, init_ray
+from lmcollect.weights.buckets import WeightBuckets
 from lmcollect.weights.delta import WeightDelta
 from lmcollect.weights.lora import LoraAdapter
 
@@ -64,13 +65,15 @@ class _EngineHost:
         return push_costs_of(self.engine)
 
     async def load_weights(
-        self, source: dict[str, torch.Tensor] | GroupPush | LoraAdapter | WeightDelta, version: int
+        self, source: dict[str, torch.Tensor] | WeightBuckets | GroupPush | LoraAdapter | WeightDelta, version: int
     ) -> list[Any] | None:
         if isinstance(source, GroupPush):  # the engine's workers receive the broadcast
             engine = _worker_rpc_engine(self.engine)
             return await asyncio.to_thread(engine.load_weights, source, version=version)
         if isinstance(source, (LoraAdapter, WeightDelta)):
             check_engine_loads(self.engine, source)
+            return await asyncio.to_thread(self.engine.load_weights, source, version=version)
+        if isinstance(source, WeightBuckets):  # mapped from the object store: the engine reads them as they are
             return await asyncio.to_thread(self.engine.load_weights, source, version=version)
         return await asyncio.to_thread(self.engine.load_weights, source.items(), version=version)
 
@@ -163,10 +166,18 @@ class RayEngine:
     loads_weight_deltas = True
 
     def load_weights(
-        self, source: Iterable[tuple[str, torch.Tensor]] | GroupPush | LoraAdapter | WeightDelta, *, version: int
+        self,
+        source: Iterable[tuple[str, torch.Tensor]] | WeightBuckets | GroupPush | LoraAdapter | WeightDelta,
+        *,
+        version: int,
     ) -> list[Any] | None:
-        # weights: one object-store copy, checked by the engine before it writes
-        payload = source if isinstance(source, (GroupPush, LoraAdapter, WeightDelta)) else dict(source)
+        # weights: one object-store copy, checked by the engine before it writes (buckets as numpy
+        # buffers, which the actor maps without another copy)
+        payload: Any
+        if isinstance(source, WeightBuckets):
+            payload = source.to_numpy()
+        else:
+            payload = source if isinstance(source, (GroupPush, LoraAdapter, WeightDelta)) else dict(source)
         wait_s = max(self.call_timeout_s, source.timeout_s or 0.0) if isinstance(source, GroupPush) else None
         reports = self._get(self._actor.load_weights.remote(payload, version), "load_weights", timeout_s=wait_s)
         self._version = version

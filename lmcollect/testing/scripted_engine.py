@@ -23,6 +23,7 @@ from lmcollect.data.history import History
 from lmcollect.engines.loop_queue import QueuedAndRunning
 from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult, refuse_stale_push
 from lmcollect.plumbing import forwarded
+from lmcollect.weights.buckets import WeightBuckets
 from lmcollect.weights.delta import WeightDelta
 from lmcollect.weights.lora import LoraAdapter
 from lmcollect.weights.tensors import expected_metadata
@@ -185,13 +186,16 @@ class ScriptedEngine(QueuedAndRunning):
             self._wake.notify_all()
 
     def load_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]] | LoraAdapter | WeightDelta, *, version: int
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | WeightBuckets | LoraAdapter | WeightDelta,
+        *,
+        version: int,
     ) -> None:
         if isinstance(named_tensors, LoraAdapter):
             raise TypeError("ScriptedEngine has no linear layers to adapt; push its {'tag'} tensor instead.")
         if isinstance(named_tensors, WeightDelta):
             raise TypeError("ScriptedEngine does not load weight deltas; push its {'tag'} tensor in full.")
-        weights = dict(named_tensors)
+        weights = named_tensors.tensors() if isinstance(named_tensors, WeightBuckets) else dict(named_tensors)
         expected = dict(self.model.named_parameters())
         if set(weights) != set(expected) or any(weights[k].shape != v.shape for k, v in expected.items()):
             raise ValueError(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -29,6 +30,21 @@ import numpy as np
 import torch
 
 ALIGN_BYTES = 64  # every tensor starts on a 64-byte boundary, so any dtype view is aligned
+
+_packs_made = 0
+_packs_lock = threading.Lock()
+
+
+def packs_made() -> int:
+    """How many times :func:`pack_buckets` has copied weights into buffers in this process: a push
+    packs once, where its sender makes it; receivers pass the buckets on as they are (tests read it)."""
+    return _packs_made
+
+
+def _count_pack() -> None:
+    global _packs_made
+    with _packs_lock:
+        _packs_made += 1
 
 
 @dataclass(frozen=True)
@@ -84,8 +100,11 @@ class WeightBuckets:
         return {s.name: _slot_view(flat[s.buffer_index], s) for s in self.layout.slots}
 
     def to_numpy(self) -> WeightBuckets:
-        """The same buckets with numpy buffers (zero-copy), which Ray stores without pickling bytes."""
-        return WeightBuckets(self.layout, [b.numpy() if isinstance(b, torch.Tensor) else b for b in self.buffers])
+        """The same buckets with numpy buffers (zero-copy; a GPU buffer is copied to the CPU), which
+        Ray stores without pickling bytes."""
+        return WeightBuckets(
+            self.layout, [b.detach().cpu().numpy() if isinstance(b, torch.Tensor) else b for b in self.buffers]
+        )
 
     @property
     def nbytes(self) -> int:
@@ -197,6 +216,7 @@ def pack_buckets(
     """
     layout = layout if layout is not None else plan_layout(weights, bucket_size_bytes=bucket_size_bytes, dtypes=dtypes)
     device = torch.device(device) if device is not None else _common_device(weights)
+    _count_pack()
     views = _direct_views(layout, weights, device) if direct else {}
     if (
         not direct
@@ -317,6 +337,30 @@ def _slot_problems(slot: TensorSlot, sizes: tuple[int, ...], names: set[str]) ->
     if slot.offset_bytes + slot.nbytes > sizes[slot.buffer_index]:
         return [f"{slot.name!r} ends past its buffer of {sizes[slot.buffer_index]} bytes"]
     return []
+
+
+def bucket_problems(buckets: WeightBuckets) -> list[str]:
+    """:func:`layout_problems` of ``buckets.layout``, and every buffer that is missing or smaller
+    than its layout says: what a receiver checks before it hands the buckets on (no byte is read)."""
+    problems = layout_problems(buckets.layout)
+    sizes = buckets.layout.buffer_nbytes
+    if len(buckets.buffers) != len(sizes):
+        return [*problems, f"the layout has {len(sizes)} buffers, the buckets {len(buckets.buffers)}"]
+    for i, (buffer, size) in enumerate(zip(buckets.buffers, sizes, strict=True)):
+        found = _as_byte_tensor(buffer)
+        if found.dtype != torch.uint8 or found.dim() != 1 or not found.is_contiguous() or found.numel() < size:
+            problems.append(f"buffer {i} is not {size} bytes (a 1-D uint8 buffer of {found.numel()} elements)")
+    return problems
+
+
+def byte_views(buckets: WeightBuckets) -> list[memoryview]:
+    """Each buffer's bytes as a memoryview of the same memory (no copy; a buffer on a GPU is copied
+    to the CPU): what an in-process vLLM worker's ``load_packed_weights`` takes."""
+    views = []
+    for buffer in buckets.buffers:
+        array = buffer.detach().cpu().numpy() if isinstance(buffer, torch.Tensor) else np.asarray(buffer)
+        views.append(array.data)
+    return views
 
 
 def _is_count(value: Any) -> bool:

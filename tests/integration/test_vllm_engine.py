@@ -368,6 +368,35 @@ def test_a_refused_full_push_leaves_the_workers_base_as_it_was(engine, model_dir
     expect_answers_of(hf_model, engine, prompt)
 
 
+def test_a_senders_buckets_reach_the_worker_without_being_packed_again(engine, greedy_policy, model_dir, hf_model) -> None:
+    """Buckets (what a Ray push's object holds) go from the collector through the engine to its
+    in-process worker as they are: no pack on the way, and the worker's base is the sender's bytes.
+    Buckets that do not fit are refused by the engine with nothing changed."""
+    from lmcollect.weights.buckets import WeightBuckets, pack_buckets, packs_made
+
+    new = perturbed_model(model_dir, seed=61).eval()
+    buckets = pack_buckets(new.state_dict()).to_numpy()  # numpy buffers, as Ray maps them
+    prompt = [1, 2, 3, 4, 5]
+    collector = lora_collector("continuous", greedy_policy, engine)
+    try:
+        packs = packs_made()
+        collector.receive_weights(buckets)
+        assert packs_made() == packs, "the push was packed again on the receiving side"
+        sent = sorted(buffer.ctypes.data for buffer in buckets.buffers if buffer.size)
+        assert engine.collective_rpc_each("base_buffer_addresses", [()]) == [sent]
+        expect_answers_of(new, engine, prompt)
+        held = engine.version
+        short = WeightBuckets(buckets.layout, [buffer[:-64] for buffer in buckets.buffers])
+        with pytest.raises(ValueError, match="buffer 0 is not"):
+            engine.load_weights(short, version=held + 1)
+        assert engine.version == held
+        expect_answers_of(new, engine, prompt)
+    finally:
+        collector.shutdown()
+        engine.load_weights(hf_model.state_dict().items(), version=engine.version + 1)
+    expect_answers_of(hf_model, engine, prompt)
+
+
 def lora_collector(kind: str, greedy_policy: Any, engine: VLLMEngine, **options: Any) -> Any:
     """A lockstep collector over the session's VLLMPolicy, or a continuous one over its engine."""
     if kind == "lockstep":

@@ -18,6 +18,7 @@ import torch
 from lmcollect.engines import EngineRequest, StalePushError
 from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.engines.shm_payload import SHM_DIR
+from lmcollect.weights.buckets import pack_buckets, packs_made
 from tests.engine_contract import forward_log_probs, generate_greedy
 from tests.factories import perturbed_model
 from tests.integration.conftest import CPU_ENGINE_KWARGS
@@ -69,7 +70,10 @@ def test_pushes_pack_into_two_shared_files_kept_from_push_to_push(tiny_model_pat
         base, held = engine.checkpoint_weights()  # what a checkpoint saves: the base comes back over the RPC
         assert base and all(torch.equal(base[name], t) for name, t in new.state_dict().items() if name in base)
         assert held is not None and held.layers.keys() == lora_adapter(adapted).layers.keys()
-        engine.load_weights(new.state_dict().items(), version=4)  # set 0 again
+        buckets = pack_buckets(new.state_dict()).to_numpy()  # a sender's buckets (a Ray push's object)
+        packs = packs_made()
+        engine.load_weights(buckets, version=4)  # set 0 again: their buffers copied as they are, not packed
+        assert packs_made() == packs
         expect_answers_of(new, engine)
         assert push_files() - before == files, "a push made a shared-memory file of its own"
         check_keep_across_a_push(engine, other)

@@ -46,6 +46,7 @@ from lmcollect.engines.vllm_common import (
 from lmcollect.engines.vllm_worker_ext import checkpoint_metadata
 from lmcollect.engines.weight_group import RECEIVE_METHOD, GroupPush
 from lmcollect.plumbing import forwarded
+from lmcollect.weights.buckets import WeightBuckets
 from lmcollect.weights.delta import WeightDelta
 from lmcollect.weights.lora import LoraAdapter
 
@@ -371,7 +372,10 @@ class VLLMServerEngine:
         return checkpoint_metadata(folder, dtype=getattr(torch, name) if name else None)
 
     def load_weights(
-        self, source: Iterable[tuple[str, torch.Tensor]] | GroupPush | LoraAdapter | WeightDelta, *, version: int
+        self,
+        source: Iterable[tuple[str, torch.Tensor]] | WeightBuckets | GroupPush | LoraAdapter | WeightDelta,
+        *,
+        version: int,
     ) -> list[Any]:
         """A :class:`~lmcollect.engines.weight_group.GroupPush`: paused, the server's workers receive
         the trainer's broadcast and reload, the prefix cache is reset and ``version`` taken; returns
