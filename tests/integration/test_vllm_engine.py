@@ -24,7 +24,7 @@ from lmcollect.engines import EngineProtocol, EngineRequest, EngineResult, Worke
 from lmcollect.models import load_model_and_tokenizer
 from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.engines.vllm_common import checkpoint_eos_token_ids
-from lmcollect.weight_sync import vLLMUpdater
+from lmcollect.weight_sync import PushConfig, vLLMUpdater
 from tests.engine_contract import CHECKS, EngineCase, generate_greedy, hf_case
 from tests.factories import corrupted_delta, perturbed_model, run_in_thread, sparsely_trained
 from tests.integration.conftest import MAX_NEW_TOKENS, QUESTIONS, chat_batch
@@ -258,7 +258,7 @@ def test_a_push_mid_turn_is_recorded_per_token(engine, model_dir, greedy_policy,
     old, _ = load_model_and_tokenizer(model_dir)
     new = perturbed_model(model_dir, seed=5)
     env = ChatEnv(arithmetic_dataset(8, seed=0), task=SingleTurnTask(), batch_size=1, seed=0)
-    updater = vLLMUpdater(timeout_s=60, verify=True) if push == "process group" else None
+    updater = vLLMUpdater(config=PushConfig(timeout_s=60, verify=True)) if push == "process group" else None
     collector = ContinuousLLMCollector(
         [env], engine=engine, tokenizer=greedy_policy.tokenizer, dialog_turns_per_batch=1, track_policy_version=True,
         sampling=SamplingConfig(max_new_tokens=300, temperature=0, ignore_eos=True), weight_updater=updater,
