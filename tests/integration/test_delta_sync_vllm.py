@@ -72,7 +72,7 @@ def assert_same_answers(got: TensorDictBase, want: TensorDictBase) -> None:
 
 def test_delta_pushes_answer_like_a_fresh_model_and_a_corrupted_delta_is_repaired(greedy_policy: Any, model_dir: Path) -> None:
     trainer = perturbed_model(model_dir, seed=4).to(torch.bfloat16)
-    updater = CorruptingUpdater(delta=True, convert_dtype=True, verify=True, timeout_s=60)
+    updater = CorruptingUpdater(config=PushConfig(delta=True, convert_dtype=True, verify=True, timeout_s=60))
     env = ChatEnv(arithmetic_dataset(16, seed=0), reward_fn=MathAnswerReward(), batch_size=4, seed=0)
     collector = LLMCollector(env, policy=greedy_policy, dialog_turns_per_batch=4, weight_updater=updater, track_policy_version=True)
     v0 = collector.policy_version  # counts on from the session engine's version (earlier tests pushed into it)

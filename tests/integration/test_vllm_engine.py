@@ -463,7 +463,7 @@ def test_an_adapter_whose_merge_overflows_is_refused_by_the_workers(engine, hf_m
 
 
 def test_a_delta_loads_in_the_workers_and_a_refused_one_changes_nothing(engine, model_dir, hf_model) -> None:
-    """A WeightDelta (what RayRemoteWeightUpdater(delta=True) sends a continuous collector) is staged
+    """A WeightDelta (what RayRemoteWeightUpdater with PushConfig(delta=True) sends a continuous collector) is staged
     in every worker, then reloaded: answers equal the trainer's. A corrupted delta (checksum) or one
     for another base version is refused with the engine's weights and version unchanged."""
     from lmcollect.weights.delta import DeltaBase, DeltaConfig, DeltaRejectedError
