@@ -27,7 +27,7 @@ from lmcollect.weights.delta import (
     resolve_delta,
 )
 from lmcollect.weights.lora import LoraAdapter, check_adapter, is_lora_source, lora_adapter
-from lmcollect.weights.push_config import PushConfig
+from lmcollect.weights.push_config import PushConfig, push_config_or_default
 from lmcollect.weights.tensors import (
     WeightDict,
     agreed_held_dtypes,
@@ -103,7 +103,7 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
         self._collectors = list(remote_collectors or [])  # RayLLMCollectors remember pushes for restarts
         self._actors = [_actor_of(c, i) for i, c in enumerate(self._collectors)]
         self.max_interval = max_interval
-        self.config = config or PushConfig()
+        self.config = push_config_or_default(config, updater="RayRemoteWeightUpdater")
         self.config.check_for("ray", updater="RayRemoteWeightUpdater")
         self._missed = [0] * len(self._actors)  # pushes each worker missed in a row
         self._worker_metadata: list[tuple[dict, dict]] | None = None

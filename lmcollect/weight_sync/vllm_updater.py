@@ -19,7 +19,7 @@ from lmcollect.weight_sync.base import WeightPushError, WeightUpdaterBase
 from lmcollect.weights.cost_model import VLLM_CPU_PUSH_COST, DeltaChooser
 from lmcollect.weights.delta import DeltaConfig, distinct_nbytes, resolve_delta
 from lmcollect.weights.lora import LoraAdapter
-from lmcollect.weights.push_config import Backend, PushConfig
+from lmcollect.weights.push_config import Backend, PushConfig, push_config_or_default
 from lmcollect.weights.tensors import (
     WeightDict,
     non_finite_problems,
@@ -133,7 +133,10 @@ class vLLMUpdater(WeightUpdaterBase[int]):
     ) -> None:
         super().__init__()
         self.config = _merge_keywords(
-            config or PushConfig(), master_address=master_address, master_port=master_port, vllm_tp_size=vllm_tp_size
+            push_config_or_default(config, updater="vLLMUpdater"),
+            master_address=master_address,
+            master_port=master_port,
+            vllm_tp_size=vllm_tp_size,
         )
         self.config.check_for("process group", updater="vLLMUpdater")
         self.model_metadata = model_metadata

@@ -127,6 +127,17 @@ class PushConfig:
             )
 
 
+def push_config_or_default(config: PushConfig | None, *, updater: str) -> PushConfig:
+    """``config``, or the defaults when None; anything else is a TypeError naming the fix."""
+    if config is None:
+        return PushConfig()
+    if not isinstance(config, PushConfig):
+        raise TypeError(
+            f"{updater}(config=...) takes a PushConfig (lmcollect.weight_sync), got {type(config).__name__}."
+        )
+    return config
+
+
 def _check_positive_int(name: str, value: int | None) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"{name} must be a positive int or None, got {value!r}.")

@@ -46,6 +46,13 @@ def test_a_keyword_that_disagrees_with_the_config_names_both() -> None:
         vLLMUpdater("a", config=PushConfig(master_address="b"))
 
 
+def test_a_config_of_another_type_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="vLLMUpdater\\(config=...\\) takes a PushConfig"):
+        vLLMUpdater(config={"timeout_s": 60})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="RayRemoteWeightUpdater\\(config=...\\) takes a PushConfig.*got dict"):
+        RayRemoteWeightUpdater(None, [], config={"timeout_s": 60})  # type: ignore[arg-type]
+
+
 def test_vllm_updater_refuses_ray_only_options_and_no_timeout() -> None:
     with pytest.raises(ValueError, match="zero_copy=True.*Ray only"):
         vLLMUpdater(config=PushConfig(zero_copy=True))
