@@ -39,6 +39,7 @@ import signal
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -105,7 +106,8 @@ def bench_ray(cluster: LinkedCluster, rates: list[int], lrs: list[float], reps: 
     """RayRemoteWeightUpdater, medium bf16, 2 collectors on the far node: plain full vs delta."""
     from lmcollect.models import ModelSpec, get_model_path
     from lmcollect.ray.collector import RayLLMCollector
-    from lmcollect.ray.updater import RayPushConfig, RayRemoteWeightUpdater
+    from lmcollect.ray.updater import RayRemoteWeightUpdater
+    from lmcollect.weight_sync import PushConfig
 
     path = str(get_model_path(ModelSpec(size="medium")))
     build = functools.partial(weight_sync.bf16_medium_model, path)
@@ -126,8 +128,8 @@ def bench_ray(cluster: LinkedCluster, rates: list[int], lrs: list[float], reps: 
             for lr in lrs:
                 trainer = build()
                 optimizer = torch.optim.AdamW(trainer.parameters(), lr=lr)
-                plain = RayRemoteWeightUpdater(trainer, collectors, config=RayPushConfig(timeout_s=600))
-                delta = RayRemoteWeightUpdater(trainer, collectors, config=RayPushConfig(timeout_s=600, delta=True))
+                plain = RayRemoteWeightUpdater(trainer, collectors, config=PushConfig(timeout_s=600))
+                delta = RayRemoteWeightUpdater(trainer, collectors, config=PushConfig(timeout_s=600, delta=True))
                 version = max(c.policy_version for c in collectors)
                 times: dict[str, list[float]] = {"plain": [], "full": [], "delta": []}
                 stats = []
@@ -202,7 +204,7 @@ def bench_vllm(cluster: LinkedCluster, rates: list[int], lrs: list[float], reps:
     try:
         updater = vLLMUpdater.from_policy(VLLMPolicy(path, engine=replicas))
         assert updater is not None
-        updater.backend, updater.delta, updater.timeout_s = "gloo", DeltaConfig(), 600
+        updater.config = replace(updater.config, backend="gloo", delta=DeltaConfig(), timeout_s=600)
         buckets = None
         for rate in rates:
             cluster.set_rate(FAR, rate)

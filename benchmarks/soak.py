@@ -55,7 +55,8 @@ from lmcollect.envs import ChatEnv, GuessingGameTask, guessing_game_dataset
 from lmcollect.models import ModelSpec, get_model_path, load_model_and_tokenizer
 from lmcollect.policies import SamplingConfig, TransformersPolicy
 from lmcollect.training.grpo import pack_turns, policy_gradient_loss, token_log_probs
-from lmcollect.ray import RayPushConfig, RayRemoteWeightUpdater
+from lmcollect.ray import RayRemoteWeightUpdater
+from lmcollect.weight_sync import PushConfig
 
 logger = logging.getLogger("soak")
 
@@ -293,7 +294,7 @@ def run_soak(config: SoakConfig) -> dict[str, Any]:
     )
     try:
         trainer = Trainer(model_path, config.seed)
-        updater = RayRemoteWeightUpdater(trainer.model, list(group), config=RayPushConfig(timeout_s=120))
+        updater = RayRemoteWeightUpdater(trainer.model, list(group), config=PushConfig(timeout_s=120))
         pids = {"trainer": os.getpid(), **{f"collector-{i}": c.process_info()["pid"] for i, c in enumerate(group)}}
         pids["buffer"] = ray.get(buffer.actor.__ray_call__.remote(lambda _: os.getpid()))
         sampler = Sampler({**pids, **_ray_daemon_pids()}, config.sample_every_s)

@@ -10,7 +10,7 @@ A push is timed from ``push_weights()`` to every collector having applied the we
 in their parameters, version bumped). Rows: ``memcpy`` (one in-process copy of the same bytes,
 the floor), ``put`` (``ray.put`` of the weights alone), ``views`` and ``flat``
 (RayRemoteWeightUpdater with ``packing="views"``, the default, and ``"flat"``: one buffer per
-dtype first), ``zero-copy`` (``RayPushConfig(zero_copy=True)``: the collectors map the pushed
+dtype first), ``zero-copy`` (``PushConfig(zero_copy=True)``: the collectors map the pushed
 object instead of copying it), ``medium`` (the 75M-parameter preset model), ``pg`` (the gloo
 process-group scheme into one collector actor) and ``vllm`` (vLLMUpdater pushing the medium model
 into a vLLM engine actor over gloo, next to its limit: a raw gloo broadcast of the same buffers
@@ -47,6 +47,7 @@ import logging
 import os
 import statistics
 import time
+from dataclasses import replace
 from collections.abc import Callable
 
 import torch
@@ -163,9 +164,10 @@ def start_collectors(
 def bench_updater(
     name: str, trainer: nn.Module, collectors: list, packing: str, reps: int, memcpy_gb_s: float, *, zero_copy: bool = False
 ) -> dict:
-    from lmcollect.ray.updater import RayPushConfig, RayRemoteWeightUpdater
+    from lmcollect.ray.updater import RayRemoteWeightUpdater
+    from lmcollect.weight_sync import PushConfig
 
-    config = RayPushConfig(packing=packing, timeout_s=600, zero_copy=zero_copy)
+    config = PushConfig(packing=packing, timeout_s=600, zero_copy=zero_copy)
     updater = RayRemoteWeightUpdater(trainer, collectors, config=config)
     updater.init()
     before = [c.policy_version for c in collectors]
@@ -278,7 +280,7 @@ def bench_vllm_push(reps: int, memcpy_gb_s: float) -> list[dict]:
     from lmcollect.policies.vllm_policy import VLLMPolicy
     from lmcollect.ray.vllm_replicas import VLLMReplicas
     from lmcollect.weights.buckets import plan_layout
-    from lmcollect.transports.process_group import DIRECT_SEND_MIN_BYTES
+    from lmcollect.transports.process_group import DIRECT_SEND_MIN_BYTES, ProcessGroupConfig
     from lmcollect.weight_sync.vllm_updater import vLLMUpdater
     from lmcollect.engines.vllm_worker_ext import VLLM_EXTENSION
 
@@ -289,7 +291,7 @@ def bench_vllm_push(reps: int, memcpy_gb_s: float) -> list[dict]:
     worker_parts: list[dict] = []
     try:
         updater = vLLMUpdater.from_policy(VLLMPolicy(path, engine=replicas))
-        updater.backend = "gloo"
+        updater.config = replace(updater.config, backend="gloo")
 
         def push() -> None:
             updater.push_weights(trainer)
@@ -302,7 +304,7 @@ def bench_vllm_push(reps: int, memcpy_gb_s: float) -> list[dict]:
     finally:
         replicas.shutdown()
     # the same buffers the push sends (big tensors in buffers of their own)
-    layout = plan_layout(trainer.state_dict(), bucket_size_bytes=updater.bucket_size_bytes, own_buffer_min_bytes=DIRECT_SEND_MIN_BYTES)
+    layout = plan_layout(trainer.state_dict(), bucket_size_bytes=updater.config.bucket_size_bytes or ProcessGroupConfig().bucket_size_bytes, own_buffer_min_bytes=DIRECT_SEND_MIN_BYTES)
     raw_s = bench_raw_gloo(list(layout.buffer_nbytes), reps)
     sizes = list(layout.buffer_nbytes)
     size = nbytes(trainer)
@@ -404,7 +406,8 @@ def bench_delta_encodings(lrs: list[float], reps: int) -> list[dict]:
 def bench_delta_ray(lrs: list[float], reps: int, memcpy_gb_s: float) -> list[dict]:
     """RayRemoteWeightUpdater, medium bf16 into 2 collectors: plain full, delta-mode full, delta."""
     from lmcollect.models import ModelSpec, get_model_path
-    from lmcollect.ray.updater import RayPushConfig, RayRemoteWeightUpdater
+    from lmcollect.ray.updater import RayRemoteWeightUpdater
+    from lmcollect.weight_sync import PushConfig
 
     path = str(get_model_path(ModelSpec(size="medium")))
     collectors = start_collectors(functools.partial(bf16_medium_model, path))
@@ -413,8 +416,8 @@ def bench_delta_ray(lrs: list[float], reps: int, memcpy_gb_s: float) -> list[dic
         for lr in lrs:
             trainer = bf16_medium_model(path)
             optimizer = torch.optim.AdamW(trainer.parameters(), lr=lr)
-            plain = RayRemoteWeightUpdater(trainer, collectors, config=RayPushConfig(timeout_s=600))
-            delta = RayRemoteWeightUpdater(trainer, collectors, config=RayPushConfig(timeout_s=600, delta=True))
+            plain = RayRemoteWeightUpdater(trainer, collectors, config=PushConfig(timeout_s=600))
+            delta = RayRemoteWeightUpdater(trainer, collectors, config=PushConfig(timeout_s=600, delta=True))
             version = max(c.policy_version for c in collectors)
             times: dict[str, list[float]] = {"plain": [], "full": [], "delta": []}
             stats = []
@@ -441,7 +444,7 @@ def bench_delta_ray(lrs: list[float], reps: int, memcpy_gb_s: float) -> list[dic
 
 
 def bench_delta_vllm(lrs: list[float], reps: int, memcpy_gb_s: float) -> list[dict]:
-    """vLLMUpdater(delta=True), medium bf16 into a bf16 vLLM engine actor over gloo: full and delta
+    """vLLMUpdater with PushConfig(delta=True), medium bf16 into a bf16 vLLM engine actor over gloo: full and delta
     pushes, each with verify off and on."""
     from lmcollect.models import ModelSpec, get_model_path
     from lmcollect.policies.vllm_policy import VLLMPolicy
@@ -459,7 +462,7 @@ def bench_delta_vllm(lrs: list[float], reps: int, memcpy_gb_s: float) -> list[di
             trainer = bf16_medium_model(path)
             optimizer = torch.optim.AdamW(trainer.parameters(), lr=lr)
             updater = vLLMUpdater.from_policy(VLLMPolicy(path, engine=replicas))
-            updater.backend, updater.delta, updater.timeout_s = "gloo", DeltaConfig(), 600
+            updater.config = replace(updater.config, backend="gloo", delta=DeltaConfig(), timeout_s=600)
             times: dict[tuple[str, bool], list[float]] = {(k, v): [] for k in ("full", "delta") for v in (False, True)}
             stats = []
             updater.push_weights(trainer)
@@ -468,7 +471,7 @@ def bench_delta_vllm(lrs: list[float], reps: int, memcpy_gb_s: float) -> list[di
                     adamw_step(trainer, optimizer, seed=4 * rep_index + len(times[kind, verify]))
                     if kind == "full":
                         updater.reset_delta_base()
-                    updater.verify = verify
+                    updater.config = replace(updater.config, verify=verify)
                     seconds = timed_push(functools.partial(updater.push_weights, trainer))
                     assert updater.last_push_stats.kind == kind, updater.last_push_stats
                     if rep_index > 0:
@@ -586,13 +589,14 @@ def bench_lora_ray(reps: int, memcpy_gb_s: float) -> list[dict]:
     """RayRemoteWeightUpdater, medium fp32 into 2 collectors (TransformersPolicy: its engine keeps
     the base and merges): LoRA adapter pushes alternating with merged full pushes."""
     from lmcollect.models import ModelSpec, get_model_path
-    from lmcollect.ray.updater import RayPushConfig, RayRemoteWeightUpdater
+    from lmcollect.ray.updater import RayRemoteWeightUpdater
+    from lmcollect.weight_sync import PushConfig
 
     path = str(get_model_path(ModelSpec(size="medium")))
     collectors = start_collectors(None, policy_factory=functools.partial(medium_transformers_policy, path))
     try:
         peft_model, optimizer, base_state = medium_lora_model(path)
-        updater = RayRemoteWeightUpdater(None, collectors, config=RayPushConfig(timeout_s=600))
+        updater = RayRemoteWeightUpdater(None, collectors, config=PushConfig(timeout_s=600))
         updater.init()
 
         def landed_merged(model) -> None:
@@ -627,7 +631,7 @@ def bench_lora_vllm(reps: int, memcpy_gb_s: float) -> list[dict]:
     try:
         peft_model, optimizer, base_state = medium_lora_model(path)
         updater = vLLMUpdater.from_policy(VLLMPolicy(path, engine=replicas))
-        updater.backend, updater.timeout_s = "gloo", 600
+        updater.config = replace(updater.config, backend="gloo", timeout_s=600)
         adapter_s, full_s, merge_s, stats, full_nbytes = lora_rounds(updater, peft_model, optimizer, base_state, reps)
         updater.close()
     finally:

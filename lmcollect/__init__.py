@@ -37,6 +37,7 @@ _EXPORTS = {
         "WeightUpdaterBase",
         "LocalWeightUpdater",
         "WeightPushError",
+        "PushConfig",
         "WeightSender",
         "WeightReceiver",
         "SharedMemorySender",

@@ -95,7 +95,7 @@ def check_engine_loads(engine: object, source: object) -> None:
     if isinstance(source, WeightDelta) and not getattr(engine, "loads_weight_deltas", False):
         raise TypeError(
             f"{name} does not load weight deltas (TransformersEngine and VLLMEngine do): push full weights "
-            "(RayPushConfig(delta=False))."
+            "(PushConfig(delta=False))."
         )
 
 

@@ -6,7 +6,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any
 
 import ray
 from ray.actor import ActorHandle
@@ -14,12 +14,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from lmcollect.weight_sync.base import WeightPushError, WeightUpdaterBase, WorkerIds
 from lmcollect.weights.buckets import WeightBuckets, pack_buckets, view_buckets
-from lmcollect.weights.cost_model import (
-    RAY_CPU_PUSH_COST,
-    DeltaChooser,
-    PushCostModel,
-    check_auto_delta_options,
-)
+from lmcollect.weights.cost_model import RAY_CPU_PUSH_COST, DeltaChooser
 from lmcollect.weights.delta import (
     DeltaBase,
     DeltaConfig,
@@ -32,6 +27,7 @@ from lmcollect.weights.delta import (
     resolve_delta,
 )
 from lmcollect.weights.lora import LoraAdapter, check_adapter, is_lora_source, lora_adapter
+from lmcollect.weights.push_config import PushConfig, push_config_or_default
 from lmcollect.weights.tensors import (
     WeightDict,
     agreed_held_dtypes,
@@ -48,63 +44,9 @@ from lmcollect.weights.version import PushVersion
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, kw_only=True)
-class RayPushConfig:
-    """How a :class:`RayRemoteWeightUpdater` pushes."""
-
-    timeout_s: float | None = 300.0
-    """Longest wait for every targeted worker to apply a push (None: no limit). A worker that
-    died fails the push at once; one that takes longer fails it with :class:`WeightPushError`."""
-    convert_dtype: bool = False
-    """Cast floating tensors to the receiving model's dtype; otherwise a dtype mismatch rejects the push."""
-    packing: Literal["views", "flat"] = "views"
-    """"views": each tensor's bytes go straight into the one object-store object (one copy on
-    the driver). "flat": copy into one buffer per dtype first (one more copy, fewer buffers)."""
-    bucket_size_bytes: int | None = None
-    """With ``packing="flat"``: largest buffer (None: one buffer per dtype)."""
-    allow_non_finite: bool = False
-    """Push weights holding NaN or infinite values; False: such a push is refused on the driver
-    before any worker changes anything (one min/max pass per floating tensor)."""
-    delta: bool | DeltaConfig | Literal["auto"] = False
-    """Delta pushes (True, or a :class:`DeltaConfig`): the driver keeps a copy of the last pushed
-    weights (in the workers' dtypes) and sends a worker that holds them only the changed elements
-    and per-tensor checksums; a worker that holds another version (it skipped pushes, was left
-    out by ``worker_ids``, restarted) or whose checksum fails gets a full push instead, in the same
-    push. With delta the NaN/Inf check runs on the changed values only. False: full pushes.
-    "auto": before each push, delta if ``cost_model`` predicts it faster than a full push over
-    the link (``link_gbit``, or the rate measured from the last full push) for a delta the size
-    of the last one (5% of the bytes before any), else full (and no copy kept); see docs/scaling.md."""
-    link_gbit: float | None = None
-    """With ``delta="auto"``: the rate of the link to the collectors (the slowest), in Gbit/s.
-    None: measured, through ``cost_model``, from the time of each full push made with ``wait=True``
-    (the first push is a full push in delta mode, which times it)."""
-    cost_model: PushCostModel | None = None
-    """With ``delta="auto"``: the push cost model it decides by (None: ``RAY_CPU_PUSH_COST``,
-    fitted on this project's CPU machine; fit yours with ``fit_push_cost`` on benchmarks/links.py)."""
-    zero_copy: bool = False
-    """Workers point their model's tensors at the pushed object instead of copying it: Ray maps
-    the object store's shared memory into every worker on a node, so a push costs one copy (the
-    driver's ``ray.put``) however many collectors share the node, and they hold one copy of the
-    weights between them. The mapped memory is read-only: only pushes write it (a later copying
-    load or delta push first gives the model private tensors again). Not with ``delta``, which
-    patches the weights in place."""
-
-    def __post_init__(self) -> None:
-        if self.delta != "auto":
-            resolve_delta(self.delta)  # a TypeError for anything but a bool, a DeltaConfig or "auto"
-        check_auto_delta_options(self.delta, self.link_gbit, self.cost_model)
-        if self.zero_copy and self.delta:
-            raise ValueError(
-                "zero_copy=True and delta cannot be combined: a delta patches the workers' weights in place, "
-                "zero-copy weights are read-only shared memory. Pick one (delta for small changes over a "
-                "slow link, zero_copy for collectors sharing a node)."
-            )
-        if self.timeout_s is not None and self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive or None, got {self.timeout_s}.")
-        if self.packing not in ("views", "flat"):
-            raise ValueError(f"packing must be 'views' or 'flat', got {self.packing!r}.")
-        if self.bucket_size_bytes is not None and self.bucket_size_bytes <= 0:
-            raise ValueError(f"bucket_size_bytes must be positive or None, got {self.bucket_size_bytes}.")
+RayPushConfig = PushConfig
+"""Deprecated: the former name of :class:`~lmcollect.weights.push_config.PushConfig` (the same class), kept
+so code that names it keeps working; new code imports ``PushConfig`` from ``lmcollect.weight_sync``."""
 
 
 class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
@@ -119,7 +61,7 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
     ``wait=False``, at once with a :class:`PushHandle`). At most one push is in flight: a new
     push first waits for the previous one, so workers apply pushes in order.
 
-    With ``RayPushConfig(delta=True)``, step (2) puts only the elements that changed since the
+    With ``PushConfig(delta=True)``, step (2) puts only the elements that changed since the
     last push (compared bit for bit with the driver's copy of it) for the workers that hold that
     push; each checks the delta's base version, writes it and verifies per-tensor checksums,
     or refuses with its weights untouched. Workers that did not hold the base, or refused, get
@@ -132,7 +74,8 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
             is ``remote_collectors[i]``. None: the collector this updater gets registered with.
         max_interval: a worker is skipped until it has missed ``max_interval`` pushes in a row
             (0: every push reaches every worker).
-        config: timeout, dtype conversion and packing (see :class:`RayPushConfig`).
+        config: timeout, dtype conversion, packing, delta, zero copy (see
+            :class:`~lmcollect.weights.push_config.PushConfig`; its process-group options are refused).
 
     Example::
 
@@ -151,7 +94,7 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
         remote_collectors: list[Any] | None = None,
         max_interval: int = 0,
         *,
-        config: RayPushConfig | None = None,
+        config: PushConfig | None = None,
     ) -> None:
         super().__init__()
         if isinstance(max_interval, bool) or not isinstance(max_interval, int) or max_interval < 0:
@@ -160,7 +103,8 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
         self._collectors = list(remote_collectors or [])  # RayLLMCollectors remember pushes for restarts
         self._actors = [_actor_of(c, i) for i, c in enumerate(self._collectors)]
         self.max_interval = max_interval
-        self.config = config or RayPushConfig()
+        self.config = push_config_or_default(config, updater="RayRemoteWeightUpdater")
+        self.config.check_for("ray", updater="RayRemoteWeightUpdater")
         self._missed = [0] * len(self._actors)  # pushes each worker missed in a row
         self._worker_metadata: list[tuple[dict, dict]] | None = None
         self._in_flight: PushHandle | None = None
@@ -400,7 +344,7 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
         dtypes = agreed_held_dtypes(  # the base is kept, and compared, in the workers' dtypes
             distinct_tensors(weights),
             self._fetch_metadata(),
-            why_one="a delta base needs one: give every collector the same dtype, or push with RayPushConfig(delta=False).",
+            why_one="a delta base needs one: give every collector the same dtype, or push with PushConfig(delta=False).",
         )
         eligible = [i for i in targets if base.version is not None and self._held[i] == base.version]
         encoded = base.encode(weights, dtypes) if eligible else None
@@ -569,7 +513,7 @@ def gather_refs(
             late = sorted(worker_of[r] for r in pending)
             raise WeightPushError(
                 f"worker(s) {late} did not {what} within timeout_s={timeout_s}; they may be hung "
-                "or overloaded. Raise RayPushConfig(timeout_s=...) if they are only slow."
+                "or overloaded. Raise PushConfig(timeout_s=...) if they are only slow."
             )
         for ref in ready:
             results[worker_of[ref]] = _get(ref, worker_of[ref], what, tolerate)

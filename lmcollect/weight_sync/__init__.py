@@ -1,6 +1,6 @@
 """Weight synchronisation between a trainer and the collectors' inference engines.
 
-Updaters push (``LocalWeightUpdater`` in-process, ``vLLMUpdater`` into vLLM workers; the Ray one,
+Updaters push (all configured by one ``PushConfig``; ``LocalWeightUpdater`` in-process, ``vLLMUpdater`` into vLLM workers; the Ray one,
 ``RayRemoteWeightUpdater``, lives in :mod:`lmcollect.ray` with everything that imports Ray). They
 build on :mod:`lmcollect.weights` (named tensors, checks, buckets, deltas, versions) and
 :mod:`lmcollect.transports` (sender/receiver pairs that collectors pull from); the names of both
@@ -16,6 +16,7 @@ from lmcollect.weight_sync.base import WeightPushError, WeightUpdaterBase
 from lmcollect.weight_sync.local import LocalWeightUpdater
 from lmcollect.weights.buckets import BucketLayout, TensorSlot, WeightBuckets, pack_buckets, view_buckets
 from lmcollect.weights.delta import DeltaConfig, DeltaRejectedError, PushStats, WeightDelta
+from lmcollect.weights.push_config import PushConfig
 from lmcollect.weights.tensors import check_weights, load_weights_, to_weight_dict
 
 _LAZY = {
@@ -31,6 +32,7 @@ __all__ = [
     "DeltaConfig",
     "DeltaRejectedError",
     "LocalWeightUpdater",
+    "PushConfig",
     "PushStats",
     "SharedMemoryReceiver",
     "SharedMemorySender",

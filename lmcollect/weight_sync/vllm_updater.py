@@ -6,7 +6,8 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal, Protocol
+from dataclasses import replace
+from typing import Any, Protocol
 
 import torch
 
@@ -15,14 +16,10 @@ from lmcollect.engines.vllm_worker_ext import RayNode, current_ray_node
 from lmcollect.engines.weight_group import GroupPush, join_weight_group, weight_receiver_nodes
 from lmcollect.transports.process_group import PreparedPush, ProcessGroupConfig, ProcessGroupSender
 from lmcollect.weight_sync.base import WeightPushError, WeightUpdaterBase
-from lmcollect.weights.cost_model import (
-    VLLM_CPU_PUSH_COST,
-    DeltaChooser,
-    PushCostModel,
-    check_auto_delta_options,
-)
+from lmcollect.weights.cost_model import VLLM_CPU_PUSH_COST, DeltaChooser
 from lmcollect.weights.delta import DeltaConfig, distinct_nbytes, resolve_delta
 from lmcollect.weights.lora import LoraAdapter
+from lmcollect.weights.push_config import Backend, PushConfig, push_config_or_default
 from lmcollect.weights.tensors import (
     WeightDict,
     non_finite_problems,
@@ -37,7 +34,6 @@ logger = logging.getLogger(__name__)
 Metadata = dict[str, tuple[torch.dtype, torch.Size]]
 Wait = Callable[[float | None], Any]
 """``wait(timeout_s)``: the call's result once it is done (a join: None; a receive: the workers' reports)."""
-Backend = Literal["auto", "gloo", "nccl"]
 LOOPBACK = "127.0.0.1"
 CAUSE_WAIT_S = 5.0  # how long a failed push waits for the worker side's own error
 
@@ -52,6 +48,26 @@ def default_master_address(trainer_node: RayNode | None, engine_node_ids: Sequen
     if trainer_node is None or all(node_id == trainer_node.node_id for node_id in engine_node_ids):
         return LOOPBACK
     return trainer_node.ip
+
+
+def _merge_keywords(config: PushConfig, **keywords: Any) -> PushConfig:
+    """``config`` with the spec's constructor keywords that were given (not None) set in it.
+
+    A keyword that disagrees with a field ``config`` set to something else is a ValueError,
+    so neither silently wins.
+    """
+    given = {name: value for name, value in keywords.items() if value is not None}
+    defaults = PushConfig()
+    clashes = [
+        f"{name}={value!r} and config=PushConfig({name}={getattr(config, name)!r})"
+        for name, value in given.items()
+        if getattr(config, name) not in (value, getattr(defaults, name))
+    ]
+    if clashes:
+        raise ValueError(
+            f"vLLMUpdater got {'; '.join(clashes)}: give each setting once (the keyword or the config field)."
+        )
+    return replace(config, **given)
 
 
 class vLLMUpdater(WeightUpdaterBase[int]):
@@ -83,46 +99,24 @@ class vLLMUpdater(WeightUpdaterBase[int]):
        collector its policy version; then generation resumes and the post-hooks run.
 
     Args:
-        master_address: address the workers reach the trainer at. None: chosen at :meth:`init` by
-            :func:`default_master_address`: loopback when every engine worker is on this Ray
-            node (or Ray is not running here), else this node's IP as Ray reports it.
-        master_port: port of the rendezvous store (None: a free one).
+        master_address: address the workers reach the trainer at (``PushConfig.master_address``;
+            None: chosen at :meth:`init` by :func:`default_master_address`).
+        master_port: port of the rendezvous store (``PushConfig.master_port``; None: a free one).
         model_metadata: name -> (dtype, shape) the trainer will push; checked against the engine
             at :meth:`init` (None: the engine's own checkpoint metadata, read by its workers).
-        vllm_tp_size: tensor-parallel size of each engine replica (None: 1).
-        verify: workers return a CRC32 of every bucket of the weights they now hold (after a
-            delta: of the patched copy); a mismatch with the trainer's raises ``WeightPushError``.
-        digest: authenticate every full push's bytes with a keyed digest that each worker verifies
-            before it reloads anything (see ``ProcessGroupConfig.digest``); False: for an engine
-            on a network nothing untrusted reaches, to save hashing every byte on both sides.
-        timeout_s: longest a push (or ``init``) may take; a worker that died makes the push raise
-            ``WeightPushError`` within it instead of hanging.
-        bucket_size_bytes: largest broadcast buffer.
-        backend: "auto" (NCCL when the pushed weights are on CUDA, else gloo), "gloo" or "nccl".
-        convert_dtype: cast floating weights to the engine's dtype (e.g. an fp32 trainer into a
-            bf16 engine); the cast happens here, bucket by bucket, as the weights are packed, so
-            only the engine's bytes travel. False: a push in another dtype is refused.
-        allow_non_finite: push weights holding NaN or infinite values; False: such a push is
-            refused before anything is sent (one min/max pass per floating tensor; with delta,
-            over the changed values only).
-        delta: True or a :class:`~lmcollect.weights.delta.DeltaConfig`: send only the elements
-            that changed since the last push (positions, values, per-tensor checksums; a full
-            push when the delta would exceed ``max_fraction`` of it). The trainer side keeps its
-            packed buffers of the last push (one copy of the weights in the engine's dtype), each
-            worker its receive buffers; the engine still reloads every tensor, so a delta saves the
-            transfer, not the reload. False: every push sends the full weights. "auto": before
-            each push, a delta if ``cost_model`` predicts it faster than a full push over the link
-            (``link_gbit``, or the rate measured from the last full push) for a delta the size of
-            the last one, else a full push with no copy kept (as ``RayPushConfig(delta="auto")``).
-        link_gbit: with ``delta="auto"``: the link's rate to the engine, in Gbit/s (None: measured).
-        cost_model: with ``delta="auto"``: the :class:`~lmcollect.weights.cost_model.PushCostModel`
-            it decides by (None: ``VLLM_CPU_PUSH_COST``, fitted on this project's CPU machine).
+        vllm_tp_size: tensor-parallel size of each engine replica (``PushConfig.vllm_tp_size``; None: 1).
+        config: how it pushes (:class:`~lmcollect.weights.push_config.PushConfig`: timeout, dtype
+            conversion, NaN/Inf, bucket size, delta / "auto", and the process-group options
+            ``verify``, ``digest``, ``backend``). The three keywords above set the same fields;
+            a keyword that disagrees with ``config`` is a ValueError. With ``delta``, the engine
+            still reloads every tensor, so a delta saves the transfer, not the reload.
 
     Example::
 
         policy = VLLMPolicy(path, engine_kwargs={"worker_extension_cls": VLLM_EXTENSION, ...})
         collector = LLMCollector(env, policy=policy, dialog_turns_per_batch=64,
-                                 weight_updater=vLLMUpdater(), track_policy_version=True)
+                                 weight_updater=vLLMUpdater(config=PushConfig(timeout_s=60)),
+                                 track_policy_version=True)
         for batch in collector:
             train_step(trainer_model, batch)
             collector.update_policy_weights_(trainer_model)  # group formed on the first push
@@ -135,40 +129,21 @@ class vLLMUpdater(WeightUpdaterBase[int]):
         model_metadata: Metadata | None = None,
         vllm_tp_size: int | None = None,
         *,
-        verify: bool = False,
-        digest: bool = True,
-        timeout_s: float = 300.0,
-        bucket_size_bytes: int = 64 * 2**20,
-        backend: Backend = "auto",
-        convert_dtype: bool = False,
-        allow_non_finite: bool = False,
-        delta: bool | DeltaConfig | Literal["auto"] = False,
-        link_gbit: float | None = None,
-        cost_model: PushCostModel | None = None,
+        config: PushConfig | None = None,
     ) -> None:
         super().__init__()
-        check_auto_delta_options(delta, link_gbit, cost_model)
-        tp_size = 1 if vllm_tp_size is None else vllm_tp_size
-        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-            raise ValueError(f"vllm_tp_size must be a positive int or None, got {vllm_tp_size!r}.")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}.")
-        if backend not in ("auto", "gloo", "nccl"):
-            raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}.")
-        self.master_address = master_address
-        self.master_port = master_port
+        self.config = _merge_keywords(
+            push_config_or_default(config, updater="vLLMUpdater"),
+            master_address=master_address,
+            master_port=master_port,
+            vllm_tp_size=vllm_tp_size,
+        )
+        self.config.check_for("process group", updater="vLLMUpdater")
         self.model_metadata = model_metadata
-        self.vllm_tp_size = tp_size
-        self.verify = verify
-        self.digest = digest
-        self.timeout_s = timeout_s
-        self.bucket_size_bytes = bucket_size_bytes
-        self.backend = backend
-        self.convert_dtype = convert_dtype
-        self.allow_non_finite = allow_non_finite
-        self.delta = None if delta == "auto" else resolve_delta(delta)
         self._chooser = (
-            DeltaChooser(cost_model or VLLM_CPU_PUSH_COST, bandwidth_gbit=link_gbit) if delta == "auto" else None
+            DeltaChooser(self.config.cost_model or VLLM_CPU_PUSH_COST, bandwidth_gbit=self.config.link_gbit)
+            if self.config.delta == "auto"
+            else None
         )
         self._push_started = 0.0  # when the push being made began (timed for delta="auto")
         self._policy: Any = None  # set by from_policy: an engine reached without a collector
@@ -176,6 +151,38 @@ class vLLMUpdater(WeightUpdaterBase[int]):
         self._num_replicas = 1
         self.last_push_info: list[dict[str, Any]] = []
         self._prepared: PreparedPush | None = None  # checked (and delta-encoded) by _validate, sent by _sync
+
+    # ------------------------------------------------------------------ settings, read from the config
+    @property
+    def master_address(self) -> str | None:
+        """The address the workers reach the trainer at (None: chosen at :meth:`init`)."""
+        return self.config.master_address
+
+    @property
+    def master_port(self) -> int | None:
+        """Port of the rendezvous store (None: a free one)."""
+        return self.config.master_port
+
+    @property
+    def vllm_tp_size(self) -> int:
+        """Tensor-parallel size of each engine replica."""
+        return self.config.vllm_tp_size or 1
+
+    @property
+    def timeout_s(self) -> float:
+        """Longest a push (or ``init``) may take."""
+        assert self.config.timeout_s is not None, "check_for('process group') refuses None"
+        return self.config.timeout_s
+
+    @property
+    def _delta_config(self) -> DeltaConfig | None:
+        """The delta encoding of every push (None: full pushes, or "auto", which chooses per push)."""
+        return None if self.config.delta == "auto" else resolve_delta(self.config.delta)
+
+    def _bucket_size(self) -> dict[str, int]:
+        """The config's bucket size, if it sets one (else the process group's default)."""
+        size = self.config.bucket_size_bytes
+        return {} if size is None else {"bucket_size_bytes": size}
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -231,16 +238,16 @@ class vLLMUpdater(WeightUpdaterBase[int]):
         metadata = model_metadata if model_metadata is not None else self.model_metadata
         self._num_replicas = self._call_num_replicas()
         config = ProcessGroupConfig(
-            master_address=self.master_address or self._default_master_address(),
-            master_port=self.master_port or 0,
+            master_address=self.config.master_address or self._default_master_address(),
+            master_port=self.config.master_port or 0,
             num_receivers=self.vllm_tp_size * self._num_replicas,
             backend=self._choose_backend(device),
             timeout_s=self.timeout_s,
-            bucket_size_bytes=self.bucket_size_bytes,
-            convert_dtype=self.convert_dtype,
-            allow_non_finite=self.allow_non_finite,
-            digest=self.digest,
-            delta=self.delta,
+            convert_dtype=self.config.convert_dtype,
+            allow_non_finite=self.config.allow_non_finite,
+            digest=self.config.digest,
+            delta=self._delta_config,
+            **self._bucket_size(),
         )
         sender = ProcessGroupSender(config)
         info = sender.connection_info()
@@ -261,7 +268,7 @@ class vLLMUpdater(WeightUpdaterBase[int]):
         if metadata is not None:
             self.model_metadata = metadata
             expected, aliases = sender.receiver_metadata[0]
-            problems = weight_problems(metadata, expected, aliases=aliases, convert_dtype=self.convert_dtype)
+            problems = weight_problems(metadata, expected, aliases=aliases, convert_dtype=self.config.convert_dtype)
             raise_if_problems(problems, where=" (model_metadata at init)")
         logger.info(
             "vLLMUpdater: group formed with %d worker(s) at %s, backend %s",
@@ -302,7 +309,7 @@ class vLLMUpdater(WeightUpdaterBase[int]):
         self._prepared = None
         self._push_started = time.perf_counter()
         if self._sender is None:
-            if not self.allow_non_finite:  # before the group forms (NaN/Inf as pushed stays so once cast)
+            if not self.config.allow_non_finite:  # before the group forms (NaN/Inf as pushed stays so once cast)
                 raise_if_problems(non_finite_problems(weights))
             first = next(iter(weights.values()), None)
             self.init(device=None if first is None else first.device)
@@ -328,7 +335,7 @@ class vLLMUpdater(WeightUpdaterBase[int]):
         """Whether the next push may be a delta push (with ``delta="auto"``: what was chosen last)."""
         if self._sender is not None:
             return self._sender.uses_delta
-        return self.delta is not None
+        return self._delta_config is not None
 
     def _sync_weights_with_worker(self, *, worker_id: int, server_weights: WeightDict, version: PushVersion) -> None:
         sender = self._sender
@@ -337,7 +344,7 @@ class vLLMUpdater(WeightUpdaterBase[int]):
         # The engine's load: its workers receive while the trainer sends, then the prefix-cache
         # reset and the version, in one hold of the engine (a collector's policy lock or pause).
         received = self._target().submit_receive_weights(
-            GroupPush(timeout_s=self.timeout_s, verify=self.verify), version=version
+            GroupPush(timeout_s=self.timeout_s, verify=self.config.verify), version=version
         )
         prepared, self._prepared = self._prepared, None
         try:
@@ -348,7 +355,7 @@ class vLLMUpdater(WeightUpdaterBase[int]):
         stats = self.last_push_stats = sender.last_push_stats
         if self._chooser is not None and stats is not None:
             self._chooser.observe(stats.kind, stats.nbytes, stats.full_nbytes, time.perf_counter() - self._push_started)
-        sent = sender.last_checksums() if self.verify else None  # while the workers reload
+        sent = sender.last_checksums() if self.config.verify else None  # while the workers reload
         self.last_push_info = self._wait(received, deadline, "receive_weights")
         if sent is not None:
             self._check_checksums(sent)
@@ -420,8 +427,8 @@ class vLLMUpdater(WeightUpdaterBase[int]):
         return str(exc)
 
     def _choose_backend(self, device: torch.device | str | None) -> Backend:
-        if self.backend != "auto":
-            return self.backend
+        if self.config.backend != "auto":
+            return self.config.backend
         if device is None:
             return "nccl" if torch.cuda.is_available() else "gloo"
         return "nccl" if torch.device(device).type == "cuda" else "gloo"

@@ -233,7 +233,7 @@ about 4 Gbit/s. On GPUs and fast links fit your own (:func:`fit_push_cost`)."""
 @dataclass
 class DeltaChooser:
     """Chooses delta or full for each push from a :class:`PushCostModel`, the link's rate and the
-    size of the last delta (``RayPushConfig(delta="auto")``).
+    size of the last delta (``PushConfig(delta="auto")``).
 
     The rate is the user's (``bandwidth_gbit``) or, when None, the one :meth:`observe` derives from
     the last full push's time through the model (the slowest receiver's). The delta's size is

@@ -55,7 +55,7 @@ class DeltaRejectedError(RuntimeError):
 
 @dataclass(frozen=True, kw_only=True)
 class DeltaConfig:
-    """How delta pushes are encoded (``RayPushConfig(delta=...)``, ``vLLMUpdater(delta=...)``)."""
+    """How delta pushes are encoded (``PushConfig(delta=...)``, for every updater)."""
 
     encoding: Literal["auto", "indices", "bitmask"] = "indices"
     """Positions of the changed elements: "indices" (fastest to apply) or "bitmask" per tensor,

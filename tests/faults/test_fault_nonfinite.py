@@ -11,7 +11,8 @@ import torch
 
 from lmcollect import LLMCollector
 from lmcollect.ray.collector import RayLLMCollector
-from lmcollect.ray import RayPushConfig, RayRemoteWeightUpdater
+from lmcollect.ray import RayRemoteWeightUpdater
+from lmcollect.weight_sync import PushConfig
 from lmcollect.weight_sync import LocalWeightUpdater
 from lmcollect.weights.tensors import non_finite_problems
 from tests.factories import SmallModelPolicy, SmallNet, make_arithmetic_env
@@ -75,8 +76,8 @@ def test_ray_push_of_inf_is_refused_on_the_driver(ray_cluster, fault_table) -> N
         time_to_error = time.monotonic() - started
         assert same_weights(collector.get_policy_model(), held)
         assert collector.policy_version == updater.version == 0
-        RayRemoteWeightUpdater(broken_net(float("-inf")), [collector], config=RayPushConfig(allow_non_finite=True)).push_weights()
+        RayRemoteWeightUpdater(broken_net(float("-inf")), [collector], config=PushConfig(allow_non_finite=True)).push_weights()
         assert torch.isneginf(collector.get_policy_model().norm.weight[3]) and collector.policy_version == 1
     fault_table.add("push of Inf weights (Ray)", "RayRemoteWeightUpdater.push_weights of a model with a -Inf",
                     "ValueError on the driver before ray.put; the actor's weights and version unchanged; "
-                    "RayPushConfig(allow_non_finite=True) pushes it", time_to_error, None)
+                    "PushConfig(allow_non_finite=True) pushes it", time_to_error, None)

@@ -31,6 +31,7 @@ pytest.importorskip("vllm")
 from lmcollect.policies.vllm_policy import VLLMPolicy  # noqa: E402
 from lmcollect.ray.vllm_replicas import VLLMReplicas  # noqa: E402
 from lmcollect.weight_sync.vllm_updater import vLLMUpdater  # noqa: E402
+from lmcollect.weight_sync import PushConfig  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -75,7 +76,7 @@ def test_vllm_worker_or_sender_dying_mid_push(ray_cluster, tiny_model_path: Path
     replicas = VLLMReplicas(tiny_model_path, engine_kwargs=ENGINE_KWARGS, env_vars={DIE_MID_PUSH_ENV: str(marker)},
                             remote_config={"num_cpus": 0.5, "max_restarts": 1})
     policy = VLLMPolicy(tiny_model_path, engine=replicas, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
-    updater = vLLMUpdater(timeout_s=TIMEOUT_S, bucket_size_bytes=BUCKET_SIZE_BYTES)
+    updater = vLLMUpdater(config=PushConfig(timeout_s=TIMEOUT_S, bucket_size_bytes=BUCKET_SIZE_BYTES))
     collector = LLMCollector(make_arithmetic_env(), policy=policy, dialog_turns_per_batch=4, weight_updater=updater,
                              track_policy_version=True)
     try:

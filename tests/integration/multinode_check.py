@@ -78,12 +78,13 @@ def check_collectors_and_buffer() -> None:
 def check_vllm_push_across_nodes() -> None:
     from lmcollect.models import ModelSpec, get_model_path, load_model_and_tokenizer
     from lmcollect.policies.vllm_policy import VLLMPolicy
+    from lmcollect.weight_sync import PushConfig
     from lmcollect.weight_sync.vllm_updater import LOOPBACK, vLLMUpdater
 
     with tempfile.TemporaryDirectory() as cache_dir:
         model_path = get_model_path(ModelSpec(size="tiny"), cache_dir=cache_dir)
         trainer_model = load_model_and_tokenizer(get_model_path(ModelSpec(size="tiny", seed=1), cache_dir=cache_dir))[0]
-        updater = vLLMUpdater(timeout_s=120)
+        updater = vLLMUpdater(config=PushConfig(timeout_s=120))
         collector = RayLLMCollector(
             ChatEnv(arithmetic_dataset(16, seed=0), reward_fn=MathAnswerReward(), batch_size=2, seed=0),
             policy_factory=functools.partial(VLLMPolicy, str(model_path), engine_kwargs=ENGINE_KWARGS, max_new_tokens=8),

@@ -20,7 +20,8 @@ from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
 from lmcollect.models import load_model_and_tokenizer
 from lmcollect.testing import ScriptedPolicy
-from lmcollect.ray.updater import RayPushConfig, RayRemoteWeightUpdater
+from lmcollect.ray.updater import RayRemoteWeightUpdater
+from lmcollect.weight_sync import PushConfig
 from tests.factories import (
     perturbed_model,
     make_arithmetic_env,
@@ -55,7 +56,7 @@ def test_a_restarted_actor_gets_its_weights_version_seed_and_id_range_back(ray_c
         c.worker_idx = 3
         c.set_seed(11)
         trainer = perturbed_model(tiny_model_path, seed=5)
-        updater = RayRemoteWeightUpdater(trainer, [c], config=RayPushConfig(timeout_s=60))
+        updater = RayRemoteWeightUpdater(trainer, [c], config=PushConfig(timeout_s=60))
         for _ in range(3):
             updater.push_weights()
         before = flatten_turns(c.next())

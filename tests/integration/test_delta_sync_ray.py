@@ -20,7 +20,8 @@ from lmcollect.models import load_model_and_tokenizer
 from lmcollect.policies import TransformersPolicy
 from lmcollect.weights.buckets import WeightBuckets
 from lmcollect.weights.delta import EncodedDelta, WeightDelta
-from lmcollect.ray.updater import RayPushConfig, RayRemoteWeightUpdater
+from lmcollect.ray.updater import RayRemoteWeightUpdater
+from lmcollect.weight_sync import PushConfig
 from tests.factories import make_arithmetic_env, perturbed_model
 
 pytestmark = pytest.mark.integration
@@ -100,7 +101,7 @@ class CorruptingUpdater(RayRemoteWeightUpdater):
 
 @pytest.fixture(scope="module")
 def updater(collectors, trainer) -> CorruptingUpdater:
-    return CorruptingUpdater(trainer, collectors, config=RayPushConfig(delta=True, timeout_s=60))
+    return CorruptingUpdater(trainer, collectors, config=PushConfig(delta=True, timeout_s=60))
 
 
 def test_five_delta_pushes_after_adamw_steps_answer_like_a_fresh_model(collectors, trainer, updater, tiny_model_path) -> None:
@@ -199,7 +200,7 @@ def test_auto_delta_follows_the_link_rate_the_cost_model_is_given(collectors, tr
     model = PushCostModel(per_byte_s=0.2e-9, delta_per_full_byte_s=1e-9)  # 5% deltas pay below ~7 Gbit/s
     optimizer = torch.optim.AdamW(trainer.parameters(), lr=LR)
     for link_gbit, kinds in ((0.1, ["full", "delta"]), (400.0, ["full", "full"])):
-        config = RayPushConfig(delta="auto", link_gbit=link_gbit, cost_model=model, timeout_s=60)
+        config = PushConfig(delta="auto", link_gbit=link_gbit, cost_model=model, timeout_s=60)
         auto = RayRemoteWeightUpdater(trainer, collectors, config=config)
         seen = []
         for step in range(2):

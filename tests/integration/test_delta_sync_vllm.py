@@ -25,6 +25,7 @@ from tests.integration.conftest import MAX_NEW_TOKENS, QUESTIONS, chat_batch
 
 pytest.importorskip("vllm")
 from lmcollect.weight_sync.vllm_updater import vLLMUpdater  # noqa: E402
+from lmcollect.weight_sync import PushConfig  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -71,7 +72,7 @@ def assert_same_answers(got: TensorDictBase, want: TensorDictBase) -> None:
 
 def test_delta_pushes_answer_like_a_fresh_model_and_a_corrupted_delta_is_repaired(greedy_policy: Any, model_dir: Path) -> None:
     trainer = perturbed_model(model_dir, seed=4).to(torch.bfloat16)
-    updater = CorruptingUpdater(delta=True, convert_dtype=True, verify=True, timeout_s=60)
+    updater = CorruptingUpdater(config=PushConfig(delta=True, convert_dtype=True, verify=True, timeout_s=60))
     env = ChatEnv(arithmetic_dataset(16, seed=0), reward_fn=MathAnswerReward(), batch_size=4, seed=0)
     collector = LLMCollector(env, policy=greedy_policy, dialog_turns_per_batch=4, weight_updater=updater, track_policy_version=True)
     v0 = collector.policy_version  # counts on from the session engine's version (earlier tests pushed into it)
@@ -111,7 +112,7 @@ def test_process_group_delta_pushes_into_a_continuous_collector(greedy_policy: A
     from lmcollect.engines.sampling import SamplingConfig
 
     trainer = perturbed_model(model_dir, seed=8).to(torch.bfloat16)
-    updater = vLLMUpdater(delta=True, convert_dtype=True, verify=True, timeout_s=60)
+    updater = vLLMUpdater(config=PushConfig(delta=True, convert_dtype=True, verify=True, timeout_s=60))
     env = ChatEnv(arithmetic_dataset(16, seed=0), reward_fn=MathAnswerReward(), batch_size=1, seed=0)
     collector = ContinuousLLMCollector(
         [env], engine=greedy_policy.engine, tokenizer=greedy_policy.tokenizer, dialog_turns_per_batch=2,
@@ -152,7 +153,7 @@ def test_auto_delta_chooses_by_the_link_rate_and_the_vllm_cost_model(
     greedy_policy: Any, model_dir: Path, link_gbit: float, kinds: list[str]
 ) -> None:
     trainer = perturbed_model(model_dir, seed=9).to(torch.bfloat16)
-    updater = vLLMUpdater(delta="auto", link_gbit=link_gbit, convert_dtype=True, verify=True, timeout_s=60)
+    updater = vLLMUpdater(config=PushConfig(delta="auto", link_gbit=link_gbit, convert_dtype=True, verify=True, timeout_s=60))
     env = ChatEnv(arithmetic_dataset(4, seed=0), reward_fn=MathAnswerReward(), batch_size=1, seed=0)
     collector = LLMCollector(
         env, policy=greedy_policy, dialog_turns_per_batch=1, weight_updater=updater, track_policy_version=True
@@ -173,6 +174,6 @@ def test_auto_delta_chooses_by_the_link_rate_and_the_vllm_cost_model(
 
 def test_auto_delta_options_are_checked() -> None:
     with pytest.raises(ValueError, match="link_gbit must be positive"):
-        vLLMUpdater(delta="auto", link_gbit=0)
+        vLLMUpdater(config=PushConfig(delta="auto", link_gbit=0))
     with pytest.raises(ValueError, match="set delta='auto'"):
-        vLLMUpdater(delta=True, link_gbit=10)
+        vLLMUpdater(config=PushConfig(delta=True, link_gbit=10))

@@ -24,7 +24,7 @@ from lmcollect.engines import EngineProtocol, EngineRequest, EngineResult, Worke
 from lmcollect.models import load_model_and_tokenizer
 from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.engines.vllm_common import checkpoint_eos_token_ids
-from lmcollect.weight_sync import vLLMUpdater
+from lmcollect.weight_sync import PushConfig, vLLMUpdater
 from tests.engine_contract import CHECKS, EngineCase, generate_greedy, hf_case
 from tests.factories import corrupted_delta, perturbed_model, run_in_thread, sparsely_trained
 from tests.integration.conftest import MAX_NEW_TOKENS, QUESTIONS, chat_batch
@@ -258,7 +258,7 @@ def test_a_push_mid_turn_is_recorded_per_token(engine, model_dir, greedy_policy,
     old, _ = load_model_and_tokenizer(model_dir)
     new = perturbed_model(model_dir, seed=5)
     env = ChatEnv(arithmetic_dataset(8, seed=0), task=SingleTurnTask(), batch_size=1, seed=0)
-    updater = vLLMUpdater(timeout_s=60, verify=True) if push == "process group" else None
+    updater = vLLMUpdater(config=PushConfig(timeout_s=60, verify=True)) if push == "process group" else None
     collector = ContinuousLLMCollector(
         [env], engine=engine, tokenizer=greedy_policy.tokenizer, dialog_turns_per_batch=1, track_policy_version=True,
         sampling=SamplingConfig(max_new_tokens=300, temperature=0, ignore_eos=True), weight_updater=updater,
@@ -492,7 +492,7 @@ def test_an_adapter_whose_merge_overflows_is_refused_by_the_workers(engine, hf_m
 
 
 def test_a_delta_loads_in_the_workers_and_a_refused_one_changes_nothing(engine, model_dir, hf_model) -> None:
-    """A WeightDelta (what RayRemoteWeightUpdater(delta=True) sends a continuous collector) is staged
+    """A WeightDelta (what RayRemoteWeightUpdater with PushConfig(delta=True) sends a continuous collector) is staged
     in every worker, then reloaded: answers equal the trainer's. A corrupted delta (checksum) or one
     for another base version is refused with the engine's weights and version unchanged."""
     from lmcollect.weights.delta import DeltaBase, DeltaConfig, DeltaRejectedError

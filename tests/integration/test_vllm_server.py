@@ -51,6 +51,7 @@ from lmcollect.engines.served import (  # noqa: E402
 from lmcollect.policies.vllm_server import VLLMServerPolicy  # noqa: E402
 from lmcollect.engines.served.control import CONTROL_TOKEN_HEADER  # noqa: E402
 from lmcollect.weight_sync.vllm_updater import vLLMUpdater  # noqa: E402
+from lmcollect.weight_sync import PushConfig  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -303,7 +304,7 @@ def test_push_into_the_server_answers_like_transformers_with_the_pushed_weights(
     policy = VLLMServerPolicy(
         server.url, control_token=server.control_token, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS
     )
-    updater = vLLMUpdater(verify=True, timeout_s=60)
+    updater = vLLMUpdater(config=PushConfig(verify=True, timeout_s=60))
     collector = LLMCollector(
         make_env(), policy=policy, dialog_turns_per_batch=4, weight_updater=updater, track_policy_version=True
     )

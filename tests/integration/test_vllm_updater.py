@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import time
+from dataclasses import replace
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from tests.integration.conftest import CPU_ENGINE_KWARGS, MAX_NEW_TOKENS, QUESTI
 pytest.importorskip("vllm")
 from lmcollect.policies.vllm_policy import VLLMPolicy  # noqa: E402
 from lmcollect.weight_sync.vllm_updater import VLLMUpdater, vLLMUpdater  # noqa: E402
+from lmcollect.weight_sync import PushConfig  # noqa: E402
 from lmcollect.engines.vllm_worker_ext import VLLM_EXTENSION  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -102,7 +104,7 @@ def test_push_matches_transformers_resets_cache_and_bumps_version(
     old_reference: TransformersPolicy,
     new_reference: TransformersPolicy,
 ) -> None:
-    updater = vLLMUpdater(verify=True, timeout_s=60)
+    updater = vLLMUpdater(config=PushConfig(verify=True, timeout_s=60))
     collector = LLMCollector(
         make_env(), policy=local_engine, dialog_turns_per_batch=4, weight_updater=updater, track_policy_version=True
     )
@@ -158,7 +160,7 @@ def test_update_policy_weights_without_an_updater_loads_into_the_workers(
 def test_bad_pushes_change_nothing(
     local_engine: VLLMPolicy, new_model: torch.nn.Module, old_reference: TransformersPolicy
 ) -> None:
-    updater = vLLMUpdater(timeout_s=60)
+    updater = vLLMUpdater(config=PushConfig(timeout_s=60))
     collector = LLMCollector(
         make_env(), policy=local_engine, dialog_turns_per_batch=4, weight_updater=updater, track_policy_version=True
     )
@@ -210,7 +212,7 @@ def test_ray_collector_with_vllm_policy_collects_in_the_background_through_a_pus
         VLLMPolicy, str(model_dir), engine_kwargs=EXT_ENGINE_KWARGS, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS
     )
     buffer = RayReplayBuffer(capacity=1000)
-    updater = vLLMUpdater(timeout_s=120, verify=True)
+    updater = vLLMUpdater(config=PushConfig(timeout_s=120, verify=True))
     collector = RayLLMCollector(
         make_env(),
         policy_factory=policy_factory,
@@ -253,7 +255,7 @@ def test_convert_dtype_pushes_into_a_bf16_engine_actor_and_a_killed_actor_fails_
     engine = VLLMReplicas(model_dir, engine_kwargs=bf16_kwargs, remote_config={"num_cpus": 0.5})
     pushed = VLLMPolicy(model_dir, engine=engine, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
     timeout_s = 20.0
-    updater = vLLMUpdater(timeout_s=timeout_s, verify=True, convert_dtype=True)
+    updater = vLLMUpdater(config=PushConfig(timeout_s=timeout_s, verify=True, convert_dtype=True))
     collector = LLMCollector(
         make_env(), policy=pushed, dialog_turns_per_batch=4, weight_updater=updater, track_policy_version=True
     )
@@ -300,7 +302,7 @@ def test_nccl_push_into_tensor_parallel_engine(ray_cluster: Any, model_dir: Path
     replicas = VLLMReplicas(model_dir, engine_kwargs=gpu_kwargs, remote_config={"num_cpus": 0.5, "num_gpus": 2})
     policy = VLLMPolicy(model_dir, engine=replicas, temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
     updater = vLLMUpdater.from_policy(policy)
-    updater.vllm_tp_size = 2
+    updater.config = replace(updater.config, vllm_tp_size=2)
     trainer_model = new_model.to("cuda:0")
     try:
         updater.push_weights(trainer_model)

@@ -16,7 +16,8 @@ from lmcollect.data.turns import flatten_turns
 from lmcollect.models import load_model_and_tokenizer
 from lmcollect.policies import TransformersPolicy
 from lmcollect.weight_sync import WeightPushError
-from lmcollect.ray.updater import PushHandle, RayPushConfig, RayRemoteWeightUpdater, RayWeightUpdater
+from lmcollect.ray.updater import PushHandle, RayRemoteWeightUpdater, RayWeightUpdater
+from lmcollect.weight_sync import PushConfig
 from lmcollect.transports.process_group import ProcessGroupConfig, ProcessGroupReceiver, ProcessGroupSender
 from lmcollect.ray.object_store import RayObjectStoreSender
 from tests.factories import SmallModelPolicy, SmallNet, make_arithmetic_env, make_greedy_tiny_policy, perturbed_model
@@ -79,7 +80,7 @@ def versions(collectors) -> list[int]:
 # ---------------------------------------------------------------------- the real tiny model
 def test_outputs_after_a_push_match_a_fresh_model_with_the_new_weights(tiny_collectors, tiny_model_path) -> None:
     trainer = perturbed_model(tiny_model_path, seed=1)
-    updater = RayRemoteWeightUpdater(trainer, tiny_collectors, config=RayPushConfig(timeout_s=60))
+    updater = RayRemoteWeightUpdater(trainer, tiny_collectors, config=PushConfig(timeout_s=60))
     before = versions(tiny_collectors)
     for c, v in zip(tiny_collectors, before):
         assert {int(t[keys.POLICY_VERSION]) for t in flatten_turns(c.next())} == {v}
@@ -202,7 +203,7 @@ def test_worker_side_check_and_dtype_conversion(small_collectors) -> None:
     with pytest.raises(ValueError, match="float64"):  # checked in the actor (no updater)
         collector.update_policy_weights_(weights)
     assert same_state(remote_state(collector), before) and collector.policy_version == start
-    RayRemoteWeightUpdater(weights, [collector], config=RayPushConfig(convert_dtype=True, packing="flat")).push_weights()
+    RayRemoteWeightUpdater(weights, [collector], config=PushConfig(convert_dtype=True, packing="flat")).push_weights()
     assert same_state(remote_state(collector), {k: v.float() for k, v in weights.items()})
     with pytest.raises(ValueError, match="only one"):
         collector.receive_weights(weights, policy=SmallNet())
@@ -214,7 +215,7 @@ def test_worker_side_check_and_dtype_conversion(small_collectors) -> None:
 # ---------------------------------------------------------------------- faults
 def test_a_dead_worker_fails_the_push_quickly(small_collectors) -> None:
     (doomed,) = start_collectors(1, SmallModelPolicy)
-    updater = RayRemoteWeightUpdater(SmallNet(), [small_collectors[0], doomed], config=RayPushConfig(timeout_s=300))
+    updater = RayRemoteWeightUpdater(SmallNet(), [small_collectors[0], doomed], config=PushConfig(timeout_s=300))
     updater.init()  # metadata fetched while both are alive
     ray.kill(doomed.actor, no_restart=True)
     started = time.monotonic()
@@ -229,7 +230,7 @@ def test_a_stuck_worker_times_out_instead_of_hanging(small_collectors) -> None:
     collector.cascade_execute("policy.set_delay", 4.0)
     busy = collector.actor.collect_next.remote()  # holds the policy read lock for ~4 s per turn
     time.sleep(0.5)
-    updater = RayRemoteWeightUpdater(SmallNet(), [collector], config=RayPushConfig(timeout_s=1.0))
+    updater = RayRemoteWeightUpdater(SmallNet(), [collector], config=PushConfig(timeout_s=1.0))
     updater.init()
     with pytest.raises(WeightPushError, match=r"\[0\] did not apply the weights within timeout_s=1.0"):
         updater.push_weights()
@@ -278,7 +279,7 @@ def test_zero_copy_push_maps_the_object_and_a_copying_push_unshares(tiny_collect
         return c.cascade_execute("policy.model.model.norm.weight.storage_offset")
 
     trainer = perturbed_model(tiny_model_path, seed=3)
-    updater = RayRemoteWeightUpdater(trainer, tiny_collectors, config=RayPushConfig(timeout_s=60, zero_copy=True, packing="flat"))
+    updater = RayRemoteWeightUpdater(trainer, tiny_collectors, config=PushConfig(timeout_s=60, zero_copy=True, packing="flat"))
     updater.push_weights()
     fresh, tokenizer = load_model_and_tokenizer(tiny_model_path)
     fresh.load_state_dict(trainer.state_dict())
@@ -291,7 +292,7 @@ def test_zero_copy_push_maps_the_object_and_a_copying_push_unshares(tiny_collect
         _, responses, _ = reference.generate([t[keys.TEXT_PROMPT] for t in turns])
         assert all(torch.equal(t[keys.TOKENS_RESPONSE], r) for t, r in zip(turns, responses))
     other = perturbed_model(tiny_model_path, seed=4)
-    RayRemoteWeightUpdater(other, tiny_collectors, config=RayPushConfig(timeout_s=60)).push_weights()
+    RayRemoteWeightUpdater(other, tiny_collectors, config=PushConfig(timeout_s=60)).push_weights()
     for c in tiny_collectors:
         assert offset(c) == 0
         assert same_state(remote_state(c), other.state_dict())
@@ -308,7 +309,7 @@ def test_a_lora_push_sends_only_the_adapter_and_every_worker_merges_it(tiny_coll
     from tests.factories import merged_copy, trained_lora
 
     base = perturbed_model(tiny_model_path, seed=7)
-    updater = RayRemoteWeightUpdater(None, tiny_collectors, config=RayPushConfig(timeout_s=60, delta=True))
+    updater = RayRemoteWeightUpdater(None, tiny_collectors, config=PushConfig(timeout_s=60, delta=True))
     updater.push_weights(base)  # a known base on every worker (the delta base too)
     peft_model = trained_lora(tiny_model_path, seed=31, base=perturbed_model(tiny_model_path, seed=7))
     adapter = lora_adapter(peft_model)

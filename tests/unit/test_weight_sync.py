@@ -369,10 +369,10 @@ def test_zero_copy_refuses_a_bad_push_without_changing_anything() -> None:
 
 
 def test_zero_copy_and_delta_cannot_be_combined() -> None:
-    from lmcollect.ray.updater import RayPushConfig
+    from lmcollect.weight_sync import PushConfig
 
     with pytest.raises(ValueError, match="zero_copy=True and delta"):
-        RayPushConfig(zero_copy=True, delta=True)
+        PushConfig(zero_copy=True, delta=True)
 
 
 def test_the_held_dtypes_of_receivers_that_must_agree() -> None:
