@@ -86,6 +86,23 @@ class TransportPair(abc.ABC):
         """Release what the pair started."""
 
 
+class SchemePullPair(TransportPair):
+    """A sender whose receiver is registered with a collector as its ``"policy"`` scheme: a push
+    publishes, then the collector pulls (``receive_weights``); every push is a whole snapshot."""
+
+    def __init__(self, collector: LLMCollector, sender: Any, receiver: Any) -> None:
+        super().__init__(collector)
+        self.sender = sender
+        self.collector.register_scheme_receiver({"policy": receiver}, synchronize_weights=False)
+
+    def push(self, weights: Any, *, version: int | None = None) -> None:
+        self.sender.send(weights, **({} if version is None else {"version": version}))
+        self.collector.receive_weights()
+
+    def last_kind(self) -> str:
+        return "full"
+
+
 def tiny_collector(model_path: Path, **kwargs: Any) -> LLMCollector:
     """The target every pair pushes into: a collector over a fresh copy of the tiny transformers
     model (its policy's engine merges LoRA adapters), tracking versions."""

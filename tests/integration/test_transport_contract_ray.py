@@ -8,19 +8,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from lmcollect.ray.object_store import RayObjectStoreSender
-from tests.transport_contract import CHECKS, TransportPair, tiny_collector
+from tests.transport_contract import CHECKS, SchemePullPair, tiny_collector
 
 pytestmark = pytest.mark.integration
 
 CALL_TIMEOUT_S = 10.0  # the receiver's bound on each call into Ray
 
 
-class RayObjectStorePair(TransportPair):
+class RayObjectStorePair(SchemePullPair):
     """A ``RayObjectStoreSender`` and one receiver of it, registered with a fresh collector (the
     sender's mailbox actor is the peer that can die)."""
 
@@ -28,17 +27,7 @@ class RayObjectStorePair(TransportPair):
     bound_s = CALL_TIMEOUT_S + 5.0
 
     def __init__(self, model_path: Path, sender: RayObjectStoreSender) -> None:
-        super().__init__(tiny_collector(model_path))
-        self.sender = sender
-        receiver = sender.make_receiver(call_timeout_s=CALL_TIMEOUT_S)
-        self.collector.register_scheme_receiver({"policy": receiver}, synchronize_weights=False)
-
-    def push(self, weights: Any, *, version: int | None = None) -> None:
-        self.sender.send(weights, **({} if version is None else {"version": version}))
-        self.collector.receive_weights()
-
-    def last_kind(self) -> str:
-        return "full"  # every push is the whole snapshot
+        super().__init__(tiny_collector(model_path), sender, sender.make_receiver(call_timeout_s=CALL_TIMEOUT_S))
 
     def kill_peer(self) -> None:
         self.sender.close()  # kills the mailbox actor

@@ -19,7 +19,7 @@ from lmcollect.weight_sync import LocalWeightUpdater
 from lmcollect.weights.delta import DeltaConfig
 from lmcollect.weights.version import PushVersion
 from tests.factories import run_in_thread
-from tests.transport_contract import CHECKS, TransportPair, tiny_collector
+from tests.transport_contract import CHECKS, SchemePullPair, TransportPair, tiny_collector
 
 PULL_TIMEOUT_S = 0.5  # how long a shared-memory pull waits for a push that never comes
 GROUP_TIMEOUT_S = 5.0  # the process group's bound on every wait (the dead-peer call's bound)
@@ -59,23 +59,14 @@ class LocalPair(TransportPair):
         self.policy.close()
 
 
-class SharedMemoryPair(TransportPair):
+class SharedMemoryPair(SchemePullPair):
     """A ``SharedMemorySender`` and one receiver registered with the collector (one process: no peer)."""
 
     bound_s = PULL_TIMEOUT_S + 2.0
 
     def __init__(self, model_path: Path) -> None:
-        super().__init__(tiny_collector(model_path))
-        self.sender = SharedMemorySender()
-        receiver = self.sender.make_receiver(timeout_s=PULL_TIMEOUT_S)
-        self.collector.register_scheme_receiver({"policy": receiver}, synchronize_weights=False)
-
-    def push(self, weights: Any, *, version: int | None = None) -> None:
-        self.sender.send(weights, **({} if version is None else {"version": version}))
-        self.collector.receive_weights()
-
-    def last_kind(self) -> str:
-        return "full"  # every push is the whole snapshot
+        sender = SharedMemorySender()
+        super().__init__(tiny_collector(model_path), sender, sender.make_receiver(timeout_s=PULL_TIMEOUT_S))
 
     def kill_peer(self) -> None:
         self.sender.close()
