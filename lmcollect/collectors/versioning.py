@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import threading
-import uuid
 from typing import Any, Literal
 
-from lmcollect.weights.version import PushVersion
+from lmcollect.weights.version import PushVersion, VersionCounter
 
 
 class PolicyVersion:
@@ -14,74 +12,71 @@ class PolicyVersion:
 
     ``version_type="int"`` counts 0, 1, 2, ...; ``"uuid"`` draws a fresh uuid4 string on every
     increment. Either way :attr:`index` counts increments, so versions can be compared.
+
+    It reads a :class:`~lmcollect.weights.version.VersionCounter`: its own, or the one of the engine
+    the collector generates with (:func:`make_policy_version`), so the engine's loads are the
+    collector's versions with no copying between the two.
     """
 
     def __init__(self, version_type: Literal["int", "uuid"] = "int") -> None:
         if version_type not in ("int", "uuid"):
             raise ValueError(f"version_type must be 'int' or 'uuid', got {version_type!r}.")
         self.version_type = version_type
-        self._lock = threading.Lock()
-        self.index = 0
-        self._uuid = str(uuid.uuid4())
-        self._pushed = False  # whether index and uuid are a push's (else drawn here)
+        self.counter = VersionCounter(start=0)
+
+    @property
+    def index(self) -> int:
+        """The version as a counter (also for uuid versions)."""
+        return self.counter.index
 
     @property
     def version_uuid(self) -> str:
         """The uuid of the current version (what ``"uuid"`` collectors report)."""
-        return self._uuid
+        return self.counter.uuid
 
     @property
     def version(self) -> int | str:
-        return self.index if self.version_type == "int" else self._uuid
+        return self.counter.index if self.version_type == "int" else self.counter.uuid
 
     def increment(self) -> int | str:
-        with self._lock:
-            self.index += 1
-            self._uuid = str(uuid.uuid4())
-            self._pushed = False
-            return self.version
+        self.counter.increment()
+        return self.version
 
     def set(self, pushed: PushVersion) -> int | str:
         """Take the version of an applied push (never goes back: a lower one raises ValueError)."""
-        with self._lock:
-            self.check(pushed)
-            self.index = pushed.index
-            self._uuid = pushed.uuid
-            self._pushed = True
-            return self.version
-
-    def adopt_index(self, index: int) -> None:
-        """Count on from ``index`` (weights an engine already held, with no push's uuid to take)."""
-        with self._lock:
-            if index > self.index:
-                self.index, self._uuid, self._pushed = index, str(uuid.uuid4()), False
+        self.counter.set(pushed)
+        return self.version
 
     def check(self, pushed: PushVersion) -> None:
-        """Raise the ValueError :meth:`set` would, without changing anything.
+        """Raise the ValueError :meth:`set` would, without changing anything (see :meth:`VersionCounter.check`)."""
+        self.counter.check(pushed)
 
-        Versions only go up. The same push again (same index and uuid) is taken; another push
-        under the index of a push already held is refused: two pushes cannot share a label. A
-        version drawn here (the starting weights, ``increment``) may be relabelled by a push.
-        """
-        if pushed.index < self.index:
-            raise ValueError(
-                f"pushed version {pushed.index} is older than this collector's version {self.index}; "
-                "versions only go up (push with a higher version, or leave version=None)."
-            )
-        if pushed.index == self.index and self._pushed and pushed.uuid != self._uuid:
-            raise ValueError(
-                f"pushed version {pushed.index} has uuid {pushed.uuid!r}, but this collector already holds version "
-                f"{self.index} of another push (uuid {self._uuid!r}); push with a higher version, or leave version=None."
-            )
+    def share(self, counter: VersionCounter) -> None:
+        """Read ``counter`` from now on (an engine's). The newer of the two versions is kept: an
+        engine that loaded weights before keeps them; one that loaded none (or older) takes this
+        version; an engine's ``-1`` (nothing loaded) becomes this collector's starting 0."""
+        if self.counter.index > counter.index:
+            counter.adopt(self.counter)
+        self.counter = counter
+
+    def shares(self, counter: VersionCounter | None) -> bool:
+        """Whether this version reads ``counter``."""
+        return counter is not None and self.counter is counter
 
     def state_dict(self) -> dict:
-        return {"version_type": self.version_type, "index": self.index, "uuid": self._uuid, "pushed": self._pushed}
+        counter = self.counter
+        return {
+            "version_type": self.version_type,
+            "index": counter.index,
+            "uuid": counter.uuid,
+            "pushed": counter.pushed,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.version_type = state["version_type"]
-        self.index = int(state["index"])
-        self._uuid = state["uuid"]
-        self._pushed = bool(state.get("pushed", False))
+        self.counter.__setstate__(
+            {"index": state["index"], "uuid": state["uuid"], "pushed": state.get("pushed", False)}
+        )
 
     def __repr__(self) -> str:
         return f"PolicyVersion(version_type={self.version_type!r}, version={self.version!r})"
@@ -90,9 +85,10 @@ class PolicyVersion:
 def make_policy_version(track_policy_version: bool | PolicyVersion, *, engine: Any = None) -> PolicyVersion | None:
     """Resolve the collector's ``track_policy_version`` argument.
 
-    ``engine``: the engine the collector generates with (lockstep or continuous), if any. When it
-    already holds pushed weights (an earlier collector's), the version counts on from them, so turns
-    and their tokens carry one consistent version and the next push is newer than what the engine holds.
+    ``engine``: the engine the collector generates with (lockstep or continuous), if any. The
+    version then reads the engine's counter (:meth:`PolicyVersion.share`): the engine's loads are
+    the collector's versions, and one that already holds pushed weights (an earlier collector's)
+    keeps them, so turns and their tokens carry one consistent version.
     """
     if isinstance(track_policy_version, PolicyVersion):
         version: PolicyVersion | None = track_policy_version
@@ -103,6 +99,7 @@ def make_policy_version(track_policy_version: bool | PolicyVersion, *, engine: A
             "track_policy_version must be a bool or a PolicyVersion instance, "
             f"got {type(track_policy_version).__name__}."
         )
-    if version is not None and engine is not None and engine.version > version.index:
-        version.adopt_index(engine.version)
+    counter = getattr(engine, "version_counter", None)
+    if version is not None and isinstance(counter, VersionCounter):
+        version.share(counter)
     return version

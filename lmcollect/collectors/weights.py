@@ -395,7 +395,9 @@ class WeightReceiverMixin(HoldsWeightUpdater):
         allow_non_finite: bool,
     ) -> Any:
         """A push into an engine that holds its own weights: checked by the engine, loaded while no
-        token is generated (see :meth:`_engine_held`), then the cache reset and the version taken.
+        token is generated (see :meth:`_engine_held`); the engine resets its cache and its version
+        counter takes the push's version (index and uuid), which this collector reads as its own
+        (see :func:`~lmcollect.collectors.versioning.make_policy_version`).
 
         A :class:`~lmcollect.weights.delta.WeightDelta` (with ``version``) must apply to the push
         held (index and uuid, checked here), then goes to the engine as it is: engines whose
@@ -407,15 +409,18 @@ class WeightReceiverMixin(HoldsWeightUpdater):
         source = self._engine_source(
             engine, weights, convert_dtype=convert_dtype, version=version, allow_non_finite=allow_non_finite
         )
-        index = version.index if version is not None else self._loaded_version_index(engine)
+        loaded: int | PushVersion = version if version is not None else self._loaded_version_index(engine)
         held, self._held_push = self._held_push, None  # until the load succeeded
         with self._engine_held():
             try:
-                report = engine.load_weights(source, version=index)
+                report = engine.load_weights(source, version=loaded)
             except (DeltaRejectedError, ValueError):
                 self._held_push = held  # a refused load (a check, a delta, a stale push) changed nothing
                 raise
-            self._finish_update(version, cache_reset=True)  # load_weights resets the engine's cache
+            if self._policy_version is not None and not self._policy_version.shares(
+                getattr(engine, "version_counter", None)
+            ):  # an engine without a counter of its own (outside this library): take the version here
+                self._finish_update(version, cache_reset=True)
             self._held_push = version
         return report
 
@@ -507,8 +512,8 @@ class WeightReceiverMixin(HoldsWeightUpdater):
 
     def _finish_update(self, version: PushVersion | None, *, cache_reset: bool = False) -> None:
         """After new weights are in (while no token is generated): reset the prefix cache (unless
-        ``cache_reset``: an engine's ``load_weights`` did), take the version; an engine behind the
-        policy labels the tokens it generates from now on with it."""
+        ``cache_reset``: an engine's ``load_weights`` did), take the version. An engine behind the
+        policy shares the version's counter, so it labels the tokens it generates from now on with it."""
         reset_cache = getattr(self.policy, "reset_prefix_cache", None)
         if callable(reset_cache) and not cache_reset:
             reset_cache()
@@ -518,9 +523,6 @@ class WeightReceiverMixin(HoldsWeightUpdater):
             self._policy_version.increment()
         else:
             self._policy_version.set(version)
-        engine = engine_of(self.policy)
-        if engine is not None and engine.version != self.version_index():  # loaded other than by load_weights
-            engine.set_version(self.version_index())
 
     # ------------------------------------------------------------------ an engine with worker processes
     # A vLLM engine holds its weights in its workers: a vLLMUpdater forms a process group with
@@ -579,7 +581,8 @@ class WeightReceiverMixin(HoldsWeightUpdater):
         return self._weight_group_thread.submit(call, *args, **kwargs).result
 
     def _loaded_version_index(self, engine: EngineProtocol) -> int:
-        """The version index a load about to be taken gives ``engine`` (untracked: it counts its loads)."""
+        """The version index a load about to be taken gives ``engine``: the next of the counter it
+        shares with this collector (untracked: the engine counts its loads itself)."""
         if self._policy_version is not None:
             return self.version_index() + 1
         return max(engine.version, 0) + 1

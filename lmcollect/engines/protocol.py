@@ -31,6 +31,7 @@ from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.weights.buckets import WeightBuckets
 from lmcollect.weights.delta import DeltaRejectedError, WeightDelta
 from lmcollect.weights.lora import LoraAdapter
+from lmcollect.weights.version import PushVersion
 
 if TYPE_CHECKING:
     from lmcollect.engines.weight_group import GroupPush
@@ -52,7 +53,10 @@ class StalePushError(ValueError):
 
 
 def check_version(version: object) -> None:
-    """``TypeError`` unless ``version`` is an int (bools refused): the argument of ``load_weights`` / ``set_version``."""
+    """``TypeError`` unless ``version`` is an int (bools refused) or a push's
+    :class:`~lmcollect.weights.version.PushVersion`: the argument of ``load_weights`` / ``set_version``."""
+    if isinstance(version, PushVersion):
+        return
     if isinstance(version, bool) or not isinstance(version, int):
         raise TypeError(f"version must be an int (the weights' version), got {version!r}.")
 
@@ -166,9 +170,13 @@ class EngineProtocol(Protocol):
         self,
         named_tensors: Iterable[tuple[str, torch.Tensor]] | WeightBuckets | LoraAdapter | WeightDelta,
         *,
-        version: int,
+        version: int | PushVersion,
     ) -> list[Any] | None:
         """Load weights (all names and shapes checked before any is written) and take ``version``.
+
+        ``version``: an index, or a push's :class:`~lmcollect.weights.version.PushVersion` (index and
+        uuid): the engine's version counter (``version_counter``, which a collector driving the
+        engine reads as its own version) takes it with the weights, under the same lock.
 
         A successful load also forgets the cached prefixes (computed with the old weights): callers
         need not call :meth:`reset_prefix_cache` after it.
@@ -220,6 +228,10 @@ class EngineProtocol(Protocol):
         """The version of the weights loaded now (-1 before any push)."""
         ...
 
+    # Optional (every engine here): ``version_counter``, the
+    # :class:`~lmcollect.weights.version.VersionCounter` behind :attr:`version`; a tracking collector
+    # generating with the engine reads it as its policy version (no copying between two counters).
+
     @property
     def num_in_flight(self) -> int:
         """Requests submitted and not finished (the load a router balances)."""
@@ -269,7 +281,7 @@ class WorkerRpcEngine(Protocol):
         ...
 
     def load_weights(
-        self, source: Iterable[tuple[str, torch.Tensor]] | GroupPush | LoraAdapter, *, version: int
+        self, source: Iterable[tuple[str, torch.Tensor]] | GroupPush | LoraAdapter, *, version: int | PushVersion
     ) -> list[Any] | None:
         """:meth:`EngineProtocol.load_weights`, or, for a :class:`~lmcollect.engines.weight_group.GroupPush`,
         the workers receive the trainer's broadcast inside the load; returns their reports (replica by replica)."""

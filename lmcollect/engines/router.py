@@ -16,6 +16,7 @@ from lmcollect.engines.weight_group import GroupPush
 from lmcollect.weights.buckets import WeightBuckets
 from lmcollect.weights.delta import WeightDelta
 from lmcollect.weights.lora import LoraAdapter
+from lmcollect.weights.version import PushVersion, VersionCounter
 
 __all__ = ["EngineRouter", "ReplicaLoadError"]
 
@@ -68,6 +69,9 @@ class EngineRouter:
         self._lock = threading.Lock()  # picks and their submits, in one order
         self._closed = False
         self._fan_out = ThreadPoolExecutor(len(engines), thread_name_prefix="lmcollect-engine-router")
+        # The router's own counter, taken on each load every replica applied: replicas may live in
+        # other processes (Ray actors), where no counter can be shared. Starts at the oldest held.
+        self._counter = VersionCounter(start=min(engine.version for engine in engines))
 
     # ------------------------------------------------------------------ requests
     def submit(self, request: EngineRequest) -> Future[EngineResult]:
@@ -110,7 +114,7 @@ class EngineRouter:
         self,
         source: Iterable[tuple[str, torch.Tensor]] | WeightBuckets | GroupPush | LoraAdapter | WeightDelta,
         *,
-        version: int,
+        version: int | PushVersion,
     ) -> list[Any] | None:
         """Load the same weights into every replica (each checks them before writing any).
 
@@ -120,7 +124,9 @@ class EngineRouter:
         (the broadcast needs all of them); returns their workers' reports, replica by replica.
         """
         if isinstance(source, GroupPush):
-            return self._load_group_push(source, version)
+            reports = self._load_group_push(source, version)
+            self._counter.take(version)
+            return reports
         # every replica reads them: an adapter, a delta or buckets as they are, tensors as a list
         weights = (
             source if isinstance(source, (LoraAdapter, WeightDelta, WeightBuckets)) else list(dict(source).items())
@@ -128,6 +134,7 @@ class EngineRouter:
         errors = self._on_every(lambda engine: engine.load_weights(weights, version=version), raise_first=False)
         failures = {i: error for i, error in enumerate(errors) if error is not None}
         if not failures:
+            self._counter.take(version)
             return None
         failed, first = list(failures), next(iter(failures.values()))
         if len(failed) == len(self.engines):
@@ -148,7 +155,7 @@ class EngineRouter:
         """Whether ``load_weights`` takes a weight delta: when every replica's engine does."""
         return all(getattr(engine, "loads_weight_deltas", False) for engine in self.engines)
 
-    def _load_group_push(self, push: GroupPush, version: int) -> list[Any]:
+    def _load_group_push(self, push: GroupPush, version: int | PushVersion) -> list[Any]:
         engines = [self._worker_engine(i) for i in range(len(self.engines))]  # all checked before any receives
         futures = [self._fan_out.submit(engine.load_weights, push, version=version) for engine in engines]
         return self._gather(futures, "receive_weights")
@@ -160,6 +167,7 @@ class EngineRouter:
     def set_version(self, version: int) -> None:
         """Label every replica's next tokens with ``version``."""
         self._on_every(lambda engine: engine.set_version(version))
+        self._counter.take(version)
 
     @property
     def num_replicas(self) -> int:
@@ -227,8 +235,14 @@ class EngineRouter:
 
     @property
     def version(self) -> int:
-        """The oldest version any replica holds (all equal after a successful load)."""
-        return min(engine.version for engine in self.engines)
+        """The version every replica holds: the oldest at start, then each load all replicas applied
+        (one that some refused leaves it, see :class:`ReplicaLoadError`)."""
+        return self._counter.index
+
+    @property
+    def version_counter(self) -> VersionCounter:
+        """The counter of :attr:`version` (a collector driving this router reads it)."""
+        return self._counter
 
     @property
     def num_in_flight(self) -> int:

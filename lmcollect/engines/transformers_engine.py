@@ -41,6 +41,7 @@ from lmcollect.weights.tensors import (
     unique_targets,
     weight_problems,
 )
+from lmcollect.weights.version import PushVersion, VersionCounter, version_index
 
 if TYPE_CHECKING:  # transformers' model classes: the caller built the model
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -116,7 +117,7 @@ class TransformersEngine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
-        self._version = version
+        self._counter = VersionCounter(start=version)
         self._eos_ids = eos_token_ids(model.generation_config.eos_token_id, tokenizer)
         self._vocab_size = model.get_input_embeddings().num_embeddings
         self._device = next(model.parameters()).device
@@ -180,7 +181,7 @@ class TransformersEngine:
                 if self._closed:
                     raise EngineClosedError("this TransformersEngine is closed; build a new engine to generate.")
                 return generate_together(
-                    self.model, self.tokenizer, requests, eos_token_ids=self._eos_ids, version=self._version
+                    self.model, self.tokenizer, requests, eos_token_ids=self._eos_ids, version=self._counter.index
                 )
         finally:
             with self._state:
@@ -203,7 +204,7 @@ class TransformersEngine:
         self,
         named_tensors: Iterable[tuple[str, torch.Tensor]] | WeightBuckets | LoraAdapter | WeightDelta,
         *,
-        version: int,
+        version: int | PushVersion,
         convert_dtype: bool = False,
     ) -> None:
         """Check every tensor against the model, then copy them in place between two steps and take ``version``.
@@ -228,7 +229,7 @@ class TransformersEngine:
         A sender's :class:`~lmcollect.weights.buckets.WeightBuckets` are copied into the model
         straight from views of their bytes (no other copy).
         """
-        _check_int("version", version, minimum=-1, hint="the pushed weights' version")
+        _check_int("version", version_index(version), minimum=-1, hint="the pushed weights' version")
         if isinstance(named_tensors, WeightBuckets):
             named_tensors = named_tensors.tensors().items()
         if isinstance(named_tensors, WeightDelta):
@@ -244,7 +245,7 @@ class TransformersEngine:
         with self._between_steps(), torch.no_grad():
             if self._closed:
                 raise EngineClosedError("this TransformersEngine is closed; it cannot load weights.")
-            refuse_stale_push(version, self._version, "TransformersEngine")
+            refuse_stale_push(version_index(version), self._counter.index, "TransformersEngine")
             started = time.perf_counter()
             if adapter is not None:
                 self._kept_base.merge_into(adapter.to(self._device), targets, receiver="TransformersEngine's model")
@@ -254,24 +255,26 @@ class TransformersEngine:
                 targets[name].copy_(tensor)
             self._took(version, started)
 
-    def _load_delta(self, delta: WeightDelta, version: int) -> None:
+    def _load_delta(self, delta: WeightDelta, version: int | PushVersion) -> None:
         targets, aliases = unique_targets(self.model)
         with self._between_steps(), torch.no_grad():
             if self._closed:
                 raise EngineClosedError("this TransformersEngine is closed; it cannot load weights.")
-            refuse_stale_push(version, self._version, "TransformersEngine")
-            refuse_delta_base(delta, self._version, "TransformersEngine")
+            refuse_stale_push(version_index(version), self._counter.index, "TransformersEngine")
+            refuse_delta_base(delta, self._counter.index, "TransformersEngine")
             # the base's index matched; its uuid is the owning collector's to check
             started = time.perf_counter()
             prepare_delta(delta, targets, held_version=delta.base_version, aliases=aliases).apply_()
             self._kept_base.forget()
             self._took(version, started)
 
-    def _took(self, version: int, started: float) -> None:
+    def _took(self, version: int | PushVersion, started: float) -> None:
         """After a load (under the step lock): the new version, the cache stale under ``"recompute"``."""
-        self._version = version
+        self._counter.take(version)
         self._weights_changed = self._kv_policy == "recompute"
-        self._push_costs.loaded(version=version, kv_policy=self._kv_policy, call_s=time.perf_counter() - started)
+        self._push_costs.loaded(
+            version=version_index(version), kv_policy=self._kv_policy, call_s=time.perf_counter() - started
+        )
 
     loads_weight_deltas = True  # load_weights takes a WeightDelta (written in place)
 
@@ -300,7 +303,7 @@ class TransformersEngine:
         """Label tokens decoded from now on with ``version`` (between two decoding steps)."""
         _check_int("version", version, minimum=-1, hint="the loaded weights' version")
         with self._between_steps():
-            self._version = version
+            self._counter.take(version)
 
     def reset_prefix_cache(self) -> None:
         """Nothing to forget: no prefix is cached across requests, and a load re-prefills running ones."""
@@ -320,7 +323,10 @@ class TransformersEngine:
         """The recent loads' cost: the call, and the re-prefill each forced (tokens and seconds, measured)."""
         return self._push_costs.costs()
 
-    version = forwarded("_version", "The version of the weights loaded now (-1 before any push).")
+    version = forwarded("_counter.index", "The version of the weights loaded now (-1 before any push).")
+    version_counter = forwarded(
+        "_counter", "The counter of :attr:`version` (a collector driving this engine reads it)."
+    )
     loads_lora_adapters = True  # load_weights takes a LoraAdapter
 
     @property
@@ -340,7 +346,7 @@ class TransformersEngine:
 
     def __reduce__(self) -> tuple:
         """Travels (pickle, Ray) as its model and settings; the copy starts with nothing in flight."""
-        return (_rebuilt, (self.model, self.tokenizer, self.max_batch_size, self._version, self._kv_policy))
+        return (_rebuilt, (self.model, self.tokenizer, self.max_batch_size, self._counter.index, self._kv_policy))
 
     def __enter__(self) -> TransformersEngine:
         return self
@@ -464,7 +470,7 @@ class TransformersEngine:
                     self._outcomes.append((row, exc))
         self._rows = cached + fresh
         for row, row_logits in zip(self._rows, torch.cat(logits) if logits else [], strict=True):
-            row.append_next(row_logits, version=self._version)
+            row.append_next(row_logits, version=self._counter.index)
         self._retire_finished()
 
     def _drop_stale_cache(self) -> set[int]:

@@ -71,6 +71,7 @@ from lmcollect.weights.buckets import (
 from lmcollect.weights.delta import DeltaRejectedError, WeightDelta
 from lmcollect.weights.lora import LoraAdapter, check_adapter
 from lmcollect.weights.tensors import check_weights, raise_if_problems, weight_problems
+from lmcollect.weights.version import PushVersion, VersionCounter, version_index
 
 if TYPE_CHECKING:  # vllm is an optional extra and slow to import; the engine imports it when built
     from vllm import SamplingParams
@@ -142,7 +143,7 @@ class VLLMEngine(QueuedAndRunning):
         import_vllm()  # a clear ImportError before any thread starts
         self.model_path = str(model_path)
         self.timeout_s = timeout_s
-        self._version = INITIAL_VERSION
+        self._counter = VersionCounter(start=INITIAL_VERSION)
         self._kv = VLLMKVBook(check_kv_policy(kv_policy))
         self._paused = False
         self._closed = False
@@ -207,7 +208,7 @@ class VLLMEngine(QueuedAndRunning):
         self,
         source: Iterable[tuple[str, torch.Tensor]] | WeightBuckets | GroupPush | LoraAdapter | WeightDelta,
         *,
-        version: int,
+        version: int | PushVersion,
     ) -> list[Any] | None:
         """Check every name, shape and dtype, then reload the weights in every worker and take ``version``.
 
@@ -247,12 +248,16 @@ class VLLMEngine(QueuedAndRunning):
             self._load_full(method, payload, version, into_spare=True)
         return None
 
-    def _load_full(self, method: str, payload: tuple[str, Any], version: int, *, into_spare: bool) -> None:
+    def _load_full(
+        self, method: str, payload: tuple[str, Any], version: int | PushVersion, *, into_spare: bool
+    ) -> None:
         """Every worker reloads ``payload`` with ``method`` between two steps (under ``_full_load``).
         ``into_spare``: the payload is in the spare pack set, which becomes the workers' base."""
 
         def load() -> None:
-            refuse_stale_push(version, self._version, "VLLMEngine")  # here: loads run one at a time
+            refuse_stale_push(
+                version_index(version), self._counter.index, "VLLMEngine"
+            )  # here: loads run one at a time
             started = time.perf_counter()
             self._llm.collective_rpc(method, args=payload)
             self._took_base()
@@ -295,7 +300,7 @@ class VLLMEngine(QueuedAndRunning):
 
     loads_lora_adapters = True  # load_weights takes a LoraAdapter (merged in the workers)
 
-    def _load_adapter(self, adapter: LoraAdapter, version: int) -> list[Any]:
+    def _load_adapter(self, adapter: LoraAdapter, version: int | PushVersion) -> list[Any]:
         """A LoRA adapter: checked here, sent to every worker in the call (a few MB), merged there into
         the kept base weights of the adapted layers, which alone are reloaded (see the worker's
         ``load_lora_adapter``)."""
@@ -307,7 +312,7 @@ class VLLMEngine(QueuedAndRunning):
         kept = adapter.cloned(device="cpu")  # what a checkpoint saves (the trainer's tensors train on)
 
         def load() -> list[Any]:
-            refuse_stale_push(version, self._version, "VLLMEngine")
+            refuse_stale_push(version_index(version), self._counter.index, "VLLMEngine")
             started = time.perf_counter()
             reports = self._llm.collective_rpc(LOAD_LORA_ADAPTER, args=args)
             self._loaded, self._adapter = True, kept
@@ -338,7 +343,7 @@ class VLLMEngine(QueuedAndRunning):
 
     loads_weight_deltas = True  # load_weights takes a WeightDelta (applied in the workers)
 
-    def _load_delta(self, delta: WeightDelta, version: int) -> list[Any]:
+    def _load_delta(self, delta: WeightDelta, version: int | PushVersion) -> list[Any]:
         """A delta push (e.g. a ``RayRemoteWeightUpdater(delta=True)`` push into a continuous
         collector): sent to every worker in the call, applied there to a copy of the tensors it
         changes (from the worker's last full push), and reloaded only once every worker accepted
@@ -347,8 +352,8 @@ class VLLMEngine(QueuedAndRunning):
         args = (delta.header(), layout_to_json(arrays.layout), [buffer.data for buffer in arrays.buffers])
 
         def load() -> list[Any]:
-            refuse_stale_push(version, self._version, "VLLMEngine")
-            refuse_delta_base(delta, self._version, "VLLMEngine")
+            refuse_stale_push(version_index(version), self._counter.index, "VLLMEngine")
+            refuse_delta_base(delta, self._counter.index, "VLLMEngine")
             started = time.perf_counter()
             staged = self._llm.collective_rpc(STAGE_WEIGHT_DELTA, args=args)
             refused = [report["refused"] for report in staged if "refused" in report]
@@ -362,8 +367,8 @@ class VLLMEngine(QueuedAndRunning):
 
         return self._between_steps(load)
 
-    def _receive_group_push(self, push: GroupPush, version: int) -> list[Any]:
-        refuse_stale_push(version, self._version, "VLLMEngine")
+    def _receive_group_push(self, push: GroupPush, version: int | PushVersion) -> list[Any]:
+        refuse_stale_push(version_index(version), self._counter.index, "VLLMEngine")
         started = time.perf_counter()
         reports = self._llm.collective_rpc(RECEIVE_METHOD, args=push.worker_args())
         self._took_base()
@@ -405,7 +410,10 @@ class VLLMEngine(QueuedAndRunning):
         else touches the engine meanwhile); e.g. a benchmark's plain vLLM loop as its baseline."""
         return self._between_steps(lambda: fn(self._llm))
 
-    version = forwarded("_version", "The version of the weights loaded now (-1 before any load).")
+    version = forwarded("_counter.index", "The version of the weights loaded now (-1 before any load).")
+    version_counter = forwarded(
+        "_counter", "The counter of :attr:`version` (a collector driving this engine reads it)."
+    )
 
     @property
     def kv_policy(self) -> KVPolicy:
@@ -483,7 +491,7 @@ class VLLMEngine(QueuedAndRunning):
         from vllm.inputs import TokensPrompt
 
         for _future, request_id, request, params in queued:
-            salt = self._kv.added(request_id, request, version=self._version)
+            salt = self._kv.added(request_id, request, version=self._counter.index)
             prompt = TokensPrompt(prompt_token_ids=list(request.prompt_ids))
             if salt is not None:
                 prompt["cache_salt"] = salt
@@ -523,14 +531,15 @@ class VLLMEngine(QueuedAndRunning):
         if future is not None:
             settle(future, result=result, error=error)
 
-    def _take_version(self, version: int, started: float | None = None) -> None:
+    def _take_version(self, version: int | PushVersion, started: float | None = None) -> None:
         """The new version label (after a load that began at ``started``); under ``"recompute"`` the KV is dropped."""
-        self._llm.set_weight_version(str(version))
-        self._version = version
+        index = version_index(version)
+        self._llm.set_weight_version(str(index))
+        self._counter.take(version)
         if self._kv.kv_policy == "recompute":
             self._reset_caches()
         if started is not None:
-            self._kv.loaded(version=version, call_s=time.perf_counter() - started, running=len(self._running))
+            self._kv.loaded(version=index, call_s=time.perf_counter() - started, running=len(self._running))
 
     def _reset_caches(self) -> None:
         if not self._llm.reset_prefix_cache(reset_running_requests=True):

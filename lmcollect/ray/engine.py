@@ -39,6 +39,7 @@ from lmcollect.ray.cluster import actor_options, init_ray
 from lmcollect.weights.buckets import WeightBuckets
 from lmcollect.weights.delta import WeightDelta
 from lmcollect.weights.lora import LoraAdapter
+from lmcollect.weights.version import PushVersion, VersionCounter
 
 __all__ = ["RayEngine", "ray_engine_replicas", "start_ray_engines"]
 
@@ -65,7 +66,9 @@ class _EngineHost:
         return push_costs_of(self.engine)
 
     async def load_weights(
-        self, source: dict[str, torch.Tensor] | WeightBuckets | GroupPush | LoraAdapter | WeightDelta, version: int
+        self,
+        source: dict[str, torch.Tensor] | WeightBuckets | GroupPush | LoraAdapter | WeightDelta,
+        version: int | PushVersion,
     ) -> list[Any] | None:
         if isinstance(source, GroupPush):  # the engine's workers receive the broadcast
             engine = _worker_rpc_engine(self.engine)
@@ -131,7 +134,8 @@ class RayEngine:
 
     def _attach(self, actor: Any, version: int, worker_replicas: int | None, call_timeout_s: float) -> None:
         self._actor = actor
-        self._version, self._worker_replicas = version, worker_replicas  # _worker_replicas None: no worker processes
+        # the actor's engine counts in its process; this proxy's counter takes each load / set_version made here
+        self._counter, self._worker_replicas = VersionCounter(start=version), worker_replicas  # None: no workers
         self.call_timeout_s = call_timeout_s
         self._lock = threading.Lock()
         self._pending: set[Future] = set()  # submitted through this proxy, not answered yet
@@ -169,7 +173,7 @@ class RayEngine:
         self,
         source: Iterable[tuple[str, torch.Tensor]] | WeightBuckets | GroupPush | LoraAdapter | WeightDelta,
         *,
-        version: int,
+        version: int | PushVersion,
     ) -> list[Any] | None:
         # weights: one object-store copy, checked by the engine before it writes (buckets as numpy
         # buffers, which the actor maps without another copy)
@@ -180,7 +184,7 @@ class RayEngine:
             payload = source if isinstance(source, (GroupPush, LoraAdapter, WeightDelta)) else dict(source)
         wait_s = max(self.call_timeout_s, source.timeout_s or 0.0) if isinstance(source, GroupPush) else None
         reports = self._get(self._actor.load_weights.remote(payload, version), "load_weights", timeout_s=wait_s)
-        self._version = version
+        self._counter.take(version)
         return reports
 
     def weight_metadata(self) -> tuple[dict[str, tuple[torch.dtype, torch.Size]], dict[str, str]]:
@@ -188,7 +192,7 @@ class RayEngine:
 
     def set_version(self, version: int) -> None:
         self._get(self._actor.call.remote("set_version", version), "set_version")
-        self._version = version
+        self._counter.take(version)
 
     def reset_prefix_cache(self) -> None:
         self._get(self._actor.call.remote("reset_prefix_cache"), "reset_prefix_cache")
@@ -219,7 +223,11 @@ class RayEngine:
         )
 
     version = forwarded(
-        "_version", "The engine's weight version: its own at start, then each load_weights / set_version made here."
+        "_counter.index",
+        "The engine's weight version: its own at start, then each load_weights / set_version made here.",
+    )
+    version_counter = forwarded(
+        "_counter", "The counter of :attr:`version` (a collector driving this engine reads it)."
     )
 
     @property

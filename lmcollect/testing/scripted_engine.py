@@ -27,6 +27,7 @@ from lmcollect.weights.buckets import WeightBuckets
 from lmcollect.weights.delta import WeightDelta
 from lmcollect.weights.lora import LoraAdapter
 from lmcollect.weights.tensors import expected_metadata
+from lmcollect.weights.version import PushVersion, VersionCounter, version_index
 
 __all__ = ["ByteTokenizer", "ScriptedEngine", "ScriptedWeights", "chat_script"]
 
@@ -150,7 +151,7 @@ class ScriptedEngine(QueuedAndRunning):
         self.eos_token_id = eos_token_id
         self.num_steps = 0
         self.num_prefix_cache_resets = 0
-        self._version = -1
+        self._counter = VersionCounter(start=-1)
         self._queued: list[_Running] = []
         self._running: list[_Running] = []
         self._step_lock = threading.Lock()  # held for one decoding step, and by load_weights
@@ -189,7 +190,7 @@ class ScriptedEngine(QueuedAndRunning):
         self,
         named_tensors: Iterable[tuple[str, torch.Tensor]] | WeightBuckets | LoraAdapter | WeightDelta,
         *,
-        version: int,
+        version: int | PushVersion,
     ) -> None:
         if isinstance(named_tensors, LoraAdapter):
             raise TypeError("ScriptedEngine has no linear layers to adapt; push its {'tag'} tensor instead.")
@@ -203,9 +204,9 @@ class ScriptedEngine(QueuedAndRunning):
                 f"{ {k: tuple(v.shape) for k, v in weights.items()} }; no weight was changed."
             )
         with self._step_lock:  # between two decoding steps
-            refuse_stale_push(int(version), self._version, "ScriptedEngine")
+            refuse_stale_push(version_index(version), self._counter.index, "ScriptedEngine")
             self.model.tag.data.copy_(weights["tag"])
-            self._version = int(version)
+            self._counter.take(version)
             self.num_prefix_cache_resets += 1  # a load forgets cached prefixes (EngineProtocol.load_weights)
 
     def weight_metadata(self) -> tuple[dict[str, tuple[torch.dtype, torch.Size]], dict[str, str]]:
@@ -214,7 +215,7 @@ class ScriptedEngine(QueuedAndRunning):
 
     def set_version(self, version: int) -> None:
         with self._step_lock:
-            self._version = int(version)
+            self._counter.take(int(version))
 
     def reset_prefix_cache(self) -> None:
         self.num_prefix_cache_resets += 1
@@ -228,7 +229,10 @@ class ScriptedEngine(QueuedAndRunning):
             self._hold = (self.num_steps + step, hold_s, reached)
         return reached
 
-    version = forwarded("_version", "The version of the weights loaded now (-1 before any push).")
+    version = forwarded("_counter.index", "The version of the weights loaded now (-1 before any push).")
+    version_counter = forwarded(
+        "_counter", "The counter of :attr:`version` (a collector driving this engine reads it)."
+    )
 
     def close(self) -> None:
         with self._wake:
@@ -266,7 +270,7 @@ class ScriptedEngine(QueuedAndRunning):
         with self._step_lock:
             self.num_steps += 1
             self._hold_if_asked()
-            tag, version = float(self.model.tag.item()), self._version
+            tag, version = float(self.model.tag.item()), self._counter.index
             for item in running:
                 token = self._next_token(item, tag)
                 item.tokens.append(token)

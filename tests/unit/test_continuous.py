@@ -20,7 +20,9 @@ from lmcollect.envs import ChatEnv, SingleTurnTask, arithmetic_dataset
 from lmcollect.envs.tasks.tool_calc import ToolCalcTask, tool_calc_dataset, tool_calc_player
 from lmcollect.policies import SamplingConfig
 from lmcollect.policies.outputs import Generation, answer_prompts
+from lmcollect.collectors.versioning import PolicyVersion
 from lmcollect.weights.delta import WeightDelta
+from lmcollect.weights.version import PushVersion
 from tests.factories import corrupted_delta, run_in_thread
 
 ROWS = tool_calc_dataset(256, seed=0)
@@ -260,6 +262,37 @@ def test_a_local_weight_updater_pushes_into_the_engine_with_its_version() -> Non
         assert (collector.policy_version, engine.version, float(engine.model.tag)) == (5, 5, 3.0)
         turn = turns_of(collector.next())[0]
         assert set(turn.get(keys.TOKEN_VERSIONS).tolist()) == {5} and int(turn[keys.POLICY_VERSION]) == 5
+
+
+def test_a_load_straight_into_the_engine_is_the_collectors_version_with_no_collector_step() -> None:
+    """One counter: the collector reads its engine's version (index and uuid); nothing copies one into the other."""
+    engine = tool_engine()
+    with make_collector([tool_env(0)], engine=engine, track_policy_version=PolicyVersion("uuid")) as collector:
+        assert engine.version == collector.version_index() == 0  # the collector's starting weights
+        pushed = PushVersion(4)
+        engine.load_weights([("tag", torch.tensor([2.0]))], version=pushed)
+        assert engine.version == collector.version_index() == 4 and collector.policy_version == pushed.uuid
+        engine.load_weights([("tag", torch.tensor([3.0]))], version=7)  # a bare index: a uuid of its own
+        assert engine.version == collector.version_index() == 7 and collector.policy_version != pushed.uuid
+        held = collector.policy_version
+        with pytest.raises(ValueError, match="holds version 7, which is newer"):
+            engine.load_weights([("tag", torch.tensor([9.0]))], version=6)
+        with pytest.raises(ValueError, match="tag"):
+            engine.load_weights([("bias", torch.tensor([9.0]))], version=8)
+        assert (engine.version, collector.version_index(), collector.policy_version) == (7, 7, held)
+        assert float(engine.model.tag) == 3.0
+        turn = turns_of(collector.next())[0]
+        assert set(turn.get(keys.TOKEN_VERSIONS).tolist()) == {7} and non_tensor_values(turn, keys.POLICY_VERSION)[0] == held
+
+
+def test_an_untracked_collector_reports_minus_one_while_its_engine_counts_its_loads() -> None:
+    engine = tool_engine()
+    with make_collector([tool_env(0)], engine=engine, track_policy_version=False) as collector:
+        collector.update_policy_weights_({"tag": torch.tensor([1.0])})
+        collector.update_policy_weights_({"tag": torch.tensor([2.0])})
+        assert (collector.policy_version, collector.version_index(), engine.version) == (None, 0, 2)
+        turn = turns_of(collector.next())[0]
+        assert int(turn[keys.POLICY_VERSION]) == -1 and set(turn.get(keys.TOKEN_VERSIONS).tolist()) == {-1}  # untracked
 
 
 def test_set_seed_gives_every_slot_of_a_factory_its_own_prompts() -> None:

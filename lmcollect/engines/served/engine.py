@@ -49,6 +49,7 @@ from lmcollect.plumbing import forwarded
 from lmcollect.weights.buckets import WeightBuckets
 from lmcollect.weights.delta import WeightDelta
 from lmcollect.weights.lora import LoraAdapter
+from lmcollect.weights.version import PushVersion, VersionCounter, version_index
 
 __all__ = ["PauseLeaseRenewer", "VLLMServerEngine", "check_server_config", "master_address_for"]
 
@@ -193,7 +194,7 @@ class VLLMServerEngine:
         self._pending: set[Future] = set()
         self._renewer: PauseLeaseRenewer | None = None
         self._closed = False
-        self._version = INITIAL_VERSION
+        self._counter = VersionCounter(start=INITIAL_VERSION)
         self._gate = threading.Condition()  # guards _held and _sending: no request of ours is sent while paused
         self._held = False
         self._sending = 0
@@ -203,10 +204,10 @@ class VLLMServerEngine:
         return {key: value for key, value in self.__dict__.items() if key not in skipped}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        version = state.pop("_version", INITIAL_VERSION)
+        counter = state.pop("_counter", None)
         self.__dict__.update(state)
         self._start_threads()
-        self._version = version
+        self._counter = counter if counter is not None else VersionCounter(start=INITIAL_VERSION)
 
     def __repr__(self) -> str:
         return f"VLLMServerEngine({self.base_url!r}, model={self.model!r})"  # never the token
@@ -308,7 +309,7 @@ class VLLMServerEngine:
                     raise VLLMServerError(f"the pause on {self.base_url} outlasted timeout_s={self.timeout_s} s.")
                 if self._closed:  # close() failed the request already: never send it
                     raise EngineClosedError(f"this VLLMServerEngine ({self.base_url}) is closed.")
-                version = self._version
+                version = self._counter.index
                 self._sending += 1
             try:
                 settle(future, result=self._complete(body, version))
@@ -353,12 +354,16 @@ class VLLMServerEngine:
     @property
     def version(self) -> int:
         """The version this engine labels tokens with (-1 before any push)."""
-        return self._version
+        return self._counter.index
+
+    version_counter = forwarded(
+        "_counter", "The counter of :attr:`version` (a collector driving this engine reads it)."
+    )
 
     def set_version(self, version: int) -> None:
         """Label the tokens of requests submitted from now on with ``version`` (after a push into the workers)."""
         check_version(version)
-        self._version = version
+        self._counter.take(version)
 
     def weight_metadata(self) -> tuple[dict[str, tuple[torch.dtype, torch.Size]], dict[str, str]]:
         """The served checkpoint's names, dtypes and shapes (read from its folder, which must be on this machine)."""
@@ -375,7 +380,7 @@ class VLLMServerEngine:
         self,
         source: Iterable[tuple[str, torch.Tensor]] | WeightBuckets | GroupPush | LoraAdapter | WeightDelta,
         *,
-        version: int,
+        version: int | PushVersion,
     ) -> list[Any]:
         """A :class:`~lmcollect.engines.weight_group.GroupPush`: paused, the server's workers receive
         the trainer's broadcast and reload, the prefix cache is reset and ``version`` taken; returns
@@ -388,10 +393,10 @@ class VLLMServerEngine:
             )
         check_version(version)
         with self.paused():
-            refuse_stale_push(version, self._version, "VLLMServerEngine")
+            refuse_stale_push(version_index(version), self._counter.index, "VLLMServerEngine")
             reports = self.collective_rpc(RECEIVE_METHOD, source.worker_args())
             self._reset_prefix_cache_now()  # its prefixes were computed with the old weights
-            self._version = version
+            self._counter.take(version)
         return reports
 
     # ------------------------------------------------------------------ weight updates (control endpoints)
