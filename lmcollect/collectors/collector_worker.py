@@ -16,6 +16,7 @@ from lmcollect.collectors.continuous import ContinuousLLMCollector
 from lmcollect.collectors.llm_collector import LLMCollector
 from lmcollect.collectors.versioning import PolicyVersion
 from lmcollect.data.packed_turns import pack
+from lmcollect.weight_sync.loader import WeightLoader
 from lmcollect.weights.version import PushVersion
 
 logger = logging.getLogger(__name__)
@@ -42,16 +43,8 @@ if TYPE_CHECKING:
 
         _policy_version: PolicyVersion | None
 
-        def _apply_weights(
-            self,
-            weights: Any,
-            *,
-            model_id: str = "policy",
-            convert_dtype: bool = False,
-            version: PushVersion | None = None,
-            zero_copy: bool = False,
-            allow_non_finite: bool = False,
-        ) -> Any: ...
+        weight_loader: WeightLoader
+
         def set_worker_idx(self, worker_idx: int | None, restarts: int = 0) -> None: ...
         def set_seed(self, seed: int, static_seed: bool = False) -> int: ...
         def receive_weights(self, *args: Any, **kwargs: Any) -> Any: ...
@@ -105,7 +98,7 @@ class WorkerMethods(_CollectorHost):
         sub-block of its range), seed, and the last weights pushed to it with their version."""
         if weights is not None:
             # what was pushed to it before: checked (or allowed) by that push
-            self._apply_weights(weights, convert_dtype=convert_dtype, version=version, allow_non_finite=True)
+            self.weight_loader.load(weights, convert_dtype=convert_dtype, version=version, allow_non_finite=True)
         if worker_idx is not None:
             self.set_worker_idx(worker_idx, restarts=restarts)
         if seed is not None:

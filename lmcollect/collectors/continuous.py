@@ -27,7 +27,6 @@ from lmcollect.engines.kv_policy import KVPolicy, configure_kv_policy
 from lmcollect.engines.protocol import EngineProtocol
 from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.plumbing import forwarded
-from lmcollect.weights.version import PushVersion
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +175,7 @@ class ContinuousLLMCollector(
             version_fn=self._version,
         )
         self._init_output_state()
-        self._init_weight_sync(weight_updater)
+        self._init_weight_sync(weight_updater, on_loaded=self._wake_after_load)
 
     def _init_output_state(self) -> None:
         self._batches = 0
@@ -330,40 +329,10 @@ class ContinuousLLMCollector(
             self.leftover_turns = kept[0] if len(kept) == 1 else stack_turns([*kept[0].unbind(0), *kept[1].unbind(0)])
 
     # ------------------------------------------------------------------ weights
-    def _apply_leaf(
-        self,
-        weights: Any,
-        *,
-        model_id: str,
-        convert_dtype: bool,
-        version: PushVersion | None,
-        zero_copy: bool,
-        allow_non_finite: bool,
-    ) -> Any:
-        """:meth:`receive_weights` here: load a push into the engine while it is paused between two
-        decoding steps (under the push lock: one push at a time, a delta decoded against the weights held now).
-
-        In order: check the version; ``engine.pause()`` (in-flight requests keep their state);
-        ``engine.load_weights(..., version=)`` (the engine checks every name and shape first);
-        ``engine.reset_prefix_cache()`` and take the push's version; ``engine.resume()``. Tokens
-        decoded from then on carry the new version in ``("collector", "token_versions")``.
-        ``zero_copy`` is accepted and ignored: the engine copies the weights into its own. Weights
-        holding NaN or Inf (as the engine will hold them) are refused unless ``allow_non_finite``.
-
-        A :class:`~lmcollect.weights.delta.WeightDelta` (with ``version``) is first decoded
-        against a copy of the engine's current weights (its ``.model`` module, as
-        :class:`~lmcollect.engines.TransformersEngine` exposes): wrong base version, names, dtypes
-        or sizes raise :class:`~lmcollect.weights.delta.DeltaRejectedError` with nothing
-        changed; then the result loads as a full push. An engine without ``.model`` refuses deltas.
-        """
-        if model_id != "policy":
-            raise ValueError(f"model_id={model_id!r}: a ContinuousLLMCollector receives weights for 'policy' only.")
-        report = self._load_into_engine(
-            self.engine, weights, convert_dtype=convert_dtype, version=version, allow_non_finite=allow_non_finite
-        )
+    def _wake_after_load(self) -> None:
+        """After a load into the engine: the lag rule may admit turns under the new version."""
         if not self._shut_down:
-            self._tasks.wake()  # the lag rule may admit turns under the new version
-        return report
+            self._tasks.wake()
 
     # ------------------------------------------------------------------ attribute access
     def getattr_env(self, attr: str) -> Any:

@@ -24,7 +24,7 @@ from lmcollect.collectors.state_checks import (
 from lmcollect.collectors.trajectories import TrajectoryTracker
 from lmcollect.collectors.turn_flow import TurnFlow
 from lmcollect.collectors.versioning import PolicyVersion
-from lmcollect.weights.version import PushVersion
+from lmcollect.weight_sync.loader import WeightLoader
 
 
 class ContinuousStateMixin:
@@ -46,12 +46,8 @@ class ContinuousStateMixin:
     if TYPE_CHECKING:  # defined by the collector's other bases (CollectorShell, WeightReceiverMixin)
 
         def pause(self, timeout_s: float = 600.0) -> contextlib.AbstractContextManager[None]: ...
-        def _weights_for_state(self) -> dict[str, Any]: ...
-        def _restore_weights(self, state: Any, *, version: PushVersion | None, **load_options: Any) -> None: ...
-        def _check_version(self, version: PushVersion | None) -> None: ...
-        def _check_loadable(
-            self, weights: Any, *, convert_dtype: bool, allow_non_finite: bool, engine: Any = None
-        ) -> None: ...
+
+        weight_loader: WeightLoader
 
         engine: Any
 
@@ -104,7 +100,7 @@ class ContinuousStateMixin:
         state: OrderedDict = OrderedDict()
         state["layout"] = self.layout()
         state["env_state_dict"] = [state_of(env) for env in self.envs]
-        state.update(self._weights_for_state())  # policy_state_dict, lora_adapter
+        state.update(self.weight_loader.state())  # policy_state_dict, lora_adapter
         state["turns_run"] = self._tasks.turns_run
         state["batches"] = self._batches
         state["policy_version"] = None if self._policy_version is None else self._policy_version.state_dict()
@@ -128,11 +124,11 @@ class ContinuousStateMixin:
         self.check_state_dict(state_dict, **kwargs)
         pushed = push_version_of(state_dict.get("policy_version"))
         if state_dict.get("policy_state_dict") is not None:
-            self._restore_weights(
+            self.weight_loader.restore(
                 state_dict, version=pushed, allow_non_finite=bool(kwargs.get("allow_non_finite", False))
             )
         elif pushed is not None and self._policy_version is not None:
-            self._check_version(pushed)
+            self.weight_loader.check_version(pushed)
             self._policy_version.set(pushed)
         with self._paused_here():
             self._tasks.call(self._restore(state_dict))
@@ -150,9 +146,9 @@ class ContinuousStateMixin:
         check_parts(
             [
                 ("layout", lambda: self._check_layout(state["layout"])),
-                ("policy_version", lambda: self._check_version(push_version_of(version))),
-                ("policy_state_dict", None if weights is None else lambda: self._check_loadable(
-                    weights, convert_dtype=False, allow_non_finite=allow_non_finite, engine=self.engine)),
+                ("policy_version", lambda: self.weight_loader.check_version(push_version_of(version))),
+                ("policy_state_dict", None if weights is None else lambda: self.weight_loader.check_loadable(
+                    weights, convert_dtype=False, allow_non_finite=allow_non_finite)),
                 ("env_state_dict", lambda: check_env_states(self.envs, state["env_state_dict"], strict=True)),
                 ("counters", lambda: check_counts(state, ("turns_run", "batches"), required=True)),
                 ("trajectories", lambda: self._tracker.check_state_dict(state["trajectories"])),

@@ -121,7 +121,7 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin, R
         self._stop = threading.Event()
         self._pause_requested = threading.Event()
         self._paused = threading.Event()
-        self._init_weight_sync(weight_updater)
+        self._init_weight_sync(weight_updater, hold=self._policy_lock.write)
 
     # ------------------------------------------------------------------ construction
     def _build_runners(self, async_envs: bool) -> tuple[SyncRunners | AsyncRunners, int]:
@@ -444,7 +444,7 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin, R
             state: OrderedDict = OrderedDict()
             state["layout"] = self.layout()
             state["env_state_dict"] = [state_of(env) for env in self.envs]
-            state.update(self._weights_for_state())  # policy_state_dict, lora_adapter
+            state.update(self.weight_loader.state())  # policy_state_dict, lora_adapter
             state["turns_run"] = self._turns_run
             state["turns_yielded"] = self._turns_yielded
             state["turns_counted"] = self._turns_counted
@@ -521,8 +521,8 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin, R
 
     def _check_state_weights(self, policy_state: Any, **kwargs: Any) -> None:
         model = self.get_policy_model()
-        if policy_state is not None and (hasattr(model, "load_state_dict") or self._engine_holding("policy", model)):
-            self._check_loadable(
+        if policy_state is not None and (hasattr(model, "load_state_dict") or self.weight_loader.engine() is not None):
+            self.weight_loader.check_loadable(
                 policy_state,
                 convert_dtype=bool(kwargs.get("convert_dtype", False)),
                 allow_non_finite=bool(kwargs.get("allow_non_finite", False)),
@@ -530,7 +530,7 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin, R
 
     def _check_state_version(self, pushed: PushVersion | None) -> None:
         if pushed is not None:
-            self._check_version(pushed)
+            self.weight_loader.check_version(pushed)
 
     def _check_gate_state(self, state: Any) -> None:
         """A state restores only into a collector with dynamic sampling set the same way (on or off)."""
@@ -552,18 +552,15 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin, R
         pushed = push_version_of(state_dict.get("policy_version"))
         policy_state = state_dict.get("policy_state_dict")
         model = self.get_policy_model()
-        if policy_state is not None and (hasattr(model, "load_state_dict") or self._engine_holding("policy", model)):
-            self._restore_weights(
+        if policy_state is not None and (hasattr(model, "load_state_dict") or self.weight_loader.engine() is not None):
+            self.weight_loader.restore(
                 state_dict,
                 convert_dtype=bool(kwargs.get("convert_dtype", False)),
                 version=pushed,
                 allow_non_finite=bool(kwargs.get("allow_non_finite", False)),
             )
         elif pushed is not None and self._policy_version is not None:
-            with self._push_lock:
-                self._check_version(pushed)
-                with self._policy_lock.write():
-                    self._finish_update(pushed)
+            self.weight_loader.take_version(pushed)
         for env, env_state in zip(self.envs, state_dict.get("env_state_dict", []), strict=False):
             if env_state is not None:
                 env.load_state_dict(env_state)
