@@ -38,6 +38,7 @@ report the adapter's bytes over a full push's and its time over a full push's. W
 the rows are skipped with one line. Prints a table; the last line is JSON (with the load average
 before and after). Targets are the constants below; measured figures live in the README and docs/benchmarks.md only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,8 +62,19 @@ LORA_BYTES_TARGET = 0.05  # LoRA adapter push (r16, q/k/v/o) / merged full push 
 LORA_TIME_TARGET = 0.2  # and time (the receivers' merge included)
 LORA_RANK, LORA_ALPHA, LORA_TARGETS = 16, 32, ("q_proj", "k_proj", "v_proj", "o_proj")
 ALL_ROWS = (
-    "memcpy", "put", "views", "flat", "zero-copy", "pg", "medium", "vllm", "delta-encodings", "delta", "delta-vllm",
-    "lora", "lora-vllm",
+    "memcpy",
+    "put",
+    "views",
+    "flat",
+    "zero-copy",
+    "pg",
+    "medium",
+    "vllm",
+    "delta-encodings",
+    "delta",
+    "delta-vllm",
+    "lora",
+    "lora-vllm",
 )
 NUM_LAYERS, LAYER_WIDTH = 8, 4096  # 1 GiB: 8 layers of 8192 x 4096 fp32 (128 MiB each)
 
@@ -162,7 +174,14 @@ def start_collectors(
 
 
 def bench_updater(
-    name: str, trainer: nn.Module, collectors: list, packing: str, reps: int, memcpy_gb_s: float, *, zero_copy: bool = False
+    name: str,
+    trainer: nn.Module,
+    collectors: list,
+    packing: str,
+    reps: int,
+    memcpy_gb_s: float,
+    *,
+    zero_copy: bool = False,
 ) -> dict:
     from lmcollect.ray.updater import RayRemoteWeightUpdater
     from lmcollect.weight_sync import PushConfig
@@ -198,7 +217,9 @@ def bench_process_group(trainer: nn.Module, collector, reps: int, memcpy_gb_s: f
 
     sender = ProcessGroupSender(ProcessGroupConfig(num_receivers=1, backend="gloo", timeout_s=600))
     collector.register_scheme_receiver({"policy": ProcessGroupReceiver()}, synchronize_weights=False)
-    collector.cascade_execute("_receiver_schemes['policy']._set_dist_connection_info", sender.connection_info(), worker_idx=0)
+    collector.cascade_execute(
+        "_receiver_schemes['policy']._set_dist_connection_info", sender.connection_info(), worker_idx=0
+    )
     joined = collector.actor.cascade_execute.remote("_receiver_schemes['policy'].connect")
     sender.connect()
     ray.get(joined)
@@ -281,6 +302,7 @@ def bench_vllm_push(reps: int, memcpy_gb_s: float) -> list[dict]:
     from lmcollect.ray.vllm_replicas import VLLMReplicas
     from lmcollect.weights.buckets import plan_layout
     from lmcollect.transports.process_group import DIRECT_SEND_MIN_BYTES, ProcessGroupConfig
+    from lmcollect.weight_sync import PushConfig
     from lmcollect.weight_sync.vllm_updater import vLLMUpdater
     from lmcollect.engines.vllm_worker_ext import VLLM_EXTENSION
 
@@ -293,33 +315,56 @@ def bench_vllm_push(reps: int, memcpy_gb_s: float) -> list[dict]:
         updater = vLLMUpdater.from_policy(VLLMPolicy(path, engine=replicas))
         updater.config = replace(updater.config, backend="gloo")
 
-        def push() -> None:
-            updater.push_weights(trainer)
-            worker_parts.append(updater.last_push_info[0])
+        plain_config = replace(updater.config, digest=False)
+        signed_config = updater.config  # the default: every full push's bytes carry a keyed digest
 
-        push_s = timed(push, reps, warmup=2)
+        def push(config: PushConfig) -> float:
+            updater.config = config
+            seconds = timed_push(lambda: updater.push_weights(trainer))
+            worker_parts.append({"digest": config.digest, **updater.last_push_info[0]})
+            return seconds
+
+        for config in (signed_config, plain_config, signed_config, plain_config):  # warm-up, both ways
+            push(config)
+        worker_parts.clear()
+        push_s, plain_s = [], []
+        for _ in range(reps):  # alternated: the same load on the machine for both
+            push_s.append(push(signed_config))
+            plain_s.append(push(plain_config))
         updater.close()
         replicas.collective_rpc_each(_stash_weights, [({k: v.clone() for k, v in trainer.state_dict().items()},)])
-        reload_s = [replicas.collective_rpc_each(_reload_stashed, [()])[0] for _ in range(reps + 1)][1:]  # first: warm-up
+        reload_s = [replicas.collective_rpc_each(_reload_stashed, [()])[0] for _ in range(reps + 1)][
+            1:
+        ]  # first: warm-up
     finally:
         replicas.shutdown()
     # the same buffers the push sends (big tensors in buffers of their own)
-    layout = plan_layout(trainer.state_dict(), bucket_size_bytes=updater.config.bucket_size_bytes or ProcessGroupConfig().bucket_size_bytes, own_buffer_min_bytes=DIRECT_SEND_MIN_BYTES)
+    layout = plan_layout(
+        trainer.state_dict(),
+        bucket_size_bytes=updater.config.bucket_size_bytes or ProcessGroupConfig().bucket_size_bytes,
+        own_buffer_min_bytes=DIRECT_SEND_MIN_BYTES,
+    )
     raw_s = bench_raw_gloo(list(layout.buffer_nbytes), reps)
     sizes = list(layout.buffer_nbytes)
     size = nbytes(trainer)
     limit = statistics.median(raw_s) + statistics.median(reload_s)
-    parts = worker_parts[-reps:]
     rows = [row("raw gloo broadcast, 2 processes", sum(sizes), raw_s, memcpy_gb_s)]
     rows.append(row("vLLM's own reload_weights, in-memory tensors", size, reload_s, memcpy_gb_s))
-    rows.append(row("vLLMUpdater push, medium model, 1 engine", size, push_s, memcpy_gb_s))
-    rows[-1].update({
-        "push_over_limit": round(statistics.median(push_s) / limit, 3),
-        "target_push_over_limit": VLLM_PUSH_TARGET,
-        "limit_s": round(limit, 4),
-        "worker_receive_s": round(statistics.median(p["receive_s"] for p in parts), 4),
-        "worker_reload_s": round(statistics.median(p["reload_s"] for p in parts), 4),
-    })
+    for name, seconds, digest in (
+        ("vLLMUpdater push, medium model, 1 engine", push_s, True),
+        ("vLLMUpdater push, digest=False (no keyed digest of the bytes)", plain_s, False),
+    ):
+        parts = [p for p in worker_parts if p["digest"] is digest]
+        rows.append(row(name, size, seconds, memcpy_gb_s))
+        rows[-1].update(
+            {
+                "push_over_limit": round(statistics.median(seconds) / limit, 3),
+                "target_push_over_limit": VLLM_PUSH_TARGET,
+                "limit_s": round(limit, 4),
+                "worker_receive_s": round(statistics.median(p["receive_s"] for p in parts), 4),
+                "worker_reload_s": round(statistics.median(p["reload_s"] for p in parts), 4),
+            }
+        )
     return rows
 
 
@@ -389,17 +434,29 @@ def bench_delta_encodings(lrs: list[float], reps: int) -> list[dict]:
                 apply_s = time.perf_counter() - start
                 base.commit(encoded, pushed)
                 if step > 0:
-                    for key, value in (("encode_s", encode_s), ("apply_s", apply_s), ("bytes", encoded.stats().nbytes / encoded.full_nbytes)):
+                    for key, value in (
+                        ("encode_s", encode_s),
+                        ("apply_s", apply_s),
+                        ("bytes", encoded.stats().nbytes / encoded.full_nbytes),
+                    ):
                         found[encoding][key].append(value)
         size = nbytes(trainer)
         for encoding in encodings:
             med = {k: statistics.median(v) for k, v in found[encoding].items()}
-            rows.append({
-                "row": f"delta encoding {encoding}, medium bf16, lr {lr:g} (in-process)",
-                "gb": round(size / 2**30, 3), "median_s": round(med["encode_s"] + med["apply_s"], 4),
-                "min_s": None, "max_s": None, "s_per_gb": None, "x_memcpy": None,
-                "encode_s": round(med["encode_s"], 4), "apply_s": round(med["apply_s"], 4), "bytes_over_full": round(med["bytes"], 4),
-            })
+            rows.append(
+                {
+                    "row": f"delta encoding {encoding}, medium bf16, lr {lr:g} (in-process)",
+                    "gb": round(size / 2**30, 3),
+                    "median_s": round(med["encode_s"] + med["apply_s"], 4),
+                    "min_s": None,
+                    "max_s": None,
+                    "s_per_gb": None,
+                    "x_memcpy": None,
+                    "encode_s": round(med["encode_s"], 4),
+                    "apply_s": round(med["apply_s"], 4),
+                    "bytes_over_full": round(med["bytes"], 4),
+                }
+            )
     return rows
 
 
@@ -428,15 +485,28 @@ def bench_delta_ray(lrs: list[float], reps: int, memcpy_gb_s: float) -> list[dic
                         updater.reset_delta_base()
                     version += 1
                     seconds = timed_push(functools.partial(updater.push_weights, version=version))
-                    assert updater.last_push_stats.kind == ("delta" if kind == "delta" else "full"), updater.last_push_stats
+                    assert updater.last_push_stats.kind == ("delta" if kind == "delta" else "full"), (
+                        updater.last_push_stats
+                    )
                     if rep_index > 0:
                         times[kind].append(seconds)
                         if kind == "delta":
                             stats.append(updater.last_push_stats)
             size = nbytes(trainer)
             rows.append(row(f"Ray full push, medium bf16, 2 collectors (lr {lr:g})", size, times["plain"], memcpy_gb_s))
-            rows.append(row(f"Ray full push with delta on (copies the base), lr {lr:g}", size, times["full"], memcpy_gb_s))
-            rows.append(delta_row(f"Ray delta push after 1 AdamW step, lr {lr:g}", size, times["delta"], times["plain"], stats, memcpy_gb_s))
+            rows.append(
+                row(f"Ray full push with delta on (copies the base), lr {lr:g}", size, times["full"], memcpy_gb_s)
+            )
+            rows.append(
+                delta_row(
+                    f"Ray delta push after 1 AdamW step, lr {lr:g}",
+                    size,
+                    times["delta"],
+                    times["plain"],
+                    stats,
+                    memcpy_gb_s,
+                )
+            )
     finally:
         for c in collectors:
             c.shutdown()
@@ -450,11 +520,17 @@ def bench_delta_vllm(lrs: list[float], reps: int, memcpy_gb_s: float) -> list[di
     from lmcollect.policies.vllm_policy import VLLMPolicy
     from lmcollect.ray.vllm_replicas import VLLMReplicas
     from lmcollect.weights.delta import DeltaConfig
+    from lmcollect.weight_sync import PushConfig
     from lmcollect.weight_sync.vllm_updater import vLLMUpdater
     from lmcollect.engines.vllm_worker_ext import VLLM_EXTENSION
 
     path = str(get_model_path(ModelSpec(size="medium")))
-    engine_kwargs = {"kv_cache_memory_bytes": 1 << 30, "enforce_eager": True, "worker_extension_cls": VLLM_EXTENSION, "dtype": "bfloat16"}
+    engine_kwargs = {
+        "kv_cache_memory_bytes": 1 << 30,
+        "enforce_eager": True,
+        "worker_extension_cls": VLLM_EXTENSION,
+        "dtype": "bfloat16",
+    }
     replicas = VLLMReplicas(path, engine_kwargs=engine_kwargs, remote_config={"num_cpus": 1})
     rows = []
     try:
@@ -484,9 +560,20 @@ def bench_delta_vllm(lrs: list[float], reps: int, memcpy_gb_s: float) -> list[di
             rows.append(row(f"vLLM full push, medium bf16, 1 engine (lr {lr:g})", size, full, memcpy_gb_s))
             rows.append(row(f"vLLM full push, verify=True (lr {lr:g})", size, times["full", True], memcpy_gb_s))
             rows[-1]["verify_over_plain"] = round(statistics.median(times["full", True]) / statistics.median(full), 3)
-            rows.append(delta_row(f"vLLM delta push after 1 AdamW step, lr {lr:g}", size, times["delta", False], full, stats, memcpy_gb_s))
+            rows.append(
+                delta_row(
+                    f"vLLM delta push after 1 AdamW step, lr {lr:g}",
+                    size,
+                    times["delta", False],
+                    full,
+                    stats,
+                    memcpy_gb_s,
+                )
+            )
             rows.append(row(f"vLLM delta push, verify=True (lr {lr:g})", size, times["delta", True], memcpy_gb_s))
-            rows[-1]["verify_over_plain"] = round(statistics.median(times["delta", True]) / statistics.median(times["delta", False]), 3)
+            rows[-1]["verify_over_plain"] = round(
+                statistics.median(times["delta", True]) / statistics.median(times["delta", False]), 3
+            )
     finally:
         replicas.shutdown()
     return rows
@@ -523,7 +610,12 @@ def merged_weights(peft_model, base_state: dict[str, torch.Tensor]) -> dict[str,
 
 
 def lora_rows(
-    label: str, adapter_s: list[float], full_s: list[float], merge_s: list[float], stats: list, full_nbytes: int,
+    label: str,
+    adapter_s: list[float],
+    full_s: list[float],
+    merge_s: list[float],
+    stats: list,
+    full_nbytes: int,
     memcpy_gb_s: float,
 ) -> list[dict]:
     """(B) the merged full push, (A) the adapter push with its time over B's, and A's bytes over B's."""
@@ -533,20 +625,28 @@ def lora_rows(
     full = row(f"{label}: merged full push, medium + LoRA r{LORA_RANK}", full_nbytes, full_s, memcpy_gb_s)
     full["trainer_merge_s"] = round(statistics.median(merge_s), 4)  # the trainer's merged_into, not in median_s
     adapter = row(f"{label}: LoRA adapter push, r{LORA_RANK} q/k/v/o", adapter_nbytes, adapter_s, memcpy_gb_s)
-    adapter.update({
-        "metric": "adapter push s / merged full push s",
-        "value": round(time_ratio, 3),
-        "target": f"<= {LORA_TIME_TARGET}",
-        "met": time_ratio <= LORA_TIME_TARGET,
-        "time_over_full_min": round(min(adapter_s) / min(full_s), 3),  # fastest of each: less of other jobs' load
+    adapter.update(
+        {
+            "metric": "adapter push s / merged full push s",
+            "value": round(time_ratio, 3),
+            "target": f"<= {LORA_TIME_TARGET}",
+            "met": time_ratio <= LORA_TIME_TARGET,
+            "time_over_full_min": round(min(adapter_s) / min(full_s), 3),  # fastest of each: less of other jobs' load
+            "adapter_nbytes": int(adapter_nbytes),
+            "full_nbytes": full_nbytes,
+            "bytes_over_full": round(bytes_ratio, 5),
+            "kinds": sorted({s.kind for s in stats}),
+        }
+    )
+    size = {
+        "row": f"{label}: LoRA adapter bytes / merged full push bytes",
+        "metric": "adapter bytes / full bytes",
+        "value": round(bytes_ratio, 5),
+        "target": f"<= {LORA_BYTES_TARGET}",
+        "met": bytes_ratio <= LORA_BYTES_TARGET,
         "adapter_nbytes": int(adapter_nbytes),
         "full_nbytes": full_nbytes,
-        "bytes_over_full": round(bytes_ratio, 5),
-        "kinds": sorted({s.kind for s in stats}),
-    })
-    size = {"row": f"{label}: LoRA adapter bytes / merged full push bytes", "metric": "adapter bytes / full bytes",
-            "value": round(bytes_ratio, 5), "target": f"<= {LORA_BYTES_TARGET}", "met": bytes_ratio <= LORA_BYTES_TARGET,
-            "adapter_nbytes": int(adapter_nbytes), "full_nbytes": full_nbytes}
+    }
     return [full, adapter, size]
 
 
@@ -605,7 +705,9 @@ def bench_lora_ray(reps: int, memcpy_gb_s: float) -> list[dict]:
             want = merged_weights(model, base_state)
             held = collectors[0].cascade_execute("policy.model.state_dict")
             adapted = [k for k in want if k.endswith(tuple(f"{t}.weight" for t in LORA_TARGETS))]
-            assert adapted and all(torch.equal(held[k], want[k]) for k in adapted), "the adapter push did not land merged"
+            assert adapted and all(torch.equal(held[k], want[k]) for k in adapted), (
+                "the adapter push did not land merged"
+            )
 
         adapter_s, full_s, merge_s, stats, full_nbytes = lora_rounds(
             updater, peft_model, optimizer, base_state, reps, after_adapter=landed_merged
@@ -623,6 +725,7 @@ def bench_lora_vllm(reps: int, memcpy_gb_s: float) -> list[dict]:
     from lmcollect.models import ModelSpec, get_model_path
     from lmcollect.policies.vllm_policy import VLLMPolicy
     from lmcollect.ray.vllm_replicas import VLLMReplicas
+    from lmcollect.weight_sync import PushConfig
     from lmcollect.weight_sync.vllm_updater import vLLMUpdater
 
     path = str(get_model_path(ModelSpec(size="medium")))
@@ -642,10 +745,21 @@ def bench_lora_vllm(reps: int, memcpy_gb_s: float) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=1.0, help="size of the dummy fp32 state dict")
-    parser.add_argument("--reps", type=int, default=None, help="timed pushes per row (after warm-up; default 5, --quick 2; lora rows: 7, --quick 3)")
-    parser.add_argument("--rows", default="memcpy,put,views,flat,zero-copy,medium,lora", help="comma-separated rows (also: pg, vllm, delta, delta-vllm, delta-encodings, lora-vllm), or all")
+    parser.add_argument(
+        "--reps",
+        type=int,
+        default=None,
+        help="timed pushes per row (after warm-up; default 5, --quick 2; lora rows: 7, --quick 3)",
+    )
+    parser.add_argument(
+        "--rows",
+        default="memcpy,put,views,flat,zero-copy,medium,lora",
+        help="comma-separated rows (also: pg, vllm, delta, delta-vllm, delta-encodings, lora-vllm), or all",
+    )
     parser.add_argument("--lrs", default="1e-6,1e-5", help="AdamW learning rates of the delta rows")
-    parser.add_argument("--quick", action="store_true", help="0.25 GB, 2 reps, no medium row (the lora row stays, 3 reps)")
+    parser.add_argument(
+        "--quick", action="store_true", help="0.25 GB, 2 reps, no medium row (the lora row stays, 3 reps)"
+    )
     args = parser.parse_args()
     lora_reps = args.reps if args.reps is not None else (3 if args.quick else 7)
     args.reps = 5 if args.reps is None else args.reps
@@ -733,10 +847,14 @@ def print_table(results: list[dict]) -> None:
         if "median_s" not in r:  # a ratio row (LoRA bytes): printed below
             continue
         if "encode_s" in r:
-            print(f"{r['row']}: encode {r['encode_s']:.4f} s, check + apply {r['apply_s']:.4f} s, {r['bytes_over_full']:.2%} of the bytes")
+            print(
+                f"{r['row']}: encode {r['encode_s']:.4f} s, check + apply {r['apply_s']:.4f} s, {r['bytes_over_full']:.2%} of the bytes"
+            )
             continue
         x = "" if r["x_memcpy"] is None else f"{r['x_memcpy']:.2f}"
-        print(f"{r['row']:58} {r['gb']:6.3f} {r['median_s']:9.4f} {r['min_s']:7.4f} {r['max_s']:7.4f} {r['s_per_gb']:7.4f} {x:>9}")
+        print(
+            f"{r['row']:58} {r['gb']:6.3f} {r['median_s']:9.4f} {r['min_s']:7.4f} {r['max_s']:7.4f} {r['s_per_gb']:7.4f} {x:>9}"
+        )
     for r in results:
         if "time_over_full" in r:
             print(
@@ -747,6 +865,12 @@ def print_table(results: list[dict]) -> None:
             )
         if "verify_over_plain" in r:
             print(f"{r['row']}: {r['verify_over_plain']:.2f}x the same push without verify")
+        if "push_over_limit" in r:
+            print(
+                f"{r['row']}: {r['push_over_limit']:.2f}x raw broadcast + the engine's own reload "
+                f"({r['limit_s']:.4f} s; target <= {r['target_push_over_limit']}); in the worker: receive "
+                f"{r['worker_receive_s']:.4f} s, reload {r['worker_reload_s']:.4f} s"
+            )
         if "bytes_over_full" in r and "adapter_nbytes" in r and "median_s" in r:
             print(
                 f"{r['row']}: {r['adapter_nbytes'] / 2**20:.2f} MiB vs {r['full_nbytes'] / 2**20:.1f} MiB full, "
