@@ -26,9 +26,10 @@ from lmcollect.weights.delta import (
     distinct_tensors,
     resolve_delta,
 )
-from lmcollect.weights.lora import LoraAdapter, check_adapter, is_lora_source, lora_adapter
+from lmcollect.weights.lora import LoraAdapter
 from lmcollect.weights.push_config import PushConfig, push_config_or_default
 from lmcollect.weights.tensors import (
+    Metadata,
     WeightDict,
     agreed_held_dtypes,
     align_names,
@@ -106,6 +107,7 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
         self.config = push_config_or_default(config, updater="RayRemoteWeightUpdater")
         self.config.check_for("ray", updater="RayRemoteWeightUpdater")
         self._missed = [0] * len(self._actors)  # pushes each worker missed in a row
+        self._missed_before_push = list(self._missed)
         self._worker_metadata: list[tuple[dict, dict]] | None = None
         self._in_flight: PushHandle | None = None
         self._pack_out: list | None = None
@@ -155,6 +157,7 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
 
     def _validate(self, weights: WeightDict, worker_ids: list[int]) -> None:
         """Check against what every targeted worker reported, so a bad push reaches none of them."""
+        self._missed_before_push = list(self._missed)  # restored if the push is refused after the skips count
         convert = self.config.convert_dtype
         check_finite = not self.config.allow_non_finite and self._delta_base is None  # with delta: on what is sent
         if check_finite and not convert:
@@ -225,45 +228,68 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
         """Push to ``worker_ids`` (default: all) as ``version`` (default: one more than the last
         push; only ever up). Returns None once every targeted worker has applied the weights, or
         with ``wait=False`` a :class:`PushHandle` right away."""
+        handle = self._push(policy_or_weights, worker_ids, version=version, wait=wait)
+        assert handle is None or isinstance(handle, PushHandle)
+        return handle
+
+    def _before_push(self) -> None:
         if not self._actors:
             raise ValueError(
                 "this RayRemoteWeightUpdater has no workers: pass remote_collectors=[...] or register a collector."
             )
         self._settle_in_flight()
-        if is_lora_source(policy_or_weights):
-            return self._push_ray_adapter(lora_adapter(policy_or_weights), worker_ids, wait=wait, version=version)
-        started = time.perf_counter()
-        weights = self._aligned(self._resolve_weights(policy_or_weights))
+
+    def _prepare_weights(self, weights: WeightDict) -> WeightDict:
+        weights = self._aligned(weights)
         if self._chooser is not None:
             self._choose_delta(weights)
-        ids = self._resolve_worker_ids(worker_ids)
-        pushed = self.next_version(version)
-        self._validate(weights, ids)
-        missed = list(self._missed)
-        targets = [i for i in ids if not self._skip_update(i)]
+        return weights
+
+    def _adapter_metadata(self, worker_id: int) -> Metadata | None:
+        return self._fetch_metadata()[worker_id][0]
+
+    def _plan(self, payload: WeightDict | LoraAdapter, targets: list[int]) -> _DeltaPlan | None:
+        """With delta pushes: the delta for the workers holding the base, encoded and checked."""
+        if isinstance(payload, LoraAdapter) or self._delta_base is None or not targets:
+            return None  # an adapter is never a delta; the workers' delta base stays as it was
         try:
-            plan = self._plan_delta(weights, targets) if self._delta_base is not None and targets else None
+            return self._plan_delta(payload, targets)
         except Exception:
-            self._missed = missed  # refused before anything changed: the skip counts too
+            self._missed = self._missed_before_push  # refused before anything changed: the skip counts too
             raise
-        self._commit_version(pushed)
-        refs: dict[int, Any] = {}
-        repair = None
+
+    def _send(
+        self, payload: WeightDict | LoraAdapter, targets: list[int], pushed: PushVersion, plan: _DeltaPlan | None
+    ) -> _Sent:
+        """One ``ray.put`` shared by every target (an adapter, the weights, or a delta and the full
+        weights for the workers that do not hold its base)."""
         if plan is not None:
-            refs, repair = self._send_delta_plan(plan, pushed)
+            return _Sent(*self._send_delta_plan(plan, pushed))
+        if isinstance(payload, LoraAdapter):
+            stats, payload_ref = PushStats.lora(payload.nbytes, num_receivers=len(targets)), ray.put(payload.to("cpu"))
         elif targets:
-            payload = self._payload(weights)
-            payload_ref = ray.put(payload)  # one copy, shared by every worker
-            refs = {
+            buckets = self._payload(payload)
+            stats, payload_ref = PushStats.full(buckets.nbytes, num_full=len(targets)), ray.put(buckets)
+        else:
+            return _Sent({}, None)
+        self.last_push_stats = stats
+        return _Sent(
+            {
                 i: self._sync_weights_with_worker(worker_id=i, server_weights=payload_ref, version=pushed)
                 for i in targets
             }
-            self.last_push_stats = PushStats.full(payload.nbytes, num_full=len(targets))
-        handle = self._handle(refs, targets, pushed, repair=repair, wait=wait)
+        )
+
+    def _finish(
+        self, sent: _Sent, targets: list[int], pushed: PushVersion, *, started: float, wait: bool
+    ) -> PushHandle | None:
+        """Wait for every target (or hand back a :class:`PushHandle` with ``wait=False``); a waited
+        full or delta push also tells ``delta="auto"`` what it cost."""
+        handle = self._handle(sent.refs, targets, pushed, repair=sent.repair, wait=wait)
         self._record_call_s(started if wait else None)
         stats = self.last_push_stats
-        if self._chooser is not None and targets and stats is not None:  # only a waited push is timed
-            seconds = time.perf_counter() - started if wait else None
+        if self._chooser is not None and targets and stats is not None and stats.kind != "lora":
+            seconds = time.perf_counter() - started if wait else None  # only a waited push is timed
             self._chooser.observe(stats.kind, stats.nbytes, stats.full_nbytes, seconds)
         return handle
 
@@ -304,30 +330,6 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
             handle.wait()
             return None
         self._in_flight = handle
-        return handle
-
-    def _push_ray_adapter(
-        self, adapter: LoraAdapter, worker_ids: WorkerIds, *, wait: bool, version: int | None
-    ) -> PushHandle | None:
-        """A LoRA push: every targeted worker's model checked first, then one object-store copy of
-        the adapter's tensors, which each worker's engine merges into its kept base weights.
-        Never a delta (an adapter is already small); the workers' delta base stays as it was, so
-        the next delta push goes full to them (their held version moved on)."""
-        started = time.perf_counter()
-        ids = self._resolve_worker_ids(worker_ids)
-        pushed = self.next_version(version)
-        metadata = self._fetch_metadata()
-        for i in ids:
-            check_adapter(adapter, metadata[i][0], receiver=f"worker {i}'s model")
-        targets = [i for i in ids if not self._skip_update(i)]
-        self._commit_version(pushed)
-        adapter_ref = ray.put(adapter.to("cpu"))
-        refs = {
-            i: self._sync_weights_with_worker(worker_id=i, server_weights=adapter_ref, version=pushed) for i in targets
-        }
-        self.last_push_stats = PushStats.lora(adapter.nbytes, num_receivers=len(targets))
-        handle = self._handle(refs, targets, pushed, repair=None, wait=wait)
-        self._record_call_s(started if wait else None)
         return handle
 
     def _settle_in_flight(self) -> None:
@@ -401,6 +403,15 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
 
 
 RayWeightUpdater = RayRemoteWeightUpdater
+
+
+@dataclass
+class _Sent:
+    """What :meth:`RayRemoteWeightUpdater._send` started: a reference per target, and the full push
+    for the workers that refuse a delta (None: not a delta push)."""
+
+    refs: dict[int, Any]
+    repair: Callable[[list[int]], dict[int, Any]] | None = None
 
 
 @dataclass

@@ -194,18 +194,61 @@ class WeightUpdaterBase(abc.ABC, Generic[WorkerId]):
         """Push weights (see the class docstring for the steps) to ``worker_ids`` (default: all),
         as ``version`` (default: one more than the last push). Returns None here; a subclass may
         return a handle of the push (``RayRemoteWeightUpdater(...).push_weights(wait=False)``)."""
-        if is_lora_source(policy_or_weights):
-            return self._push_adapter(lora_adapter(policy_or_weights), worker_ids, version=version)
-        weights = self._resolve_weights(policy_or_weights)
+        return self._push(policy_or_weights, worker_ids, version=version, wait=True)
+
+    def _push(self, policy_or_weights: Any, worker_ids: WorkerIds, *, version: int | None, wait: bool) -> object:
+        """The one push path of every updater: full, delta (a subclass's :meth:`_plan`) or LoRA
+        adapter (a peft model or a :class:`~lmcollect.weights.lora.LoraAdapter`: only the adapter's
+        tensors are sent, each worker's engine merges it into its kept base weights). Everything is
+        checked before the version is taken, so a refused push changes nothing anywhere."""
+        self._before_push()
         started = time.perf_counter()
-        ids = self._resolve_worker_ids(worker_ids)
-        pushed = self.next_version(version)
-        self._validate(weights, ids)
+        ids: list[WorkerId]
+        payload: WeightDict | LoraAdapter
+        if is_lora_source(policy_or_weights):
+            payload = adapter = lora_adapter(policy_or_weights)
+            ids = self._resolve_worker_ids(worker_ids)
+            pushed = self.next_version(version)
+            self._check_adapter(adapter, ids)
+        else:
+            payload = self._prepare_weights(self._resolve_weights(policy_or_weights))
+            ids = self._resolve_worker_ids(worker_ids)
+            pushed = self.next_version(version)
+            self._validate(payload, ids)
         targets = [i for i in ids if not self._skip_update(i)]
+        plan = self._plan(payload, targets)  # nothing changes yet: a refused plan leaves all as it was
         self._commit_version(pushed)  # from here some worker may hold it: never hand it out twice
+        sent = self._send(payload, targets, pushed, plan)
+        return self._finish(sent, targets, pushed, started=started, wait=wait)
+
+    # ------------------------------------------------------------------ the stages a subclass may change
+    def _before_push(self) -> None:
+        """Run first (e.g. wait for a push still in flight)."""
+
+    def _prepare_weights(self, weights: WeightDict) -> WeightDict:
+        """The weights as they will be checked and sent (e.g. names aligned to the workers')."""
+        return weights
+
+    def _plan(self, payload: WeightDict | LoraAdapter, targets: list[WorkerId]) -> Any:
+        """Decide how the push travels before anything changes (e.g. a delta's encoding); None here."""
+        return None
+
+    def _send(self, payload: WeightDict | LoraAdapter, targets: list[WorkerId], pushed: PushVersion, plan: Any) -> Any:
+        """Send the push to every target (here: one :meth:`_sync_weights_with_worker` or
+        :meth:`_send_adapter` each, in turn) and set :attr:`last_push_stats`."""
+        if isinstance(payload, LoraAdapter):
+            for worker_id in targets:
+                self._send_adapter(worker_id=worker_id, adapter=payload, version=pushed)
+            self.last_push_stats = PushStats.lora(payload.nbytes, num_receivers=len(targets))
+            return None
         for worker_id in targets:
-            self._sync_weights_with_worker(worker_id=worker_id, server_weights=weights, version=pushed)
-        self._record_push_stats(weights, targets)
+            self._sync_weights_with_worker(worker_id=worker_id, server_weights=payload, version=pushed)
+        self._record_push_stats(payload, targets)
+        return None
+
+    def _finish(self, sent: Any, targets: list[WorkerId], pushed: PushVersion, *, started: float, wait: bool) -> object:
+        """After :meth:`_send`: the call's seconds, then the :attr:`post_hooks` (when some worker
+        was updated). Returns what ``push_weights`` returns (None here)."""
         self._record_call_s(started)
         if targets:
             self._run_post_hooks()
@@ -223,30 +266,13 @@ class WeightUpdaterBase(abc.ABC, Generic[WorkerId]):
         self.last_push_stats = PushStats.full(distinct_nbytes(weights), num_full=len(targets))
 
     # ------------------------------------------------------------------ LoRA adapters
-    def _push_adapter(self, adapter: LoraAdapter, worker_ids: WorkerIds, *, version: int | None) -> Any:
-        """A LoRA push (a peft model or a :class:`~lmcollect.weights.lora.LoraAdapter` given to
-        ``push_weights``): the same steps as a full push, with only the adapter's tensors sent.
-
-        Every targeted worker's model is checked first (:meth:`_adapter_metadata`), so an adapter
-        that does not fit changes nothing anywhere; each worker's engine then merges it into its
-        kept base weights between two decoding steps and takes the version.
-        """
-        started = time.perf_counter()
-        ids = self._resolve_worker_ids(worker_ids)
-        pushed = self.next_version(version)
-        for worker_id in ids:
+    def _check_adapter(self, adapter: LoraAdapter, worker_ids: list[WorkerId]) -> None:
+        """Check the adapter against every targeted worker's model (:meth:`_adapter_metadata`), so
+        an adapter that does not fit changes nothing anywhere."""
+        for worker_id in worker_ids:
             metadata = self._adapter_metadata(worker_id)
             if metadata is not None:
                 check_adapter(adapter, metadata, receiver=f"worker {worker_id}'s model")
-        targets = [i for i in ids if not self._skip_update(i)]
-        self._commit_version(pushed)
-        for worker_id in targets:
-            self._send_adapter(worker_id=worker_id, adapter=adapter, version=pushed)
-        self.last_push_stats = PushStats.lora(adapter.nbytes, num_receivers=len(targets))
-        self._record_call_s(started)
-        if targets:
-            self._run_post_hooks()
-        return None
 
     def _adapter_metadata(self, worker_id: WorkerId) -> Metadata | None:
         """name -> (dtype, shape) of worker ``worker_id``'s model (here: the registered collector's);

@@ -6,10 +6,13 @@ module starts two mailbox actors in all (the dead-peer check kills its own)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from lmcollect.ray.object_store import RayObjectStoreSender
 from tests.transport_contract import CHECKS, SchemePullPair, tiny_collector
@@ -30,7 +33,16 @@ class RayObjectStorePair(SchemePullPair):
         super().__init__(tiny_collector(model_path), sender, sender.make_receiver(call_timeout_s=CALL_TIMEOUT_S))
 
     def kill_peer(self) -> None:
-        self.sender.close()  # kills the mailbox actor
+        mailbox = self.sender._mailbox
+        self.sender.close()  # kills the mailbox actor; ray.kill returns before the actor is gone
+        deadline = time.monotonic() + 30.0
+        while True:  # a call that still reaches the mailbox would not be a call after the peer died
+            try:
+                ray.get(mailbox.ready.remote(), timeout=5.0)
+            except (RayActorError, GetTimeoutError):
+                return
+            assert time.monotonic() < deadline, "the mailbox actor still answers 30 s after ray.kill"
+            time.sleep(0.1)
 
     def call_after_peer_died(self) -> None:
         self.collector.receive_weights()
