@@ -30,10 +30,8 @@ from lmcollect.collectors.llm_collector import LLMCollector
 from lmcollect.collectors.weights import HoldsWeightUpdater
 from lmcollect.engines.kv_policy import PushCost
 from lmcollect.plumbing import ShutsDownOnExit
+from lmcollect.ray.carrier import put_weights
 from lmcollect.ray.cluster import actor_options, init_ray, torch_threads_for, with_thread_env
-from lmcollect.weights.buckets import WeightBuckets, view_buckets
-from lmcollect.weights.lora import is_lora_source, lora_adapter
-from lmcollect.weights.tensors import to_weight_dict
 from lmcollect.weights.version import PushVersion
 
 logger = logging.getLogger(__name__)
@@ -522,7 +520,7 @@ class RayLLMCollector(ConfiguredCollector, HoldsWeightUpdater, ShutsDownOnExit):
         if policy_or_weights is None:
             self._call("update_policy_weights_")  # the actor's receiver schemes, or a clear error
         else:
-            ref = _put_weights(policy_or_weights)
+            ref = put_weights(policy_or_weights)
             self.remember_push(ref, version=self._call("receive_weights", ref).version)
         return None
 
@@ -536,7 +534,7 @@ class RayLLMCollector(ConfiguredCollector, HoldsWeightUpdater, ShutsDownOnExit):
         if len(given) > 1:
             raise ValueError("pass only one of policy_or_weights, weights= and policy=.")
         if given:
-            ref = _put_weights(given[0])
+            ref = put_weights(given[0])
             self.remember_push(ref, version=self._call("receive_weights", ref, **push).version)
         else:
             self._call("receive_weights")
@@ -622,15 +620,6 @@ def _check_timeout(value: float | None, name: str) -> float | None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
         raise ValueError(f"{name} must be a positive number of seconds or None (no limit), got {value!r}.")
     return value
-
-
-def _put_weights(source: Any) -> ray.ObjectRef:
-    # Tensors' bytes go into one object-store object (a single copy); the actor maps it zero-copy.
-    if is_lora_source(source):  # a LoRA adapter travels as itself (its tensors only)
-        return ray.put(lora_adapter(source).to("cpu"))
-    if isinstance(source, WeightBuckets):  # packed already: its buffers go as they are
-        return ray.put(source.to_numpy())
-    return ray.put(view_buckets(to_weight_dict(source)).to_numpy())
 
 
 def _add_collect_group(options: dict[str, Any]) -> str | None:

@@ -35,6 +35,7 @@ from lmcollect.engines.router import EngineRouter
 from lmcollect.engines.weight_group import GroupPush
 from lmcollect.plumbing import forwarded
 from lmcollect.ray.bounded import DEFAULT_CALL_TIMEOUT_S, get_within
+from lmcollect.ray.carrier import ray_payload
 from lmcollect.ray.cluster import actor_options, init_ray
 from lmcollect.weights.buckets import WeightBuckets
 from lmcollect.weights.delta import WeightDelta
@@ -178,10 +179,12 @@ class RayEngine:
         # weights: one object-store copy, checked by the engine before it writes (buckets as numpy
         # buffers, which the actor maps without another copy)
         payload: Any
-        if isinstance(source, WeightBuckets):
-            payload = source.to_numpy()
+        if isinstance(source, GroupPush):
+            payload = source
         else:
-            payload = source if isinstance(source, (GroupPush, LoraAdapter, WeightDelta)) else dict(source)
+            payload = ray_payload(
+                source if isinstance(source, (WeightBuckets, LoraAdapter, WeightDelta)) else dict(source)
+            )
         wait_s = max(self.call_timeout_s, source.timeout_s or 0.0) if isinstance(source, GroupPush) else None
         reports = self._get(self._actor.load_weights.remote(payload, version), "load_weights", timeout_s=wait_s)
         self._counter.take(version)

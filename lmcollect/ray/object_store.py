@@ -7,8 +7,8 @@ from typing import Any
 import ray
 
 from lmcollect.ray.bounded import get_within
+from lmcollect.ray.carrier import put_weights
 from lmcollect.transports.base import WeightReceiver, WeightSender
-from lmcollect.weights.buckets import view_buckets
 from lmcollect.weights.tensors import WeightDict, non_finite_problems, raise_if_problems, to_weight_dict
 
 
@@ -78,7 +78,7 @@ class RayObjectStoreSender(WeightSender):
         if not self._started:
             _wait_started(self._mailbox, self.start_timeout_s, "RayObjectStoreSender(start_timeout_s=...)")
             self._started = True
-        ref = ray.put(view_buckets(weights).to_numpy())
+        ref = put_weights(weights)
         get_within(
             self._mailbox.publish.remote(self._version + 1, [ref]),
             timeout_s=self.call_timeout_s,

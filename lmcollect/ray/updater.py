@@ -12,6 +12,7 @@ import ray
 from ray.actor import ActorHandle
 from ray.exceptions import RayActorError, RayTaskError
 
+from lmcollect.ray.carrier import put_weights
 from lmcollect.weight_sync.base import WeightPushError, WeightUpdaterBase, WorkerIds
 from lmcollect.weights.buckets import WeightBuckets, pack_buckets, view_buckets
 from lmcollect.weights.cost_model import RAY_CPU_PUSH_COST, DeltaChooser
@@ -21,7 +22,6 @@ from lmcollect.weights.delta import (
     DeltaRejectedError,
     PreparedPush,
     PushStats,
-    WeightDelta,
     distinct_nbytes,
     distinct_tensors,
     resolve_delta,
@@ -192,12 +192,12 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
 
     def _payload(self, weights: WeightDict) -> WeightBuckets:
         if self.config.packing == "views":
-            return view_buckets(weights).to_numpy()
+            return view_buckets(weights)
         buckets = pack_buckets(
             weights, bucket_size_bytes=self.config.bucket_size_bytes, out=self._pack_out, device="cpu"
         )
         self._pack_out = buckets.buffers  # reused next push: ray.put copies, so this is free again
-        return buckets.to_numpy()
+        return buckets
 
     def _sync_weights_with_worker(self, *, worker_id: int, server_weights: Any, version: PushVersion) -> Any:
         """Ask worker ``worker_id`` to apply the payload behind the ObjectRef ``server_weights``."""
@@ -266,10 +266,10 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
         if plan is not None:
             return _Sent(*self._send_delta_plan(plan, pushed))
         if isinstance(payload, LoraAdapter):
-            stats, payload_ref = PushStats.lora(payload.nbytes, num_receivers=len(targets)), ray.put(payload.to("cpu"))
+            stats, payload_ref = PushStats.lora(payload.nbytes, num_receivers=len(targets)), put_weights(payload)
         elif targets:
             buckets = self._payload(payload)
-            stats, payload_ref = PushStats.full(buckets.nbytes, num_full=len(targets)), ray.put(buckets)
+            stats, payload_ref = PushStats.full(buckets.nbytes, num_full=len(targets)), put_weights(buckets)
         else:
             return _Sent({}, None)
         self.last_push_stats = stats
@@ -371,7 +371,7 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
 
         def send_full(worker_ids: list[int]) -> dict[int, Any]:
             if not full_ref:
-                full_ref.append(ray.put(view_buckets(tensors).to_numpy()))
+                full_ref.append(put_weights(tensors))
             return {
                 i: self._sync_weights_with_worker(worker_id=i, server_weights=full_ref[0], version=pushed)
                 for i in worker_ids
@@ -380,8 +380,7 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
         refs: dict[int, Any] = {}
         if plan.delta_targets:
             assert plan.encoded is not None, "a plan has delta targets only when the delta was encoded"
-            delta = plan.encoded.delta
-            delta_ref = ray.put(WeightDelta(delta.base_version, delta.entries, delta.arrays.to_numpy()))
+            delta_ref = put_weights(plan.encoded.delta)
             convert_dtype = self.config.convert_dtype
             for i in plan.delta_targets:  # not remembered for restarts: a restarted worker gets a full push
                 refs[i] = self._actors[i].receive_weights.remote(delta_ref, convert_dtype=convert_dtype, version=pushed)
