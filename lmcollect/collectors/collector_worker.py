@@ -16,7 +16,7 @@ from lmcollect.collectors.continuous import ContinuousLLMCollector
 from lmcollect.collectors.llm_collector import LLMCollector
 from lmcollect.collectors.versioning import PolicyVersion
 from lmcollect.data.packed_turns import pack
-from lmcollect.weight_sync.loader import WeightLoader
+from lmcollect.weight_sync.loader import LoadOptions, WeightLoader
 from lmcollect.weights.version import PushVersion
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,9 @@ class WorkerMethods(_CollectorHost):
         sub-block of its range), seed, and the last weights pushed to it with their version."""
         if weights is not None:
             # what was pushed to it before: checked (or allowed) by that push
-            self.weight_loader.load(weights, convert_dtype=convert_dtype, version=version, allow_non_finite=True)
+            self.weight_loader.load(
+                weights, LoadOptions(version=version, convert_dtype=convert_dtype, allow_non_finite=True)
+            )
         if worker_idx is not None:
             self.set_worker_idx(worker_idx, restarts=restarts)
         if seed is not None:

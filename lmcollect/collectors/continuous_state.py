@@ -24,7 +24,7 @@ from lmcollect.collectors.state_checks import (
 from lmcollect.collectors.trajectories import TrajectoryTracker
 from lmcollect.collectors.turn_flow import TurnFlow
 from lmcollect.collectors.versioning import PolicyVersion
-from lmcollect.weight_sync.loader import WeightLoader
+from lmcollect.weight_sync.loader import LoadOptions, WeightLoader
 
 
 class ContinuousStateMixin:
@@ -125,7 +125,7 @@ class ContinuousStateMixin:
         pushed = push_version_of(state_dict.get("policy_version"))
         if state_dict.get("policy_state_dict") is not None:
             self.weight_loader.restore(
-                state_dict, version=pushed, allow_non_finite=bool(kwargs.get("allow_non_finite", False))
+                state_dict, LoadOptions(version=pushed, allow_non_finite=bool(kwargs.get("allow_non_finite", False)))
             )
         elif pushed is not None and self._policy_version is not None:
             self.weight_loader.check_version(pushed)

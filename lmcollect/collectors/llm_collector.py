@@ -40,6 +40,7 @@ from lmcollect.collectors.versioning import make_policy_version
 from lmcollect.collectors.weights import WeightReceiverMixin
 from lmcollect.compat.torchrl import TorchrlEnv, is_torchrl_env
 from lmcollect.engines.protocol import engine_of
+from lmcollect.weight_sync.loader import LoadOptions
 from lmcollect.weights.version import PushVersion
 
 logger = logging.getLogger(__name__)
@@ -555,9 +556,11 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin, R
         if policy_state is not None and (hasattr(model, "load_state_dict") or self.weight_loader.engine() is not None):
             self.weight_loader.restore(
                 state_dict,
-                convert_dtype=bool(kwargs.get("convert_dtype", False)),
-                version=pushed,
-                allow_non_finite=bool(kwargs.get("allow_non_finite", False)),
+                LoadOptions(
+                    version=pushed,
+                    convert_dtype=bool(kwargs.get("convert_dtype", False)),
+                    allow_non_finite=bool(kwargs.get("allow_non_finite", False)),
+                ),
             )
         elif pushed is not None and self._policy_version is not None:
             self.weight_loader.take_version(pushed)

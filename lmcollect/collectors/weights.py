@@ -3,6 +3,7 @@ load forwarded to its :class:`~lmcollect.weight_sync.loader.WeightLoader`."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +17,7 @@ from lmcollect.engines.kv_policy import PushCost, push_costs_of
 from lmcollect.engines.protocol import engine_of
 from lmcollect.engines.weight_group import GroupPush, join_weight_group, weight_receiver_nodes
 from lmcollect.weight_sync.base import resolve_updater
-from lmcollect.weight_sync.loader import Hold, WeightLoader
+from lmcollect.weight_sync.loader import Hold, LoadOptions, WeightLoader
 from lmcollect.weights.lora import LoraAdapter
 from lmcollect.weights.version import PushVersion
 
@@ -200,21 +201,18 @@ class WeightReceiverMixin(HoldsWeightUpdater):
         given = [x for x in (policy_or_weights, weights, policy) if x is not None]
         if len(given) > 1:
             raise ValueError("pass only one of policy_or_weights, weights= and policy=.")
-        if given:
-            return self.weight_loader.load(
-                given[0], model_id=model_id, convert_dtype=convert_dtype, version=version, zero_copy=zero_copy,
-                allow_non_finite=allow_non_finite,
-            )  # fmt: skip
-        _refuse_push_options_without_weights(
-            convert_dtype=convert_dtype, version=version, zero_copy=zero_copy, allow_non_finite=allow_non_finite
+        options = LoadOptions(
+            version=version, convert_dtype=convert_dtype, zero_copy=zero_copy, allow_non_finite=allow_non_finite
         )
+        if given:
+            return self.weight_loader.load(given[0], options, model_id=model_id)
+        _refuse_push_options_without_weights(options)
         self._pull_from_schemes()
         return None
 
     def _pull_from_schemes(self) -> None:
         for scheme_model_id, scheme in self._receiver_schemes.items():
-            # what a scheme brings was checked (or allowed) by its sender
-            apply = functools.partial(self.weight_loader.load, model_id=scheme_model_id, allow_non_finite=True)
+            apply = functools.partial(self._load_pulled, model_id=scheme_model_id)
             timeout_s = getattr(scheme, "timeout_s", None)
             if hasattr(scheme, "receive_into"):
                 scheme.receive_into(apply, timeout_s=timeout_s)
@@ -222,6 +220,11 @@ class WeightReceiverMixin(HoldsWeightUpdater):
                 received = scheme.receive(timeout_s=timeout_s)
                 if received is not None:
                     apply(received)
+
+    def _load_pulled(self, weights: Any, *, model_id: str, version: PushVersion | None = None) -> Any:
+        """Load what a receiver scheme pulled (with the version its push carried, if any): checked
+        (or allowed) by its sender, so NaN/Inf are not refused again."""
+        return self.weight_loader.load(weights, LoadOptions(version=version, allow_non_finite=True), model_id=model_id)
 
     # ------------------------------------------------------------------ an engine with worker processes
     # A vLLM engine holds its weights in its workers: a vLLMUpdater forms a process group with
@@ -273,18 +276,10 @@ class WeightReceiverMixin(HoldsWeightUpdater):
         return target(*args, **kwargs)
 
 
-def _refuse_push_options_without_weights(
-    *, convert_dtype: bool, version: Any, zero_copy: bool, allow_non_finite: bool
-) -> None:
+def _refuse_push_options_without_weights(given: LoadOptions) -> None:
     """``receive_weights()`` without weights pulls from the receiver schemes, which carry their own
     version and layout: options that describe given weights would be silently ignored there."""
-    options = {
-        "version": version is not None,
-        "convert_dtype": convert_dtype,
-        "zero_copy": zero_copy,
-        "allow_non_finite": allow_non_finite,
-    }
-    ignored = [name for name, set_ in options.items() if set_]
+    ignored = [field.name for field in dataclasses.fields(given) if getattr(given, field.name) != field.default]
     if ignored:
         raise TypeError(
             f"receive_weights() got {', '.join(f'{name}=' for name in ignored)} but no weights: those options describe "

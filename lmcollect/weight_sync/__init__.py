@@ -13,7 +13,7 @@ from lmcollect.lazy import lazy_attributes
 from lmcollect.transports.base import WeightReceiver, WeightSender
 from lmcollect.transports.shared_memory import SharedMemoryReceiver, SharedMemorySender
 from lmcollect.weight_sync.base import WeightPushError, WeightUpdaterBase
-from lmcollect.weight_sync.loader import WeightLoader
+from lmcollect.weight_sync.loader import LoadOptions, WeightLoader
 from lmcollect.weight_sync.local import LocalWeightUpdater
 from lmcollect.weights.buckets import BucketLayout, TensorSlot, WeightBuckets, pack_buckets, view_buckets
 from lmcollect.weights.delta import DeltaConfig, DeltaRejectedError, PushStats, WeightDelta
@@ -32,6 +32,7 @@ __all__ = [
     "BucketLayout",
     "DeltaConfig",
     "DeltaRejectedError",
+    "LoadOptions",
     "LocalWeightUpdater",
     "PushConfig",
     "PushStats",

@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,6 +49,20 @@ NO_LORA_ENGINE = (
 )
 
 Hold = Callable[[], AbstractContextManager[Any]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadOptions:
+    """How one push is loaded (what ``receive_weights`` takes beside the weights)."""
+
+    version: PushVersion | None = None
+    """The push's version (None: one more than the version held); updaters pass theirs."""
+    convert_dtype: bool = False
+    """Cast floating tensors to the dtypes the model holds (else a dtype mismatch is refused)."""
+    zero_copy: bool = False
+    """Point a torch module's tensors at the pushed memory instead of copying (an engine copies anyway)."""
+    allow_non_finite: bool = False
+    """Load weights holding NaN or Inf; updaters pass True, having checked the push before sending it."""
 
 
 class WeightLoader:
@@ -118,16 +133,7 @@ class WeightLoader:
         return engine.weight_metadata() if engine is not None else expected_metadata(self.model(model_id))
 
     # ------------------------------------------------------------------ loads
-    def load(
-        self,
-        weights: Any,
-        *,
-        model_id: str = "policy",
-        convert_dtype: bool = False,
-        version: PushVersion | None = None,
-        zero_copy: bool = False,
-        allow_non_finite: bool = False,
-    ) -> Any:
+    def load(self, weights: Any, options: LoadOptions = LoadOptions(), *, model_id: str = "policy") -> Any:
         """Load one push (see ``LLMCollector.receive_weights``); returns the engine's report, if any."""
         if is_lora_source(weights):
             weights = lora_adapter(weights)
@@ -141,17 +147,12 @@ class WeightLoader:
                     raise TypeError(NO_LORA_ENGINE.format(policy=type(self.policy).__name__))
                 self._unshare(self.model(model_id))
             if engine is not None:
-                return self._load_into_engine(
-                    engine, weights, convert_dtype=convert_dtype, version=version, allow_non_finite=allow_non_finite
-                )
+                return self._load_into_engine(engine, weights, options)
             target = self.model(model_id)
             if isinstance(weights, WeightDelta):
-                self._apply_delta(target, weights, version)
+                self._apply_delta(target, weights, options.version)
             else:
-                self._load_into_module(
-                    target, weights, convert_dtype=convert_dtype, version=version, zero_copy=zero_copy,
-                    allow_non_finite=allow_non_finite,
-                )  # fmt: skip
+                self._load_into_module(target, weights, options)
             return None
 
     def submit(self, source: GroupPush | LoraAdapter, *, version: PushVersion | None) -> Callable[[float | None], Any]:
@@ -159,7 +160,7 @@ class WeightLoader:
         workers' reports (the load returns only once the trainer has sent). A push older than the
         weights held is refused here, before the trainer sends."""
         self.check_version(version)
-        return self.run_in_thread(self.load, source, version=version)
+        return self.run_in_thread(self.load, source, LoadOptions(version=version))
 
     def run_in_thread(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[[float | None], Any]:
         """Start ``call`` on this loader's one thread; returns ``wait(timeout_s)`` for its result."""
@@ -174,26 +175,18 @@ class WeightLoader:
             with self._held():
                 self._finish_update(version)
 
-    def _load_into_module(
-        self,
-        target: Any,
-        weights: Any,
-        *,
-        convert_dtype: bool,
-        version: PushVersion | None,
-        zero_copy: bool,
-        allow_non_finite: bool,
-    ) -> None:
+    def _load_into_module(self, target: Any, weights: Any, options: LoadOptions) -> None:
         """Full weights into a torch module: checked, then weights, cache and version change
         together while no policy call runs (waits at most one turn), so every turn's
         policy_version names the weights that produced it."""
+        convert_dtype, version = options.convert_dtype, options.version
         weights = to_weight_dict(weights, like=target)
-        if not allow_non_finite:
+        if not options.allow_non_finite:
             refuse_non_finite(weights, [expected_metadata(target)] if convert_dtype else None)
         self.check_version(version)
         with self._held():
             self.held_push = None  # until the load succeeded
-            if zero_copy:
+            if options.zero_copy:
                 share_weights_(target, weights, convert_dtype=convert_dtype)
                 self._shared_models.add(id(target))
             else:
@@ -202,15 +195,7 @@ class WeightLoader:
             self._finish_update(version)
             self.held_push = version
 
-    def _load_into_engine(
-        self,
-        engine: EngineProtocol,
-        weights: Any,
-        *,
-        convert_dtype: bool,
-        version: PushVersion | None,
-        allow_non_finite: bool,
-    ) -> Any:
+    def _load_into_engine(self, engine: EngineProtocol, weights: Any, options: LoadOptions) -> Any:
         """A push into an engine that holds its own weights: checked by the engine, loaded while no
         token is generated; the engine resets its cache and its version counter takes the push's
         version (index and uuid), which the collector reads as its own.
@@ -220,10 +205,9 @@ class WeightLoader:
         ``loads_weight_deltas`` is True check and apply it, and a rejected one changes nothing.
         Other engines refuse deltas, naming the fix.
         """
+        version = options.version
         self.check_version(version)
-        source = self._engine_source(
-            engine, weights, convert_dtype=convert_dtype, version=version, allow_non_finite=allow_non_finite
-        )
+        source = self._engine_source(engine, weights, options)
         loaded: int | PushVersion = version if version is not None else self._next_index(engine)
         held, self.held_push = self.held_push, None  # until the load succeeded
         with self._held():
@@ -239,15 +223,7 @@ class WeightLoader:
             self._on_loaded()
         return report
 
-    def _engine_source(
-        self,
-        engine: EngineProtocol,
-        weights: Any,
-        *,
-        convert_dtype: bool,
-        version: PushVersion | None,
-        allow_non_finite: bool,
-    ) -> Any:
+    def _engine_source(self, engine: EngineProtocol, weights: Any, options: LoadOptions) -> Any:
         """What ``engine.load_weights`` takes for ``weights``: a process-group push, a LoRA adapter,
         a delta or a sender's :class:`~lmcollect.weights.buckets.WeightBuckets` as they are (buckets
         unless ``convert_dtype`` must cast them), other tensors cast to the engine's dtypes with
@@ -260,17 +236,17 @@ class WeightLoader:
         if isinstance(weights, LoraAdapter):
             return weights
         if isinstance(weights, WeightDelta):
-            if version is None:
+            if options.version is None:
                 raise TypeError("a delta push needs the version it brings (version=PushVersion(...)).")
             check_delta_base(weights, self.held_push)
             return weights
         buckets = weights if isinstance(weights, WeightBuckets) else None
         weights = to_weight_dict(weights)  # of buckets: views of their bytes
-        if convert_dtype:  # cast here to what the engine holds: every engine then checks dtypes strictly
+        if options.convert_dtype:  # cast here to what the engine holds: every engine then checks dtypes strictly
             cast = cast_to_held(weights, *engine.weight_metadata())
             if any(cast[name] is not tensor for name, tensor in weights.items()):
                 buckets, weights = None, cast  # new tensors: the engine packs them (once)
-        if not allow_non_finite:
+        if not options.allow_non_finite:
             refuse_non_finite(weights)  # the values as the engine will hold them
         # a sender's buckets go on as they are: the engine checks their layout and reads their bytes
         return buckets if buckets is not None else weights.items()
@@ -339,9 +315,9 @@ class WeightLoader:
         state_dict = getattr(source, "state_dict", None)
         return {"policy_state_dict": state_dict() if callable(state_dict) else None, "lora_adapter": None}
 
-    def restore(self, state: Any, *, version: PushVersion | None, **load_options: Any) -> None:
+    def restore(self, state: Any, options: LoadOptions) -> None:
         """Load the weights of a ``state_dict`` (see :meth:`state`) as pushes of ``version``: the
-        weights in full (with ``load_options``, e.g. ``convert_dtype``), then the LoRA adapter merged
+        weights in full (with ``options``), then the LoRA adapter merged
         on them, if any. The adapter and its merge into the saved base are checked first, so a state
         whose adapter does not fit (or overflows) changes nothing."""
         adapter_state = state.get("lora_adapter")
@@ -349,9 +325,9 @@ class WeightLoader:
         if adapter is not None:
             self._check_saved_adapter(adapter, state.get("policy_state_dict"))
         with self.lock:
-            self.load(state["policy_state_dict"], version=version, **load_options)
+            self.load(state["policy_state_dict"], options)
             if adapter is not None:
-                self.load(adapter, version=version)
+                self.load(adapter, LoadOptions(version=options.version))
 
     def _check_saved_adapter(self, adapter: LoraAdapter, base: Any) -> None:
         missing = [name for name in adapter.layers if base is None or name not in base]

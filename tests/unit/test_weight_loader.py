@@ -8,7 +8,7 @@ import torch
 
 from lmcollect.engines import TransformersEngine
 from lmcollect.models import load_model_and_tokenizer
-from lmcollect.weight_sync.loader import WeightLoader
+from lmcollect.weight_sync.loader import LoadOptions, WeightLoader
 from lmcollect.weights.buckets import pack_buckets
 from lmcollect.weights.version import PolicyVersion, PushVersion
 from tests.factories import perturbed_model
@@ -25,7 +25,7 @@ def test_a_loader_puts_a_senders_buckets_into_its_engine_and_the_version_is_the_
     version.share(engine.version_counter)
     loader = WeightLoader(engine, version=version)
     new = perturbed_model(tiny_model_path, seed=2).state_dict()
-    loader.load(pack_buckets(new), version=PushVersion(3, "three"))
+    loader.load(pack_buckets(new), LoadOptions(version=PushVersion(3, "three")))
     assert (engine.version, version.index, version.version_uuid) == (3, 3, "three")
     assert loader.held_push == PushVersion(3, "three")
     name = next(iter(engine.weight_metadata()[0]))
@@ -37,14 +37,14 @@ def test_a_loader_refuses_a_stale_version_and_a_wrong_shape_with_nothing_changed
     version.share(engine.version_counter)
     loader = WeightLoader(engine, version=version)
     weights = perturbed_model(tiny_model_path, seed=2).state_dict()
-    loader.load(weights, version=PushVersion(2, "two"))
+    loader.load(weights, LoadOptions(version=PushVersion(2, "two")))
     before = {k: v.clone() for k, v in engine.model.state_dict().items()}
     with pytest.raises(ValueError, match="older"):
-        loader.load(perturbed_model(tiny_model_path, seed=3).state_dict(), version=PushVersion(1, "one"))
+        loader.load(perturbed_model(tiny_model_path, seed=3).state_dict(), LoadOptions(version=PushVersion(1, "one")))
     name = next(iter(weights))
     bad = dict(weights, **{name: torch.zeros(3, 3, dtype=weights[name].dtype)})
     with pytest.raises(ValueError, match=name):
-        loader.load(bad, version=PushVersion(4, "four"))
+        loader.load(bad, LoadOptions(version=PushVersion(4, "four")))
     assert (engine.version, loader.held_push) == (2, PushVersion(2, "two"))
     for key, tensor in engine.model.state_dict().items():
         torch.testing.assert_close(tensor, before[key], rtol=0, atol=0)
