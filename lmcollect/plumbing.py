@@ -1,10 +1,18 @@
-"""Class plumbing every layer shares: read-only properties that pass an attribute on, and
-context-manager support for objects that end with ``close()`` or ``shutdown()``."""
+"""Class plumbing every layer shares: read-only properties that pass an attribute on,
+context-manager support for objects that end with ``close()`` or ``shutdown()``, futures settled
+once, and an asyncio loop on a thread of its own."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import operator
-from typing import Any, Self
+import threading
+from collections.abc import Coroutine
+from concurrent.futures import Future, InvalidStateError
+from typing import Any, Self, TypeVar
+
+T = TypeVar("T")
 
 
 def forwarded(path: str, doc: str) -> Any:
@@ -42,3 +50,50 @@ class ShutsDownOnExit(EntersAsSelf):
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def settle(future: Future, *, result: Any = None, error: BaseException | None = None) -> bool:
+    """Set ``future``'s outcome (``error`` if given, else ``result``) unless it already has one.
+
+    Returns False when it had one (or was cancelled): the first outcome stands, for a future that
+    two parties may race to answer (a close and the request's end, a reply and a timeout).
+    """
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        return False
+    return True
+
+
+class LoopThread:
+    """An asyncio event loop running on a daemon thread named ``name``.
+
+    ``close()`` stops the loop and waits up to ``join_timeout_s`` for the thread; the loop is
+    closed only if the thread ended (a coroutine that blocks its thread keeps it open).
+    """
+
+    def __init__(self, name: str, *, join_timeout_s: float = 30.0) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._join_timeout_s = join_timeout_s
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        """Run ``coro`` on the loop and wait for its result (its error is raised here)."""
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise
+
+    def close(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=self._join_timeout_s)
+        if not self._thread.is_alive():
+            self.loop.close()

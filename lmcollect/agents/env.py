@@ -19,13 +19,13 @@ from tensordict import TensorDictBase, lazy_stack
 
 from lmcollect.agents.config import AgentEnvConfig
 from lmcollect.agents.element import AgentEnvElement
-from lmcollect.agents.runs import AgentContext, AgentLoop, AgentRun, is_async_agent
+from lmcollect.agents.runs import AgentContext, AgentRun, is_async_agent
 from lmcollect.agents.server import AgentServer
 from lmcollect.agents.tool_parsers import get_tool_parser
 from lmcollect.data import keys
 from lmcollect.envs.datasets import PromptDataset
 from lmcollect.envs.sampling import Draw, GroupSampler
-from lmcollect.plumbing import ClosesOnExit
+from lmcollect.plumbing import ClosesOnExit, LoopThread
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class AgentEnv(ClosesOnExit):
         self._lock = threading.Lock()
         self._server = server
         self._owns_server = server is None
-        self._loop: AgentLoop | None = None
+        self._loop: LoopThread | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._num_runs = 0
         self._closed = False
@@ -179,10 +179,10 @@ class AgentEnv(ClosesOnExit):
             for name, n in increments.items():
                 setattr(self.stats, name, getattr(self.stats, name) + n)
 
-    def _agent_loop(self) -> AgentLoop | None:
+    def _agent_loop(self) -> LoopThread | None:
         """The loop async agents run on (created under the lock on first use)."""
         if self._loop is None and is_async_agent(self.agent):
-            self._loop = AgentLoop()
+            self._loop = LoopThread("lmcollect-agents", join_timeout_s=10)
         return self._loop
 
     # ------------------------------------------------------------------ the batch as one env
