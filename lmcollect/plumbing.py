@@ -1,6 +1,6 @@
 """Class plumbing every layer shares: read-only properties that pass an attribute on,
-context-manager support for objects that end with ``close()`` or ``shutdown()``, futures settled
-once, and an asyncio loop on a thread of its own."""
+context-manager support for objects that end with ``close()`` or ``shutdown()``, a check that
+refuses use after ``close()``, futures settled once, and an asyncio loop on a thread of its own."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import operator
 import threading
 from collections.abc import Coroutine
 from concurrent.futures import Future, InvalidStateError
-from typing import Any, Self, TypeVar
+from typing import Any, ClassVar, Self, TypeVar
 
 T = TypeVar("T")
 
@@ -41,6 +41,22 @@ class ClosesOnExit(EntersAsSelf):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class RefusesWhenClosed:
+    """``is_closed``, and ``_check_open()`` for the methods that need the object open: it raises
+    ``RuntimeError(_closed_error)`` once the host's ``close()`` has set ``_closed``."""
+
+    _closed: bool
+    _closed_error: ClassVar[str]  # the host's message: what is closed and what to do instead
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(self._closed_error)
 
 
 class ShutsDownOnExit(EntersAsSelf):
