@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import functools
 import logging
 import random
@@ -19,13 +18,14 @@ from tensordict import TensorDictBase, lazy_stack
 
 from lmcollect.agents.config import AgentEnvConfig
 from lmcollect.agents.element import AgentEnvElement
-from lmcollect.agents.runs import AgentContext, AgentLoop, AgentRun, is_async_agent
+from lmcollect.agents.runs import AgentContext, AgentRun, is_async_agent
 from lmcollect.agents.server import AgentServer
 from lmcollect.agents.tool_parsers import get_tool_parser
 from lmcollect.data import keys
+from lmcollect.envs.config import config_with_overrides
 from lmcollect.envs.datasets import PromptDataset
 from lmcollect.envs.sampling import Draw, GroupSampler
-from lmcollect.plumbing import ClosesOnExit
+from lmcollect.plumbing import ClosesOnExit, LoopThread, RefusesWhenClosed
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class AgentStats:
     """Runs failed since the last one that returned a reward."""
 
 
-class AgentEnv(ClosesOnExit):
+class AgentEnv(ClosesOnExit, RefusesWhenClosed):
     """Runs an agent program once per dialog; each model call it makes is one turn of that dialog.
 
     ``agent(context, row)`` (a plain function, run in a thread of its own, or an ``async`` one, run
@@ -84,6 +84,8 @@ class AgentEnv(ClosesOnExit):
     next call's ``max_tokens`` / ``stop``, and with ``agent_sampling`` its temperature / top-p).
     """
 
+    _closed_error = "this AgentEnv is closed; build a new one."
+
     def __init__(
         self,
         dataset: PromptDataset | Sequence[Mapping[str, Any]],
@@ -95,7 +97,7 @@ class AgentEnv(ClosesOnExit):
     ) -> None:
         if not callable(agent):
             raise TypeError(f"agent must be a function agent(context, row) (plain or async), got {agent!r}.")
-        self.config = _make_config(config, config_kwargs)
+        self.config = config_with_overrides(AgentEnvConfig, config, config_kwargs, owner="AgentEnv")
         self.agent = agent
         self.batch_size = torch.Size([self.config.batch_size])
         seed = self.config.seed if self.config.seed is not None else random.SystemRandom().getrandbits(31)
@@ -106,7 +108,7 @@ class AgentEnv(ClosesOnExit):
         self._lock = threading.Lock()
         self._server = server
         self._owns_server = server is None
-        self._loop: AgentLoop | None = None
+        self._loop: LoopThread | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._num_runs = 0
         self._closed = False
@@ -179,10 +181,10 @@ class AgentEnv(ClosesOnExit):
             for name, n in increments.items():
                 setattr(self.stats, name, getattr(self.stats, name) + n)
 
-    def _agent_loop(self) -> AgentLoop | None:
+    def _agent_loop(self) -> LoopThread | None:
         """The loop async agents run on (created under the lock on first use)."""
         if self._loop is None and is_async_agent(self.agent):
-            self._loop = AgentLoop()
+            self._loop = LoopThread("lmcollect-agents", join_timeout_s=10)
         return self._loop
 
     # ------------------------------------------------------------------ the batch as one env
@@ -244,14 +246,6 @@ class AgentEnv(ClosesOnExit):
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
-    @property
-    def is_closed(self) -> bool:
-        return self._closed
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("this AgentEnv is closed; build a new one.")
-
     def __repr__(self) -> str:
         return f"AgentEnv(batch_size={self.config.batch_size}, repeats={self.config.repeats}, agent={self.agent!r})"
 
@@ -263,13 +257,3 @@ def _reset_mask(td: TensorDictBase | None, batch: int) -> list[bool]:
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.numel() != batch:
         raise ValueError(f"reset: td['_reset'] must be a bool tensor of shape ({batch}, 1), got {mask!r:.100}.")
     return mask.reshape(batch).tolist()
-
-
-def _make_config(config: AgentEnvConfig | None, overrides: dict[str, Any]) -> AgentEnvConfig:
-    if config is not None and not isinstance(config, AgentEnvConfig):
-        raise TypeError(f"config must be an AgentEnvConfig, got {type(config).__name__}.")
-    names = {f.name for f in dataclasses.fields(AgentEnvConfig)}
-    unknown = sorted(set(overrides) - names)
-    if unknown:
-        raise TypeError(f"AgentEnv got unknown keyword argument(s) {unknown}; valid config fields: {sorted(names)}.")
-    return dataclasses.replace(config or AgentEnvConfig(), **overrides)

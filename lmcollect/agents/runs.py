@@ -16,11 +16,12 @@ import numbers
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from lmcollect.agents.openai_format import ChatRequest, ReplyKey
+from lmcollect.plumbing import settle
 
 if TYPE_CHECKING:  # the openai package is the agent's dependency, imported only when a run asks for a client
     import openai as openai_package  # (its own name is AgentContext's method)
@@ -162,17 +163,13 @@ class AgentRun:
     def _post(self, event: Event) -> None:
         """Hand ``event`` to a waiting reader, else queue it (under the lock)."""
         waiter, self._waiter = self._waiter, None
-        if waiter is not None:
-            try:
-                waiter.set_result(event)
-                return
-            except InvalidStateError:  # the reader gave up waiting (a timeout cancelled its future)
-                pass
+        if waiter is not None and settle(waiter, result=event):
+            return  # else the reader gave up waiting (a timeout cancelled its future)
         self._events.append(event)
 
     # ------------------------------------------------------------------ running the agent
     def start(self, agent: Callable[..., Any], context: AgentContext, row: Mapping[str, Any], loop: Any) -> None:
-        """Run ``agent(context, row)``: on ``loop`` (a :class:`AgentLoop`) if it is async, else in a thread."""
+        """Run ``agent(context, row)``: on ``loop`` (a :class:`~lmcollect.plumbing.LoopThread`) if it is async, else in a thread."""
         if is_async_agent(agent):
             self._task = asyncio.run_coroutine_threadsafe(self._run_async(agent, context, row), loop.loop)
             return
@@ -208,12 +205,7 @@ class AgentRun:
 
 
 def _answer(reply: Future, *, result: Any = None, error: BaseException | None = None) -> None:
-    try:
-        if error is not None:
-            reply.set_exception(error)
-        else:
-            reply.set_result(result)
-    except InvalidStateError:
+    if not settle(reply, result=result, error=error):
         logger.debug("a call's reply was already answered")
 
 
@@ -266,20 +258,3 @@ class AgentContext:
         """Add ``value`` to the reward of the turn of the latest reply (a per-turn reward; before any
         reply, of the first turn). The number the agent returns goes on the last turn."""
         self._run.add_reward(value)
-
-
-class AgentLoop:
-    """An asyncio loop on a daemon thread, where ``async`` agents run."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="lmcollect-agents", daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        if self.loop.is_closed():
-            return
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=10)
-        if not self._thread.is_alive():
-            self.loop.close()

@@ -43,7 +43,7 @@ from lmcollect.agents.compare_agent import (
 )
 from lmcollect.cli.builders import resolve_model_path
 from lmcollect.cli.configs import DemoConfig, UsageError
-from lmcollect.cli.progress import training_progress
+from lmcollect.cli.progress import step_progress
 from lmcollect.cli.quiet import LIBRARY_LOG, library_logs
 from lmcollect.cli.report import (
     PLOT_FILE,
@@ -193,7 +193,9 @@ class AgentDemoRun:
         try:
             collector.update_policy_weights_(self.model)  # version 1: the warmed-up weights
             self.version = 1
-            with self._progress() as progress:
+            with step_progress(
+                self.config.max_steps, console=self.console, show=self.config.progress, log=logger
+            ) as progress:
                 self._steps(collector, learner, progress)
         finally:
             collector.shutdown()
@@ -261,14 +263,6 @@ class AgentDemoRun:
         assert batch is not None, "no replay buffer: next() returns the batch"
         return float(batch.get(keys.NEXT_REWARD).sum()) / num
 
-    @contextlib.contextmanager
-    def _progress(self) -> Iterator[Any]:
-        if not self.config.progress:
-            yield _NoProgress()
-            return
-        with training_progress(self.config.max_steps, console=self.console) as progress:
-            yield progress
-
     def _summary(self, plotted: bool) -> dict[str, Any]:
         records = self.metrics.records
         return {
@@ -302,11 +296,6 @@ def _timed(into: dict[str, float], name: str) -> Iterator[None]:
         yield
     finally:
         into[name] = time.perf_counter() - start
-
-
-class _NoProgress:
-    def update(self, record: dict[str, Any]) -> None:
-        logger.debug("step %d: %s", record["step"], record)
 
 
 def _fmt(value: float | None, spec: str = ".3f") -> str:

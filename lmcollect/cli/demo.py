@@ -52,7 +52,7 @@ from lmcollect.cli.builders import (
 from lmcollect.cli.cluster import interrupt_on_sigint
 from lmcollect.cli.collection import Collection, background_collection
 from lmcollect.cli.configs import DemoConfig, UsageError
-from lmcollect.cli.progress import training_progress
+from lmcollect.cli.progress import step_progress
 from lmcollect.cli.quiet import LIBRARY_LOG, library_logs
 from lmcollect.cli.report import (
     PLOT_FILE,
@@ -300,7 +300,9 @@ class DemoRun:
         learner = GRPOLearner(trained, GRPOConfig(lr=config.rl_lr, clip_epsilon=config.clip_epsilon))
         throughput = _Throughput(self.buffer.write_count)
         start = time.perf_counter()
-        with self._progress() as progress:
+        with step_progress(
+            self.config.max_steps, console=self.console, show=self.config.progress, log=logger
+        ) as progress:
             for step in range(1, config.max_steps + 1):
                 if time.perf_counter() - start > config.max_train_s:
                     break
@@ -456,14 +458,6 @@ class DemoRun:
         finally:
             self.timings_s[name] = time.perf_counter() - start
 
-    @contextlib.contextmanager
-    def _progress(self) -> Iterator[Any]:
-        if not self.config.progress:
-            yield _NoProgress()
-            return
-        with training_progress(self.config.max_steps, console=self.console) as progress:
-            yield progress
-
     def _shut_down(self) -> list[dict[str, Any]]:
         """Shut every collector and the buffer down; each collector's last version and state."""
         collectors = []
@@ -574,11 +568,6 @@ def _staleness(trainer_version: int, batch: TrainBatch) -> dict[str, float]:
     """How many versions behind the trained weights the batch's turns were generated (0: the same)."""
     behind = (trainer_version - batch.policy_versions).float()
     return {"staleness/mean": float(behind.mean()), "staleness/max": float(behind.max())}
-
-
-class _NoProgress:
-    def update(self, record: dict[str, Any]) -> None:
-        logger.debug("step %d: %s", record["step"], record)
 
 
 def _policy_version_or_none(collector: Any) -> int | None:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
 from rich import box
 from rich.console import Console, Group, RenderableType
@@ -58,6 +59,30 @@ def training_progress(total_steps: int, *, console: Console) -> StepProgress:
     return PlainTrainingProgress(total_steps, console=console)
 
 
+def step_progress(total_steps: int, *, console: Console, show: bool, log: logging.Logger) -> StepProgress:
+    """:func:`training_progress` when ``show``; else nothing on the terminal, each step's record
+    logged at debug level on ``log`` (``--no-progress``)."""
+    return training_progress(total_steps, console=console) if show else LoggedSteps(log)
+
+
+class LoggedSteps:
+    """Each step's record at debug level on ``log``, and nothing on the terminal."""
+
+    def __init__(self, log: logging.Logger) -> None:
+        self.log = log
+
+    def update(self, record: Mapping[str, float]) -> None:
+        self.log.debug("step %d: %s", record["step"], record)
+
+    def __enter__(self) -> LoggedSteps:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        pass
+
+
 def status_line(record: Mapping[str, float], total_steps: int, elapsed_s: float) -> str:
     """``step 12/400  35 s  turns 640  mean reward 0.500 ...`` (the live table's columns, on one line)."""
     parts = [f"step {int(record['step'])}/{total_steps}", f"{elapsed_s:.0f} s"]
@@ -65,17 +90,42 @@ def status_line(record: Mapping[str, float], total_steps: int, elapsed_s: float)
     return "  ".join(parts)
 
 
-class PlainTrainingProgress:
+class _PlainLines:
+    """Plain lines on ``console`` at most every ``interval_s`` seconds (timed from ``with``), and at
+    the end the line still owed: progress for logs, where a live display would print nothing."""
+
+    def __init__(self, console: Console, interval_s: float) -> None:
+        self.console, self.interval_s = console, interval_s
+        self._start = self._last_print = time.monotonic()
+
+    def _due(self) -> bool:
+        return time.monotonic() - self._last_print >= self.interval_s
+
+    def _flush(self) -> None:
+        """Print the line still owed, if any (the subclass knows what it owes)."""
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        self._start = self._last_print = time.monotonic()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._flush()
+
+
+class PlainTrainingProgress(_PlainLines):
     """One plain line per ``interval_s`` seconds (and the last step's line at the end): for logs."""
 
     def __init__(self, total_steps: int, *, console: Console, interval_s: float = PLAIN_INTERVAL_S) -> None:
-        self.total_steps, self.console, self.interval_s = total_steps, console, interval_s
-        self._start = self._last_print = time.monotonic()
+        super().__init__(console, interval_s)
+        self.total_steps = total_steps
         self._pending: Mapping[str, float] | None = None
 
     def update(self, record: Mapping[str, float]) -> None:
         self._pending = record
-        if time.monotonic() - self._last_print >= self.interval_s:
+        if self._due():
             self._print(record)
 
     def _print(self, record: Mapping[str, float]) -> None:
@@ -83,13 +133,7 @@ class PlainTrainingProgress:
         self.console.print(status_line(record, self.total_steps, now - self._start), highlight=False, soft_wrap=True)
         self._last_print, self._pending = now, None
 
-    def __enter__(self) -> PlainTrainingProgress:
-        self._start = self._last_print = time.monotonic()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def _flush(self) -> None:
         if self._pending is not None:
             self._print(self._pending)
 
@@ -143,13 +187,12 @@ def turns_progress(console: Console) -> Progress | PlainTurnsProgress:
     )
 
 
-class PlainTurnsProgress:
+class PlainTurnsProgress(_PlainLines):
     """The part of rich's ``Progress`` that ``lmcollect collect`` uses, as a plain line every few seconds."""
 
     def __init__(self, console: Console, *, interval_s: float = PLAIN_INTERVAL_S) -> None:
-        self.console, self.interval_s = console, interval_s
+        super().__init__(console, interval_s)
         self._tasks: dict[TaskID, dict[str, Any]] = {}
-        self._start = self._last_print = time.monotonic()
         self._dirty = False
 
     def add_task(self, description: str, *, total: float | None = None, **fields: Any) -> TaskID:
@@ -160,7 +203,7 @@ class PlainTurnsProgress:
     def update(self, task_id: TaskID, **changes: Any) -> None:
         self._tasks[task_id].update(changes)
         self._dirty = True
-        if time.monotonic() - self._last_print >= self.interval_s:
+        if self._due():
             self._print()
 
     def _print(self) -> None:
@@ -173,12 +216,6 @@ class PlainTurnsProgress:
                 self.console.print(line, highlight=False, soft_wrap=True)
         self._last_print, self._dirty = now, False
 
-    def __enter__(self) -> PlainTurnsProgress:
-        self._start = self._last_print = time.monotonic()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def _flush(self) -> None:
         if self._dirty:
             self._print()

@@ -13,7 +13,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-import threading
 from collections.abc import Callable, Collection, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -31,38 +30,12 @@ from lmcollect.data import keys
 from lmcollect.engines.protocol import EngineProtocol, EngineResult
 from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.envs.protocol import AsyncEnvProtocol, DialogFailed
-from lmcollect.plumbing import forwarded
+from lmcollect.plumbing import LoopThread, forwarded
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _RECHECK_S = 0.1  # a waiting consumer re-reads the version this often (a push does not notify the loop)
-
-
-class LoopThread:
-    """An asyncio event loop running on a daemon thread."""
-
-    def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self._thread.start()
-
-    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
-        """Run ``coro`` on the loop and wait for its result (its error is raised here)."""
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return future.result(timeout_s)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise
-
-    def close(self) -> None:
-        if self.loop.is_closed():
-            return
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=30)
-        if not self._thread.is_alive():
-            self.loop.close()
 
 
 @dataclass

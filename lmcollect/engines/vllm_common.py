@@ -7,7 +7,6 @@ import json
 import os
 import threading
 from collections.abc import Collection, Sequence
-from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -249,14 +248,3 @@ def token_versions_of(spans: Sequence[VersionSpan] | None, num_tokens: int) -> t
     if covered != num_tokens:
         raise RuntimeError(f"vLLM's weight-version spans cover {covered} of {num_tokens} tokens: {list(spans)!r}.")
     return versions
-
-
-def settle(future: Future, *, result: Any = None, error: BaseException | None = None) -> None:
-    """Set ``future``'s outcome unless it already has one (close() fails pending futures first)."""
-    try:
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-    except InvalidStateError:  # designed: close() and the request's end raced; the first outcome stands
-        pass

@@ -43,7 +43,6 @@ from lmcollect.engines.vllm_common import (
     import_vllm,
     request_sampling_params,
     result_of,
-    settle,
 )
 from lmcollect.engines.vllm_kv import VLLMKVBook
 from lmcollect.engines.vllm_worker_ext import (
@@ -57,7 +56,7 @@ from lmcollect.engines.vllm_worker_ext import (
     held_base_of,
 )
 from lmcollect.engines.weight_group import RECEIVE_METHOD, GroupPush
-from lmcollect.plumbing import forwarded
+from lmcollect.plumbing import forwarded, settle
 from lmcollect.weights.buckets import (
     LOAD_PACKED_WEIGHTS,
     WeightBuckets,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import random
 from collections.abc import Callable, Mapping, Sequence
@@ -15,11 +14,12 @@ from tensordict import TensorDictBase
 from lmcollect.data import keys
 from lmcollect.data.history import History
 from lmcollect.envs._td import build_batch, read_histories, read_reset_mask
-from lmcollect.envs.config import ChatEnvConfig
+from lmcollect.envs.config import ChatEnvConfig, config_with_overrides
 from lmcollect.envs.datasets import PromptDataset, row_to_history
 from lmcollect.envs.rewards import RewardFn
 from lmcollect.envs.sampling import Draw, GroupSampler, draw_state
 from lmcollect.envs.tasks.base import SingleTurnTask, Task, TaskReply, respond_async
+from lmcollect.plumbing import RefusesWhenClosed
 
 logger = logging.getLogger(__name__)
 
@@ -61,17 +61,7 @@ def _as_dataset(dataset: PromptDataset | Sequence[Mapping[str, Any]]) -> PromptD
     return PromptDataset(dataset)
 
 
-def _make_config(config: ChatEnvConfig | None, overrides: dict[str, Any]) -> ChatEnvConfig:
-    if config is not None and not isinstance(config, ChatEnvConfig):
-        raise TypeError(f"config must be a ChatEnvConfig, got {type(config).__name__}.")
-    names = {f.name for f in dataclasses.fields(ChatEnvConfig)}
-    unknown = sorted(set(overrides) - names)
-    if unknown:
-        raise TypeError(f"ChatEnv got unknown keyword argument(s) {unknown}; valid config fields: {sorted(names)}.")
-    return dataclasses.replace(config or ChatEnvConfig(), **overrides)
-
-
-class ChatEnv:
+class ChatEnv(RefusesWhenClosed):
     """A batch of ``config.batch_size`` dialogs implementing :class:`~lmcollect.envs.EnvProtocol`.
 
     ``reset`` opens each dialog with the next dataset prompt (``repeats`` consecutive elements share
@@ -101,6 +91,8 @@ class ChatEnv:
     ``task=SingleTurnTask()`` to collect unscored turns on purpose.
     """
 
+    _closed_error = "ChatEnv is closed; create a new env."
+
     def __init__(
         self,
         dataset: PromptDataset | Sequence[Mapping[str, Any]],
@@ -114,7 +106,7 @@ class ChatEnv:
             raise ValueError("ChatEnv got both task and reward_fn; pass task=SingleTurnTask(reward_fn) or only one.")
         if task is not None and not isinstance(task, Task):
             raise TypeError(f"task must implement start(sample, rng) and respond(state, history), got {task!r}.")
-        self.config = _make_config(config, config_kwargs)
+        self.config = config_with_overrides(ChatEnvConfig, config, config_kwargs, owner="ChatEnv")
         self.task: Task = task if task is not None else SingleTurnTask(reward_fn)
         if task is None and reward_fn is None:
             _warn_zero_rewards()
@@ -361,14 +353,6 @@ class ChatEnv:
 
     def close(self) -> None:
         self._closed = True
-
-    @property
-    def is_closed(self) -> bool:
-        return self._closed
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("ChatEnv is closed; create a new env.")
 
     def __repr__(self) -> str:
         return f"ChatEnv(batch_size={self.config.batch_size}, repeats={self.config.repeats}, task={self.task!r})"

@@ -1,8 +1,13 @@
-"""ChatEnvConfig: the batch, grouping, turn-limit and seeding options of a ChatEnv."""
+"""ChatEnvConfig: the batch, grouping, turn-limit and seeding options of a ChatEnv; how an env takes
+``config=`` and keyword overrides of its fields."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any, TypeVar
+
+C = TypeVar("C")
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
@@ -47,3 +52,18 @@ class ChatEnvConfig:
     @property
     def num_groups(self) -> int:
         return self.batch_size // self.repeats
+
+
+def config_with_overrides(config_cls: type[C], config: C | None, overrides: dict[str, Any], *, owner: str) -> C:
+    """``config`` (None: ``config_cls()``) with the fields ``overrides`` names replaced: an env's
+    ``config=`` and its ``**config_kwargs``. A ``config`` of another type, or a keyword that is no
+    field of ``config_cls``, raises TypeError naming ``owner`` and the valid fields."""
+    name = config_cls.__name__
+    if config is not None and not isinstance(config, config_cls):
+        article = "an" if name[0] in "AEIOU" else "a"
+        raise TypeError(f"config must be {article} {name}, got {type(config).__name__}.")
+    names = {f.name for f in dataclasses.fields(config_cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise TypeError(f"{owner} got unknown keyword argument(s) {unknown}; valid config fields: {sorted(names)}.")
+    return dataclasses.replace(config or config_cls(), **overrides)  # type: ignore[type-var]

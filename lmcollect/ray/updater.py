@@ -35,10 +35,9 @@ from lmcollect.weights.tensors import (
     align_names,
     narrowest_held_dtypes,
     non_finite_problems,
+    problems_per_receiver,
     raise_if_problems,
-    tensor_metadata,
     to_weight_dict,
-    weight_problems,
 )
 from lmcollect.weights.version import PushVersion
 
@@ -166,11 +165,9 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
         if check_finite and convert:  # on the values the workers will hold
             held = narrowest_held_dtypes(weights, (metadata[worker_id] for worker_id in worker_ids))
             raise_if_problems(non_finite_problems(weights, dtypes=held))
-        sent = tensor_metadata(weights)
+        per_worker = problems_per_receiver(weights, (metadata[w] for w in worker_ids), convert_dtype=convert)
         groups: dict[tuple[str, ...], list[int]] = {}  # the same problems -> the workers that have them
-        for worker_id in worker_ids:
-            expected, aliases = metadata[worker_id]
-            found = weight_problems(sent, expected, aliases=aliases, convert_dtype=convert)
+        for worker_id, found in zip(worker_ids, per_worker, strict=True):
             if found:
                 groups.setdefault(tuple(found), []).append(worker_id)
         problems = [

@@ -53,8 +53,8 @@ from lmcollect.weights.tensors import (
     WeightDict,
     agreed_held_dtypes,
     non_finite_problems,
+    problems_per_receiver,
     raise_if_problems,
-    tensor_metadata,
     to_weight_dict,
     weight_problems,
 )
@@ -222,13 +222,10 @@ class ProcessGroupSender(WeightSender):
         """Raise one ValueError, before anything is sent, if ``weights`` do not fit every receiver."""
         if self._group is None:
             raise RuntimeError("call connect() (on the sender and every receiver) before send().")
-        sent = tensor_metadata(to_weight_dict(weights))
-        convert = self.config.convert_dtype
-        problems = []
-        for rank, (expected, aliases) in enumerate(self._receiver_metadata, start=1):
-            problems += [
-                f"receiver {rank}: {p}" for p in weight_problems(sent, expected, aliases=aliases, convert_dtype=convert)
-            ]
+        per_receiver = problems_per_receiver(
+            to_weight_dict(weights), self._receiver_metadata, convert_dtype=self.config.convert_dtype
+        )
+        problems = [f"receiver {rank}: {p}" for rank, found in enumerate(per_receiver, start=1) for p in found]
         raise_if_problems(problems, where=" on every receiver")
 
     def last_checksums(self) -> list[int]:

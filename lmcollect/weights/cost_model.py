@@ -216,7 +216,6 @@ def _columns(push: MeasuredPush) -> list[float]:
 
 
 RAY_CPU_PUSH_COST = PushCostModel(
-    fixed_s=0.0,
     per_byte_s=0.52e-9,
     per_delta_byte_s=6.4e-9,
     delta_per_full_byte_s=1.26e-9,
@@ -275,7 +274,6 @@ class DeltaChooser:
 
 
 VLLM_CPU_PUSH_COST = PushCostModel(
-    fixed_s=0.0,
     per_byte_s=1.47e-9,
     per_delta_byte_s=4.3e-9,
     delta_per_full_byte_s=2.40e-9,

@@ -145,6 +145,18 @@ def weight_problems(
     return problems
 
 
+def problems_per_receiver(
+    weights: Mapping[str, torch.Tensor],
+    receivers: Iterable[tuple[Metadata, Mapping[str, str]]],
+    *,
+    convert_dtype: bool = False,
+) -> list[list[str]]:
+    """:func:`weight_problems` of pushing ``weights`` to each receiver (``receivers``: each one's
+    ``(metadata, aliases)``), in the receivers' order: what a push to several must check first."""
+    sent = tensor_metadata(weights)
+    return [weight_problems(sent, meta, aliases=aliases, convert_dtype=convert_dtype) for meta, aliases in receivers]
+
+
 def non_finite_problems(
     weights: Mapping[str, torch.Tensor], *, dtypes: Mapping[str, torch.dtype] | None = None
 ) -> list[str]:

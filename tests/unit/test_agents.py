@@ -22,6 +22,7 @@ from lmcollect.agents import (
     AGENT_METADATA,
     TOOL_PARSE_ERROR,
     AgentEnv,
+    AgentEnvConfig,
     AgentServer,
 )
 from lmcollect.agents.openai_format import parse_chat_request
@@ -30,7 +31,7 @@ from lmcollect.collectors import ContinuousLLMCollector, LLMCollector
 from lmcollect.data import History, keys
 from lmcollect.data.codec import decode, encode
 from lmcollect.data.turns import flatten_turns, non_tensor_values
-from lmcollect.envs import DialogFailed, PromptDataset
+from lmcollect.envs import ChatEnv, ChatEnvConfig, DialogFailed, PromptDataset, SingleTurnTask
 from lmcollect.policies import EnginePolicy, SamplingConfig
 from lmcollect.testing.scripted_engine import ByteTokenizer, ScriptedEngine, chat_script
 from tests.factories import run_in_thread
@@ -365,3 +366,27 @@ def test_histories_with_tools_survive_a_checkpoint_round_trip() -> None:
     history = History.from_dicts([{"role": "user", "content": "q"}], tools=TOOLS)
     data, tensors = encode({"h": history})
     assert decode(json.loads(json.dumps(data)), tensors)["h"] == history
+
+
+ENV_ROWS = [{"prompt": "What is 1 + 1?"}]
+
+
+def test_env_config_and_closed_errors_name_the_env():
+    """ChatEnv and AgentEnv share the config merge and the closed check; each keeps its own words."""
+    with pytest.raises(TypeError, match=r"^config must be a ChatEnvConfig, got AgentEnvConfig\.$"):
+        ChatEnv(ENV_ROWS, task=SingleTurnTask(), config=AgentEnvConfig())
+    with pytest.raises(TypeError, match=r"^config must be an AgentEnvConfig, got ChatEnvConfig\.$"):
+        AgentEnv(ENV_ROWS, lambda context, row: 1.0, config=ChatEnvConfig())
+    with pytest.raises(TypeError, match=r"^AgentEnv got unknown keyword argument\(s\) \['bogus'\]; valid config fields"):
+        AgentEnv(ENV_ROWS, lambda context, row: 1.0, bogus=1)
+    with pytest.raises(TypeError, match=r"^ChatEnv got unknown keyword argument\(s\) \['bogus'\]; valid config fields"):
+        ChatEnv(ENV_ROWS, task=SingleTurnTask(), bogus=1)
+    chat, agents = ChatEnv(ENV_ROWS, task=SingleTurnTask(), batch_size=2), AgentEnv(ENV_ROWS, lambda context, row: 1.0)
+    assert chat.config.batch_size == 2 and not chat.is_closed and not agents.is_closed
+    chat.close()
+    agents.close()
+    assert chat.is_closed and agents.is_closed
+    with pytest.raises(RuntimeError, match=r"^ChatEnv is closed; create a new env\.$"):
+        chat.reset()
+    with pytest.raises(RuntimeError, match=r"^this AgentEnv is closed; build a new one\.$"):
+        agents.reset()

@@ -296,6 +296,25 @@ def test_progress_is_live_on_a_terminal_and_plain_lines_otherwise() -> None:
     assert not isinstance(turns_progress(terminal), PlainTurnsProgress)
 
 
+def test_no_progress_prints_nothing_and_logs_each_step_at_debug_level(caplog) -> None:
+    import io
+    import logging
+
+    from rich.console import Console
+
+    from lmcollect.cli.progress import PlainTrainingProgress, step_progress
+
+    out = io.StringIO()
+    log = logging.getLogger("lmcollect.cli.demo")
+    with caplog.at_level(logging.DEBUG, logger=log.name), step_progress(
+        10, console=Console(file=out), show=False, log=log
+    ) as progress:
+        progress.update(_record(3))
+    assert out.getvalue() == ""
+    assert [(r.name, r.levelno, r.getMessage()[:7]) for r in caplog.records] == [(log.name, logging.DEBUG, "step 3:")]
+    assert isinstance(step_progress(10, console=Console(file=out), show=True, log=log), PlainTrainingProgress)
+
+
 def test_plain_training_progress_prints_a_line_every_interval_and_the_last_step() -> None:
     import io
 

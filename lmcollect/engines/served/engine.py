@@ -41,11 +41,10 @@ from lmcollect.engines.vllm_common import (
     checkpoint_dtype,
     checkpoint_eos_token_ids,
     sampling_params_kwargs,
-    settle,
 )
 from lmcollect.engines.vllm_worker_ext import checkpoint_metadata
 from lmcollect.engines.weight_group import RECEIVE_METHOD, GroupPush
-from lmcollect.plumbing import forwarded
+from lmcollect.plumbing import forwarded, settle
 from lmcollect.weights.buckets import WeightBuckets
 from lmcollect.weights.delta import WeightDelta
 from lmcollect.weights.lora import LoraAdapter

@@ -161,6 +161,21 @@ def _stop_group(process: subprocess.Popen, grace_s: float) -> None:
         time.sleep(0.05)
 
 
+def _server_environment(env: dict[str, str], control_endpoints: bool, control: dict[str, str]) -> dict[str, str]:
+    """The server's environment: this process's, then ``env``, then the control settings."""
+    # The server's engine core is always a process of its own (vLLM's async client); with this
+    # setting off, vLLM's CPU platform keeps a one-worker engine's worker inside that process
+    # instead of spawning a third Python for it (~14 s of imports). GPU engines are unaffected.
+    # The control settings come last: a stray LMCOLLECT_CONTROL_TOKEN of this process never reaches the server.
+    return {
+        **os.environ,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        **env,
+        "VLLM_SERVER_DEV_MODE": "1" if control_endpoints else "0",
+        **control,
+    }
+
+
 class VLLMServer:
     """A ``vllm serve`` of a local model, in a child process group of its own; ``stop()`` (or ``with``) ends it.
 
@@ -251,17 +266,7 @@ class VLLMServer:
             handle, log_path = tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")
             os.close(handle)
         self.log_path = Path(log_path)
-        # The server's engine core is always a process of its own (vLLM's async client); with this
-        # setting off, vLLM's CPU platform keeps a one-worker engine's worker inside that process
-        # instead of spawning a third Python for it (~14 s of imports). GPU engines are unaffected.
-        # The control settings come last: a stray LMCOLLECT_CONTROL_TOKEN of this process never reaches the server.
-        environment = {
-            **os.environ,
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            **(env or {}),
-            "VLLM_SERVER_DEV_MODE": "1" if self.control_endpoints else "0",
-            **settings.environ(),
-        }
+        environment = _server_environment(env or {}, self.control_endpoints, settings.environ())
         logger.info("starting %s (log: %s)", " ".join(self.command), self.log_path)
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
