@@ -245,7 +245,8 @@ def test_bad_agents_end_only_their_own_dialogs_named(server, caplog) -> None:
         with collector:
             while kept != {"ok", "malformed", "late", "early"}:  # every row that can succeed, each group whole
                 assert len(turns) < 40, f"only {kept} came back"
-                turns += flatten_turns(collector.next())
+                batch = run_in_thread(collector.next, timeout_s=120)()  # a stall fails here, named, not hangs
+                turns += flatten_turns(batch)
                 kept |= {re.search(r"add \d+ \d+ (\w+)", text(t, keys.TEXT_PROMPT)).group(1) for t in turns}
     engine.close()
     # 2 runs each of raise, hang, none, and the first of early, at least (rows come round again)
