@@ -105,7 +105,7 @@ class WeightReceiverMixin(HoldsWeightUpdater):
 
     def get_policy_model(self) -> Any:
         """The policy's model (``policy.model`` when it has one, else the policy itself)."""
-        return getattr(self.policy, "model", self.policy)
+        return self.weight_loader.model()
 
     def push_costs(self) -> list[PushCost]:
         """What the recent pushes cost the policy's engine, oldest first: each load's call and the
