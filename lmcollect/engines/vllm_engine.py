@@ -69,7 +69,7 @@ from lmcollect.weights.buckets import (
 )
 from lmcollect.weights.delta import DeltaRejectedError, WeightDelta
 from lmcollect.weights.lora import LoraAdapter, check_adapter
-from lmcollect.weights.tensors import check_weights, raise_if_problems, weight_problems
+from lmcollect.weights.tensors import check_weights, non_finite_problems, raise_if_problems, weight_problems
 from lmcollect.weights.version import PushVersion, VersionCounter, version_index
 
 if TYPE_CHECKING:  # vllm is an optional extra and slow to import; the engine imports it when built
@@ -208,8 +208,12 @@ class VLLMEngine(QueuedAndRunning):
         source: Iterable[tuple[str, torch.Tensor]] | WeightBuckets | GroupPush | LoraAdapter | WeightDelta,
         *,
         version: int | PushVersion,
+        check_finite: bool = False,
     ) -> list[Any] | None:
         """Check every name, shape and dtype, then reload the weights in every worker and take ``version``.
+
+        ``check_finite``: refuse full weights holding NaN or Inf, checked tensor by tensor as they
+        are copied into the pack buffers (the check rides on the copy instead of a pass of its own).
 
         Names are the checkpoint's (Hugging Face) names; a tied output embedding may be sent or
         left out. A refused load raises ``ValueError`` and changes nothing. The load runs between
@@ -226,7 +230,9 @@ class VLLMEngine(QueuedAndRunning):
         """
         check_version(version)
         if isinstance(source, GroupPush):
-            return self._between_steps(lambda: self._receive_group_push(source, version))
+            return self._timed_load(
+                version, lambda: self._took_base(self._llm.collective_rpc(RECEIVE_METHOD, args=source.worker_args()))
+            )
         if isinstance(source, LoraAdapter):
             return self._load_adapter(source, version)
         if isinstance(source, WeightDelta):
@@ -237,36 +243,47 @@ class VLLMEngine(QueuedAndRunning):
             )
             raise_if_problems(problems, where=" by VLLMEngine.load_weights")  # before anything is sent or written
             with self._full_load:
-                method, payload = self._passed_on(source)
-                self._load_full(method, payload, version, into_spare=method == LOAD_SHARED_WEIGHTS)
+                started = time.perf_counter()
+                method, payload = self._passed_on(source, check_finite=check_finite)
+                self._load_full(method, payload, version, into_spare=method == LOAD_SHARED_WEIGHTS,
+                                copy_s=time.perf_counter() - started)  # fmt: skip
             return None
         weights = dict(source)
         check_weights(weights, self._metadata, aliases=self._aliases)  # before anything is sent or written
         with self._full_load:
-            method, payload = self._packed(weights)
-            self._load_full(method, payload, version, into_spare=True)
+            started = time.perf_counter()
+            method, payload = self._packed(weights, check_finite=check_finite)
+            self._load_full(method, payload, version, into_spare=True, copy_s=time.perf_counter() - started)
         return None
 
     def _load_full(
-        self, method: str, payload: tuple[str, Any], version: int | PushVersion, *, into_spare: bool
+        self, method: str, payload: tuple[str, Any], version: int | PushVersion, *, into_spare: bool, copy_s: float
     ) -> None:
         """Every worker reloads ``payload`` with ``method`` between two steps (under ``_full_load``).
         ``into_spare``: the payload is in the spare pack set, which becomes the workers' base."""
-
-        def load() -> None:
-            refuse_stale_push(
-                version_index(version), self._counter.index, "VLLMEngine"
-            )  # here: loads run one at a time
-            started = time.perf_counter()
-            self._llm.collective_rpc(method, args=payload)
-            self._took_base()
-            self._take_version(version, started)
-
-        self._between_steps(load)
+        self._timed_load(
+            version, lambda: self._took_base(self._llm.collective_rpc(method, args=payload)), copy_s=copy_s
+        )
         if into_spare:
             self._spare ^= 1  # the worker's base is now this set: the next push packs into the other
 
-    def _packed(self, weights: dict[str, torch.Tensor]) -> tuple[str, tuple[str, Any]]:
+    def _timed_load(self, version: int | PushVersion, load: Callable[[], T], *, copy_s: float = 0.0) -> T:
+        """``load()`` between two decoding steps, then the version taken; every load goes through here.
+        A stale version is refused at the step boundary (loads run one at a time there). Its
+        timeline (copy, wait for the step under way, load, reset) goes to :meth:`push_costs`."""
+        queued = time.perf_counter()
+
+        def run() -> T:
+            refuse_stale_push(version_index(version), self._counter.index, "VLLMEngine")
+            started = time.perf_counter()
+            result = load()
+            loaded = time.perf_counter()
+            self._take_version(version, started, copy_s=copy_s, wait_s=started - queued, load_s=loaded - started)
+            return result
+
+        return self._between_steps(run)
+
+    def _packed(self, weights: dict[str, torch.Tensor], *, check_finite: bool) -> tuple[str, tuple[str, Any]]:
         """``weights`` packed into the spare one of two sets of buffers, kept from push to push, and
         the worker call that reloads them. Kept, because a fresh 0.3 GB allocation costs several
         times the copy itself (page faults; 0.15 vs 0.03 s for the medium model here). Two sets,
@@ -278,26 +295,33 @@ class VLLMEngine(QueuedAndRunning):
         layout = plan_layout(weights)
         if self._shared_sets is not None:
             out, where = self._shared_sets.buffers(self._spare, layout.buffer_nbytes)
-            pack_buckets(weights, layout=layout, device="cpu", out=out)
+            pack_buckets(weights, layout=layout, device="cpu", out=out, check_finite=check_finite)
             return LOAD_SHARED_WEIGHTS, (layout_to_json(layout), where.as_args())
         spare = self._pack_sets[self._spare]
-        buckets = pack_buckets(weights, layout=layout, device="cpu", out=spare or None)
+        buckets = pack_buckets(weights, layout=layout, device="cpu", out=spare or None, check_finite=check_finite)
         self._pack_sets[self._spare] = buckets.buffers
         return LOAD_PACKED_WEIGHTS, (layout_to_json(layout), [buffer.numpy().data for buffer in buckets.buffers])
 
-    def _passed_on(self, buckets: WeightBuckets) -> tuple[str, tuple[str, Any]]:
+    def _passed_on(self, buckets: WeightBuckets, *, check_finite: bool) -> tuple[str, tuple[str, Any]]:
         """The worker call that reloads a sender's ``buckets`` (checked) as they are: an in-process
         worker reads their buffers themselves; workers in other processes read a copy of each buffer,
-        byte for byte, in the spare shared pack set (the RPC would serialise the bytes; see :meth:`_packed`)."""
+        byte for byte, in the spare shared pack set (the RPC would serialise the bytes; see :meth:`_packed`).
+        ``check_finite``: NaN/Inf refused, read through views of the bytes (buffer by buffer after its copy)."""
         layout_json = layout_to_json(buckets.layout)
         if self._shared_sets is None:
+            if check_finite:
+                raise_if_problems(non_finite_problems(buckets.tensors()), where=" by VLLMEngine.load_weights")
             return LOAD_PACKED_WEIGHTS, (layout_json, byte_views(buckets))
         out, where = self._shared_sets.buffers(self._spare, buckets.layout.buffer_nbytes)
         for target, buffer in zip(out, byte_views(buckets), strict=True):
             target.numpy()[:] = np.frombuffer(buffer, dtype=np.uint8, count=target.numel())
+        if check_finite:
+            copied = WeightBuckets(buckets.layout, out)
+            raise_if_problems(non_finite_problems(copied.tensors()), where=" by VLLMEngine.load_weights")
         return LOAD_SHARED_WEIGHTS, (layout_json, where.as_args())
 
     loads_lora_adapters = True  # load_weights takes a LoraAdapter (merged in the workers)
+    checks_finite_in_copy = True  # load_weights(check_finite=True) refuses NaN/Inf while it copies
 
     def _load_adapter(self, adapter: LoraAdapter, version: int | PushVersion) -> list[Any]:
         """A LoRA adapter: checked here, sent to every worker in the call (a few MB), merged there into
@@ -311,18 +335,17 @@ class VLLMEngine(QueuedAndRunning):
         kept = adapter.cloned(device="cpu")  # what a checkpoint saves (the trainer's tensors train on)
 
         def load() -> list[Any]:
-            refuse_stale_push(version_index(version), self._counter.index, "VLLMEngine")
-            started = time.perf_counter()
             reports = self._llm.collective_rpc(LOAD_LORA_ADAPTER, args=args)
             self._loaded, self._adapter = True, kept
-            self._take_version(version, started)
             return reports
 
-        return self._between_steps(load)
+        return self._timed_load(version, load)
 
-    def _took_base(self) -> None:
-        """The workers reloaded full weights: their new LoRA base, no adapter merged (the base rule)."""
+    def _took_base(self, reports: T) -> T:
+        """The workers reloaded full weights (their ``reports``): their new LoRA base, no adapter
+        merged (the base rule)."""
         self._loaded, self._adapter = True, None
+        return reports
 
     def checkpoint_weights(self) -> tuple[dict[str, torch.Tensor], LoraAdapter | None] | None:
         """What a checkpoint restores this engine to: the workers' base weights (their last full
@@ -351,28 +374,15 @@ class VLLMEngine(QueuedAndRunning):
         args = (delta.header(), layout_to_json(arrays.layout), [buffer.data for buffer in arrays.buffers])
 
         def load() -> list[Any]:
-            refuse_stale_push(version_index(version), self._counter.index, "VLLMEngine")
             refuse_delta_base(delta, self._counter.index, "VLLMEngine")
-            started = time.perf_counter()
             staged = self._llm.collective_rpc(STAGE_WEIGHT_DELTA, args=args)
             refused = [report["refused"] for report in staged if "refused" in report]
             if refused:
                 self._llm.collective_rpc(DROP_STAGED_WEIGHTS)
                 raise DeltaRejectedError(f"VLLMEngine's workers refused the delta ({refused[0]}); nothing was changed.")
-            reports = self._llm.collective_rpc(COMMIT_STAGED_WEIGHTS)
-            self._took_base()
-            self._take_version(version, started)
-            return reports
+            return self._took_base(self._llm.collective_rpc(COMMIT_STAGED_WEIGHTS))
 
-        return self._between_steps(load)
-
-    def _receive_group_push(self, push: GroupPush, version: int | PushVersion) -> list[Any]:
-        refuse_stale_push(version_index(version), self._counter.index, "VLLMEngine")
-        started = time.perf_counter()
-        reports = self._llm.collective_rpc(RECEIVE_METHOD, args=push.worker_args())
-        self._took_base()
-        self._take_version(version, started)
-        return reports
+        return self._timed_load(version, load)
 
     def weight_metadata(self) -> tuple[dict[str, tuple[torch.dtype, torch.Size]], dict[str, str]]:
         """The checkpoint's names, dtypes and shapes (what ``load_weights`` accepts), and tied aliases."""
@@ -530,15 +540,19 @@ class VLLMEngine(QueuedAndRunning):
         if future is not None:
             settle(future, result=result, error=error)
 
-    def _take_version(self, version: int | PushVersion, started: float | None = None) -> None:
-        """The new version label (after a load that began at ``started``); under ``"recompute"`` the KV is dropped."""
+    def _take_version(self, version: int | PushVersion, started: float | None = None, **timeline: float) -> None:
+        """The new version label (after a load that began at ``started``, its stages in ``timeline``);
+        under ``"recompute"`` the KV is dropped."""
+        reset_started = time.perf_counter()
         index = version_index(version)
         self._llm.set_weight_version(str(index))
         self._counter.take(version)
         if self._kv.kv_policy == "recompute":
             self._reset_caches()
         if started is not None:
-            self._kv.loaded(version=index, call_s=time.perf_counter() - started, running=len(self._running))
+            ended = time.perf_counter()
+            self._kv.loaded(version=index, call_s=ended - started, running=len(self._running),
+                            reset_s=ended - reset_started, **timeline)  # fmt: skip
 
     def _reset_caches(self) -> None:
         if not self._llm.reset_prefix_cache(reset_running_requests=True):

@@ -1,7 +1,9 @@
 """The KV policy's bookkeeping for :class:`~lmcollect.engines.vllm_engine.VLLMEngine` (pure Python, no vLLM).
 
 vLLM holds the keys/values; this keeps what the engine needs to say about them: each request's
-cache salt (under ``"keep"``, one per dialog, so a prefix computed for one dialog is never another's),
+cache salt (under ``"keep"``, the oldest version that may have computed the prefix it reuses: its
+dialog's ``context_kv_version``, or the version now for a first turn, so a GRPO group's siblings
+share their prompt's keys/values and a prefix is reused only by requests that record its version),
 the ``kv_versions`` of its result, and each push's recompute (:class:`~lmcollect.engines.kv_policy.PushCost`):
 the running requests' contexts prefilled again after a ``"recompute"`` load (counted from each
 finished request's token versions, timed as the extra time of the first step after the load over
@@ -35,7 +37,7 @@ class RequestKV:
     kv_policy: KVPolicy
     prompt_len: int
     dialog: str | None
-    context_kv_version: int | None
+    salt_version: int | None  # the version its cache salt names (None: no salt, under "recompute")
     added_version: int
 
 
@@ -49,21 +51,31 @@ class VLLMKVBook:
         self._requests: dict[str, RequestKV] = {}
         self._dialog_context: OrderedDict[str, tuple[int, int]] = OrderedDict()  # dialog -> (version, tokens)
         self._recent_steps: deque[float] = deque(maxlen=_RECENT_STEPS)  # seconds of the last ordinary steps
-        self._timed_load: int | None = None  # the load whose first step is timed next
+        self._timed_load: int | None = None  # the load whose first step's extra time is its recompute
+        self._first_step_of: int | None = None  # the load whose first step is timed next
 
     # ------------------------------------------------------------------ requests
     def added(self, request_id: str, request: EngineRequest, *, version: int) -> str | None:
-        """Remember a request vLLM just took; its cache salt (None: share the prefix cache)."""
+        """Remember a request vLLM just took; its cache salt (None: share the prefix cache).
+
+        Under ``"keep"`` the salt is a version ``s``: the oldest that computed the request's context
+        (its dialog's ``context_kv_version``; the version now for a first turn). Every block cached
+        under ``s`` was computed by a request added at version ``s`` or later, so a request that
+        reuses one records ``s`` as the floor of its ``kv_versions``: KV of another version is never
+        reused unrecorded, and requests of one version (a group's siblings) share their prompt."""
+        salt_version = None
+        if self.kv_policy == "keep":
+            context = request.context_kv_version
+            salt_version = version if context is None else min(context, version)
         self._requests[request_id] = RequestKV(
             kv_policy=self.kv_policy,
             prompt_len=len(request.prompt_ids),
             dialog=request.affinity,
-            context_kv_version=request.context_kv_version,
+            salt_version=salt_version,
             added_version=version,
         )
-        if self.kv_policy == "recompute":
-            return None  # the cache holds only the current version's prefixes (a load empties it)
-        return f"dialog:{request.affinity}" if request.affinity is not None else f"version:{version}"
+        # "recompute": the cache holds only the current version's prefixes (a load empties it)
+        return None if salt_version is None else f"kv-version:{salt_version}"
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -73,7 +85,7 @@ class VLLMKVBook:
         info = self._requests.pop(request_id, None)
         if info is None:
             return result
-        context = info.context_kv_version if num_cached > 0 else None
+        context = info.salt_version if num_cached > 0 else None
         kv = kv_versions_of(result.token_versions, kv_policy=info.kv_policy, context_kv_version=context)
         if info.kv_policy == "recompute":
             self._count_recompute(info, result.token_versions, num_cached)
@@ -107,10 +119,13 @@ class VLLMKVBook:
         return 0.0
 
     # ------------------------------------------------------------------ loads and steps
-    def loaded(self, *, version: int, call_s: float, running: int) -> None:
-        """A load took ``version``; under ``"recompute"`` with requests running, the next step is timed."""
-        self.meter.loaded(version=version, kv_policy=self.kv_policy, call_s=call_s, timed=self.timed_steps)
+    def loaded(self, *, version: int, call_s: float, running: int, **timeline: float) -> None:
+        """A load took ``version`` (``timeline``: its stages, see :class:`PushCost`); with requests
+        running the next step is the push's first step, and under ``"recompute"`` its extra time is
+        the recompute."""
+        self.meter.loaded(version=version, kv_policy=self.kv_policy, call_s=call_s, timed=self.timed_steps, **timeline)
         self._timed_load = version if self.kv_policy == "recompute" and running and self.timed_steps else None
+        self._first_step_of = version if running else None
 
     def step_started(self) -> float:
         return time.perf_counter()
@@ -120,6 +135,9 @@ class VLLMKVBook:
         recent ordinary steps (it re-prefills every running request); a step that ``admitted`` new
         requests prefills them too and is no baseline."""
         seconds = time.perf_counter() - started
+        if self._first_step_of is not None:
+            self.meter.first_step(seconds, version=self._first_step_of)
+            self._first_step_of = None
         if self._timed_load is not None:
             baseline = statistics.median(self._recent_steps) if self._recent_steps else 0.0
             self.meter.recomputed(0, seconds - baseline, version=self._timed_load)

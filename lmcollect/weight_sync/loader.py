@@ -207,49 +207,61 @@ class WeightLoader:
         """
         version = options.version
         self.check_version(version)
-        source = self._engine_source(engine, weights, options)
+        source, extra = self._engine_source(engine, weights, options)
         loaded: int | PushVersion = version if version is not None else self._next_index(engine)
         held, self.held_push = self.held_push, None  # until the load succeeded
-        with self._held():
+        # An engine whose counter is the collector's version takes the version inside its load, which
+        # lands between two decoding steps by itself: no pause, so its copy overlaps decoding and the
+        # only stall is the load. Otherwise load, reset and version change while it is paused.
+        separate_version = self.version is not None and not self.version.shares(
+            getattr(engine, "version_counter", None)
+        )
+        with self._held() if separate_version else contextlib.nullcontext():
             try:
-                report = engine.load_weights(source, version=loaded)
+                report = engine.load_weights(source, version=loaded, **extra)
             except (DeltaRejectedError, ValueError):
                 self.held_push = held  # a refused load (a check, a delta, a stale push) changed nothing
                 raise
-            if self.version is not None and not self.version.shares(getattr(engine, "version_counter", None)):
+            if separate_version:
                 self._finish_update(version, cache_reset=True)  # an engine without a counter of its own
             self.held_push = version
         if self._on_loaded is not None:
             self._on_loaded()
         return report
 
-    def _engine_source(self, engine: EngineProtocol, weights: Any, options: LoadOptions) -> Any:
-        """What ``engine.load_weights`` takes for ``weights``: a process-group push, a LoRA adapter,
-        a delta or a sender's :class:`~lmcollect.weights.buckets.WeightBuckets` as they are (buckets
-        unless ``convert_dtype`` must cast them), other tensors cast to the engine's dtypes with
-        ``convert_dtype``. NaN/Inf are refused here, read through views of the buckets' bytes."""
+    def _engine_source(self, engine: EngineProtocol, weights: Any, options: LoadOptions) -> tuple[Any, dict[str, Any]]:
+        """What ``engine.load_weights`` takes for ``weights``, and its keywords: a process-group push,
+        a LoRA adapter, a delta or a sender's :class:`~lmcollect.weights.buckets.WeightBuckets` as
+        they are (buckets unless ``convert_dtype`` must cast them), other tensors cast to the
+        engine's dtypes with ``convert_dtype``. NaN/Inf are refused by the engine while it copies
+        (``check_finite=True``, where it ``checks_finite_in_copy``), else here, read through views
+        of the buckets' bytes."""
         if isinstance(weights, GroupPush):
             if not isinstance(engine, WorkerRpcEngine):
                 raise TypeError(NO_GROUP_ENGINE.format(policy=type(self.policy).__name__))
-            return weights
+            return weights, {}
         check_engine_loads(engine, weights)
         if isinstance(weights, LoraAdapter):
-            return weights
+            return weights, {}
         if isinstance(weights, WeightDelta):
             if options.version is None:
                 raise TypeError("a delta push needs the version it brings (version=PushVersion(...)).")
             check_delta_base(weights, self.held_push)
-            return weights
+            return weights, {}
         buckets = weights if isinstance(weights, WeightBuckets) else None
         weights = to_weight_dict(weights)  # of buckets: views of their bytes
         if options.convert_dtype:  # cast here to what the engine holds: every engine then checks dtypes strictly
             cast = cast_to_held(weights, *engine.weight_metadata())
             if any(cast[name] is not tensor for name, tensor in weights.items()):
                 buckets, weights = None, cast  # new tensors: the engine packs them (once)
-        if not options.allow_non_finite:
-            refuse_non_finite(weights)  # the values as the engine will hold them
         # a sender's buckets go on as they are: the engine checks their layout and reads their bytes
-        return buckets if buckets is not None else weights.items()
+        source = buckets if buckets is not None else weights.items()
+        if options.allow_non_finite:
+            return source, {}
+        if getattr(engine, "checks_finite_in_copy", False):
+            return source, {"check_finite": True}
+        refuse_non_finite(weights)  # the values as the engine will hold them
+        return source, {}
 
     def _apply_delta(self, target: Any, delta: WeightDelta, version: PushVersion | None) -> None:
         """Check the delta (base version, names, dtypes, positions), then, while no policy call

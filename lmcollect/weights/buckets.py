@@ -202,6 +202,7 @@ def pack_buckets(
     layout: BucketLayout | None = None,
     on_buffer_packed: Callable[[int, torch.Tensor], None] | None = None,
     direct: bool = False,
+    check_finite: bool = False,
 ) -> WeightBuckets:
     """Copy ``weights`` into flat per-dtype buffers (reusing ``out`` when its sizes match).
 
@@ -213,6 +214,9 @@ def pack_buckets(
     caller already made it. ``direct=True``: a buffer holding exactly one tensor that already has
     its bytes in order (contiguous, on ``device``, in the buffer's dtype) is that tensor's bytes,
     not a copy (``out`` is then ignored: never write into such buffers).
+    ``check_finite=True``: each floating tensor is checked for NaN/Inf right after its copy, while
+    its bytes are in cache (the check rides on the copy); one ``ValueError`` names every tensor that
+    holds any, once all are packed (the buffers then hold a refused push: load nothing from them).
     """
     layout = layout if layout is not None else plan_layout(weights, bucket_size_bytes=bucket_size_bytes, dtypes=dtypes)
     device = torch.device(device) if device is not None else _common_device(weights)
@@ -232,18 +236,36 @@ def pack_buckets(
     last_slot = {slot.buffer_index: position for position, slot in enumerate(layout.slots)}
     full, announced = [False] * len(buffers), 0
     copied: set[tuple] = set()
+    non_finite: list[str] = []
     with torch.no_grad():
         for position, (slot, tensor) in enumerate(zip(layout.slots, weights.values(), strict=True)):
             key = tie_key(tensor)
             if key not in copied and slot.buffer_index not in views:  # else a tied alias, or sent as it is
                 copied.add(key)
-                _slot_view(buffers[slot.buffer_index], slot).copy_(tensor)
+                packed = _slot_view(buffers[slot.buffer_index], slot)
+                packed.copy_(tensor)
+                if check_finite and holds_non_finite(packed):
+                    non_finite.append(slot.name)
             if on_buffer_packed is not None and last_slot[slot.buffer_index] == position:
                 full[slot.buffer_index] = True
                 while announced < len(buffers) and full[announced]:
                     on_buffer_packed(announced, buffers[announced])
                     announced += 1
+    if non_finite:
+        raise ValueError(
+            f"weight push rejected, no weight was changed: {non_finite[:20]} hold NaN or infinite values "
+            "(allow_non_finite=True pushes them anyway)."
+        )
     return WeightBuckets(layout, buffers)
+
+
+def holds_non_finite(tensor: torch.Tensor) -> bool:
+    """Whether a floating tensor holds a NaN or an infinity: one min/max pass (NaN propagates through
+    both, so min and max are finite exactly when every element is; cheaper than ``isfinite(t).all()``)."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return False
+    low, high = torch.aminmax(tensor.detach())
+    return not bool(torch.isfinite(low) & torch.isfinite(high))
 
 
 def _direct_views(

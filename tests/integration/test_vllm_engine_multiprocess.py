@@ -75,11 +75,29 @@ def test_pushes_pack_into_two_shared_files_kept_from_push_to_push(tiny_model_pat
         engine.load_weights(buckets, version=4)  # set 0 again: their buffers copied as they are, not packed
         assert packs_made() == packs
         expect_answers_of(new, engine)
+        check_the_push_timeline_and_a_non_finite_push(engine, new)
         assert push_files() - before == files, "a push made a shared-memory file of its own"
         check_keep_across_a_push(engine, other)
     finally:
         engine.close()
     assert push_files() == before, "the engine's shared-memory files outlived it"
+
+
+def check_the_push_timeline_and_a_non_finite_push(engine: VLLMEngine, held: torch.nn.Module) -> None:
+    """The last push's timeline adds up (the stall is the load and the reset), and a push holding a NaN,
+    refused by the check that rides on the copy into the spare set, changes nothing."""
+    cost = engine.push_costs()[-1]
+    assert cost.version == 4 and cost.copy_s > 0 and cost.load_s > 0 and cost.wait_s >= 0 and cost.reset_s >= 0
+    assert cost.call_s == pytest.approx(cost.load_s + cost.reset_s, abs=2e-3) and cost.stall_s == cost.call_s
+    assert cost.total_s == pytest.approx(cost.copy_s + cost.wait_s + cost.call_s)
+    spoiled = dict(held.state_dict())  # tied tensors stay tied: the push has the layout of the held one
+    name = next(name for name in spoiled if "q_proj.weight" in name)
+    spoiled[name] = spoiled[name].detach().clone()
+    spoiled[name].view(-1)[7] = float("nan")
+    with pytest.raises(ValueError, match=f"{name}.*hold NaN or infinite values"):
+        engine.load_weights(spoiled.items(), version=5, check_finite=True)
+    assert engine.version == 4 and engine.push_costs()[-1].version == 4
+    expect_answers_of(held, engine)
 
 
 def check_keep_across_a_push(engine: VLLMEngine, pushed: torch.nn.Module) -> None:

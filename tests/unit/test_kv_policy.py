@@ -14,6 +14,8 @@ from lmcollect.data.turns import flatten_turns
 from lmcollect.diagnostics import check_logprobs
 from lmcollect.engines import TransformersEngine
 from lmcollect.engines.kv_policy import PushCostMeter, check_kv_policy, kv_versions_of
+from lmcollect.engines.protocol import EngineRequest, EngineResult
+from lmcollect.engines.vllm_kv import VLLMKVBook
 from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.envs import ChatEnv, SingleTurnTask, arithmetic_dataset
 from lmcollect.testing import ByteTokenizer, ScriptedEngine
@@ -45,6 +47,37 @@ def test_the_meter_adds_each_recompute_to_its_own_push() -> None:
     meter.loaded(version=3, kv_policy="keep", call_s=0.1)  # the oldest falls out
     assert [(c.version, c.recomputed_tokens, c.recompute_s) for c in meter.costs()] == [(2, 7, 0.2), (3, 0, 0.0)]
     assert meter.last is not None and meter.last.as_metrics()["push/call_s"] == 0.1
+
+
+def test_the_meter_keeps_each_pushs_timeline_and_its_first_step() -> None:
+    meter = PushCostMeter()
+    meter.loaded(version=1, kv_policy="keep", call_s=0.3, copy_s=0.05, wait_s=0.02, load_s=0.28, reset_s=0.02)
+    meter.first_step(0.04, version=1)
+    cost = meter.costs()[-1]
+    assert (cost.copy_s, cost.wait_s, cost.load_s, cost.reset_s, cost.first_step_s) == (0.05, 0.02, 0.28, 0.02, 0.04)
+    assert cost.total_s == pytest.approx(0.37) and cost.stall_s == 0.3
+    assert cost.as_metrics()["push/first_step_s"] == 0.04
+    assert cost.timeline().startswith("copy 50 ms, wait 20 ms, load 280 ms, reset 20 ms, first step 40 ms")
+
+
+def salted(book: VLLMKVBook, name: str, *, version: int, context: int | None = None) -> str | None:
+    request = EngineRequest(prompt_ids=list(range(40)), affinity=name, context_kv_version=context)
+    return book.added(name, request, version=version)
+
+
+def test_keep_salts_the_prefix_cache_by_the_oldest_version_of_the_context() -> None:
+    book = VLLMKVBook("keep")
+    # a group's siblings: first turns of one version share one salt, so their prompt's keys/values
+    assert salted(book, "a", version=3) == salted(book, "b", version=3) == "kv-version:3"
+    # a dialog's next turn after a push reuses its own context's salt (its prefix), and records it
+    assert salted(book, "a2", version=5, context=3) == "kv-version:3"
+    result = EngineResult(
+        tokens=torch.tensor([1, 2]), log_probs=torch.zeros(2), token_versions=torch.tensor([5, 5]), finish_reason="stop"
+    )
+    assert book.finished("a2", result, num_cached=32).kv_versions.tolist() == [3, 3]
+    salted(book, "a3", version=5, context=3)
+    assert book.finished("a3", result, num_cached=0).kv_versions.tolist() == [5, 5]  # nothing reused
+    assert salted(VLLMKVBook("recompute"), "c", version=5, context=3) is None  # a load empties the cache
 
 
 def test_a_collector_over_an_engine_that_cannot_keep_refuses_keep_naming_the_fix() -> None:

@@ -54,3 +54,20 @@ def test_a_loader_over_an_engine_receives_for_the_policy_only(engine) -> None:
     loader = WeightLoader(engine, version=None)
     with pytest.raises(ValueError, match="model_id='critic'.*'policy' only"):
         loader.metadata("critic")
+
+
+def test_a_load_into_an_engine_that_takes_the_version_itself_never_pauses_it(engine, tiny_model_path) -> None:
+    """The engine's load lands between two decoding steps and takes the shared version there: the
+    loader does not pause it (a pause would stall decoding while the engine copies); an engine with
+    a counter of its own is paused, so load, cache reset and version change together."""
+    pauses = []
+    engine.pause = lambda original=engine.pause: (pauses.append(1), original())[1]
+    shared = PolicyVersion()
+    shared.share(engine.version_counter)
+    WeightLoader(engine, version=shared).load(perturbed_model(tiny_model_path, seed=2).state_dict(),
+                                              LoadOptions(version=PushVersion(1, "one")))
+    assert pauses == [] and (engine.version, shared.index) == (1, 1)
+    separate = PolicyVersion()
+    WeightLoader(engine, version=separate).load(perturbed_model(tiny_model_path, seed=3).state_dict(),
+                                                LoadOptions(version=PushVersion(2, "two")))
+    assert pauses == [1] and (engine.version, separate.index) == (2, 2)
