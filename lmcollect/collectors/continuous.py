@@ -67,8 +67,10 @@ class ContinuousLLMCollector(
     ``GroupAdvantage(group_size=k)`` (single-turn) or ``GroupAdvantage()`` (multi-turn) normalises
     every group. ``max_policy_lag`` then holds per group: a group admitted under version ``v`` leaves
     by version ``v + max_policy_lag`` (see :mod:`lmcollect.collectors.group_flow`);
-    ``total_dialog_turns`` counts turns run, as everywhere (groups are admitted until their turns
-    reach it, then to fill the last batch), and ``max_buffered_turns`` is divided by ``k`` into groups.
+    ``total_dialog_turns`` counts turns run, as everywhere: a group counts ``k`` when admitted and one
+    per later turn, groups are admitted while that count is below it, then only to fill the last
+    batch, and groups under way finish (the overshoot bound: "Turn budget" in docs/collectors.md);
+    ``max_buffered_turns`` is divided by ``k`` into groups.
     At :meth:`shutdown` the turns of groups not complete go to :attr:`leftover_turns` (never to the
     buffer).
 

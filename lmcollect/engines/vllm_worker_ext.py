@@ -61,6 +61,7 @@ import numpy as np
 import torch
 
 from lmcollect.engines.shm_payload import MappedBufferFiles
+from lmcollect.engines.vllm_direct_load import DirectLoad, direct_load_for
 from lmcollect.transports.process_group import ProcessGroupReceiver
 from lmcollect.weights.buckets import WeightBuckets, layout_from_json, packed_weights
 from lmcollect.weights.delta import DeltaRejectedError, WeightDelta, prepare_delta
@@ -181,6 +182,7 @@ class VLLMWeightReceiverExtension:
     _lmcollect_adapted: frozenset[str] = frozenset()  # blocks the last LoRA adapter touched
     _lmcollect_staged: dict[str, torch.Tensor] | None = None  # a checked delta's result, not yet reloaded
     _lmcollect_mapped: MappedBufferFiles | None = None  # the engine's shared pack files, each mapped once
+    _lmcollect_direct: DirectLoad | bool | None = None  # full pushes' loader (False: vLLM's reload; None: not made)
 
     def init_weight_group(self, connection_info: dict[str, Any], first_rank: int = 1) -> None:
         """Join the sender's group as rank ``first_rank + worker rank`` (blocks until the group forms).
@@ -371,16 +373,32 @@ class VLLMWeightReceiverExtension:
         )
 
     def _lmcollect_reload(self, weights: dict[str, torch.Tensor], *, partial: bool = False) -> None:
-        """Hand checked weights (Hugging Face names) to vLLM's reload, then rebuild tied modules.
+        """Load checked weights (Hugging Face names) into the model, then rebuild tied modules.
 
+        A full push of an unquantized model goes straight into the parameters (:mod:`~lmcollect.engines.vllm_direct_load`:
+        one copy, then the CPU GEMMs packed again); anything else through vLLM's in-place reload.
         ``partial``: only some blocks are sent (a LoRA reload); vLLM keeps the others as they are
         and its notes about each of them are dropped.
         """
-        reload = self.reload_weights  # type: ignore[attr-defined]
-        with _quiet_partial_reload() if partial else contextlib.nullcontext():
-            reload(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
-        refresh_tied_modules(self.model_runner.get_model())  # type: ignore[attr-defined]
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        direct = None if partial else self._lmcollect_direct_load(model)
+        if direct is not None:
+            direct.load(weights)
+        else:
+            with _quiet_partial_reload() if partial else contextlib.nullcontext():
+                self.reload_weights(weights_iterator=iter(weights.items()), is_checkpoint_format=True)  # type: ignore[attr-defined]
+        refresh_tied_modules(model)
         self._lmcollect_num_pushes += 1
+
+    def _lmcollect_direct_load(self, model: torch.nn.Module) -> DirectLoad | None:
+        """The model's :class:`DirectLoad`, made on the first full push (None: vLLM's reload it is)."""
+        if self._lmcollect_direct is None:
+            from vllm.platforms import current_platform
+
+            platform = "cpu" if current_platform.is_cpu() else "cuda" if current_platform.is_cuda() else "other"
+            quantization = self.model_config.quantization  # type: ignore[attr-defined]
+            self._lmcollect_direct = direct_load_for(model, quantization=quantization, platform=platform) or False
+        return self._lmcollect_direct or None
 
     def ray_node_id(self) -> str | None:
         """The Ray node this worker runs on (None: no Ray in its process, e.g. an engine subprocess;

@@ -190,6 +190,10 @@ def test_load_during_a_pause_switches_in_flight_tokens_to_the_new_weights(
     assert torch.equal(result.tokens[switch:], new_logits.argmax(dim=-1))  # greedy under the new weights
     not_old = forward_log_probs(hf_model, prompt, result.tokens)[switch:]
     assert (result.log_probs[switch:] - not_old).abs().max() > 1e-2  # the check can tell the weights apart
+    # the pushes went straight into the parameters (vllm_direct_load): the checks above are of that path
+    loaders = engine.run_on_engine(lambda llm: llm.collective_rpc(lambda worker: worker._lmcollect_direct))
+    assert [type(loader).__name__ for loader in loaders] == ["DirectLoad"], loaders
+    assert loaders[0].kept_bytes > 0, "on CPU the linear layers' weights are kept for the next push"
 
 
 def test_bad_loads_are_refused_and_change_nothing(

@@ -209,3 +209,21 @@ def test_group_flow_holds_a_batch_while_an_old_group_under_way_would_miss_its_de
     flow.finish_turn(0, turn(2, True))
     flow.finish_turn(0, turn(3, True))
     assert flow.ready(1) and flow.num_groups_open == 0
+
+
+def test_a_grouped_turn_budget_yields_whole_groups_within_the_stated_overshoot() -> None:
+    """docs/collectors.md, "Turn budget": groups of k, G groups a batch, dialogs of up to T turns, g groups
+    at once: at least N turns and at most N - 1 + k + g*k*(T - 1) + (G - 1)*k*T, in whole batches of whole groups."""
+    budget, per_batch, max_turns, slots = 120, 2 * K, 5, 2 * K
+    collector = make_collector([group_env(seed) for seed in range(slots // K)], dialog_turns_per_batch=per_batch,
+                               total_dialog_turns=budget)  # fmt: skip
+    try:
+        batches = [batch for batch, _ in zip(collector, range(100), strict=False)]
+    finally:
+        collector.shutdown()
+    turns = [turn for batch in batches for turn in flatten_turns(batch)]
+    groups_per_batch, groups_at_once = per_batch // K, slots // K
+    bound = budget - 1 + K + groups_at_once * K * (max_turns - 1) + (groups_per_batch - 1) * K * max_turns
+    assert budget <= len(turns) == collector.turns_counted == collector.turns_run <= bound, (len(turns), bound)
+    assert all(len(groups_of(flatten_turns(batch))) == groups_per_batch for batch in batches)
+    check_whole_groups(turns)
