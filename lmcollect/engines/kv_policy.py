@@ -165,13 +165,26 @@ class PushCostMeter:
         self._costs: deque[PushCost] = deque(maxlen=keep)
         self._lock = threading.Lock()
 
-    def loaded(self, *, version: int, kv_policy: str, call_s: float, timed: bool = True, **timeline: float) -> None:
-        """A load took ``version`` in ``call_s`` seconds; ``timeline``: its other stages' seconds
-        (``copy_s``, ``wait_s``, ``load_s``, ``reset_s``). The previous load's whole cost is logged
-        (its recompute is done)."""
+    def loaded(
+        self,
+        *,
+        version: int,
+        kv_policy: str,
+        call_s: float,
+        timed: bool = True,
+        copy_s: float = 0.0,
+        wait_s: float = 0.0,
+        load_s: float = 0.0,
+        reset_s: float = 0.0,
+    ) -> None:
+        """A load took ``version`` in ``call_s`` seconds, its stages as :class:`PushCost` names them.
+        The previous load's whole cost is logged (its recompute is done)."""
+        cost = PushCost(
+            version=version, kv_policy=kv_policy, call_s=call_s, recompute_timed=timed,
+            copy_s=copy_s, wait_s=wait_s, load_s=load_s, reset_s=reset_s,
+        )  # fmt: skip
         with self._lock:
             previous = self._costs[-1] if self._costs else None
-            cost = PushCost(version=version, kv_policy=kv_policy, call_s=call_s, recompute_timed=timed, **timeline)
             self._costs.append(cost)
         if previous is not None:
             logger.info(

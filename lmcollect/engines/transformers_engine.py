@@ -242,6 +242,7 @@ class TransformersEngine:
             targets = unique_targets(self.model)[0]
         else:
             targets, writes = self._planned_writes(named_tensors, convert_dtype=convert_dtype)
+        queued = time.perf_counter()
         with self._between_steps(), torch.no_grad():
             if self._closed:
                 raise EngineClosedError("this TransformersEngine is closed; it cannot load weights.")
@@ -253,10 +254,11 @@ class TransformersEngine:
                 self._kept_base.forget()
             for name, tensor in writes.items():
                 targets[name].copy_(tensor)
-            self._took(version, started)
+            self._took(version, started, queued=queued)
 
     def _load_delta(self, delta: WeightDelta, version: int | PushVersion) -> None:
         targets, aliases = unique_targets(self.model)
+        queued = time.perf_counter()
         with self._between_steps(), torch.no_grad():
             if self._closed:
                 raise EngineClosedError("this TransformersEngine is closed; it cannot load weights.")
@@ -266,15 +268,18 @@ class TransformersEngine:
             started = time.perf_counter()
             prepare_delta(delta, targets, held_version=delta.base_version, aliases=aliases).apply_()
             self._kept_base.forget()
-            self._took(version, started)
+            self._took(version, started, queued=queued)
 
-    def _took(self, version: int | PushVersion, started: float) -> None:
-        """After a load (under the step lock): the new version, the cache stale under ``"recompute"``."""
+    def _took(self, version: int | PushVersion, started: float, *, queued: float) -> None:
+        """After a load that waited from ``queued`` for the step under way and ran from ``started``
+        (under the step lock): the new version, the cache stale under ``"recompute"``."""
         self._counter.take(version)
         self._weights_changed = self._kv_policy == "recompute"
+        call_s = time.perf_counter() - started
         self._push_costs.loaded(
-            version=version_index(version), kv_policy=self._kv_policy, call_s=time.perf_counter() - started
-        )
+            version=version_index(version), kv_policy=self._kv_policy, call_s=call_s,
+            wait_s=started - queued, load_s=call_s,
+        )  # fmt: skip
 
     loads_weight_deltas = True  # load_weights takes a WeightDelta (written in place)
 

@@ -70,7 +70,7 @@ class DirectLoad:
         for layer, weight in self._kept.items():
             layer.weight = weight  # model format again, for the model's weight loaders
         try:
-            self.model.load_weights(iter(weights.items()))  # type: ignore[operator]
+            self.model.load_weights(iter(weights.items()))
         finally:
             for layer in self._kept:  # packed again from the new weight, which the layer drops again
                 dispatch_cpu_unquantized_gemm(layer, remove_weight=True)

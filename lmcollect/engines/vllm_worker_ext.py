@@ -398,7 +398,7 @@ class VLLMWeightReceiverExtension:
             platform = "cpu" if current_platform.is_cpu() else "cuda" if current_platform.is_cuda() else "other"
             quantization = self.model_config.quantization  # type: ignore[attr-defined]
             self._lmcollect_direct = direct_load_for(model, quantization=quantization, platform=platform) or False
-        return self._lmcollect_direct or None
+        return self._lmcollect_direct if isinstance(self._lmcollect_direct, DirectLoad) else None
 
     def ray_node_id(self) -> str | None:
         """The Ray node this worker runs on (None: no Ray in its process, e.g. an engine subprocess;
