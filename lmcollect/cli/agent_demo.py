@@ -50,6 +50,8 @@ from lmcollect.cli.report import (
     make_run_dir,
     mean_of,
     plot_training,
+    push_cost_rows,
+    push_cost_summary,
     run_summary,
     summary_table,
     write_summary,
@@ -58,6 +60,7 @@ from lmcollect.collectors import ContinuousLLMCollector
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
 from lmcollect.engines import TransformersEngine
+from lmcollect.engines.kv_policy import PushCost
 from lmcollect.envs import PromptDataset
 from lmcollect.loggers import JsonlLogger, MultiLogger, make_logger
 from lmcollect.loggers.jsonl import METRICS_FILE
@@ -114,6 +117,7 @@ class AgentDemoRun:
         self.rewards: dict[str, float] = {}
         self.timings_s: dict[str, float] = {}
         self.agents: dict[str, int] = {}
+        self.push_costs: list[PushCost] = []  # what the pushes cost the engine (read at shutdown)
         self.interrupted = False
         self.version = 0
 
@@ -199,6 +203,7 @@ class AgentDemoRun:
                 self._steps(collector, learner, progress)
         finally:
             collector.shutdown()
+            self.push_costs = collector.push_costs()  # each push's timeline, as the engine recorded it
             engine.close()
             stats = collector.envs[0].stats
             self.agents = {
@@ -275,6 +280,7 @@ class AgentDemoRun:
                 rewards=self.rewards,
             ),
             "weight_push_s": mean_of(records, "timing/weight_sync/push_s"),
+            "push_cost": push_cost_summary(self.push_costs),
             "agents": self.agents,
             "timings_s": self.timings_s,
             "files": {"metrics": METRICS_FILE, "plot": PLOT_FILE if plotted else None},
@@ -317,6 +323,7 @@ def _table_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
             f"{agents.get('tool_calls', 0)}",
         ),
         ("weight push s (mean)", _fmt(summary["weight_push_s"])),
+        *push_cost_rows(summary["push_cost"]),
         (
             "warm-up s / RL s / total s",
             " / ".join(_fmt(summary["timings_s"].get(k), ".0f") for k in ("warmup", "rl", "total")),

@@ -61,6 +61,8 @@ from lmcollect.cli.report import (
     make_run_dir,
     mean_of,
     plot_training,
+    push_cost_rows,
+    push_cost_summary,
     run_summary,
     sampling_rows,
     summary_table,
@@ -495,7 +497,7 @@ class DemoRun:
             },
             "weight_push_bytes": _push_bytes(self.pushes),
             "staleness": {"mean": mean_of(records, "staleness/mean"), "max": _max(records, "staleness/max")},
-            "push_cost": _push_cost(self.push_costs),
+            "push_cost": push_cost_summary(self.push_costs),
             "dynamic_sampling": self._sampling_summary(records),
             "timings_s": self.timings_s,
             "collectors": collectors,
@@ -511,19 +513,6 @@ def _push_costs_or_none(collector: Any) -> list[PushCost]:
     except Exception:  # designed: the summary of a run whose collector died must still be written
         logger.warning("could not read a collector's push costs", exc_info=True)
         return []
-
-
-def _push_cost(costs: list[PushCost]) -> dict[str, Any]:
-    """What a push cost the engines, per push and engine: the load call, and the tokens prefilled again afterwards."""
-    if not costs:
-        return {"pushes": 0, "call_s": None, "recomputed_tokens": None, "recompute_s": None, "kv_policy": None}
-    return {
-        "pushes": len(costs),
-        "call_s": sum(c.call_s for c in costs) / len(costs),
-        "recomputed_tokens": sum(c.recomputed_tokens for c in costs) / len(costs),
-        "recompute_s": sum(c.recompute_s for c in costs) / len(costs),
-        "kv_policy": costs[-1].kv_policy,
-    }
 
 
 def _push_bytes(pushes: dict[str, PushStats | None]) -> dict[str, Any]:
@@ -632,11 +621,7 @@ def _table_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         ),
         ("staleness in versions (mean / max)", f"{_fmt(staleness['mean'], '.2f')} / {_fmt(staleness['max'], '.0f')}"),
         *sampling_rows(summary["dynamic_sampling"]),
-        (
-            "push cost per engine: load s / tokens prefilled again / their s",
-            f"{_fmt(cost['call_s'])} / {_fmt(cost['recomputed_tokens'], '.0f')} / {_fmt(cost['recompute_s'])}"
-            f" (kv_policy {cost['kv_policy']})",
-        ),
+        *push_cost_rows(cost),
         (
             "warm-up s / RL s / total s",
             " / ".join(_fmt(summary["timings_s"].get(k), ".0f") for k in ("warmup", "rl", "total")),

@@ -14,6 +14,7 @@ from tensordict import TensorDictBase
 from lmcollect.collectors.group_filter import SamplingCounts
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
+from lmcollect.engines.kv_policy import PushCost
 from lmcollect.envs import PROMPT_ID
 from lmcollect.files import write_text_atomically
 
@@ -182,3 +183,35 @@ def sampling_rows(sampling: dict[str, Any]) -> list[tuple[str, str]]:
 
 def _fmt_value(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+PUSH_STAGES = ("copy_s", "wait_s", "load_s", "reset_s", "first_step_s")  # a push's timeline (PushCost), in order
+
+
+def push_cost_summary(costs: Sequence[PushCost]) -> dict[str, Any]:
+    """What a push cost the engines, per push and engine (means): its timeline (copy, wait for the
+    step under way, load, reset, first step after), the load call, and the tokens prefilled again."""
+    fields = ("call_s", "recomputed_tokens", "recompute_s", *PUSH_STAGES)
+    if not costs:
+        return {"pushes": 0, **dict.fromkeys(fields), "kv_policy": None}
+    means = {field: sum(getattr(c, field) for c in costs) / len(costs) for field in fields}
+    return {"pushes": len(costs), **means, "kv_policy": costs[-1].kv_policy}
+
+
+def push_cost_rows(cost: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """The summary table's rows of :func:`push_cost_summary` ("-" where no engine recorded pushes)."""
+
+    def fmt(value: float | None, spec: str = ".3f") -> str:
+        return "-" if value is None else format(value, spec)
+
+    return [
+        (
+            "push timeline per engine, s: copy / wait / load / reset / first step",
+            " / ".join(fmt(cost.get(stage)) for stage in PUSH_STAGES),
+        ),
+        (
+            "push cost per engine: load s / tokens prefilled again / their s",
+            f"{fmt(cost['call_s'])} / {fmt(cost['recomputed_tokens'], '.0f')} / {fmt(cost['recompute_s'])}"
+            f" (kv_policy {cost['kv_policy']})",
+        ),
+    ]

@@ -27,6 +27,9 @@ def test_the_agent_demo_trains_on_agent_runs_and_pushes_every_step(tiny_model_pa
     assert agents["runs_finished"] >= 4 and agents["calls"] >= agents["runs_finished"] and agents["runs_failed"] == 0
     out = capsys.readouterr().out
     assert "supervised warm-up" in out and "after RL" in out and "agent runs finished / failed" in out
+    cost = summary["push_cost"]  # each push's timeline as the continuous collector's engine recorded it
+    assert cost["pushes"] == 3 and cost["load_s"] > 0 and cost["wait_s"] >= 0 and cost["kv_policy"] == "recompute"
+    assert "push timeline" in out  # the summary table's row (rich wraps its label)
 
 
 def test_the_agent_demo_refuses_what_it_does_not_run(tmp_path: Path) -> None:
