@@ -12,11 +12,12 @@ process, which overlaps scheduling with this process's output handling on a GPU)
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -59,11 +60,11 @@ from lmcollect.engines.weight_group import RECEIVE_METHOD, GroupPush
 from lmcollect.plumbing import forwarded, settle
 from lmcollect.weights.buckets import (
     LOAD_PACKED_WEIGHTS,
+    PackTarget,
     WeightBuckets,
     bucket_problems,
     byte_views,
     layout_to_json,
-    pack_buckets,
     packed_weights,
     plan_layout,
 )
@@ -169,10 +170,11 @@ class VLLMEngine(QueuedAndRunning):
         # parallel): collective_rpc serialises its arguments, so a push's bytes go through shared memory
         self._workers_elsewhere = multiprocess or _world_size(self._llm) > 1
         self._kv.timed_steps = not multiprocess  # else step() only collects the engine core process's outputs
+        self._core_elsewhere = multiprocess
         self._loaded = False  # whether any load changed the weights the engine was built with
         self._adapter: LoraAdapter | None = None  # the adapter merged on the workers' base now (a CPU copy)
         self._full_load = threading.Lock()  # one full load packs and sends at a time
-        self._pack_sets: list[list[torch.Tensor]] = [[], []]
+        self._pack_sets: list[PackTarget | None] = [None, None]  # each set's views, made once (see _packed)
         # workers elsewhere: the two sets live in shared memory, which they map once (see _packed)
         self._shared_sets = SharedPackSets() if self._workers_elsewhere and shared_memory_available() else None
         self._spare = 0  # the set the next full push packs into (see _packed)
@@ -275,13 +277,31 @@ class VLLMEngine(QueuedAndRunning):
 
         def run() -> T:
             refuse_stale_push(version_index(version), self._counter.index, "VLLMEngine")
-            started = time.perf_counter()
-            result = load()
-            loaded = time.perf_counter()
-            self._take_version(version, started, copy_s=copy_s, wait_s=started - queued, load_s=loaded - started)
+            with self._core_paused():
+                started = time.perf_counter()
+                result = load()
+                loaded = time.perf_counter()
+                self._take_version(version, started, copy_s=copy_s, wait_s=started - queued, load_s=loaded - started)
             return result
 
         return self._between_steps(run)
+
+    @contextlib.contextmanager
+    def _core_paused(self) -> Iterator[None]:
+        """vLLM's engine core in a process of its own runs its steps on its own: each call to it (the
+        load, the version label, the cache reset) would wait for the step under way there. Its
+        scheduler is paused first, keeping every request (``pause_scheduler("keep")``: one wait for
+        that step), so the calls inside land back to back between the same two steps. In this
+        process the core steps only when the decoding thread says so: nothing to pause."""
+        if not self._core_elsewhere:
+            yield
+            return
+        client = self._llm.engine_core
+        client.call_utility("pause_scheduler", "keep", False)
+        try:
+            yield
+        finally:
+            client.call_utility("resume_scheduler")
 
     def _packed(self, weights: dict[str, torch.Tensor], *, check_finite: bool) -> tuple[str, tuple[str, Any]]:
         """``weights`` packed into the spare one of two sets of buffers, kept from push to push, and
@@ -293,13 +313,16 @@ class VLLMEngine(QueuedAndRunning):
         a push sends only which file and where its buffers start (see :mod:`~lmcollect.engines.shm_payload`);
         an in-process worker gets the buffers themselves."""
         layout = plan_layout(weights)
+        target = self._pack_sets[self._spare]
         if self._shared_sets is not None:
             out, where = self._shared_sets.buffers(self._spare, layout.buffer_nbytes)
-            pack_buckets(weights, layout=layout, device="cpu", out=out, check_finite=check_finite)
+            if target is None or target.layout != layout or target.buffers[0].data_ptr() != out[0].data_ptr():
+                target = self._pack_sets[self._spare] = PackTarget(layout, out)
+            target.pack(weights, check_finite=check_finite)
             return LOAD_SHARED_WEIGHTS, (layout_to_json(layout), where.as_args())
-        spare = self._pack_sets[self._spare]
-        buckets = pack_buckets(weights, layout=layout, device="cpu", out=spare or None, check_finite=check_finite)
-        self._pack_sets[self._spare] = buckets.buffers
+        if target is None or target.layout != layout:
+            target = self._pack_sets[self._spare] = PackTarget.allocate(layout)
+        buckets = target.pack(weights, check_finite=check_finite)
         return LOAD_PACKED_WEIGHTS, (layout_to_json(layout), [buffer.numpy().data for buffer in buckets.buffers])
 
     def _passed_on(self, buckets: WeightBuckets, *, check_finite: bool) -> tuple[str, tuple[str, Any]]:

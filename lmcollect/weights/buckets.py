@@ -252,11 +252,70 @@ def pack_buckets(
                     on_buffer_packed(announced, buffers[announced])
                     announced += 1
     if non_finite:
-        raise ValueError(
-            f"weight push rejected, no weight was changed: {non_finite[:20]} hold NaN or infinite values "
-            "(allow_non_finite=True pushes them anyway)."
-        )
+        _refuse_non_finite(non_finite)
     return WeightBuckets(layout, buffers)
+
+
+class PackTarget:
+    """A layout's slot views into buffers kept from push to push, made once (an engine's pack set).
+
+    Packing into it is one ``torch._foreach_copy_`` for every tensor and one NaN/Inf check per
+    buffer, instead of a few torch calls per tensor. Each of those calls gives up the GIL and must
+    take it back: beside a busy collector (dialog tasks, a decoding thread) a thread waits up to the
+    interpreter's switch interval each time, so the per-tensor loop of :func:`pack_buckets` took
+    seconds where its copy takes tens of milliseconds. The buffers' padding must hold zeros (new
+    buffers: :meth:`allocate`; shared-memory files start zeroed), so a whole buffer can be checked.
+    """
+
+    def __init__(self, layout: BucketLayout, buffers: list[torch.Tensor]) -> None:
+        self.layout, self.buffers = layout, buffers
+        self._views = [_slot_view(buffers[slot.buffer_index], slot) for slot in layout.slots]
+        starts: set[tuple[int, int]] = set()  # a tied alias shares its slot's bytes: copied once
+        self._copied = [
+            i for i, slot in enumerate(layout.slots) if _first((slot.buffer_index, slot.offset_bytes), starts)
+        ]
+
+    @classmethod
+    def allocate(cls, layout: BucketLayout, device: torch.device | str = "cpu") -> PackTarget:
+        """New zeroed buffers for ``layout``."""
+        return cls(layout, [torch.zeros(n, dtype=torch.uint8, device=device) for n in layout.buffer_nbytes])
+
+    def pack(self, weights: Mapping[str, torch.Tensor], *, check_finite: bool = False) -> WeightBuckets:
+        """Copy ``weights`` (the names and order :attr:`layout` was planned from) into the buffers; with
+        ``check_finite``, a ``ValueError`` naming every tensor holding NaN or Inf (as :func:`pack_buckets`)."""
+        _count_pack()
+        tensors = list(weights.values())
+        if len(tensors) != len(self._views):
+            raise ValueError(
+                f"{len(tensors)} tensors for a layout of {len(self._views)}; plan the layout from these weights."
+            )
+        with torch.no_grad():  # no torch call per tensor: each would wait for the GIL (see the class)
+            torch._foreach_copy_([self._views[i] for i in self._copied], [tensors[i] for i in self._copied])
+        if check_finite and any(holds_non_finite(self._typed(i)) for i in range(len(self.buffers))):
+            _refuse_non_finite(
+                [slot.name for slot, view in zip(self.layout.slots, self._views, strict=True) if holds_non_finite(view)]
+            )
+        return WeightBuckets(self.layout, self.buffers)
+
+    def _typed(self, index: int) -> torch.Tensor:
+        """Buffer ``index`` as the dtype of its slots (a buffer holds one dtype)."""
+        dtype = next((slot.dtype for slot in self.layout.slots if slot.buffer_index == index), torch.uint8)
+        return self.buffers[index].view(dtype)
+
+
+def _first(key: tuple[int, int], seen: set[tuple[int, int]]) -> bool:
+    """Whether ``key`` is new to ``seen`` (then added)."""
+    if key in seen:
+        return False
+    seen.add(key)
+    return True
+
+
+def _refuse_non_finite(names: list[str]) -> None:
+    raise ValueError(
+        f"weight push rejected, no weight was changed: {names[:20]} hold NaN or infinite values "
+        "(allow_non_finite=True pushes them anyway)."
+    )
 
 
 def holds_non_finite(tensor: torch.Tensor) -> bool:

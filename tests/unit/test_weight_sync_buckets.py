@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from lmcollect.weights.buckets import (
+    PackTarget,
     holds_non_finite,
     ALIGN_BYTES,
     layout_from_json,
@@ -217,3 +218,19 @@ def test_the_finite_check_rides_on_the_copy_and_names_every_spoiled_tensor() -> 
     weights["a"][1, 2], weights["c"][0] = 1.0, 0.0
     assert torch.equal(pack_buckets(weights, check_finite=True).tensors()["a"], torch.ones(4, 3))
     assert not holds_non_finite(torch.arange(3)) and holds_non_finite(torch.tensor([float("inf")]))
+
+
+def test_a_pack_target_packs_every_push_into_the_same_buffers_and_refuses_non_finite_tensors_by_name() -> None:
+    weights = {"a": torch.ones(4, 3), "b": torch.arange(6.0), "c": torch.zeros(5)}
+    weights["tied"] = weights["a"]  # a tied alias: one slot's bytes
+    target = PackTarget.allocate(plan_layout(weights))
+    first = target.pack(weights)
+    moved = {name: tensor + 1 for name, tensor in weights.items()}
+    second = target.pack(moved, check_finite=True)
+    assert [b.data_ptr() for b in second.buffers] == [b.data_ptr() for b in first.buffers]
+    assert all(torch.equal(second.tensors()[name], moved[name]) for name in ("a", "b", "c"))
+    moved["c"][2] = float("inf")
+    with pytest.raises(ValueError, match=r"\['c'\] hold NaN or infinite values"):
+        target.pack(moved, check_finite=True)
+    with pytest.raises(ValueError, match="3 tensors for a layout of 4"):
+        target.pack({"a": weights["a"], "b": weights["b"], "c": weights["c"]})
