@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import logging
 import math
 import numbers
@@ -48,7 +49,34 @@ class AgentResult:
     reward: float
     """The dialog's reward, added to its last turn's."""
     metadata: Mapping[str, Any] = field(default_factory=dict)
-    """JSON-able details stored with the last turn (``("agent", "metadata")``, as JSON text)."""
+    """JSON-able details stored with the last turn (``("agent", "metadata")``, as JSON text): a
+    mapping with string keys (values that are no JSON are written as their ``str``)."""
+
+    def __post_init__(self) -> None:
+        _reward(self.reward, "this run")
+        metadata_json(self.metadata)
+
+    @property
+    def metadata_text(self) -> str:
+        """:attr:`metadata` as JSON text (what the last turn stores)."""
+        return metadata_json(self.metadata)
+
+
+def metadata_json(metadata: Any) -> str:
+    """``metadata`` as JSON text, or a TypeError saying what an agent's metadata must be (checked
+    when the agent returns, so a bad one fails its own run, not the collection)."""
+    if not isinstance(metadata, Mapping):
+        raise TypeError(
+            f"AgentResult.metadata must be a dict with string keys, got {type(metadata).__name__}; "
+            "e.g. {'reward': 1.0, 'metadata': {'steps': 3}}."
+        )
+    try:
+        return json.dumps(dict(metadata), default=str)
+    except (TypeError, ValueError, RecursionError) as exc:  # keys that are no strings, a cycle, too deep
+        raise TypeError(
+            f"AgentResult.metadata cannot be written as JSON ({type(exc).__name__}: {exc}); use a dict with "
+            "string keys, no cycles and plain values."
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -68,7 +96,7 @@ def result_of(value: Any, dialog: str) -> AgentResult:
         return value
     if isinstance(value, Mapping) and "reward" in value:
         metadata = value.get("metadata", {k: v for k, v in value.items() if k != "reward"})
-        return AgentResult(reward=_reward(value["reward"], dialog), metadata=dict(metadata))
+        return AgentResult(reward=_reward(value["reward"], dialog), metadata=metadata)
     return AgentResult(reward=_reward(value, dialog))
 
 
@@ -198,7 +226,7 @@ class AgentRun:
     def _finish_with(self, value: Any) -> None:
         try:
             result = result_of(value, self.dialog)
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:  # designed: a reward or metadata we cannot keep fails the run
             self.finish(error=exc)
             return
         self.finish(result=result)
