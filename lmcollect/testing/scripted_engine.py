@@ -21,7 +21,13 @@ import torch
 
 from lmcollect.data.history import History
 from lmcollect.engines.loop_queue import QueuedAndRunning
-from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult, refuse_stale_push
+from lmcollect.engines.protocol import (
+    EngineClosedError,
+    EngineRequest,
+    EngineResult,
+    refuse_long_prompt,
+    refuse_stale_push,
+)
 from lmcollect.plumbing import forwarded
 from lmcollect.weights.buckets import WeightBuckets
 from lmcollect.weights.delta import WeightDelta
@@ -132,6 +138,8 @@ class ScriptedEngine(QueuedAndRunning):
         num_tokens: response length without a script.
         token_delay_s: sleep after each decoding step (lets pushes land mid-generation).
         eos_token_id: the end token (ByteTokenizer's by default).
+        max_context_tokens: the "model's" context: a prompt of this many tokens or more is refused at
+            submit, as every engine refuses it (None: no bound).
     """
 
     def __init__(
@@ -141,9 +149,15 @@ class ScriptedEngine(QueuedAndRunning):
         num_tokens: int = 4,
         token_delay_s: float = 0.0,
         eos_token_id: int = ByteTokenizer.eos_token_id,
+        max_context_tokens: int | None = None,
     ) -> None:
         if token_delay_s < 0:
             raise ValueError(f"token_delay_s must be >= 0, got {token_delay_s}.")
+        if max_context_tokens is not None and max_context_tokens < 2:
+            raise ValueError(
+                f"max_context_tokens must be None or >= 2 (a prompt and a token), got {max_context_tokens}."
+            )
+        self.max_context_tokens = max_context_tokens
         self.model = ScriptedWeights()
         self.script = script
         self.num_tokens = num_tokens
@@ -165,6 +179,7 @@ class ScriptedEngine(QueuedAndRunning):
 
     # ------------------------------------------------------------------ EngineProtocol
     def submit(self, request: EngineRequest) -> Future[EngineResult]:
+        refuse_long_prompt(request, self.max_context_tokens, "ScriptedEngine")
         future: Future[EngineResult] = Future()
         future.set_running_or_notify_cancel()  # running from now on: a caller's cancel() cannot race our set_result
         with self._wake:

@@ -225,3 +225,66 @@ def test_a_body_nested_too_deep_is_a_400(server) -> None:
         env.close()
     assert answer.status_code == 400 and "not readable JSON" in answer.json()["error"]["message"]
 
+
+
+# ---------------------------------------------------------------------- 10: a prompt longer than the context
+CONTEXT = 200
+LONG = "x" * 300  # one message of 300 byte tokens: past the scripted model's 200-token context
+
+
+def long_prompt_agent(ctx, row):
+    """Sends a prompt past the model's context for the "long" rows (its refusal kept in SEEN)."""
+    content = f"{row['prompt']} {LONG if row['behaviour'] == 'long' else ''}"
+    try:
+        ctx.openai().chat.completions.create(model=ctx.model, messages=[{"role": "user", "content": content}])
+    except openai.BadRequestError as exc:
+        SEEN[row["behaviour"]].append(exc.message)
+        raise
+    return 1.0
+
+
+def test_every_engine_refuses_a_prompt_longer_than_its_context_at_submit(tiny_model_and_tokenizer) -> None:
+    from lmcollect.engines import EngineRequest, TransformersEngine
+    from lmcollect.engines.vllm_engine import VLLMEngine
+
+    model, tokenizer = tiny_model_and_tokenizer
+    context = model.config.max_position_embeddings
+    with TransformersEngine(model, tokenizer) as engine:
+        with pytest.raises(ValueError, match=rf"the prompt has {context} tokens, but TransformersEngine's model has a context of {context} tokens"):
+            engine.submit(EngineRequest(prompt_ids=[1] * context, request_id="long"))
+        assert engine.num_in_flight == 0  # nothing was queued
+    scripted = ScriptedEngine(max_context_tokens=CONTEXT)
+    with pytest.raises(ValueError, match=rf"the prompt has 300 tokens, .* context of {CONTEXT} tokens"):
+        scripted.submit(EngineRequest(prompt_ids=[1] * 300))
+    assert scripted.submit(EngineRequest(prompt_ids=[1] * (CONTEXT - 1))).result(timeout=30).tokens.numel() >= 1
+    scripted.close()
+    # VLLMEngine checks vLLM's max_model_len in submit(), before anything is queued (no model built here)
+    vllm = object.__new__(VLLMEngine)
+    vllm._llm = type("LLM", (), {"model_config": type("Config", (), {"max_model_len": CONTEXT})()})()
+    with pytest.raises(ValueError, match=rf"VLLMEngine's model has a context of {CONTEXT} tokens"):
+        vllm.submit(EngineRequest(prompt_ids=[1] * CONTEXT))
+
+
+def test_an_agent_prompt_past_the_context_gets_a_400_and_only_its_dialog_ends(server) -> None:
+    SEEN.clear()
+    env = AgentEnv(rows(["long", "ok"]), long_prompt_agent, batch_size=2, seed=0, server=server)
+    turns, collector = collect_until(env, lambda ts: len(ts) >= 4 and SEEN["long"],
+                                     sampling=SamplingConfig(max_new_tokens=16), max_context_tokens=CONTEXT)
+    assert re.search(rf"the prompt has 3\d\d tokens, but ScriptedEngine's model has a context of {CONTEXT}", SEEN["long"][0])
+    assert kinds(turns) == {"ok"} and collector.num_failed_dialogs >= 1  # nothing of it was generated or kept
+
+
+def test_a_chat_dialog_past_the_context_is_refused_naming_the_dialog() -> None:
+    from lmcollect.envs import ChatEnv, SingleTurnTask
+
+    env = ChatEnv([{"prompt": LONG}], task=SingleTurnTask(), batch_size=1, seed=0)
+    engine = ScriptedEngine(max_context_tokens=CONTEXT)
+    collector = ContinuousLLMCollector([env], engine=engine, tokenizer=ByteTokenizer(),
+                                       sampling=SamplingConfig(max_new_tokens=4), dialog_turns_per_batch=1)
+    try:
+        with collector, pytest.raises(ValueError, match=rf"context of {CONTEXT} tokens") as refused:
+            run_in_thread(collector.next, timeout_s=60)()
+    finally:
+        engine.close()
+    assert any("dialog slot 0 (trajectory" in note for note in refused.value.__notes__)
+    assert engine.num_steps == 0  # refused before any prefill
