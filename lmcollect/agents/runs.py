@@ -271,16 +271,26 @@ class AgentContext:
         """This run's name in errors and logs."""
 
     def openai(self, **kwargs: Any) -> openai_package.OpenAI:
-        """An ``openai.OpenAI`` client for this run (``max_retries=0`` unless given: a refused call stays refused)."""
+        """An ``openai.OpenAI`` client for this run (``max_retries=0`` unless given: a refused call stays
+        refused; no proxy unless ``http_client`` is given: see :meth:`_client_options`)."""
         import openai
 
-        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, **{"max_retries": 0, **kwargs})
+        return openai.OpenAI(**self._client_options(kwargs, openai.DefaultHttpxClient))
 
     def async_openai(self, **kwargs: Any) -> openai_package.AsyncOpenAI:
         """An ``openai.AsyncOpenAI`` client for this run (for ``async`` agents)."""
         import openai
 
-        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **{"max_retries": 0, **kwargs})
+        return openai.AsyncOpenAI(**self._client_options(kwargs, openai.DefaultAsyncHttpxClient))
+
+    def _client_options(self, kwargs: dict[str, Any], http_client: Callable[..., Any]) -> dict[str, Any]:
+        """The client's arguments: this run's endpoint and key, and an HTTP client that ignores
+        ``HTTP_PROXY`` and the like (the endpoint is in this process: a proxy would see the run's
+        key and prompts, and one that cannot reach this machine fails every call)."""
+        options = {"base_url": self.base_url, "api_key": self.api_key, "max_retries": 0, **kwargs}
+        if "http_client" not in options:
+            options["http_client"] = http_client(trust_env=False)
+        return options
 
     def add_reward(self, value: float) -> None:
         """Add ``value`` to the reward of the turn of the latest reply (a per-turn reward; before any

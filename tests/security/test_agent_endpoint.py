@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import re
+import threading
 from collections import defaultdict
 
 import openai
@@ -288,3 +289,45 @@ def test_a_chat_dialog_past_the_context_is_refused_naming_the_dialog() -> None:
         engine.close()
     assert any("dialog slot 0 (trajectory" in note for note in refused.value.__notes__)
     assert engine.num_steps == 0  # refused before any prefill
+
+
+# ---------------------------------------------------------------------- 7: proxies
+def test_agent_clients_never_send_the_run_key_through_a_proxy(server, monkeypatch) -> None:
+    import asyncio
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from lmcollect.agents.runs import AgentContext, AgentRun
+
+    seen: list[str] = []
+
+    class Proxy(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            seen.append(str(self.headers.get("Authorization")))
+            self.send_error(502)
+
+        do_POST = do_GET  # noqa: N815
+
+        def log_message(self, *args) -> None:
+            pass
+
+    proxy = HTTPServer(("127.0.0.1", 0), Proxy)
+    proxy.timeout = 5
+    serving = threading.Thread(target=proxy.serve_forever, daemon=True)
+    serving.start()
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.setenv(name, f"http://127.0.0.1:{proxy.server_port}")
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    run = AgentRun(key="proxy-test-key", dialog="agent run 98", prompt_id=0)
+    server.register(run)
+    context = AgentContext(run, base_url=server.base_url, model=server.model_name)
+    try:
+        assert [m.id for m in context.openai(timeout=10).models.list()] == [server.model_name]
+        listed = asyncio.run(asyncio.wait_for(context.async_openai(timeout=10).models.list(), 20))
+        assert [m.id for m in listed.data] == [server.model_name]
+    finally:
+        server.retire(run)
+        proxy.shutdown()
+        proxy.server_close()
+        serving.join(10)
+    assert seen == []  # the proxy never saw the key
