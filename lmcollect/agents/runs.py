@@ -150,11 +150,14 @@ class AgentRun:
 
     # ------------------------------------------------------------------ the env's side
     def next_event(self) -> Future:
-        """A future of the run's next event (already resolved if one is waiting)."""
+        """A future of the run's next event (already resolved if one is waiting, or if the run has
+        ended: a reader never waits on a run nobody will post to)."""
         future: Future = Future()
         with self._lock:
             if self._events:
                 future.set_result(self._events.popleft())
+            elif self._ended is not None:
+                future.set_result(RunEnded(error=DialogEndedError(f"{self.dialog} has ended ({self._ended})")))
             else:
                 self._waiter = future
         return future

@@ -331,3 +331,36 @@ def test_agent_clients_never_send_the_run_key_through_a_proxy(server, monkeypatc
         proxy.server_close()
         serving.join(10)
     assert seen == []  # the proxy never saw the key
+
+
+# ---------------------------------------------------------------------- closing while a reset starts a run
+@pytest.mark.filterwarnings("ignore:coroutine 'AgentRun._run_async' was never awaited")  # cancelled before it ran
+def test_closing_while_a_reset_starts_an_async_agent_ends_its_wait_at_once(server, monkeypatch) -> None:
+    import asyncio
+    import time
+
+    from lmcollect.agents.runs import AgentRun
+    from lmcollect.envs import DialogFailed
+
+    async def waiting_agent(ctx, row):
+        await asyncio.sleep(120)  # never calls before the env closes
+        return 1.0
+
+    started, closed = threading.Event(), threading.Event()
+    real_start = AgentRun.start
+
+    def start_then_hold(self, *args):
+        real_start(self, *args)  # the agent is scheduled on the env's loop
+        started.set()
+        assert closed.wait(30), "the test never closed the env"
+
+    monkeypatch.setattr(AgentRun, "start", start_then_hold)
+    env = AgentEnv(rows(["ok"]), waiting_agent, seed=0, server=server)  # agent_timeout_s: 300 s
+    join = run_in_thread(env.reset, timeout_s=30)
+    assert started.wait(30), "the reset never started its run"
+    env.close()  # the run is not its element's yet: close must still end it
+    closed.set()
+    begin = time.monotonic()
+    with pytest.raises((DialogFailed, RuntimeError), match="closed|ended"):
+        join()
+    assert time.monotonic() - begin < 10  # not agent_timeout_s
