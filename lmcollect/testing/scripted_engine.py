@@ -127,7 +127,8 @@ class ScriptedEngine(QueuedAndRunning):
     A decoding thread runs steps while requests are in flight: each step appends one token to every
     running request (continuous batching: submitted requests join at the next step), then sleeps
     ``token_delay_s``. A request's tokens are ``script(prompt_ids)`` followed by the end token, cut
-    at ``max_new_tokens`` (finish ``"length"``) or at a ``stop_token_ids`` id (kept). Without a
+    at ``max_new_tokens`` (finish ``"length"``), at a ``stop_token_ids`` id or as soon as the text
+    holds one of ``sampling.stop_strings`` (the token that ends it kept, as in every engine). Without a
     script, every token is the digit ``tag % 10`` of the weights held at that step, ``num_tokens``
     of them. ``ignore_eos``: the end token is never drawn (that digit comes instead), so only the
     request's other stop ids end a response before ``max_new_tokens``. Every token's log-prob is ``-tag`` and its version the engine's :attr:`version`, both
@@ -324,6 +325,20 @@ class ScriptedEngine(QueuedAndRunning):
         sampling = item.request.sampling
         if token == self.eos_token_id or token in item.request.stop_token_ids:  # never eos under ignore_eos
             return "stop"
+        if sampling.stop_strings and len(item.tokens) >= sampling.min_new_tokens and _ends_with_stop(item):
+            return "stop"  # the token that completed a stop string is kept, as in every engine
         if len(item.tokens) >= sampling.max_new_tokens:
             return "length"
         return None
+
+
+def _ends_with_stop(item: _Running) -> bool:
+    """Whether the response's text now ends in a stop string (byte ids: a string of n characters
+    spans at most 4n tokens, so only that tail is decoded)."""
+    stops = item.request.sampling.stop_strings
+    window = 4 * max(len(stop) for stop in stops)
+    text = _BYTES.decode(item.tokens[-window:])  # a byte token completes a string at the text's end
+    return any(text.endswith(stop) for stop in stops)
+
+
+_BYTES = ByteTokenizer()
