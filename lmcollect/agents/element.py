@@ -33,6 +33,8 @@ if TYPE_CHECKING:  # the parent imports this module to build its elements
 
 logger = logging.getLogger(__name__)
 
+# The keys below are of the env's step output; a collected turn holds them under "next" (like its
+# reward): ``turn["next", *TOOL_PARSE_ERROR]``.
 TOOL_PARSE_ERROR = ("agent", "tool_parse_error")
 """str: why the tool calls of this step's reply could not be read ("" if they could or there were none)."""
 AGENT_ERROR = ("agent", "error")

@@ -80,7 +80,8 @@ class AgentEnv(ClosesOnExit, RefusesWhenClosed):
     gets a slot (:meth:`split_elements`). One endpoint serves every element (:attr:`server`).
 
     Outputs besides ``ChatEnv``'s: ``("agent", "tool_parse_error")``, ``("agent", "error")`` and
-    ``("agent", "metadata")`` (str) about the step, and ``("sampling", "overrides")`` (JSON text: the
+    ``("agent", "metadata")`` (str) about the step (a collected turn holds them under ``"next"``, as
+    its reward: ``("next", "agent", "error")``), and ``("sampling", "overrides")`` (JSON text: the
     next call's ``max_tokens`` / ``stop``, and with ``agent_sampling`` its temperature / top-p).
     """
 
