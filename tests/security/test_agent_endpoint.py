@@ -364,3 +364,26 @@ def test_closing_while_a_reset_starts_an_async_agent_ends_its_wait_at_once(serve
     with pytest.raises((DialogFailed, RuntimeError), match="closed|ended"):
         join()
     assert time.monotonic() - begin < 10  # not agent_timeout_s
+
+
+def test_the_served_engine_refuses_a_prompt_past_the_listed_max_model_len(served_toy) -> None:
+    from lmcollect.engines import EngineRequest
+    from lmcollect.engines.served import VLLMServerEngine
+
+    plain = served_toy.toy.answer
+
+    def with_context(method: str, path: str):
+        if (method, path) == ("GET", "/v1/models"):  # as vLLM lists it
+            return 200, {"data": [{"id": "toy", "root": "/toy", "max_model_len": CONTEXT}]}
+        return plain(method, path)
+
+    served_toy.toy.answer = with_context
+    engine = VLLMServerEngine(served_toy.url)
+    try:
+        assert engine.max_context_tokens == CONTEXT
+        with pytest.raises(ValueError, match=rf"the prompt has {CONTEXT} tokens, but VLLMServerEngine's model has a context of {CONTEXT}"):
+            engine.submit(EngineRequest(prompt_ids=[1] * CONTEXT))
+        assert ("POST", "/v1/completions", False) not in served_toy.toy.seen  # refused before it was sent
+        assert engine.submit(EngineRequest(prompt_ids=[1] * 8)).result(timeout=30).tokens.tolist() == [5, 6]
+    finally:
+        engine.close()
