@@ -27,7 +27,7 @@ from lmcollect.collectors.group_flow import GroupFlow
 from lmcollect.collectors.trajectories import TrajectoryTracker
 from lmcollect.collectors.turn_flow import TurnFlow
 from lmcollect.data import keys
-from lmcollect.engines.protocol import EngineProtocol, EngineResult
+from lmcollect.engines.protocol import EngineProtocol, EngineResult, PromptTooLongError
 from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.envs.protocol import AsyncEnvProtocol, DialogFailed, RefusesTurns
 from lmcollect.plumbing import LoopThread, forwarded
@@ -322,7 +322,10 @@ class DialogTasks:
             submitted = side.engine.submit(request)
         except ValueError as exc:  # designed: the turn's sampling or prompt was refused before generation
             raise _refused_turn(slot.env, exc, i, traj_id)  # noqa: B904 - the ValueError is its cause or itself
-        result = await asyncio.wrap_future(submitted)
+        try:
+            result = await asyncio.wrap_future(submitted)
+        except PromptTooLongError as exc:  # refused by an engine elsewhere (a Ray actor's own submit)
+            raise _refused_turn(slot.env, exc, i, traj_id)  # noqa: B904 - the error is its cause or itself
         slot.kv_floor = _kv_floor(slot.kv_floor, result)
         turn = turn_from_result(obs, prompt, result, tokenizer=side.tokenizer, sampling=sampling)
         check_turn(turn, i, side.engine)

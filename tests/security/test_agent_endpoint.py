@@ -387,3 +387,42 @@ def test_the_served_engine_refuses_a_prompt_past_the_listed_max_model_len(served
         assert engine.submit(EngineRequest(prompt_ids=[1] * 8)).result(timeout=30).tokens.tolist() == [5, 6]
     finally:
         engine.close()
+
+
+class RefusesInItsFuture:
+    """An engine in another process as the collector sees it (a Ray actor's): its own submit's refusal
+    comes back through the future, not raised by submit."""
+
+    def __init__(self, engine: ScriptedEngine) -> None:
+        self.engine = engine
+
+    def submit(self, request):
+        from concurrent.futures import Future
+
+        try:
+            return self.engine.submit(request)
+        except ValueError as exc:
+            future: Future = Future()
+            future.set_exception(exc)
+            return future
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+
+def test_a_prompt_refused_by_an_engine_elsewhere_fails_only_its_agent_dialog(server) -> None:
+    SEEN.clear()
+    env = AgentEnv(rows(["long", "ok"]), long_prompt_agent, batch_size=2, seed=0, server=server)
+    engine = ScriptedEngine(script=chat_script(player), max_context_tokens=CONTEXT)
+    collector = ContinuousLLMCollector([env], engine=RefusesInItsFuture(engine), tokenizer=ByteTokenizer(),
+                                       sampling=SamplingConfig(max_new_tokens=16), dialog_turns_per_batch=2)
+    turns: list = []
+    try:
+        with collector:
+            while len(turns) < 4 or not SEEN["long"]:
+                assert len(turns) < 24, f"only {len(turns)} turns came back"
+                turns += flatten_turns(run_in_thread(collector.next, timeout_s=60)())
+    finally:
+        engine.close()
+        env.close()
+    assert f"context of {CONTEXT} tokens" in SEEN["long"][0] and kinds(turns) == {"ok"}
