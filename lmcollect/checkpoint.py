@@ -23,12 +23,14 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import stat
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,7 @@ from lmcollect.data import codec
 
 FORMAT = 1
 MANIFEST = "manifest.json"
+SAVE_LOCK = ".save.lock"
 
 
 def save_checkpoint(folder: str | Path, collectors: Sequence[Any], *, replay_buffer: Any = None) -> Path:
@@ -48,9 +51,34 @@ def save_checkpoint(folder: str | Path, collectors: Sequence[Any], *, replay_buf
     Saving over an earlier checkpoint is atomic: this save's files carry a save id of their own,
     the manifest naming them replaces the old one last (``os.replace``), and only then are the old
     files removed. A save that crashes midway leaves the earlier checkpoint whole and loadable.
+    One save at a time per folder: a second one, from any thread or process, is refused
+    (RuntimeError) while the first holds the folder's lock (``.save.lock``). Files are written 0600
+    (they hold weights and prompts).
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    with _save_lock(folder):
+        return _save(folder, collectors, replay_buffer)
+
+
+@contextlib.contextmanager
+def _save_lock(folder: Path) -> Iterator[None]:
+    """Hold ``folder``'s save lock, or refuse: two saves at once would delete each other's files."""
+    fd = os.open(folder / SAVE_LOCK, os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RuntimeError(
+                f"another save_checkpoint is writing into {folder} now (it holds {folder / SAVE_LOCK}); wait for "
+                "it to return, or save into another folder (e.g. one per step: runs/ckpt-<step>)."
+            ) from None
+        yield
+    finally:
+        os.close(fd)  # drops the lock
+
+
+def _save(folder: Path, collectors: Sequence[Any], replay_buffer: Any) -> Path:
     save_id = uuid.uuid4().hex[:12]
     entries = []
     for i, collector in enumerate(collectors):
@@ -71,7 +99,8 @@ def save_checkpoint(folder: str | Path, collectors: Sequence[Any], *, replay_buf
         codec.save(folder / name, state)
         manifest["replay_buffer"] = {"file": name, "capacity": state["capacity"], "size": len(state["storage"])}
     tmp = folder / f"{MANIFEST}.{save_id}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2), encoding="utf-8")
+    with os.fdopen(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600), "w", encoding="utf-8") as out:
+        out.write(json.dumps(manifest, indent=2))
     os.replace(tmp, folder / MANIFEST)  # the manifest is written last: until then the old one holds
     _remove_other_saves(folder, keep={entry["file"] for entry in _manifest_files(manifest)})
     return folder

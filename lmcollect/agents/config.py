@@ -12,6 +12,9 @@ from lmcollect.agents.tool_parsers import ToolParser, get_tool_parser
 
 OnAgentError = Literal["drop", "keep", "raise"]
 
+MAX_AGENT_TIMEOUT_S = 7 * 24 * 3600.0
+"""The longest ``agent_timeout_s`` (far below what a thread's wait accepts, ``threading.TIMEOUT_MAX``)."""
+
 
 @dataclass(kw_only=True)
 class AgentEnvConfig:
@@ -65,8 +68,11 @@ class AgentEnvConfig:
                 f"AgentEnvConfig.batch_size ({self.batch_size}) must be a multiple of repeats ({self.repeats}); "
                 f"use e.g. batch_size={self.repeats * max(1, self.batch_size // self.repeats)}."
             )
-        if not _positive(self.agent_timeout_s):
-            raise ValueError(f"AgentEnvConfig.agent_timeout_s must be a positive number, got {self.agent_timeout_s!r}.")
+        if not _positive(self.agent_timeout_s) or self.agent_timeout_s > MAX_AGENT_TIMEOUT_S:
+            raise ValueError(
+                f"AgentEnvConfig.agent_timeout_s must be a positive number of seconds up to {MAX_AGENT_TIMEOUT_S:.0f} "
+                f"(a week), got {self.agent_timeout_s!r}; e.g. agent_timeout_s=3600 for agents with slow tools."
+            )
         if self.on_agent_error not in ("drop", "keep", "raise"):
             raise ValueError(
                 f"AgentEnvConfig.on_agent_error must be 'drop', 'keep' or 'raise', got {self.on_agent_error!r}."

@@ -12,7 +12,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
 
-from lmcollect.agents.openai_format import ChatRequest, completion_json, cut_at_stops, history_of, reply_key
+from lmcollect.agents.openai_format import (
+    ChatRequest,
+    RequestError,
+    completion_json,
+    cut_at_stops,
+    history_of,
+    reply_key,
+)
 from lmcollect.agents.runs import AgentCall, AgentRun, DialogEndedError, Event, RunEnded, answer_call, refuse_call
 from lmcollect.agents.tool_parsers import ParsedReply
 from lmcollect.data import keys
@@ -26,6 +33,8 @@ if TYPE_CHECKING:  # the parent imports this module to build its elements
 
 logger = logging.getLogger(__name__)
 
+# The keys below are of the env's step output; a collected turn holds them under "next" (like its
+# reward): ``turn["next", *TOOL_PARSE_ERROR]``.
 TOOL_PARSE_ERROR = ("agent", "tool_parse_error")
 """str: why the tool calls of this step's reply could not be read ("" if they could or there were none)."""
 AGENT_ERROR = ("agent", "error")
@@ -92,6 +101,23 @@ class AgentEnvElement:
             raise RuntimeError(f"element {self.index} of the AgentEnv has not started a run; reset it first.")
         return self._last
 
+    def refuse_turn(self, error: ValueError) -> DialogFailed:
+        """The collector refused the waiting call's turn before generating it (its ``max_tokens``
+        below the collector's ``min_new_tokens``, a prompt longer than the model's context): the call
+        gets HTTP 400 with ``error``, the run ends, and its dialog fails (dropped, collection goes on)."""
+        run, call, draw = self._run, self._call, self._draw
+        assert run is not None and draw is not None, "a turn comes from a run"
+        self._call = None
+        if call is not None:
+            refuse_call(call, RequestError(f"this call was refused (nothing was recorded): {error}"))
+        broken = self.parent.run_failed()
+        self.end("its call was refused")
+        message = f"{run.dialog}: call {run.num_calls - 1} was refused with HTTP 400: {error}"
+        raise_it = broken or self.parent.config.on_agent_error == "raise"
+        failure = DialogFailed(message, prompt_id=draw.prompt_id, raise_to_consumer=raise_it)
+        failure.__cause__ = error
+        return failure
+
     def end(self, reason: str) -> None:
         """End the run under way (its call waiting for a reply is refused with HTTP 409)."""
         run, call, self._call = self._run, self._call, None
@@ -130,7 +156,10 @@ class AgentEnvElement:
 
     def _parse(self, content: str, run: AgentRun) -> ParsedReply:
         number = run.num_calls
-        reply = self.parent.parser.parse(content, call_id=lambda k: f"call_{run.key[:8]}_{number}_{k}")
+        try:
+            reply = self.parent.parser.parse(content, call_id=lambda k: f"call_{run.key[:8]}_{number}_{k}")
+        except Exception as exc:  # designed: a parser must not raise (ToolParser); one that does fails no dialog
+            reply = ParsedReply(content=content, error=f"the tool parser raised {type(exc).__name__}: {exc}")
         if reply.error:
             logger.info("%s, call %d: malformed tool call returned as text: %s", run.dialog, number, reply.error)
         return reply
@@ -148,7 +177,7 @@ class AgentEnvElement:
         if event.result is not None:
             self.parent.run_finished()
             self.end("the agent returned")
-            metadata = json.dumps(dict(event.result.metadata), default=str)
+            metadata = event.result.metadata_text
             reward = run.take_reward() + event.result.reward
             return self._output(
                 full, reward=reward, flags=(True, True, False), parse_error=parse_error, metadata=metadata

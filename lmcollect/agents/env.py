@@ -80,7 +80,8 @@ class AgentEnv(ClosesOnExit, RefusesWhenClosed):
     gets a slot (:meth:`split_elements`). One endpoint serves every element (:attr:`server`).
 
     Outputs besides ``ChatEnv``'s: ``("agent", "tool_parse_error")``, ``("agent", "error")`` and
-    ``("agent", "metadata")`` (str) about the step, and ``("sampling", "overrides")`` (JSON text: the
+    ``("agent", "metadata")`` (str) about the step (a collected turn holds them under ``"next"``, as
+    its reward: ``("next", "agent", "error")``), and ``("sampling", "overrides")`` (JSON text: the
     next call's ``max_tokens`` / ``stop``, and with ``agent_sampling`` its temperature / top-p).
     """
 
@@ -111,6 +112,7 @@ class AgentEnv(ClosesOnExit, RefusesWhenClosed):
         self._loop: LoopThread | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._num_runs = 0
+        self._live_runs: set[AgentRun] = set()  # started and not yet ended (close ends them all)
         self._closed = False
         self._elements = [AgentEnvElement(self, i) for i in range(self.config.batch_size)]
 
@@ -146,12 +148,18 @@ class AgentEnv(ClosesOnExit, RefusesWhenClosed):
         """Start the agent on ``draw``'s row with a new key."""
         server = self.server
         with self._lock:
+            self._check_open()  # a close from now on ends this run too (it is live)
             number = self._num_runs
             self._num_runs += 1
             self.stats.runs_started += 1
             loop = self._agent_loop()
         dialog = f"agent run {number} (env element {element}, dataset row {draw.sample_index})"
         run = AgentRun(key=secrets.token_urlsafe(24), dialog=dialog, prompt_id=draw.prompt_id)
+        with self._lock:
+            if self._closed:  # closed while this run was being named: never start it
+                run.end("the env was closed")
+                self._check_open()
+            self._live_runs.add(run)
         server.register(run)
         run.start(
             self.agent, AgentContext(run, base_url=server.base_url, model=server.model_name), dict(draw.sample), loop
@@ -161,6 +169,8 @@ class AgentEnv(ClosesOnExit, RefusesWhenClosed):
     def end_run(self, run: AgentRun, reason: str) -> None:
         """The run's dialog is over: its key gets 409 from now on, its queued calls are refused."""
         run.end(reason)
+        with self._lock:
+            self._live_runs.discard(run)
         if self._server is not None:
             self._server.retire(run)
 
@@ -239,6 +249,10 @@ class AgentEnv(ClosesOnExit, RefusesWhenClosed):
             self._closed = True
         for element in self._elements:
             element.end("the env was closed")
+        with self._lock:  # runs a reset is starting now, not yet its element's: their waits end at once
+            starting, self._live_runs = list(self._live_runs), set()
+        for run in starting:
+            self.end_run(run, "the env was closed")
         if self._owns_server and self._server is not None:
             self._server.close()
         if self._loop is not None:

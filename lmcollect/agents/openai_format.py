@@ -11,6 +11,12 @@ from typing import Any
 
 from lmcollect.agents.tool_parsers import ParsedReply, ToolCall, ToolParser
 from lmcollect.data.history import History, Message, tools_of
+from lmcollect.engines.sampling import MIN_TEMPERATURE
+
+MAX_STOP_STRINGS = 4
+"""Stop strings per call at most (OpenAI's limit): the engine loop every dialog shares checks each."""
+MAX_STOP_CHARS = 1000
+"""Characters per stop string at most."""
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 """OpenAI message roles and the History role each becomes (``developer`` is OpenAI's newer ``system``)."""
@@ -85,7 +91,9 @@ def parse_chat_request(body: Any) -> ChatRequest:
         tools=tools,
         parse_tool_calls=tools is not None and body.get("tool_choice") != "none",
         max_tokens=_max_tokens(body),
-        temperature=_number(body, "temperature", lambda v: v >= 0, ">= 0"),
+        temperature=_number(
+            body, "temperature", lambda v: v == 0 or v >= MIN_TEMPERATURE, f"0 (greedy) or >= {MIN_TEMPERATURE}"
+        ),
         top_p=_number(body, "top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
         stop=_stops(body.get("stop")),
     )
@@ -164,7 +172,12 @@ def _stops(stop: Any) -> tuple[str, ...]:
     if stops is None:
         return ()
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise RequestError(f"stop must be a non-empty string or a list of them, got {stop!r}.")
+        raise RequestError(f"stop must be a non-empty string or a list of them, got {stop!r:.200}.")
+    if len(stops) > MAX_STOP_STRINGS or max(map(len, stops), default=0) > MAX_STOP_CHARS:
+        raise RequestError(
+            f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters each (OpenAI's "
+            f"limit; every step of the engine checks them), got {len(stops)} of up to {max(map(len, stops))}."
+        )
     return tuple(stops)
 
 

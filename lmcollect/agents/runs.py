@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import logging
 import math
 import numbers
@@ -48,7 +49,34 @@ class AgentResult:
     reward: float
     """The dialog's reward, added to its last turn's."""
     metadata: Mapping[str, Any] = field(default_factory=dict)
-    """JSON-able details stored with the last turn (``("agent", "metadata")``, as JSON text)."""
+    """JSON-able details stored with the last turn (``("agent", "metadata")``, as JSON text): a
+    mapping with string keys (values that are no JSON are written as their ``str``)."""
+
+    def __post_init__(self) -> None:
+        _reward(self.reward, "this run")
+        metadata_json(self.metadata)
+
+    @property
+    def metadata_text(self) -> str:
+        """:attr:`metadata` as JSON text (what the last turn stores)."""
+        return metadata_json(self.metadata)
+
+
+def metadata_json(metadata: Any) -> str:
+    """``metadata`` as JSON text, or a TypeError saying what an agent's metadata must be (checked
+    when the agent returns, so a bad one fails its own run, not the collection)."""
+    if not isinstance(metadata, Mapping):
+        raise TypeError(
+            f"AgentResult.metadata must be a dict with string keys, got {type(metadata).__name__}; "
+            "e.g. {'reward': 1.0, 'metadata': {'steps': 3}}."
+        )
+    try:
+        return json.dumps(dict(metadata), default=str)
+    except (TypeError, ValueError, RecursionError) as exc:  # keys that are no strings, a cycle, too deep
+        raise TypeError(
+            f"AgentResult.metadata cannot be written as JSON ({type(exc).__name__}: {exc}); use a dict with "
+            "string keys, no cycles and plain values."
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -68,7 +96,7 @@ def result_of(value: Any, dialog: str) -> AgentResult:
         return value
     if isinstance(value, Mapping) and "reward" in value:
         metadata = value.get("metadata", {k: v for k, v in value.items() if k != "reward"})
-        return AgentResult(reward=_reward(value["reward"], dialog), metadata=dict(metadata))
+        return AgentResult(reward=_reward(value["reward"], dialog), metadata=metadata)
     return AgentResult(reward=_reward(value, dialog))
 
 
@@ -122,11 +150,14 @@ class AgentRun:
 
     # ------------------------------------------------------------------ the env's side
     def next_event(self) -> Future:
-        """A future of the run's next event (already resolved if one is waiting)."""
+        """A future of the run's next event (already resolved if one is waiting, or if the run has
+        ended: a reader never waits on a run nobody will post to)."""
         future: Future = Future()
         with self._lock:
             if self._events:
                 future.set_result(self._events.popleft())
+            elif self._ended is not None:
+                future.set_result(RunEnded(error=DialogEndedError(f"{self.dialog} has ended ({self._ended})")))
             else:
                 self._waiter = future
         return future
@@ -198,7 +229,7 @@ class AgentRun:
     def _finish_with(self, value: Any) -> None:
         try:
             result = result_of(value, self.dialog)
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:  # designed: a reward or metadata we cannot keep fails the run
             self.finish(error=exc)
             return
         self.finish(result=result)
@@ -243,16 +274,26 @@ class AgentContext:
         """This run's name in errors and logs."""
 
     def openai(self, **kwargs: Any) -> openai_package.OpenAI:
-        """An ``openai.OpenAI`` client for this run (``max_retries=0`` unless given: a refused call stays refused)."""
+        """An ``openai.OpenAI`` client for this run (``max_retries=0`` unless given: a refused call stays
+        refused; no proxy unless ``http_client`` is given: see :meth:`_client_options`)."""
         import openai
 
-        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, **{"max_retries": 0, **kwargs})
+        return openai.OpenAI(**self._client_options(kwargs, openai.DefaultHttpxClient))
 
     def async_openai(self, **kwargs: Any) -> openai_package.AsyncOpenAI:
         """An ``openai.AsyncOpenAI`` client for this run (for ``async`` agents)."""
         import openai
 
-        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **{"max_retries": 0, **kwargs})
+        return openai.AsyncOpenAI(**self._client_options(kwargs, openai.DefaultAsyncHttpxClient))
+
+    def _client_options(self, kwargs: dict[str, Any], http_client: Callable[..., Any]) -> dict[str, Any]:
+        """The client's arguments: this run's endpoint and key, and an HTTP client that ignores
+        ``HTTP_PROXY`` and the like (the endpoint is in this process: a proxy would see the run's
+        key and prompts, and one that cannot reach this machine fails every call)."""
+        options = {"base_url": self.base_url, "api_key": self.api_key, "max_retries": 0, **kwargs}
+        if "http_client" not in options:
+            options["http_client"] = http_client(trust_env=False)
+        return options
 
     def add_reward(self, value: float) -> None:
         """Add ``value`` to the reward of the turn of the latest reply (a per-turn reward; before any

@@ -186,8 +186,8 @@ def build_app(server: AgentServer) -> Any:
         run = server.run_of(request.headers.get("authorization"))
         try:
             body = await request.json()
-        except ValueError as exc:
-            raise RequestError(f"the request body is not JSON: {exc}") from exc
+        except (ValueError, RecursionError) as exc:  # malformed, or nested deeper than the parser recurses
+            raise RequestError(f"the request body is not readable JSON: {type(exc).__name__}: {exc!s:.200}") from None
         parsed = parse_chat_request(body)
         try:
             reply = run.post_call(parsed)

@@ -6,7 +6,7 @@ import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,29 +102,51 @@ class HermesToolParser:
 
 def _call_of(body: str, call_id: str) -> tuple[ToolCall | None, str]:
     """The call a block's JSON describes, or (None, why not)."""
-    try:
-        data = json.loads(body)
-    except json.JSONDecodeError as exc:
-        return None, f"not JSON ({exc.msg} at character {exc.pos})"
+    data, error = _loads(body)
+    if error:
+        return None, error
     if not isinstance(data, dict) or not isinstance(data.get("name"), str) or not data["name"]:
         return None, 'expected {"name": "<function>", "arguments": {...}}'
     arguments = data.get("arguments", {})
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        arguments, error = _loads(arguments)
+        if error:
             return None, "arguments is a string that is not a JSON object"
     if not isinstance(arguments, dict):
         return None, f"arguments must be a JSON object, got {type(arguments).__name__}"
-    return ToolCall(id=call_id, name=data["name"], arguments=json.dumps(arguments, ensure_ascii=False)), ""
+    text, error = _dumps(arguments)
+    if error:
+        return None, f"arguments {error}"
+    return ToolCall(id=call_id, name=data["name"], arguments=text), ""
+
+
+def _loads(text: str) -> tuple[Any, str]:
+    """``json.loads(text)``, or (None, why not): text from a model or an agent may be malformed, nest
+    deeper than the parser recurses or hold a number too long for ``int`` (none of which may raise)."""
+    try:
+        return json.loads(text), ""
+    except json.JSONDecodeError as exc:
+        return None, f"not JSON ({exc.msg} at character {exc.pos})"
+    except RecursionError:
+        return None, "JSON nested too deeply to read"
+    except ValueError as exc:  # e.g. an integer of over 4300 digits
+        return None, f"not readable JSON ({exc})"
+
+
+def _dumps(value: Any) -> tuple[str, str]:
+    """``value`` as compact JSON text, or ("", why not) (a value nested too deeply to write)."""
+    try:
+        return json.dumps(value, ensure_ascii=False), ""
+    except (RecursionError, ValueError) as exc:
+        return "", f"cannot be written back as JSON ({type(exc).__name__})"
 
 
 def _compact_arguments(arguments: str) -> str:
-    """The arguments as the model writes them: the JSON object itself (text that is no JSON stays a string)."""
-    try:
-        return json.dumps(json.loads(arguments), ensure_ascii=False)
-    except json.JSONDecodeError:
-        return json.dumps(arguments)
+    """The arguments as the model writes them: the JSON object itself (text that is no JSON, or JSON
+    nested too deeply to rewrite, stays a string)."""
+    value, error = _loads(arguments)
+    text, error = ("", error) if error else _dumps(value)
+    return text if not error else json.dumps(arguments)
 
 
 TOOL_PARSERS: dict[str, Callable[[], ToolParser]] = {"hermes": HermesToolParser, "qwen": HermesToolParser}

@@ -219,10 +219,16 @@ class BenchConfig:
     only: str = ""
     """Benchmarks to run, comma-separated (collect, weight_sync, memory, startup, agentic); empty: all found."""
     output: str = "runs/bench.json"
-    """Where the merged JSON rows are written."""
+    """Where the merged JSON rows are written (the markdown table goes beside it, with ``.md``)."""
 
     def __post_init__(self) -> None:
         _check_positive(self, "batch_size", "max_new_tokens")
+        if Path(self.output).suffix.lower() == ".md":  # the table is written to the same name with .md
+            table = Path(self.output).with_suffix(".md")
+            raise ValueError(
+                f"--output {self.output} names the JSON rows file, and the markdown table written beside it "
+                f"({table}) would replace it; use e.g. --output {Path(self.output).with_suffix('.json')}."
+            )
 
 
 class UsageError(ValueError):

@@ -27,9 +27,9 @@ from lmcollect.collectors.group_flow import GroupFlow
 from lmcollect.collectors.trajectories import TrajectoryTracker
 from lmcollect.collectors.turn_flow import TurnFlow
 from lmcollect.data import keys
-from lmcollect.engines.protocol import EngineProtocol, EngineResult
+from lmcollect.engines.protocol import EngineProtocol, EngineResult, PromptTooLongError
 from lmcollect.engines.sampling import SamplingConfig
-from lmcollect.envs.protocol import AsyncEnvProtocol, DialogFailed
+from lmcollect.envs.protocol import AsyncEnvProtocol, DialogFailed, RefusesTurns
 from lmcollect.plumbing import LoopThread, forwarded
 
 logger = logging.getLogger(__name__)
@@ -309,16 +309,23 @@ class DialogTasks:
         obs, side = slot.obs, self.engine_side
         traj_id = self.tracker.traj_id(i)
         prompt = prompt_of(obs, side.tokenizer, side.stop_token_ids)
-        sampling = sampling_of(obs, side.sampling)
-        request = request_of(
-            prompt,
-            sampling=sampling,
-            stop_token_ids=side.stop_token_ids,
-            request_id=str(traj_id),
-            affinity=str(traj_id),
-            context_kv_version=slot.kv_floor,
-        )
-        result = await asyncio.wrap_future(side.engine.submit(request))
+        try:
+            sampling = sampling_of(obs, side.sampling)
+            request = request_of(
+                prompt,
+                sampling=sampling,
+                stop_token_ids=side.stop_token_ids,
+                request_id=str(traj_id),
+                affinity=str(traj_id),
+                context_kv_version=slot.kv_floor,
+            )
+            submitted = side.engine.submit(request)
+        except ValueError as exc:  # designed: the turn's sampling or prompt was refused before generation
+            raise _refused_turn(slot.env, exc, i, traj_id)  # noqa: B904 - the ValueError is its cause or itself
+        try:
+            result = await asyncio.wrap_future(submitted)
+        except PromptTooLongError as exc:  # refused by an engine elsewhere (a Ray actor's own submit)
+            raise _refused_turn(slot.env, exc, i, traj_id)  # noqa: B904 - the error is its cause or itself
         slot.kv_floor = _kv_floor(slot.kv_floor, result)
         turn = turn_from_result(obs, prompt, result, tokenizer=side.tokenizer, sampling=sampling)
         check_turn(turn, i, side.engine)
@@ -376,6 +383,15 @@ _STALLED = (
     "turn is running. Push new weights (collector.update_policy_weights_(...)) before the next batch, "
     "raise max_policy_lag, or pass max_policy_lag=None for no lag bound."
 )
+
+
+def _refused_turn(env: Any, error: ValueError, slot: int, traj_id: int) -> Exception:
+    """The error of a turn refused before generation: the env's own :class:`DialogFailed` when it
+    answers a waiting party (an agent's call gets HTTP 400), else ``error`` naming the dialog."""
+    if isinstance(env, RefusesTurns):
+        return env.refuse_turn(error)
+    error.add_note(f"the turn of dialog slot {slot} (trajectory {traj_id}) was refused before generation")
+    return error
 
 
 def _kv_floor(floor: int | None, result: EngineResult) -> int | None:

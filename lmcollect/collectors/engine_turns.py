@@ -74,6 +74,12 @@ def sampling_of(obs: TensorDictBase, sampling: SamplingConfig) -> SamplingConfig
     changes = dict(overrides)
     if "max_new_tokens" in changes:
         changes["max_new_tokens"] = min(int(changes["max_new_tokens"]), sampling.max_new_tokens)
+        if changes["max_new_tokens"] < sampling.min_new_tokens:
+            raise ValueError(
+                f"the turn asks for max_tokens={changes['max_new_tokens']}, below the collector's "
+                f"min_new_tokens={sampling.min_new_tokens}; ask for max_tokens >= {sampling.min_new_tokens} "
+                "or lower SamplingConfig.min_new_tokens."
+            )
     if "stop_strings" in changes:
         changes["stop_strings"] = (*sampling.stop_strings, *changes["stop_strings"])
     return dataclasses.replace(sampling, **changes) if changes else sampling

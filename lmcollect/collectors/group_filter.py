@@ -27,6 +27,8 @@ STALE = "stale"
 """Drop reason of a kept group that can no longer leave within ``max_policy_lag`` (over-sampling only)."""
 UNIFORM_REWARDS = "uniform_rewards"
 """Drop reason of :func:`drop_uniform_rewards`."""
+NON_FINITE_REWARDS = "non_finite_rewards"
+"""Drop reason of a group with a NaN or infinite reward (its advantages would be NaN), by the shipped filters."""
 FILTERED = "filtered"
 """Drop reason when a filter returns False instead of a reason."""
 FILTER_ERROR = "filter_error"
@@ -45,7 +47,8 @@ class GroupFilter(Protocol):
 
 @dataclass(frozen=True, kw_only=True)
 class UniformRewardFilter:
-    """DAPO's rule: drop a group whose rewards are all equal (max - min <= ``tol``): zero advantage."""
+    """DAPO's rule: drop a group whose rewards are all equal (max - min <= ``tol``): zero advantage.
+    A group with a NaN or infinite reward is dropped as ``"non_finite_rewards"``."""
 
     tol: float = 1e-6
     """Rewards this close count as equal."""
@@ -55,6 +58,8 @@ class UniformRewardFilter:
             raise ValueError(f"tol must be a float >= 0, got {self.tol!r}; e.g. drop_uniform_rewards(tol=1e-6).")
 
     def __call__(self, rewards: torch.Tensor) -> str | None:
+        if not bool(torch.isfinite(rewards).all()):
+            return NON_FINITE_REWARDS
         spread = float(rewards.max() - rewards.min()) if rewards.numel() else 0.0
         return UNIFORM_REWARDS if spread <= self.tol else None
 
@@ -62,7 +67,8 @@ class UniformRewardFilter:
 @dataclass(frozen=True, kw_only=True)
 class MeanRewardBand:
     """Keep only groups whose mean reward lies in ``[low, high]`` (e.g. drop prompts the policy
-    always or never solves, in expectation rather than exactly)."""
+    always or never solves, in expectation rather than exactly). A group with a NaN or infinite
+    reward is dropped as ``"non_finite_rewards"``."""
 
     low: float = -math.inf
     """Groups with a lower mean reward are dropped as ``"mean_below_band"``."""
@@ -70,10 +76,12 @@ class MeanRewardBand:
     """Groups with a higher mean reward are dropped as ``"mean_above_band"``."""
 
     def __post_init__(self) -> None:
-        if not self.low <= self.high:
+        if math.isnan(self.low) or math.isnan(self.high) or not self.low <= self.high:
             raise ValueError(f"low={self.low!r} must be <= high={self.high!r}; e.g. keep_mean_reward_in(0.1, 0.9).")
 
     def __call__(self, rewards: torch.Tensor) -> str | None:
+        if not bool(torch.isfinite(rewards).all()):
+            return NON_FINITE_REWARDS
         mean = float(rewards.float().mean())
         if mean < self.low:
             return "mean_below_band"

@@ -7,6 +7,7 @@ Anything else is refused with an error naming where it was found.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -118,6 +119,8 @@ def save(path: str | Path, value: Any) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
+    os.close(os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | os.O_NOFOLLOW, 0o600))  # 0600: weights, prompts
+    os.chmod(tmp, 0o600)  # a tmp file a crashed save left keeps its mode otherwise
     save_file(tensors, str(tmp), metadata={"lmcollect": json.dumps(data)})
     tmp.replace(path)  # a crash while saving never leaves a half-written file under the real name
     return path

@@ -61,6 +61,26 @@ def check_version(version: object) -> None:
         raise TypeError(f"version must be an int (the weights' version), got {version!r}.")
 
 
+class PromptTooLongError(ValueError):
+    """A request whose prompt leaves no room in the model's context (see :func:`refuse_long_prompt`);
+    its own type so that a caller can tell it from other errors when it comes back through a future
+    (an engine in another process, e.g. a Ray actor, refuses it in its own ``submit``)."""
+
+
+def refuse_long_prompt(request: EngineRequest, max_context_tokens: int | None, engine: str) -> None:
+    """Raise ValueError at submit if ``request``'s prompt leaves no room in the model's context for
+    one generated token (None: the engine knows no bound). Every engine refuses it the same way,
+    before any prefill: a collector then fails that dialog alone (an agent's call gets HTTP 400)."""
+    num_tokens = len(request.prompt_ids)
+    if max_context_tokens is not None and num_tokens >= max_context_tokens:
+        raise PromptTooLongError(
+            f"request {request.request_id!r}: the prompt has {num_tokens} tokens, but {engine}'s model has a "
+            f"context of {max_context_tokens} tokens (max context), which must also hold the response; "
+            "shorten the dialog (fewer or shorter messages, e.g. ChatEnvConfig.max_turns) or serve a model "
+            "with a longer context (vLLM: max_model_len)."
+        )
+
+
 def refuse_stale_push(version: int, held: int, engine: str) -> None:
     """Raise :class:`StalePushError` when a load of ``version`` would overwrite the newer ``held`` one.
 

@@ -9,6 +9,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+MIN_TEMPERATURE = 0.01
+"""The smallest temperature above 0 (greedy): logits divided by less overflow into NaN log-probs
+(vLLM raises smaller ones to the same bound)."""
+
 
 @dataclass(kw_only=True)
 class SamplingConfig:
@@ -49,7 +53,12 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         _check_int("max_new_tokens", self.max_new_tokens, minimum=1, hint="the token budget of one response")
-        _check_number("temperature", self.temperature, "must be >= 0 (0 = greedy)", lambda v: v >= 0)
+        _check_number(
+            "temperature",
+            self.temperature,
+            f"must be 0 (greedy) or >= {MIN_TEMPERATURE} (smaller ones overflow the logits into NaN)",
+            lambda v: v == 0 or v >= MIN_TEMPERATURE,
+        )
         _check_number("top_p", self.top_p, "must be in (0, 1] (1 = off)", lambda v: 0 < v <= 1)
         _check_int("top_k", self.top_k, minimum=0, hint="0 = off")
         _check_int("min_new_tokens", self.min_new_tokens, minimum=0, hint="0 = off")

@@ -5,7 +5,9 @@ other processes: a push's buffers would be copied into the message, sent over Ze
 out again (four times the reload itself). Instead the engine packs each push straight into one of
 two sets of buffers that live in shared memory (:class:`SharedPackSets`): one file per set under
 ``/dev/shm``, created exclusively, mode 0600, with a random name, kept from push to push and
-removed when the engine closes. A push sends only the file's path and where each buffer starts
+removed when the engine closes. The engine holds a shared lock on each file while it lives, so a
+file left by an engine that was killed (SIGKILL: an OOM kill) is one nobody locks: the next engine
+removes such files as it starts (:func:`remove_stale_push_files`), or RAM would hold them for good. A push sends only the file's path and where each buffer starts
 (:class:`SharedBuffers`); a worker maps each file once and keeps the mapping
 (:class:`MappedBufferFiles`), so after the first two pushes neither side allocates or maps
 anything: one copy in all, into memory that is already there.
@@ -18,9 +20,12 @@ refused leaves the base where it was, and the engine packs its next push into th
 from __future__ import annotations
 
 import collections
+import fcntl
+import logging
 import mmap
 import os
 import secrets
+import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +34,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 FILE_PREFIX = "lmcollect-push-"
@@ -75,15 +82,15 @@ class SharedBufferFile:
         path = SHM_DIR / f"{FILE_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # held while this process lives: the file is not stale
             os.ftruncate(fd, self.nbytes)
             self._mapped = mmap.mmap(fd, self.nbytes)
         except BaseException:
             path.unlink(missing_ok=True)
-            raise
-        finally:
             os.close(fd)
+            raise
         self.path = str(path)
-        self._remove = weakref.finalize(self, _unlink, self.path)
+        self._remove = weakref.finalize(self, _release, self.path, fd)
 
     def views(self, offsets: Sequence[int], sizes: Sequence[int]) -> list[torch.Tensor]:
         """Writable uint8 tensors over the given byte ranges of the file (no copy)."""
@@ -99,8 +106,42 @@ class SharedBufferFile:
         self._remove()
 
 
-def _unlink(path: str) -> None:
+def _release(path: str, fd: int) -> None:
     Path(path).unlink(missing_ok=True)
+    os.close(fd)  # drops the lock
+
+
+STALE_AFTER_S = 60.0
+"""A push file younger than this is never removed as stale (its creator may be about to lock it)."""
+
+
+def remove_stale_push_files(directory: Path = SHM_DIR, *, min_age_s: float = STALE_AFTER_S) -> list[str]:
+    """Remove this user's ``lmcollect-push-*`` files that no live engine holds (their creator was killed
+    before it could remove them); returns their paths. A file is stale when its lock can be taken:
+    every live engine holds a shared lock on its files, which the kernel drops when it dies."""
+    removed = []
+    for path in directory.glob(f"{FILE_PREFIX}*"):
+        if _is_stale(path, min_age_s):
+            path.unlink(missing_ok=True)
+            removed.append(str(path))
+    return removed
+
+
+def _is_stale(path: Path, min_age_s: float) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:  # gone meanwhile, a link, or another user's
+        return False
+    try:
+        info = os.fstat(fd)
+        if info.st_uid != os.getuid() or time.time() - info.st_ctime < min_age_s:
+            return False
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:  # locked: its engine lives
+        return False
+    finally:
+        os.close(fd)
 
 
 class SharedPackSets:
@@ -113,6 +154,11 @@ class SharedPackSets:
 
     def __init__(self) -> None:
         self._files: list[SharedBufferFile | None] = [None, None]
+        stale = remove_stale_push_files()
+        if stale:
+            logger.warning(
+                "removed %d push buffer file(s) left in %s by killed engines: %s", len(stale), SHM_DIR, stale
+            )
 
     def buffers(self, index: int, sizes: Sequence[int]) -> tuple[list[torch.Tensor], SharedBuffers]:
         """Set ``index``'s buffers of ``sizes`` bytes (to pack into) and where they are (to send)."""

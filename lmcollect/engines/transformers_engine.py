@@ -24,6 +24,7 @@ from lmcollect.engines.protocol import (
     EngineRequest,
     EngineResult,
     refuse_delta_base,
+    refuse_long_prompt,
     refuse_stale_push,
 )
 from lmcollect.engines.running_request import RunningRequest
@@ -120,6 +121,8 @@ class TransformersEngine:
         self._counter = VersionCounter(start=version)
         self._eos_ids = eos_token_ids(model.generation_config.eos_token_id, tokenizer)
         self._vocab_size = model.get_input_embeddings().num_embeddings
+        self.max_context_tokens: int | None = getattr(model.config, "max_position_embeddings", None)
+        """Prompt and response tokens the model takes at most (a longer prompt is refused at submit)."""
         self._device = next(model.parameters()).device
         self._step_lock = threading.Lock()  # held for one whole step; loads and pauses wait for it
         self._state = threading.Condition()  # guards the queue and the flags; the loop sleeps on it
@@ -370,6 +373,7 @@ class TransformersEngine:
             raise ValueError(
                 f"request {request.request_id!r} has an empty prompt; prompt_ids needs at least one token."
             )
+        refuse_long_prompt(request, self.max_context_tokens, "TransformersEngine")
         bad = [i for i in [*ids, *request.stop_token_ids] if not _is_token_id(i, self._vocab_size)]
         if bad:
             raise ValueError(

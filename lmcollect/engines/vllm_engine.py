@@ -33,6 +33,7 @@ from lmcollect.engines.protocol import (
     EngineResult,
     check_version,
     refuse_delta_base,
+    refuse_long_prompt,
     refuse_stale_push,
 )
 from lmcollect.engines.shm_payload import SharedPackSets, shared_memory_available
@@ -187,6 +188,7 @@ class VLLMEngine(QueuedAndRunning):
     def submit(self, request: EngineRequest) -> Future[EngineResult]:
         """Queue ``request``; it joins the running batch at the next step. Settings vLLM cannot
         honour (e.g. ``stop_strings``) raise ``ValueError`` here, at once."""
+        refuse_long_prompt(request, self._llm.model_config.max_model_len, "VLLMEngine")
         params = request_sampling_params(request, eos_token_ids=self._eos_token_ids)
         future: Future[EngineResult] = Future()
         with self._wake:

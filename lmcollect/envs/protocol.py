@@ -67,3 +67,17 @@ class DialogFailed(RuntimeError):
         super().__init__(message)
         self.prompt_id = prompt_id
         self.raise_to_consumer = raise_to_consumer
+
+
+@runtime_checkable
+class RefusesTurns(Protocol):
+    """An env whose dialog waits for each reply somewhere else (an agent's HTTP call), told when the
+    collector refuses a turn before generating it (its sampling or its prompt, e.g. longer than the
+    model's context: a ``ValueError`` from the sampling check or ``engine.submit``).
+
+    ``refuse_turn(error)`` answers the waiting party with ``error`` and returns the
+    :class:`DialogFailed` that ends the dialog (the collector raises it: dropped, collection goes on).
+    Without it, the collector raises ``error`` to the consumer, naming the dialog.
+    """
+
+    def refuse_turn(self, error: ValueError) -> DialogFailed: ...

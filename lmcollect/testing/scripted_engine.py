@@ -21,7 +21,13 @@ import torch
 
 from lmcollect.data.history import History
 from lmcollect.engines.loop_queue import QueuedAndRunning
-from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult, refuse_stale_push
+from lmcollect.engines.protocol import (
+    EngineClosedError,
+    EngineRequest,
+    EngineResult,
+    refuse_long_prompt,
+    refuse_stale_push,
+)
 from lmcollect.plumbing import forwarded
 from lmcollect.weights.buckets import WeightBuckets
 from lmcollect.weights.delta import WeightDelta
@@ -121,7 +127,8 @@ class ScriptedEngine(QueuedAndRunning):
     A decoding thread runs steps while requests are in flight: each step appends one token to every
     running request (continuous batching: submitted requests join at the next step), then sleeps
     ``token_delay_s``. A request's tokens are ``script(prompt_ids)`` followed by the end token, cut
-    at ``max_new_tokens`` (finish ``"length"``) or at a ``stop_token_ids`` id (kept). Without a
+    at ``max_new_tokens`` (finish ``"length"``), at a ``stop_token_ids`` id or as soon as the text
+    holds one of ``sampling.stop_strings`` (the token that ends it kept, as in every engine). Without a
     script, every token is the digit ``tag % 10`` of the weights held at that step, ``num_tokens``
     of them. ``ignore_eos``: the end token is never drawn (that digit comes instead), so only the
     request's other stop ids end a response before ``max_new_tokens``. Every token's log-prob is ``-tag`` and its version the engine's :attr:`version`, both
@@ -132,6 +139,8 @@ class ScriptedEngine(QueuedAndRunning):
         num_tokens: response length without a script.
         token_delay_s: sleep after each decoding step (lets pushes land mid-generation).
         eos_token_id: the end token (ByteTokenizer's by default).
+        max_context_tokens: the "model's" context: a prompt of this many tokens or more is refused at
+            submit, as every engine refuses it (None: no bound).
     """
 
     def __init__(
@@ -141,9 +150,15 @@ class ScriptedEngine(QueuedAndRunning):
         num_tokens: int = 4,
         token_delay_s: float = 0.0,
         eos_token_id: int = ByteTokenizer.eos_token_id,
+        max_context_tokens: int | None = None,
     ) -> None:
         if token_delay_s < 0:
             raise ValueError(f"token_delay_s must be >= 0, got {token_delay_s}.")
+        if max_context_tokens is not None and max_context_tokens < 2:
+            raise ValueError(
+                f"max_context_tokens must be None or >= 2 (a prompt and a token), got {max_context_tokens}."
+            )
+        self.max_context_tokens = max_context_tokens
         self.model = ScriptedWeights()
         self.script = script
         self.num_tokens = num_tokens
@@ -165,6 +180,7 @@ class ScriptedEngine(QueuedAndRunning):
 
     # ------------------------------------------------------------------ EngineProtocol
     def submit(self, request: EngineRequest) -> Future[EngineResult]:
+        refuse_long_prompt(request, self.max_context_tokens, "ScriptedEngine")
         future: Future[EngineResult] = Future()
         future.set_running_or_notify_cancel()  # running from now on: a caller's cancel() cannot race our set_result
         with self._wake:
@@ -309,6 +325,20 @@ class ScriptedEngine(QueuedAndRunning):
         sampling = item.request.sampling
         if token == self.eos_token_id or token in item.request.stop_token_ids:  # never eos under ignore_eos
             return "stop"
+        if sampling.stop_strings and len(item.tokens) >= sampling.min_new_tokens and _ends_with_stop(item):
+            return "stop"  # the token that completed a stop string is kept, as in every engine
         if len(item.tokens) >= sampling.max_new_tokens:
             return "length"
         return None
+
+
+def _ends_with_stop(item: _Running) -> bool:
+    """Whether the response's text now ends in a stop string (byte ids: a string of n characters
+    spans at most 4n tokens, so only that tail is decoded)."""
+    stops = item.request.sampling.stop_strings
+    window = 4 * max(len(stop) for stop in stops)
+    text = _BYTES.decode(item.tokens[-window:])  # a byte token completes a string at the text's end
+    return any(text.endswith(stop) for stop in stops)
+
+
+_BYTES = ByteTokenizer()

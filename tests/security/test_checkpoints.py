@@ -229,3 +229,51 @@ def test_a_state_file_that_is_a_symlink_is_refused_with_nothing_changed(tmp_path
         load_checkpoint(tmp_path / "ckpt", targets)
     assert all(same_snapshot(snapshot(c), b) for c, b in zip(targets, before, strict=True))
     assert os.path.islink(next(p for p in (tmp_path / "ckpt").iterdir() if p.is_symlink()))  # nothing was "repaired"
+
+
+def test_a_second_save_into_a_folder_being_saved_is_refused_and_the_first_stays_whole(tmp_path: Path, monkeypatch) -> None:
+    import threading
+
+    from tests.factories import run_in_thread
+
+    first, second = build(), build()
+    first.next()
+    expected = ids(build_restored_after(first, tmp_path / "reference"))
+    real_save, writing, proceed = codec.save, threading.Event(), threading.Event()
+
+    def slow_save(path, state):
+        real_save(path, state)
+        writing.set()
+        assert proceed.wait(30), "the test never let the first save go on"
+
+    monkeypatch.setattr(codec, "save", slow_save)
+    join = run_in_thread(lambda: save_checkpoint(tmp_path, [first]), timeout_s=60)
+    assert writing.wait(30), "the first save never wrote its file"
+    monkeypatch.setattr(codec, "save", real_save)
+    try:
+        with pytest.raises(RuntimeError, match=r"another save_checkpoint is writing into .* save into another folder"):
+            save_checkpoint(tmp_path, [second])
+    finally:
+        proceed.set()
+        join()
+    restored = build()
+    load_checkpoint(tmp_path, [restored])  # the first save, whole: the refused one deleted nothing
+    assert ids(restored.next()) == expected
+    save_checkpoint(tmp_path, [second])  # once the first returned, the folder takes saves again
+
+
+def build_restored_after(collector: LLMCollector, folder: Path):
+    """The batch a collector restored from a save of ``collector`` now yields next."""
+    save_checkpoint(folder, [collector])
+    restored = build()
+    load_checkpoint(folder, [restored])
+    return restored.next()
+
+
+def test_checkpoint_files_are_readable_by_their_owner_only(tmp_path: Path) -> None:
+    collector = build()
+    collector.next()
+    buffer = ReplayBuffer(capacity=8)
+    save_checkpoint(tmp_path, [collector], replay_buffer=buffer)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    assert modes and set(modes.values()) == {0o600}, modes

@@ -471,3 +471,8 @@ def test_a_lora_learner_trains_only_the_adapter_and_the_wrapped_model_computes_w
             assert not torch.allclose(peft_model(input_ids=ids).logits, adapted), "the adapter changed nothing"
     adapter = lora_adapter(peft_model)
     assert adapter.rank == 4 and len(adapter.layers) == 7 * model.config.num_hidden_layers  # q k v o gate up down
+
+
+def test_bench_refuses_an_output_the_markdown_table_would_overwrite(capsys) -> None:
+    assert "--output results.md names the JSON rows file" in _error(["bench", "--output", "results.md"], capsys)
+    assert "use e.g. --output results.json" in _error(["bench", "--output", "results.md"], capsys)

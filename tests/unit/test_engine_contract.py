@@ -111,3 +111,23 @@ def test_engine_contract(kind: str, check: str, tiny_model_path, tokenizer, refe
         CHECKS[check](case)
     finally:
         case.engine.close()
+
+
+def test_the_scripted_engine_ends_a_response_at_a_stop_string_as_every_engine_does() -> None:
+    from lmcollect.engines import EngineRequest
+    from lmcollect.engines.sampling import SamplingConfig
+    from lmcollect.testing.scripted_engine import ByteTokenizer
+
+    tokenizer = ByteTokenizer()
+    engine = ScriptedEngine(script=lambda prompt: tokenizer.encode("think. STOP here, then more"))
+    try:
+        def reply(**sampling) -> tuple[str, str]:
+            request = EngineRequest(prompt_ids=[1, 2], sampling=SamplingConfig(max_new_tokens=64, **sampling))
+            result = engine.submit(request).result(timeout=30)
+            return tokenizer.decode(result.tokens), result.finish_reason
+
+        assert reply(stop_strings=("STOP", "never")) == ("think. STOP", "stop")  # the completing token kept
+        assert reply(stop_strings=("é",)) == ("think. STOP here, then more<|end|>", "stop")  # no match: the end token
+        assert reply(stop_strings=("think",), min_new_tokens=8) == ("think. STOP here, then more<|end|>", "stop")
+    finally:
+        engine.close()

@@ -31,7 +31,14 @@ from typing import Any
 
 import torch
 
-from lmcollect.engines.protocol import EngineClosedError, EngineRequest, EngineResult, check_version, refuse_stale_push
+from lmcollect.engines.protocol import (
+    EngineClosedError,
+    EngineRequest,
+    EngineResult,
+    check_version,
+    refuse_long_prompt,
+    refuse_stale_push,
+)
 from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.engines.served.control import CONTROL_TOKEN_HEADER, RENEW_PAUSE_PATH, is_public_path
 from lmcollect.engines.served.http import VLLMServerError, request_json
@@ -173,7 +180,8 @@ class VLLMServerEngine:
         self.timeout_s = timeout_s
         self.control_token = control_token
         self._start_threads()
-        served = self.served_models()
+        listing = self.call("GET", "/v1/models")
+        served = _served_of(listing)
         if model is None and len(served) != 1:
             raise ValueError(f"the server at {self.base_url} serves {sorted(served)}; pass model=<one of them>.")
         if model is not None and model not in served:
@@ -183,6 +191,9 @@ class VLLMServerEngine:
         self.model: str = model if model is not None else next(iter(served))
         self.model_root = served[self.model]
         """The path the server loaded the model from (as the server sees it)."""
+        self.max_context_tokens = _max_model_len(listing, self.model)
+        """The served model's context (vLLM lists its ``max_model_len``; None if the server does not):
+        a longer prompt is refused at submit."""
         self.eos_token_ids: list[int] | None = None if eos_token_ids is None else [int(i) for i in eos_token_ids]
         """The model's eos ids (None: not read yet, see :meth:`banned_eos_token_ids`)."""
 
@@ -241,8 +252,7 @@ class VLLMServerEngine:
 
     def served_models(self) -> dict[str, str]:
         """Served model name -> the path it was loaded from."""
-        listing = self.call("GET", "/v1/models")
-        return {entry["id"]: entry.get("root") or entry["id"] for entry in listing["data"]}
+        return _served_of(self.call("GET", "/v1/models"))
 
     # ------------------------------------------------------------------ generation
     def submit(self, request: EngineRequest) -> Future[EngineResult]:
@@ -250,6 +260,7 @@ class VLLMServerEngine:
         out), sent from one of ``max_concurrent_requests`` threads. No request of this engine is
         sent while it holds a pause, and a pause begins once those in flight have answered, so a
         response never spans a push: its tokens carry the version held when it was sent."""
+        refuse_long_prompt(request, self.max_context_tokens, "VLLMServerEngine")
         body = self.completion_request(request.prompt_ids, request.sampling, request.seed, request.stop_token_ids)
         future: Future[EngineResult] = Future()
         with self._lock:
@@ -591,3 +602,14 @@ def check_server_config(config: dict[str, Any], checkpoint: str | Path, base_url
             wanted,
             wanted,
         )
+
+
+def _served_of(listing: Any) -> dict[str, str]:
+    """Served model name -> the path it was loaded from, from a ``/v1/models`` answer."""
+    return {entry["id"]: entry.get("root") or entry["id"] for entry in listing["data"]}
+
+
+def _max_model_len(listing: Any, model: str) -> int | None:
+    """``model``'s ``max_model_len`` in a ``/v1/models`` answer (None: not listed, or not a positive int)."""
+    value = next((entry.get("max_model_len") for entry in listing["data"] if entry["id"] == model), None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
