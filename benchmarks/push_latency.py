@@ -7,6 +7,9 @@ prefix-cache reset, version, resume. Alternated with it, in the same process and
 - **raw reload**: the same tensors written with no check, no packing and no version, between two
   decoding steps: ``param.copy_`` for transformers, vLLM's own ``reload_weights`` in its worker for
   vLLM (the engine's internals, as a baseline must reach them); the write alone is timed;
+- **direct load** (vLLM): the worker's own load of the same tensors (``_lmcollect_reload``: straight
+  into the parameters, then the CPU GEMMs packed again, ``lmcollect/engines/vllm_direct_load.py``),
+  timed the same way: the row "direct load / vLLM's reload_weights" compares the two;
 - **one decoding step**: the engine's time per step for the same 8 requests (a batch of 8 x 64
   tokens, wall time / 64).
 
@@ -58,7 +61,8 @@ def _raw_reload(backend: str, engine: Any, weights: dict[str, torch.Tensor]) -> 
 
         def reload(llm: Any) -> float:
             start = time.perf_counter()
-            llm.collective_rpc("_lmcollect_reload", args=(items,))
+            llm.collective_rpc(lambda worker: worker.reload_weights(weights_iterator=iter(items.items()),
+                                                                     is_checkpoint_format=True))
             return time.perf_counter() - start
 
         return lambda: engine.run_on_engine(reload)
@@ -129,7 +133,8 @@ def measure(backend: str, size: str, reps: int, *, path: str | None = None) -> d
     collector = ContinuousLLMCollector([env], engine=engine, tokenizer=tokenizer, dialog_turns_per_batch=1,
                                        track_policy_version=True)
     raw = _raw_reload(backend, engine, weights)
-    push_s, raw_s, step_s = [], [], []
+    direct = _direct_load(engine, weights) if backend == "vllm" else None
+    push_s, raw_s, step_s, direct_s = [], [], [], []
     try:
         with Load(engine):
             collector.update_policy_weights_(weights)  # warm-up
@@ -141,6 +146,9 @@ def measure(backend: str, size: str, reps: int, *, path: str | None = None) -> d
                 time.sleep(0.3)
                 raw_s.append(raw())
                 time.sleep(0.3)
+                if direct is not None:
+                    direct_s.append(direct())
+                    time.sleep(0.3)
         for _ in range(max(1, reps // 2)):
             step_s.append(_step_s(engine))
     finally:
@@ -149,7 +157,20 @@ def measure(backend: str, size: str, reps: int, *, path: str | None = None) -> d
     push, reload, step = (statistics.median(x) for x in (push_s, raw_s, step_s))
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
     return {"backend": backend, "size": size, "mib": round(nbytes / 2**20, 1), "push_s": push, "raw_reload_s": reload,
-            "step_s": step, "samples_push": [round(x, 4) for x in push_s], "samples_raw": [round(x, 4) for x in raw_s]}
+            "step_s": step, "samples_push": [round(x, 4) for x in push_s], "samples_raw": [round(x, 4) for x in raw_s],
+            "direct_load_s": statistics.median(direct_s) if direct_s else None}
+
+
+def _direct_load(engine: Any, weights: dict[str, torch.Tensor]) -> Callable[[], float]:
+    """The worker's own load of the same tensors (the engine's full-push path without its checks and packing)."""
+    items = dict(weights)
+
+    def load(llm: Any) -> float:
+        start = time.perf_counter()
+        llm.collective_rpc("_lmcollect_reload", args=(items,))
+        return time.perf_counter() - start
+
+    return lambda: engine.run_on_engine(load)
 
 
 def rows_of(m: dict[str, Any]) -> list[dict[str, Any]]:
@@ -164,6 +185,14 @@ def rows_of(m: dict[str, Any]) -> list[dict[str, Any]]:
         "met": ratio <= TARGET_RATIO if m["size"] == "medium" else None,
         **details,
     }]
+    if m.get("direct_load_s"):
+        rows.append({
+            "row": f"{label}: the worker's direct load vs vLLM's reload_weights, same tensors",
+            "metric": "direct load s / reload_weights s",
+            "value": round(m["direct_load_s"] / m["raw_reload_s"], 3),
+            "target": "",
+            "met": None,
+        })
     if m["size"] == "small":
         rows.append({
             "row": f"push into a continuous {label}",

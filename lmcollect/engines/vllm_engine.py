@@ -165,6 +165,7 @@ class VLLMEngine(QueuedAndRunning):
             self._stop_thread()
             raise
         config = self._llm.model_config
+        self._max_model_len = int(config.max_model_len)  # what submit refuses past (kept after close)
         self._eos_token_ids = engine_eos_token_ids(self._llm)  # what ignore_eos bans (see sampling_params_kwargs)
         tied = bool(getattr(config.hf_config, "tie_word_embeddings", False))
         # vLLM's engine core in a process of its own, or workers in processes of their own (tensor
@@ -188,7 +189,7 @@ class VLLMEngine(QueuedAndRunning):
     def submit(self, request: EngineRequest) -> Future[EngineResult]:
         """Queue ``request``; it joins the running batch at the next step. Settings vLLM cannot
         honour (e.g. ``stop_strings``) raise ``ValueError`` here, at once."""
-        refuse_long_prompt(request, self._llm.model_config.max_model_len, "VLLMEngine")
+        refuse_long_prompt(request, self._max_model_len, "VLLMEngine")
         params = request_sampling_params(request, eos_token_ids=self._eos_token_ids)
         future: Future[EngineResult] = Future()
         with self._wake:

@@ -210,13 +210,16 @@ class WeightLoader:
         source, extra = self._engine_source(engine, weights, options)
         loaded: int | PushVersion = version if version is not None else self._next_index(engine)
         held, self.held_push = self.held_push, None  # until the load succeeded
-        # An engine whose counter is the collector's version takes the version inside its load, which
-        # lands between two decoding steps by itself: no pause, so its copy overlaps decoding and the
-        # only stall is the load. Otherwise load, reset and version change while it is paused.
+        # A continuous collector's engine whose counter is the collector's version takes the version
+        # inside its load, which lands between two decoding steps by itself (each token records its
+        # version): no pause, so the copy overlaps decoding and the only stall is the load. Otherwise
+        # load, reset and version change while no token is generated: a lockstep policy's turn (one
+        # version for all its tokens) waits, an engine with a counter of its own is paused.
         separate_version = self.version is not None and not self.version.shares(
             getattr(engine, "version_counter", None)
         )
-        with self._held() if separate_version else contextlib.nullcontext():
+        hold = separate_version or not isinstance(self.policy, EngineProtocol)
+        with self._held() if hold else contextlib.nullcontext():
             try:
                 report = engine.load_weights(source, version=loaded, **extra)
             except (DeltaRejectedError, ValueError):

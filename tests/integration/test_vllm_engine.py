@@ -21,6 +21,7 @@ from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns, non_tensor_values
 from lmcollect.envs import ChatEnv, GuessingGameTask, SingleTurnTask, arithmetic_dataset, guessing_game_dataset
 from lmcollect.engines import EngineProtocol, EngineRequest, EngineResult, WorkerRpcEngine
+from lmcollect.engines.protocol import PromptTooLongError
 from lmcollect.models import load_model_and_tokenizer
 from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.engines.vllm_common import checkpoint_eos_token_ids
@@ -63,6 +64,9 @@ def test_one_in_process_engine_with_worker_rpcs(engine: VLLMEngine) -> None:
         engine.collective_rpc_each("hold_forward", [(), ()])
     with pytest.raises(TypeError, match="version must be an int"):
         engine.set_version("3")  # type: ignore[arg-type]
+    context = engine._max_model_len  # vLLM's max_model_len: a prompt must leave room for one token
+    with pytest.raises(PromptTooLongError, match=rf"the prompt has {context} tokens, .* context of {context} tokens"):
+        engine.submit(EngineRequest(prompt_ids=[1] * context, sampling=greedy(1)))
 
 
 def greedy(max_new_tokens: int = MAX_NEW_TOKENS, **options: Any) -> SamplingConfig:

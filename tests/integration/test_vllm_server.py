@@ -25,6 +25,7 @@ from tensordict import TensorDictBase
 from lmcollect.collectors.llm_collector import LLMCollector
 from lmcollect.data import keys
 from lmcollect.engines import EngineRequest
+from lmcollect.engines.protocol import PromptTooLongError
 from lmcollect.engines.vllm_common import checkpoint_eos_token_ids
 from lmcollect.engines.weight_group import GroupPush, join_weight_group
 from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
@@ -179,10 +180,12 @@ def test_errors_name_the_server(server: VLLMServer) -> None:
     with pytest.raises(ValueError, match="no /v1 path"):
         VLLMServerPolicy(server.url + "/v1")
     engine = VLLMServerEngine(server.url, control_token=server.control_token)
-    too_long = [1] * 5000  # over the model's 4096 positions
+    with pytest.raises(PromptTooLongError, match="5000 tokens.*context of 4096 tokens"):  # refused before sending
+        engine.submit(EngineRequest(prompt_ids=[1] * 5000, sampling=SamplingConfig(max_new_tokens=4)))
+    unknown_token = [1, 2, 10**7]  # past the vocabulary: the server refuses it
     fine, refused = (
         engine.submit(EngineRequest(prompt_ids=prompt, sampling=SamplingConfig(max_new_tokens=4)))
-        for prompt in ([1, 2, 3], too_long)
+        for prompt in ([1, 2, 3], unknown_token)
     )
     assert fine.result(timeout=60).tokens.numel() == 4  # the other request of the batch is answered
     with pytest.raises(VLLMServerError, match=f"{server.url}/v1/completions failed with HTTP 400"):

@@ -96,7 +96,7 @@ def test_unsupported_or_contradictory_options_are_explained(tiny_model_and_token
     [
         ({"top_k": None}, r"top_k must be an int >= 0 \(0 = off\), got None"),
         ({"top_k": 2.5}, r"top_k must be an int >= 0"),
-        ({"temperature": "hot"}, r"temperature must be >= 0 \(0 = greedy\), got 'hot'"),
+        ({"temperature": "hot"}, r"temperature must be 0 \(greedy\) or >= 0.01 .*, got 'hot'"),
         ({"min_new_tokens": 40}, r"min_new_tokens \(40\) exceeds max_new_tokens \(32\)"),
         ({"repetition_penalty": 0}, r"repetition_penalty must be > 0 \(1 = off\)"),
         ({"stop_strings": ["", "x"]}, r"stop_strings must be non-empty strings"),
