@@ -115,7 +115,7 @@ class PushCost:
     # the timeline of the push, in order (0.0 where an engine has no such stage)
     copy_s: float = 0.0
     """Packing the weights into the engine's buffers, with the NaN/Inf check riding on the copy
-    (tensor by tensor, while its bytes are in cache); before the wait: decoding goes on meanwhile."""
+    (one pass over each buffer right after it); before the wait: decoding goes on meanwhile."""
     wait_s: float = 0.0
     """Waiting for the decoding step under way to end (the step boundary the load lands on)."""
     load_s: float = 0.0

@@ -217,8 +217,8 @@ class VLLMEngine(QueuedAndRunning):
     ) -> list[Any] | None:
         """Check every name, shape and dtype, then reload the weights in every worker and take ``version``.
 
-        ``check_finite``: refuse full weights holding NaN or Inf, checked tensor by tensor as they
-        are copied into the pack buffers (the check rides on the copy instead of a pass of its own).
+        ``check_finite``: refuse full weights holding NaN or Inf, checked in the pack buffers right
+        after the copy into them (one pass per buffer; the tensors are named only when one fails).
 
         Names are the checkpoint's (Hugging Face) names; a tied output embedding may be sent or
         left out. A refused load raises ``ValueError`` and changes nothing. The load runs between
