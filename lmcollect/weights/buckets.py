@@ -202,7 +202,6 @@ def pack_buckets(
     layout: BucketLayout | None = None,
     on_buffer_packed: Callable[[int, torch.Tensor], None] | None = None,
     direct: bool = False,
-    check_finite: bool = False,
 ) -> WeightBuckets:
     """Copy ``weights`` into flat per-dtype buffers (reusing ``out`` when its sizes match).
 
@@ -214,9 +213,6 @@ def pack_buckets(
     caller already made it. ``direct=True``: a buffer holding exactly one tensor that already has
     its bytes in order (contiguous, on ``device``, in the buffer's dtype) is that tensor's bytes,
     not a copy (``out`` is then ignored: never write into such buffers).
-    ``check_finite=True``: each floating tensor is checked for NaN/Inf right after its copy, while
-    its bytes are in cache (the check rides on the copy); one ``ValueError`` names every tensor that
-    holds any, once all are packed (the buffers then hold a refused push: load nothing from them).
     """
     layout = layout if layout is not None else plan_layout(weights, bucket_size_bytes=bucket_size_bytes, dtypes=dtypes)
     device = torch.device(device) if device is not None else _common_device(weights)
@@ -236,23 +232,17 @@ def pack_buckets(
     last_slot = {slot.buffer_index: position for position, slot in enumerate(layout.slots)}
     full, announced = [False] * len(buffers), 0
     copied: set[tuple] = set()
-    non_finite: list[str] = []
     with torch.no_grad():
         for position, (slot, tensor) in enumerate(zip(layout.slots, weights.values(), strict=True)):
             key = tie_key(tensor)
             if key not in copied and slot.buffer_index not in views:  # else a tied alias, or sent as it is
                 copied.add(key)
-                packed = _slot_view(buffers[slot.buffer_index], slot)
-                packed.copy_(tensor)
-                if check_finite and holds_non_finite(packed):
-                    non_finite.append(slot.name)
+                _slot_view(buffers[slot.buffer_index], slot).copy_(tensor)
             if on_buffer_packed is not None and last_slot[slot.buffer_index] == position:
                 full[slot.buffer_index] = True
                 while announced < len(buffers) and full[announced]:
                     on_buffer_packed(announced, buffers[announced])
                     announced += 1
-    if non_finite:
-        _refuse_non_finite(non_finite)
     return WeightBuckets(layout, buffers)
 
 
@@ -282,7 +272,7 @@ class PackTarget:
 
     def pack(self, weights: Mapping[str, torch.Tensor], *, check_finite: bool = False) -> WeightBuckets:
         """Copy ``weights`` (the names and order :attr:`layout` was planned from) into the buffers; with
-        ``check_finite``, a ``ValueError`` naming every tensor holding NaN or Inf (as :func:`pack_buckets`)."""
+        ``check_finite``, a ``ValueError`` naming every tensor holding NaN or Inf (nothing is loaded from them)."""
         _count_pack()
         tensors = list(weights.values())
         if len(tensors) != len(self._views):
@@ -292,8 +282,12 @@ class PackTarget:
         with torch.no_grad():  # no torch call per tensor: each would wait for the GIL (see the class)
             torch._foreach_copy_([self._views[i] for i in self._copied], [tensors[i] for i in self._copied])
         if check_finite and any(holds_non_finite(self._typed(i)) for i in range(len(self.buffers))):
-            _refuse_non_finite(
-                [slot.name for slot, view in zip(self.layout.slots, self._views, strict=True) if holds_non_finite(view)]
+            names = [
+                slot.name for slot, view in zip(self.layout.slots, self._views, strict=True) if holds_non_finite(view)
+            ]
+            raise ValueError(
+                f"weight push rejected, no weight was changed: {names[:20]} hold NaN or infinite values "
+                "(allow_non_finite=True pushes them anyway)."
             )
         return WeightBuckets(self.layout, self.buffers)
 
@@ -309,13 +303,6 @@ def _first(key: tuple[int, int], seen: set[tuple[int, int]]) -> bool:
         return False
     seen.add(key)
     return True
-
-
-def _refuse_non_finite(names: list[str]) -> None:
-    raise ValueError(
-        f"weight push rejected, no weight was changed: {names[:20]} hold NaN or infinite values "
-        "(allow_non_finite=True pushes them anyway)."
-    )
 
 
 def holds_non_finite(tensor: torch.Tensor) -> bool:
