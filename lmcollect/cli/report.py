@@ -200,18 +200,11 @@ def push_cost_summary(costs: Sequence[PushCost]) -> dict[str, Any]:
 
 def push_cost_rows(cost: Mapping[str, Any]) -> list[tuple[str, str]]:
     """The summary table's rows of :func:`push_cost_summary` ("-" where no engine recorded pushes)."""
-
-    def fmt(value: float | None, spec: str = ".3f") -> str:
-        return "-" if value is None else format(value, spec)
-
+    seconds = [_fmt_value(cost.get(field), ".3f") for field in (*PUSH_STAGES, "call_s", "recompute_s")]
     return [
-        (
-            "push timeline per engine, s: copy / wait / load / reset / first step",
-            " / ".join(fmt(cost.get(stage)) for stage in PUSH_STAGES),
-        ),
+        ("push timeline per engine, s: copy / wait / load / reset / first step", " / ".join(seconds[:5])),
         (
             "push cost per engine: load s / tokens prefilled again / their s",
-            f"{fmt(cost['call_s'])} / {fmt(cost['recomputed_tokens'], '.0f')} / {fmt(cost['recompute_s'])}"
-            f" (kv_policy {cost['kv_policy']})",
+            f"{seconds[5]} / {_fmt_value(cost['recomputed_tokens'], '.0f')} / {seconds[6]} (kv_policy {cost['kv_policy']})",
         ),
     ]

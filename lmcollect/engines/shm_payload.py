@@ -7,7 +7,8 @@ two sets of buffers that live in shared memory (:class:`SharedPackSets`): one fi
 ``/dev/shm``, created exclusively, mode 0600, with a random name, kept from push to push and
 removed when the engine closes. The engine holds a shared lock on each file while it lives, so a
 file left by an engine that was killed (SIGKILL: an OOM kill) is one nobody locks: the next engine
-removes such files as it starts (:func:`remove_stale_push_files`), or RAM would hold them for good. A push sends only the file's path and where each buffer starts
+removes such files as it starts (:func:`remove_stale_push_files`), or RAM would hold them for good.
+A push sends only the file's path and where each buffer starts
 (:class:`SharedBuffers`); a worker maps each file once and keeps the mapping
 (:class:`MappedBufferFiles`), so after the first two pushes neither side allocates or maps
 anything: one copy in all, into memory that is already there.

@@ -260,10 +260,12 @@ class PackTarget:
     def __init__(self, layout: BucketLayout, buffers: list[torch.Tensor]) -> None:
         self.layout, self.buffers = layout, buffers
         self._views = [_slot_view(buffers[slot.buffer_index], slot) for slot in layout.slots]
-        starts: set[tuple[int, int]] = set()  # a tied alias shares its slot's bytes: copied once
-        self._copied = [
-            i for i, slot in enumerate(layout.slots) if _first((slot.buffer_index, slot.offset_bytes), starts)
-        ]
+        first: dict[tuple[int, int], int] = {}  # a tied alias shares its slot's bytes: copied once
+        for i, slot in enumerate(layout.slots):
+            first.setdefault((slot.buffer_index, slot.offset_bytes), i)
+        self._copied = sorted(first.values())
+        dtypes = {slot.buffer_index: slot.dtype for slot in layout.slots}  # a buffer holds one dtype
+        self._typed = [buffer.view(dtypes.get(i, torch.uint8)) for i, buffer in enumerate(buffers)]
 
     @classmethod
     def allocate(cls, layout: BucketLayout, device: torch.device | str = "cpu") -> PackTarget:
@@ -281,7 +283,7 @@ class PackTarget:
             )
         with torch.no_grad():  # no torch call per tensor: each would wait for the GIL (see the class)
             torch._foreach_copy_([self._views[i] for i in self._copied], [tensors[i] for i in self._copied])
-        if check_finite and any(holds_non_finite(self._typed(i)) for i in range(len(self.buffers))):
+        if check_finite and any(holds_non_finite(typed) for typed in self._typed):
             names = [
                 slot.name for slot, view in zip(self.layout.slots, self._views, strict=True) if holds_non_finite(view)
             ]
@@ -291,26 +293,16 @@ class PackTarget:
             )
         return WeightBuckets(self.layout, self.buffers)
 
-    def _typed(self, index: int) -> torch.Tensor:
-        """Buffer ``index`` as the dtype of its slots (a buffer holds one dtype)."""
-        dtype = next((slot.dtype for slot in self.layout.slots if slot.buffer_index == index), torch.uint8)
-        return self.buffers[index].view(dtype)
 
-
-def _first(key: tuple[int, int], seen: set[tuple[int, int]]) -> bool:
-    """Whether ``key`` is new to ``seen`` (then added)."""
-    if key in seen:
-        return False
-    seen.add(key)
-    return True
-
-
-def holds_non_finite(tensor: torch.Tensor) -> bool:
-    """Whether a floating tensor holds a NaN or an infinity: one min/max pass (NaN propagates through
-    both, so min and max are finite exactly when every element is; cheaper than ``isfinite(t).all()``)."""
+def holds_non_finite(tensor: torch.Tensor, *, as_dtype: torch.dtype | None = None) -> bool:
+    """Whether a floating tensor holds a NaN or an infinity (once cast to ``as_dtype``, when given):
+    one min/max pass (NaN propagates through both, so min and max are finite exactly when every
+    element is; cheaper than ``isfinite(t).all()``; a cast is monotonic, so the extremes overflow first)."""
     if not tensor.is_floating_point() or tensor.numel() == 0:
         return False
     low, high = torch.aminmax(tensor.detach())
+    if as_dtype is not None and as_dtype != tensor.dtype and as_dtype.is_floating_point:
+        low, high = low.to(as_dtype), high.to(as_dtype)
     return not bool(torch.isfinite(low) & torch.isfinite(high))
 
 

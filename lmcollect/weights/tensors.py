@@ -9,7 +9,7 @@ import torch
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModule
 
-from lmcollect.weights.buckets import WeightBuckets
+from lmcollect.weights.buckets import WeightBuckets, holds_non_finite
 
 WeightDict = dict[str, torch.Tensor]
 Metadata = Mapping[str, tuple[torch.dtype, torch.Size]]
@@ -169,13 +169,8 @@ def non_finite_problems(
     becomes fp16 inf: a problem, though finite as pushed)."""
     problems = []
     for name, tensor in weights.items():
-        if not tensor.is_floating_point() or tensor.numel() == 0:
-            continue
-        low, high = torch.aminmax(tensor.detach())
         held = (dtypes or {}).get(name, tensor.dtype)
-        if held != tensor.dtype and held.is_floating_point:
-            low, high = low.to(held), high.to(held)
-        if not bool(torch.isfinite(low) & torch.isfinite(high)):
+        if holds_non_finite(tensor, as_dtype=held):
             where = "" if held == tensor.dtype else f" once cast to {held}"
             problems.append(f"{name!r} holds NaN or infinite values{where} (allow_non_finite=True pushes it anyway)")
     return problems
