@@ -11,7 +11,7 @@ from typing import Any
 from rich.table import Table
 from tensordict import TensorDictBase
 
-from lmcollect.collectors.group_filter import SamplingCounts
+from lmcollect.collectors.shared.group_filter import SamplingCounts
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
 from lmcollect.engines.kv_policy import PushCost

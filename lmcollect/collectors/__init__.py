@@ -1,16 +1,16 @@
 """Collectors: run envs against a policy and hand batches of dialog turns to a trainer."""
 
-from lmcollect.collectors.config import CollectionConfig
-from lmcollect.collectors.continuous import ContinuousLLMCollector
-from lmcollect.collectors.group_filter import (
+from lmcollect.collectors.shared.config import CollectionConfig
+from lmcollect.collectors.continuous.collector import ContinuousLLMCollector
+from lmcollect.collectors.shared.group_filter import (
     DynamicSampling,
     GroupFilter,
     SamplingCounts,
     drop_uniform_rewards,
     keep_mean_reward_in,
 )
-from lmcollect.collectors.llm_collector import LLMCollector
-from lmcollect.collectors.versioning import PolicyVersion
+from lmcollect.collectors.lockstep.collector import LLMCollector
+from lmcollect.collectors.shared.versioning import PolicyVersion
 
 __all__ = [
     "CollectionConfig",

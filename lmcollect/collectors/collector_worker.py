@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tensordict import TensorDictBase
 
-from lmcollect.collectors.continuous import ContinuousLLMCollector
-from lmcollect.collectors.llm_collector import LLMCollector
-from lmcollect.collectors.versioning import PolicyVersion
+from lmcollect.collectors.continuous.collector import ContinuousLLMCollector
+from lmcollect.collectors.lockstep.collector import LLMCollector
+from lmcollect.collectors.shared.versioning import PolicyVersion
 from lmcollect.data.packed_turns import pack
 from lmcollect.weight_sync.loader import LoadOptions, WeightLoader
 from lmcollect.weights.version import PushVersion

@@ -20,8 +20,8 @@ from lmcollect.lazy import lazy_attributes
 # vLLM and transformers are slow to import: their modules are imported when first used (an engine in
 # a Ray actor: lmcollect.ray.RayEngine)
 _LAZY = {
-    "TransformersEngine": "lmcollect.engines.transformers_engine",
-    "VLLMEngine": "lmcollect.engines.vllm_engine",
+    "TransformersEngine": "lmcollect.engines.hf.engine",
+    "VLLMEngine": "lmcollect.engines.vllm.engine",
 }
 
 __all__ = [

@@ -6,8 +6,8 @@ and resolves the future when the response ends. Pausing keeps in-flight requests
 after ``resume``), so weights can be loaded between two decoding steps; every generated token
 records the version of the weights that produced it.
 
-Implementations: :class:`~lmcollect.engines.transformers_engine.TransformersEngine` (our own
-continuous batching over a ``transformers`` causal LM), :class:`~lmcollect.engines.vllm_engine.VLLMEngine`
+Implementations: :class:`~lmcollect.engines.hf.engine.TransformersEngine` (our own
+continuous batching over a ``transformers`` causal LM), :class:`~lmcollect.engines.vllm.engine.VLLMEngine`
 (vLLM's ``LLMEngine`` stepped by our decoding thread, engine core in this process),
 :class:`~lmcollect.engines.served.VLLMServerEngine` (a vLLM server),
 :class:`~lmcollect.ray.engine.RayEngine` (any of them in a Ray actor) and

@@ -4,7 +4,7 @@ A trainer (``vLLMUpdater``) forms a group with the workers once (:func:`join_wei
 each push is the engine's ordinary ``load_weights(GroupPush(...), version=v)``: inside one pause
 the workers receive the broadcast and reload, the prefix cache is reset and the version taken,
 while the trainer sends. Only the engines name the workers' methods (those of
-:mod:`lmcollect.engines.vllm_worker_ext`); the updater calls engine verbs.
+:mod:`lmcollect.engines.vllm.worker_ext`); the updater calls engine verbs.
 """
 
 from __future__ import annotations

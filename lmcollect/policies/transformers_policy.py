@@ -6,7 +6,7 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from lmcollect.engines.sampling import eos_token_ids
-from lmcollect.engines.transformers_engine import TransformersEngine
+from lmcollect.engines.hf.engine import TransformersEngine
 from lmcollect.plumbing import forwarded
 from lmcollect.policies.engine_policy import EnginePolicy
 
@@ -28,7 +28,7 @@ class TransformersPolicy(EnginePolicy):
 
     Log-probs are those of the raw model (before temperature / top-p / top-k), so they equal a
     plain forward pass on the same tokens, as trainers need for importance ratios. They are
-    gathered one decoding step at a time (:class:`~lmcollect.engines.step_log_probs.StepLogProbs`),
+    gathered one decoding step at a time (:class:`~lmcollect.engines.hf.step_log_probs.StepLogProbs`),
     so memory does not grow with batch x length x vocabulary. With
     ``SamplingConfig(sampled_log_probs=True)`` the log-probs of the distribution actually sampled
     are stored too, under ``("log_probs", "sampled")``. Every token records the weight version

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from lmcollect.engines.protocol import EngineProtocol
 from lmcollect.engines.sampling import SamplingConfig, sampling_from_kwargs
-from lmcollect.engines.vllm_common import LOGPROBS_MODE, checkpoint_eos_token_ids
+from lmcollect.engines.vllm.common import LOGPROBS_MODE, checkpoint_eos_token_ids
 from lmcollect.policies.engine_policy import EnginePolicy
 
 
@@ -31,7 +31,7 @@ class VLLMPolicy(EnginePolicy):
         model_path: a local Hugging Face model folder (weights, config and tokenizer).
         sampling: sampling parameters; keyword arguments override its fields.
         engine_kwargs: ``vllm.EngineArgs`` for the in-process engine the policy builds (a
-            :class:`~lmcollect.engines.vllm_engine.VLLMEngine`, closed by :meth:`close`).
+            :class:`~lmcollect.engines.vllm.engine.VLLMEngine`, closed by :meth:`close`).
         engine: an already built engine instead (yours to close): a ``VLLMEngine``, replicas in Ray
             actors (``lmcollect.ray.VLLMReplicas``), a server (``VLLMServerEngine``), or any
             :class:`~lmcollect.engines.EngineProtocol` engine serving this model; exclusive with ``engine_kwargs``.
@@ -74,7 +74,7 @@ class VLLMPolicy(EnginePolicy):
         if engine is None:
             if sampling.seed is not None:
                 engine_kwargs.setdefault("seed", sampling.seed)
-            from lmcollect.engines.vllm_engine import VLLMEngine  # imports vLLM's config helpers
+            from lmcollect.engines.vllm.engine import VLLMEngine  # imports vLLM's config helpers
 
             engine = VLLMEngine(model_path, engine_kwargs=engine_kwargs)
         super().__init__(

@@ -9,7 +9,7 @@ from typing import Any
 
 from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.engines.served import VLLMServerEngine, check_server_config, serve_command
-from lmcollect.engines.vllm_common import checkpoint_eos_token_ids
+from lmcollect.engines.vllm.common import checkpoint_eos_token_ids
 from lmcollect.policies.vllm_policy import VLLMPolicy
 
 __all__ = ["VLLMServerPolicy", "serve_command"]

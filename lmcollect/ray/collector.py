@@ -24,10 +24,10 @@ from lmcollect.collectors.collector_worker import (
     ContinuousCollectorWorker,
     WorkerMethods,
 )
-from lmcollect.collectors.config import CollectionConfig, ConfiguredCollector, config_from, field_names
-from lmcollect.collectors.group_filter import SamplingCounts
-from lmcollect.collectors.llm_collector import LLMCollector
-from lmcollect.collectors.weights import HoldsWeightUpdater
+from lmcollect.collectors.shared.config import CollectionConfig, ConfiguredCollector, config_from, field_names
+from lmcollect.collectors.shared.group_filter import SamplingCounts
+from lmcollect.collectors.lockstep.collector import LLMCollector
+from lmcollect.collectors.shared.weights import HoldsWeightUpdater
 from lmcollect.engines.kv_policy import PushCost
 from lmcollect.plumbing import ShutsDownOnExit
 from lmcollect.ray.carrier import put_weights

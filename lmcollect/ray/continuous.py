@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from lmcollect.collectors.continuous import ContinuousLLMCollector
+from lmcollect.collectors.continuous.collector import ContinuousLLMCollector
 from lmcollect.ray.collector import RayContinuousWorker, RayLLMCollector
 
 

@@ -6,7 +6,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from lmcollect.collectors.group_filter import SamplingCounts, total_counts
+from lmcollect.collectors.shared.group_filter import SamplingCounts, total_counts
 from lmcollect.plumbing import ShutsDownOnExit
 from lmcollect.ray.collector import RayLLMCollector
 

@@ -1,4 +1,4 @@
-"""vLLM engine replicas as Ray actors: :class:`~lmcollect.engines.vllm_engine.VLLMEngine` in each, one router in front."""
+"""vLLM engine replicas as Ray actors: :class:`~lmcollect.engines.vllm.engine.VLLMEngine` in each, one router in front."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcollect.engines.router import EngineRouter
-from lmcollect.engines.vllm_engine import VLLMEngine
+from lmcollect.engines.vllm.engine import VLLMEngine
 from lmcollect.ray.bounded import DEFAULT_CALL_TIMEOUT_S
 from lmcollect.ray.engine import RayEngine, start_ray_engines
 

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from lmcollect.engines.protocol import EngineProtocol, WorkerRpcEngine, refuse_stale_push, worker_rpc_engine_of
-from lmcollect.engines.vllm_worker_ext import RayNode, current_ray_node
+from lmcollect.engines.vllm.worker_ext import RayNode, current_ray_node
 from lmcollect.engines.weight_group import GroupPush, join_weight_group, weight_receiver_nodes
 from lmcollect.transports.process_group import PreparedPush, ProcessGroupConfig, ProcessGroupSender
 from lmcollect.weight_sync.base import WeightPushError, WeightUpdaterBase
@@ -75,7 +75,7 @@ class vLLMUpdater(WeightUpdaterBase[int]):
 
     The trainer is rank 0 of a process group whose other ranks are the engine's workers (ranks
     ``1..tp`` per replica; gloo when the weights are on the CPU, NCCL when on CUDA). The engine
-    needs ``worker_extension_cls=VLLM_EXTENSION`` (``lmcollect.engines.vllm_worker_ext``).
+    needs ``worker_extension_cls=VLLM_EXTENSION`` (``lmcollect.engines.vllm.worker_ext``).
     The engine may be in this process (a local ``LLMCollector``), in a ``RayLLMCollector``'s
     actor, in engine actors (``VLLMReplicas``), or a vLLM server (``VLLMServerPolicy``, through its
     development endpoints, which also pause the server's generation for the call); the updater
@@ -207,8 +207,8 @@ class vLLMUpdater(WeightUpdaterBase[int]):
         if isinstance(model, torch.nn.Module) or isinstance(getattr(model, "model", None), torch.nn.Module):
             return super().get_model_metadata(model)
         if isinstance(getattr(model, "model_path", None), str) and worker_rpc_engine_of(model) is not None:
-            from lmcollect.engines.vllm_common import checkpoint_dtype  # plain helpers: no vllm import
-            from lmcollect.engines.vllm_worker_ext import checkpoint_metadata
+            from lmcollect.engines.vllm.common import checkpoint_dtype  # plain helpers: no vllm import
+            from lmcollect.engines.vllm.worker_ext import checkpoint_metadata
 
             name = checkpoint_dtype(model.model_path)
             return checkpoint_metadata(model.model_path, dtype=getattr(torch, name) if name else None)[0]

@@ -42,14 +42,14 @@ from lmcollect.engines.protocol import (
 from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.engines.served.control import CONTROL_TOKEN_HEADER, RENEW_PAUSE_PATH, is_public_path
 from lmcollect.engines.served.http import VLLMServerError, request_json
-from lmcollect.engines.vllm_common import (
+from lmcollect.engines.vllm.common import (
     INITIAL_VERSION,
     LOGPROBS_MODE,
     checkpoint_dtype,
     checkpoint_eos_token_ids,
     sampling_params_kwargs,
 )
-from lmcollect.engines.vllm_worker_ext import checkpoint_metadata
+from lmcollect.engines.vllm.worker_ext import checkpoint_metadata
 from lmcollect.engines.weight_group import RECEIVE_METHOD, GroupPush
 from lmcollect.plumbing import forwarded, settle
 from lmcollect.weights.buckets import WeightBuckets
@@ -149,7 +149,7 @@ class VLLMServerEngine:
         control_token: the server's control token (``VLLMServer.control_token``); None: send none
             (enough for generation, and for control calls to a loopback server without a token).
         eos_token_ids: the model's eos ids, which ``ignore_eos`` bans as the in-process engine does
-            (see :func:`~lmcollect.engines.vllm_common.sampling_params_kwargs`); None: read from
+            (see :func:`~lmcollect.engines.vllm.common.sampling_params_kwargs`); None: read from
             the folder the server loaded the model from, when it is a folder on this machine.
     """
 

@@ -34,7 +34,7 @@ from lmcollect.engines.served.control import (
 )
 from lmcollect.engines.served.control_checks import launch_proof
 from lmcollect.engines.served.http import VLLMServerError, request_json
-from lmcollect.engines.vllm_common import engine_kwargs_for
+from lmcollect.engines.vllm.common import engine_kwargs_for
 
 logger = logging.getLogger(__name__)
 

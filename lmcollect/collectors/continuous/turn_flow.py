@@ -24,7 +24,7 @@ flight). A consumer that takes ``k + 1`` batches without a push has nothing more
 :meth:`TurnFlow.stalled` says so.
 
 Trajectory modes (``yield_completed_trajectories`` / ``yield_only_last_steps``) release completed
-trajectories in completion order (:class:`~lmcollect.collectors.batcher.Batcher`); there, only new
+trajectories in completion order (:class:`~lmcollect.collectors.shared.batcher.Batcher`); there, only new
 dialogs wait for admission (a dialog under way always finishes), and ``max_policy_lag`` is refused.
 """
 
@@ -36,11 +36,11 @@ from typing import TYPE_CHECKING
 
 from tensordict import TensorDictBase
 
-from lmcollect.collectors.batcher import Batcher, BatchMode, CollectedTurn, turn_from_state
+from lmcollect.collectors.shared.batcher import Batcher, BatchMode, CollectedTurn, turn_from_state
 from lmcollect.data.turns import stack_turns
 
 if TYPE_CHECKING:
-    from lmcollect.collectors.group_flow import GroupFlow
+    from lmcollect.collectors.continuous.group_flow import GroupFlow
 
 
 class TurnFlow:

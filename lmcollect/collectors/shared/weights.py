@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from lmcollect.collectors.attr_path import resolve_attr_path
-from lmcollect.collectors.trajectories import id_base
-from lmcollect.collectors.versioning import PolicyVersion
+from lmcollect.collectors.shared.attr_path import resolve_attr_path
+from lmcollect.collectors.shared.trajectories import id_base
+from lmcollect.collectors.shared.versioning import PolicyVersion
 from lmcollect.engines.kv_policy import PushCost, push_costs_of
 from lmcollect.engines.protocol import engine_of
 from lmcollect.engines.weight_group import GroupPush, join_weight_group, weight_receiver_nodes

@@ -60,8 +60,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from lmcollect.engines.shm_payload import MappedBufferFiles
-from lmcollect.engines.vllm_direct_load import DirectLoad, direct_load_for
+from lmcollect.engines.vllm.shm_payload import MappedBufferFiles
+from lmcollect.engines.vllm.direct_load import DirectLoad, direct_load_for
 from lmcollect.transports.process_group import ProcessGroupReceiver
 from lmcollect.weights.buckets import WeightBuckets, layout_from_json, packed_weights
 from lmcollect.weights.delta import DeltaRejectedError, WeightDelta, prepare_delta
@@ -70,7 +70,7 @@ from lmcollect.weights.tensors import raise_if_problems, weight_problems
 
 logger = logging.getLogger(__name__)
 
-VLLM_EXTENSION = "lmcollect.engines.vllm_worker_ext.VLLMWeightReceiverExtension"
+VLLM_EXTENSION = "lmcollect.engines.vllm.worker_ext.VLLMWeightReceiverExtension"
 LOAD_LORA_ADAPTER = "load_lora_adapter"
 HELD_BASE_WEIGHTS = "held_base_weights"
 LOAD_SHARED_WEIGHTS = "load_shared_weights"
@@ -232,7 +232,7 @@ class VLLMWeightReceiverExtension:
     def load_packed_weights(self, layout_json: str, buffers: list[bytes]) -> dict[str, Any]:
         """Check and reload weights sent in the call itself: a bucket layout and its byte buffers.
 
-        The path of :meth:`lmcollect.engines.vllm_engine.VLLMEngine.load_weights` (engine and caller
+        The path of :meth:`lmcollect.engines.vllm.engine.VLLMEngine.load_weights` (engine and caller
         on one host, no process group): every name, shape and dtype is checked against the
         checkpoint before anything is written, so a refused load changes nothing.
         """
@@ -240,7 +240,7 @@ class VLLMWeightReceiverExtension:
 
     def load_shared_weights(self, layout_json: str, shared: dict[str, Any]) -> dict[str, Any]:
         """:meth:`load_packed_weights` with the buffers in one of the engine's shared-memory pack
-        files (see :mod:`lmcollect.engines.shm_payload`): what the engine sends when this worker
+        files (see :mod:`lmcollect.engines.vllm.shm_payload`): what the engine sends when this worker
         runs in another process, so the bytes are not copied through the RPC. Each file is mapped
         once and kept: a push maps nothing new."""
         if self._lmcollect_mapped is None:  # vLLM never runs this class's __init__: made on first use
@@ -375,7 +375,7 @@ class VLLMWeightReceiverExtension:
     def _lmcollect_reload(self, weights: dict[str, torch.Tensor], *, partial: bool = False) -> None:
         """Load checked weights (Hugging Face names) into the model, then rebuild tied modules.
 
-        A full push of an unquantized model goes straight into the parameters (:mod:`~lmcollect.engines.vllm_direct_load`:
+        A full push of an unquantized model goes straight into the parameters (:mod:`~lmcollect.engines.vllm.direct_load`:
         one copy, then the CPU GEMMs packed again); anything else through vLLM's in-place reload.
         ``partial``: only some blocks are sent (a LoRA reload); vLLM keeps the others as they are
         and its notes about each of them are dropped.

@@ -16,7 +16,7 @@ from typing import Any
 
 from tensordict import TensorDictBase
 
-from lmcollect.collectors.config import CollectionConfig
+from lmcollect.collectors.shared.config import CollectionConfig
 from lmcollect.plumbing import ShutsDownOnExit
 
 logger = logging.getLogger(__name__)

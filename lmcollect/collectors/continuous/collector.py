@@ -10,18 +10,18 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from lmcollect.collectors.common import CollectorVersionMixin
-from lmcollect.collectors.config import CollectionConfig, collection_config, takes_collection_config
-from lmcollect.collectors.continuous_state import ContinuousStateMixin
-from lmcollect.collectors.dialog_tasks import DialogTasks, EngineSide, Slot
-from lmcollect.collectors.group_filter import GroupTally, ReportsSamplingCounts, as_dynamic_sampling
-from lmcollect.collectors.group_flow import GroupFlow
-from lmcollect.collectors.llm_collector import instantiate_env
-from lmcollect.collectors.shell import CollectorShell
-from lmcollect.collectors.trajectories import TrajectoryTracker, id_base, random_namespace
-from lmcollect.collectors.turn_flow import TurnFlow
-from lmcollect.collectors.versioning import PolicyVersion, make_policy_version
-from lmcollect.collectors.weights import WeightReceiverMixin
+from lmcollect.collectors.shared.common import CollectorVersionMixin
+from lmcollect.collectors.shared.config import CollectionConfig, collection_config, takes_collection_config
+from lmcollect.collectors.continuous.state import ContinuousStateMixin
+from lmcollect.collectors.continuous.dialog_tasks import DialogTasks, EngineSide, Slot
+from lmcollect.collectors.shared.group_filter import GroupTally, ReportsSamplingCounts, as_dynamic_sampling
+from lmcollect.collectors.continuous.group_flow import GroupFlow
+from lmcollect.collectors.lockstep.collector import instantiate_env
+from lmcollect.collectors.shared.shell import CollectorShell
+from lmcollect.collectors.shared.trajectories import TrajectoryTracker, id_base, random_namespace
+from lmcollect.collectors.continuous.turn_flow import TurnFlow
+from lmcollect.collectors.shared.versioning import PolicyVersion, make_policy_version
+from lmcollect.collectors.shared.weights import WeightReceiverMixin
 from lmcollect.data.turns import stack_turns
 from lmcollect.engines.kv_policy import KVPolicy, configure_kv_policy
 from lmcollect.engines.protocol import EngineProtocol
@@ -66,7 +66,7 @@ class ContinuousLLMCollector(
     single-turn tasks), and the replay buffer gets only whole groups, so
     ``GroupAdvantage(group_size=k)`` (single-turn) or ``GroupAdvantage()`` (multi-turn) normalises
     every group. ``max_policy_lag`` then holds per group: a group admitted under version ``v`` leaves
-    by version ``v + max_policy_lag`` (see :mod:`lmcollect.collectors.group_flow`);
+    by version ``v + max_policy_lag`` (see :mod:`lmcollect.collectors.continuous.group_flow`);
     ``total_dialog_turns`` counts turns run, as everywhere: a group counts ``k`` when admitted and one
     per later turn, groups are admitted while that count is below it, then only to fill the last
     batch, and groups under way finish (the overshoot bound: "Turn budget" in docs/collectors.md);
@@ -78,7 +78,7 @@ class ContinuousLLMCollector(
     ``started < (k + v + 1) * dialog_turns_per_batch`` (AReaL's rule; ``v`` counts the versions
     since the collector began, at most one per batch consumed), and a batch leaves only when every
     turn left behind can still leave within ``k`` versions (see
-    :mod:`lmcollect.collectors.turn_flow`). So, when the trainer pushes once per batch, no consumed
+    :mod:`lmcollect.collectors.continuous.turn_flow`). So, when the trainer pushes once per batch, no consumed
     turn is more than ``k`` versions behind the collector and nothing is discarded; iterating
     ``k + 1`` batches without a push raises an error saying so (``start()`` waits for the push).
     Turns started and not consumed never exceed ``max_buffered_turns`` (default: turns per batch
@@ -116,7 +116,7 @@ class ContinuousLLMCollector(
             takes it (``TransformersEngine``, ``VLLMEngine``, routers and Ray engines over them); one
             that cannot keep refuses ``"keep"``. :meth:`push_costs` says what each push cost.
         dynamic_sampling: with GRPO groups, drop the complete groups a filter rejects and admit
-            others in their place (see :mod:`lmcollect.collectors.group_flow`); counts in
+            others in their place (see :mod:`lmcollect.collectors.continuous.group_flow`); counts in
             :attr:`sampling_counts` and :attr:`last_batch_counts`.
 
     Example::

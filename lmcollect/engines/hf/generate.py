@@ -1,7 +1,7 @@
 """A whole lockstep batch answered by one ``model.generate`` call (``TransformersEngine.generate_batch``).
 
 Rows are left-padded into one prefill; each step's raw log-prob is gathered as it is drawn
-(:class:`~lmcollect.engines.step_log_probs.StepLogProbs`). Seeded requests each draw from their
+(:class:`~lmcollect.engines.hf.step_log_probs.StepLogProbs`). Seeded requests each draw from their
 own ``torch.Generator``, as in the engine's continuous loop, so a seeded request gives the same
 tokens whatever else shares the batch; a batch of unseeded requests samples from torch's global
 RNG, as ``generate`` does.
@@ -16,9 +16,9 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from lmcollect.engines.protocol import EngineRequest, EngineResult
-from lmcollect.engines.running_request import StopStringWatch, request_generator
+from lmcollect.engines.hf.running_request import StopStringWatch, request_generator
 from lmcollect.engines.sampling import SamplingConfig
-from lmcollect.engines.step_log_probs import StepLogProbs, no_generate_warpers
+from lmcollect.engines.hf.step_log_probs import StepLogProbs, no_generate_warpers
 
 if TYPE_CHECKING:  # transformers' classes: the caller built the model
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -134,7 +134,7 @@ def response_lengths(
 class StopStrings(StoppingCriteria):
     """Ends a row once the text it generated contains one of ``sampling.stop_strings``.
 
-    One :class:`~lmcollect.engines.running_request.StopStringWatch` per row (the matcher the
+    One :class:`~lmcollect.engines.hf.running_request.StopStringWatch` per row (the matcher the
     continuous loop uses too) looks at the text each step added; ``min_new_tokens`` holds the check
     off, as it holds eos off. :attr:`lengths` gives each row's response length up to the token
     completing the string, or ``max_new_tokens + 1`` for rows that never matched.

@@ -10,9 +10,9 @@ from typing import Any, TypeVar
 
 from tensordict import TensorDictBase
 
-from lmcollect.collectors.batcher import BatchMode
-from lmcollect.collectors.group_filter import DynamicSampling, GroupFilter, as_dynamic_sampling
-from lmcollect.collectors.versioning import PolicyVersion
+from lmcollect.collectors.shared.batcher import BatchMode
+from lmcollect.collectors.shared.group_filter import DynamicSampling, GroupFilter, as_dynamic_sampling
+from lmcollect.collectors.shared.versioning import PolicyVersion
 from lmcollect.plumbing import forwarded
 
 C = TypeVar("C")
@@ -49,7 +49,7 @@ class CollectionConfig:
     """Log progress at INFO level."""
     dynamic_sampling: DynamicSampling | GroupFilter | None = None
     """Drop complete GRPO groups a filter rejects and refill batches with new ones (DAPO's dynamic
-    sampling; envs with groups only): a :class:`~lmcollect.collectors.group_filter.DynamicSampling`,
+    sampling; envs with groups only): a :class:`~lmcollect.collectors.shared.group_filter.DynamicSampling`,
     or a bare filter such as ``drop_uniform_rewards()`` (its defaults). Counted in ``sampling_counts``."""
     mode: BatchMode = field(init=False)
     """Derived: ``"steps"``, ``"trajectories"`` or ``"last_steps"``."""

@@ -10,7 +10,7 @@ from transformers import RepetitionPenaltyLogitsProcessor
 
 from lmcollect.engines.kv_policy import KVPolicy, kv_versions_of
 from lmcollect.engines.protocol import EngineRequest, EngineResult
-from lmcollect.engines.step_log_probs import draw_tokens, sampling_warpers
+from lmcollect.engines.hf.step_log_probs import draw_tokens, sampling_warpers
 
 if TYPE_CHECKING:  # only for annotations; the engine passes the tokenizer it was built with
     from transformers import PreTrainedTokenizerBase
@@ -29,7 +29,7 @@ class RunningRequest:
     log-prob (log-softmax at temperature 1) is recorded before anything changes the scores; then,
     as ``generate`` orders them, the repetition penalty, the ``min_new_tokens`` and ``ignore_eos``
     masks, and (sampling only) temperature / top-k / top-p apply, and the token is the argmax or a
-    draw with this request's own ``torch.Generator`` (:func:`~lmcollect.engines.step_log_probs.draw_tokens`),
+    draw with this request's own ``torch.Generator`` (:func:`~lmcollect.engines.hf.step_log_probs.draw_tokens`),
     so its tokens never depend on which other requests share the batch.
     """
 

@@ -7,7 +7,7 @@ batch holds ``G = max(1, dialog_turns_per_batch // k)`` complete groups with eve
 dialogs (exactly ``dialog_turns_per_batch`` turns for single-turn tasks when ``k`` divides it).
 So ``GroupAdvantage`` sees every group whole, in one batch.
 
-The unit is a group, and :class:`~lmcollect.collectors.turn_flow.TurnFlow`'s rules apply to it:
+The unit is a group, and :class:`~lmcollect.collectors.continuous.turn_flow.TurnFlow`'s rules apply to it:
 
 * **Admission.** A group is admitted when its first dialog is about to start its first turn, if the
   groups admitted and not consumed stay below ``capacity`` and, with ``max_policy_lag=L``, AReaL's
@@ -23,7 +23,7 @@ released while the collector holds at most ``s + L`` (and each turn's own versio
 A dialog that fails, or that ``reset()`` / ``set_seed()`` cuts, leaves its group: the group then
 completes with one answer fewer, and the cut dialog's turns are dropped (logged by the caller).
 
-**Dynamic sampling** (``sampling``, see :mod:`~lmcollect.collectors.group_filter`). A complete group
+**Dynamic sampling** (``sampling``, see :mod:`~lmcollect.collectors.shared.group_filter`). A complete group
 goes through the filter; a dropped group is forgotten and no longer counts as admitted, so another
 group takes its place under the same rules (the refill), and a batch still holds ``G`` kept groups.
 ``oversample_groups=N`` raises both admission limits by ``N`` groups; with ``max_policy_lag`` a
@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 
 from tensordict import TensorDictBase
 
-from lmcollect.collectors.batcher import CollectedTurn, turn_from_state, turn_state
-from lmcollect.collectors.group_filter import DynamicSampling, GroupTally, missing_filter_state
-from lmcollect.collectors.turn_flow import deadlines_met, lag_admits, take_oldest
+from lmcollect.collectors.shared.batcher import CollectedTurn, turn_from_state, turn_state
+from lmcollect.collectors.shared.group_filter import DynamicSampling, GroupTally, missing_filter_state
+from lmcollect.collectors.continuous.turn_flow import deadlines_met, lag_admits, take_oldest
 from lmcollect.data.turns import stack_turns
 
 
@@ -58,7 +58,7 @@ class _Group:
 class GroupFlow:
     """Counts groups admitted, under way, complete and consumed; decides admission and release.
 
-    Same interface as :class:`~lmcollect.collectors.turn_flow.TurnFlow` (the dialog tasks call
+    Same interface as :class:`~lmcollect.collectors.continuous.turn_flow.TurnFlow` (the dialog tasks call
     either), plus :meth:`assign` (which group a slot's new dialog answers) and
     :meth:`drain_incomplete`.
 

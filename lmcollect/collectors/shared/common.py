@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from lmcollect.collectors.config import ConfiguredCollector
-from lmcollect.collectors.versioning import PolicyVersion
+from lmcollect.collectors.shared.config import ConfiguredCollector
+from lmcollect.collectors.shared.versioning import PolicyVersion
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The KV policy's bookkeeping for :class:`~lmcollect.engines.vllm_engine.VLLMEngine` (pure Python, no vLLM).
+"""The KV policy's bookkeeping for :class:`~lmcollect.engines.vllm.engine.VLLMEngine` (pure Python, no vLLM).
 
 vLLM holds the keys/values; this keeps what the engine needs to say about them: each request's
 cache salt (under ``"keep"``, the oldest version that may have computed the prefix it reuses: its

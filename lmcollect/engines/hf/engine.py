@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import DynamicCache
 
-from lmcollect.engines.hf_generate import generate_together
-from lmcollect.engines.kv_batch import LeftPaddedKVCache
+from lmcollect.engines.hf.generate import generate_together
+from lmcollect.engines.hf.kv_batch import LeftPaddedKVCache
 from lmcollect.engines.kv_policy import KVPolicy, PushCost, PushCostMeter, check_kv_policy
 from lmcollect.engines.protocol import (
     EngineClosedError,
@@ -27,7 +27,7 @@ from lmcollect.engines.protocol import (
     refuse_long_prompt,
     refuse_stale_push,
 )
-from lmcollect.engines.running_request import RunningRequest
+from lmcollect.engines.hf.running_request import RunningRequest
 from lmcollect.engines.sampling import eos_token_ids
 from lmcollect.plumbing import forwarded
 from lmcollect.weights.buckets import WeightBuckets
@@ -61,10 +61,10 @@ class TransformersEngine:
 
     1. admit queued requests while fewer than ``max_batch_size`` run;
     2. decode the running batch: one forward pass over each row's last token, with the rows'
-       keys/values left-padded in one cache (:class:`~lmcollect.engines.kv_batch.LeftPaddedKVCache`),
+       keys/values left-padded in one cache (:class:`~lmcollect.engines.hf.kv_batch.LeftPaddedKVCache`),
        an attention mask and each row's own position ids;
     3. prefill each newcomer alone (no padding) and append its keys/values to the batch cache;
-    4. pick every row's next token from its raw logits (:class:`~lmcollect.engines.running_request.RunningRequest`:
+    4. pick every row's next token from its raw logits (:class:`~lmcollect.engines.hf.running_request.RunningRequest`:
        raw log-prob first, then sampling with the request's own generator);
     5. resolve the requests that ended (a stop token, a stop string or ``max_new_tokens``) and
        drop their rows from the cache.

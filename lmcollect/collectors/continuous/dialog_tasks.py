@@ -1,7 +1,7 @@
 """Every dialog as its own asyncio task on a background loop: admit, generate, step the env, record.
 
 :class:`DialogTasks` owns one task per env slot. A slot's task loops: wait for admission
-(:class:`~lmcollect.collectors.turn_flow.TurnFlow`), start a dialog if it has none, build the turn's
+(:class:`~lmcollect.collectors.continuous.turn_flow.TurnFlow`), start a dialog if it has none, build the turn's
 token-exact prompt, submit it to the engine and await the result, step the env (awaited with
 ``astep``, else in a thread pool), stamp the turn's ids and hand it to the flow. No slot waits for
 another. All bookkeeping happens on the loop's thread; other threads reach it through :meth:`call`.
@@ -20,12 +20,12 @@ from typing import Any, TypeVar
 import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
 
-from lmcollect.collectors.batcher import CollectedTurn
-from lmcollect.collectors.engine_turns import prompt_of, request_of, sampling_of, turn_from_result
-from lmcollect.collectors.env_runner import VersionFn, check_turn, env_next, next_observation, record_turn
-from lmcollect.collectors.group_flow import GroupFlow
-from lmcollect.collectors.trajectories import TrajectoryTracker
-from lmcollect.collectors.turn_flow import TurnFlow
+from lmcollect.collectors.shared.batcher import CollectedTurn
+from lmcollect.collectors.continuous.engine_turns import prompt_of, request_of, sampling_of, turn_from_result
+from lmcollect.collectors.lockstep.env_runner import VersionFn, check_turn, env_next, next_observation, record_turn
+from lmcollect.collectors.continuous.group_flow import GroupFlow
+from lmcollect.collectors.shared.trajectories import TrajectoryTracker
+from lmcollect.collectors.continuous.turn_flow import TurnFlow
 from lmcollect.data import keys
 from lmcollect.engines.protocol import EngineProtocol, EngineResult, PromptTooLongError
 from lmcollect.engines.sampling import SamplingConfig

@@ -12,21 +12,21 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from lmcollect.collectors.batcher import Batcher
-from lmcollect.collectors.common import CollectorVersionMixin
-from lmcollect.collectors.config import collection_config, takes_collection_config
-from lmcollect.collectors.env_runner import EnvRunner
-from lmcollect.collectors.group_filter import (
+from lmcollect.collectors.shared.batcher import Batcher
+from lmcollect.collectors.shared.common import CollectorVersionMixin
+from lmcollect.collectors.shared.config import collection_config, takes_collection_config
+from lmcollect.collectors.lockstep.env_runner import EnvRunner
+from lmcollect.collectors.shared.group_filter import (
     GroupTally,
     ReportsSamplingCounts,
     as_dynamic_sampling,
     missing_filter_state,
 )
-from lmcollect.collectors.group_gate import lockstep_gate
-from lmcollect.collectors.runners import AsyncRunners, SyncRunners
-from lmcollect.collectors.rwlock import ReadWriteLock
-from lmcollect.collectors.shell import CollectorShell
-from lmcollect.collectors.state_checks import (
+from lmcollect.collectors.lockstep.group_gate import lockstep_gate
+from lmcollect.collectors.lockstep.runners import AsyncRunners, SyncRunners
+from lmcollect.collectors.lockstep.rwlock import ReadWriteLock
+from lmcollect.collectors.shared.shell import CollectorShell
+from lmcollect.collectors.shared.state_checks import (
     check_counts,
     check_env_states,
     check_observations,
@@ -35,9 +35,9 @@ from lmcollect.collectors.state_checks import (
     check_state_mapping,
     push_version_of,
 )
-from lmcollect.collectors.trajectories import TrajectoryTracker, id_base, random_namespace
-from lmcollect.collectors.versioning import make_policy_version
-from lmcollect.collectors.weights import WeightReceiverMixin
+from lmcollect.collectors.shared.trajectories import TrajectoryTracker, id_base, random_namespace
+from lmcollect.collectors.shared.versioning import make_policy_version
+from lmcollect.collectors.shared.weights import WeightReceiverMixin
 from lmcollect.compat.torchrl import TorchrlEnv, is_torchrl_env
 from lmcollect.engines.protocol import engine_of
 from lmcollect.weight_sync.loader import LoadOptions
@@ -76,7 +76,7 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin, R
         track_policy_version: True (int versions) or a :class:`PolicyVersion`.
         verbose: log progress at INFO level.
         dynamic_sampling: with grouped envs (``repeats=k``), batches of ``dialog_turns_per_batch // k``
-            whole groups that a filter kept, flat (see :mod:`lmcollect.collectors.group_gate`).
+            whole groups that a filter kept, flat (see :mod:`lmcollect.collectors.lockstep.group_gate`).
     """
 
     @takes_collection_config
@@ -158,7 +158,7 @@ class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin, R
     @property
     def weight_lock_timeout_s(self) -> float:
         """Longest a weight load waits for the policy calls under way, or a policy call for a load
-        (default 600 s); past it a :class:`~lmcollect.collectors.rwlock.LockTimeoutError` names this knob."""
+        (default 600 s); past it a :class:`~lmcollect.collectors.lockstep.rwlock.LockTimeoutError` names this knob."""
         return self._policy_lock.timeout_s
 
     @weight_lock_timeout_s.setter

@@ -36,8 +36,8 @@ from lmcollect.engines.protocol import (
     refuse_long_prompt,
     refuse_stale_push,
 )
-from lmcollect.engines.shm_payload import SharedPackSets, shared_memory_available
-from lmcollect.engines.vllm_common import (
+from lmcollect.engines.vllm.shm_payload import SharedPackSets, shared_memory_available
+from lmcollect.engines.vllm.common import (
     INITIAL_VERSION,
     engine_config,
     engine_eos_token_ids,
@@ -46,8 +46,8 @@ from lmcollect.engines.vllm_common import (
     request_sampling_params,
     result_of,
 )
-from lmcollect.engines.vllm_kv import VLLMKVBook
-from lmcollect.engines.vllm_worker_ext import (
+from lmcollect.engines.vllm.kv import VLLMKVBook
+from lmcollect.engines.vllm.worker_ext import (
     COMMIT_STAGED_WEIGHTS,
     DROP_STAGED_WEIGHTS,
     HELD_BASE_WEIGHTS,
@@ -116,7 +116,7 @@ class VLLMEngine(QueuedAndRunning):
         model_path: a local Hugging Face model folder (its safetensors names are what
             ``load_weights`` accepts).
         engine_kwargs: more ``vllm.EngineArgs``, e.g. ``enforce_eager``, ``seed``,
-            ``worker_extension_cls``; our defaults come from :func:`~lmcollect.engines.vllm_common.engine_kwargs_for`.
+            ``worker_extension_cls``; our defaults come from :func:`~lmcollect.engines.vllm.common.engine_kwargs_for`.
         multiprocess: run vLLM's engine core in a process of its own (vLLM's default layout) instead
             of in this one.
         timeout_s: how long start-up and each control call (``pause``, ``load_weights``, a worker
@@ -313,7 +313,7 @@ class VLLMEngine(QueuedAndRunning):
         because the worker keeps the last push's buffers as its base (for LoRA adapters and
         deltas): the next push must not overwrite them, and a refused push must leave them as
         they were. Workers in other processes get the sets in shared memory, which they map once:
-        a push sends only which file and where its buffers start (see :mod:`~lmcollect.engines.shm_payload`);
+        a push sends only which file and where its buffers start (see :mod:`~lmcollect.engines.vllm.shm_payload`);
         an in-process worker gets the buffers themselves."""
         layout = plan_layout(weights)
         target = self._pack_sets[self._spare]
@@ -461,7 +461,7 @@ class VLLMEngine(QueuedAndRunning):
         self._between_steps(lambda: setattr(self._kv, "kv_policy", policy))
 
     def push_costs(self) -> list[PushCost]:
-        """The recent loads' cost: the call, and the recompute each forced (see :mod:`lmcollect.engines.vllm_kv`)."""
+        """The recent loads' cost: the call, and the recompute each forced (see :mod:`lmcollect.engines.vllm.kv`)."""
         return self._kv.costs()
 
     @property

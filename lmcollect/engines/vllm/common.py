@@ -114,7 +114,7 @@ def engine_kwargs_for(model_path: str | Path, engine_kwargs: dict[str, Any] | No
     config = checkpoint_config(model_path)
     kwargs.setdefault("dtype", checkpoint_dtype(model_path, config) or "auto")
     # the workers can then join a vLLMUpdater's process group (a dotted path: no import here)
-    kwargs.setdefault("worker_extension_cls", "lmcollect.engines.vllm_worker_ext.VLLMWeightReceiverExtension")
+    kwargs.setdefault("worker_extension_cls", "lmcollect.engines.vllm.worker_ext.VLLMWeightReceiverExtension")
     if on_cpu():
         _whole_prefills(kwargs, config)
     return kwargs

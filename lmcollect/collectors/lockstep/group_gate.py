@@ -1,7 +1,7 @@
 """Dynamic sampling in the lockstep collector: whole GRPO groups, filtered, a fixed number of kept ones per batch (pure logic).
 
 :class:`GroupGate` takes the place of ``LLMCollector``'s batcher. Its turns wait with their group (``("collector", "group_id")``) until the group's ``k`` dialogs have
-all ended; the complete group goes through the filter (:class:`~lmcollect.collectors.group_filter.GroupTally`);
+all ended; the complete group goes through the filter (:class:`~lmcollect.collectors.shared.group_filter.GroupTally`);
 kept groups wait until ``G = max(1, dialog_turns_per_batch // k)`` of them make a batch, flat, each
 group whole. In lockstep every env element always generates, so nothing needs to be admitted to
 refill: a batch takes as many lockstep steps as it needs kept groups.
@@ -19,7 +19,7 @@ from typing import Any
 
 from tensordict import TensorDictBase
 
-from lmcollect.collectors.group_filter import DynamicSampling, GroupTally
+from lmcollect.collectors.shared.group_filter import DynamicSampling, GroupTally
 from lmcollect.data import keys
 from lmcollect.data.turns import stack_turns
 

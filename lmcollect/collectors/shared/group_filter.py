@@ -6,7 +6,7 @@ dropped; :class:`DynamicSampling` is the collectors' setting (``dynamic_sampling
 one, refills batches with new groups in place of dropped ones, and bounds how long a filter may
 drop everything. :class:`GroupTally` counts groups generated, kept and dropped (by reason) and
 tokens generated vs delivered, per batch and in total (:class:`SamplingCounts`). Pure logic: the
-collectors' group flows (:mod:`~lmcollect.collectors.group_flow`, :mod:`~lmcollect.collectors.group_gate`)
+collectors' group flows (:mod:`~lmcollect.collectors.continuous.group_flow`, :mod:`~lmcollect.collectors.lockstep.group_gate`)
 call it.
 """
 

@@ -1,0 +1,1 @@
+"""The lockstep collector: every env steps together, one policy call per turn (LLMCollector)."""

@@ -1,0 +1,1 @@
+"""What both collectors share: config, batching, versions, weights, groups and checkpoint checks."""

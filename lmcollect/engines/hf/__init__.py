@@ -1,0 +1,1 @@
+"""The transformers backend: continuous batching of our own over a causal LM (TransformersEngine)."""
