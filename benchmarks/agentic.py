@@ -455,7 +455,7 @@ def run_sample(backend: str, mode: str, slots: int, w: Workload) -> Sample:
             if backend == "vllm":
                 policy.engine.close()
     engine, tokenizer, weights = _engine(backend, path, w, slots)
-    from lmcollect.collectors.continuous import ContinuousLLMCollector
+    from lmcollect.collectors.continuous.collector import ContinuousLLMCollector
 
     lagged = mode == "continuous-lag" or "-push" in mode
     if grpo:  # whole groups per batch: about turns_per_batch turns (dialogs of MEAN_TURNS turns)
@@ -525,7 +525,7 @@ def _engine_kwargs(w: Workload) -> dict[str, Any]:
 
 def _sync_policy(backend: str, path: str, w: Workload, stop_ids: list[int]):
     if backend == "vllm":
-        from lmcollect.engines.vllm_engine import VLLMEngine
+        from lmcollect.engines.vllm.engine import VLLMEngine
         from lmcollect.policies.vllm_policy import VLLMPolicy
 
         engine = VLLMEngine(path, engine_kwargs=_engine_kwargs(w), multiprocess=not w.vllm_core_in_process)
@@ -542,7 +542,7 @@ def _engine(backend: str, path: str, w: Workload, slots: int):
     from transformers import AutoTokenizer
 
     if backend == "vllm":
-        from lmcollect.engines.vllm_engine import VLLMEngine
+        from lmcollect.engines.vllm.engine import VLLMEngine
 
         engine = VLLMEngine(path, engine_kwargs=_engine_kwargs(w), multiprocess=not w.vllm_core_in_process)
         return engine, AutoTokenizer.from_pretrained(path), _checkpoint_weights(path)
@@ -568,7 +568,7 @@ async def plain_scheduler(path: str, slots: int, w: Workload) -> Sample:
     from transformers import AutoTokenizer
 
     from lmcollect.engines import EngineRequest
-    from lmcollect.engines.vllm_engine import VLLMEngine
+    from lmcollect.engines.vllm.engine import VLLMEngine
     from lmcollect.policies.prompt_tokens import extend_prefix
 
     engine = VLLMEngine(path, engine_kwargs=_engine_kwargs(w), multiprocess=not w.vllm_core_in_process)

@@ -229,7 +229,7 @@ def bench_vllm(size: str, batch_size: int, sampling: SamplingConfig, reps: int) 
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from lmcollect.engines.vllm_common import sampling_params_kwargs
+    from lmcollect.engines.vllm.common import sampling_params_kwargs
     from lmcollect.policies.vllm_policy import VLLMPolicy
 
     engine_kwargs = {"kv_cache_memory_bytes": 1 << 30, "enforce_eager": True}

@@ -84,7 +84,7 @@ def forward_log_probs(model: torch.nn.Module, prompt: list[int], tokens: list[in
 # ---------------------------------------------------------------------- engines
 def build_engine(kind: str, path: str, model: torch.nn.Module, tokenizer: Any, kv_policy: str) -> Any:
     if kind == "vllm":
-        from lmcollect.engines.vllm_engine import VLLMEngine
+        from lmcollect.engines.vllm.engine import VLLMEngine
 
         return VLLMEngine(path, engine_kwargs=VLLM_KWARGS, kv_policy=kv_policy)
     return TransformersEngine(copy.deepcopy(model), tokenizer, kv_policy=kv_policy)

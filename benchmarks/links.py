@@ -187,7 +187,7 @@ def push_rows(kind: str, rate: int, lr: float, nbytes: int, full_s: list, delta_
 # ---------------------------------------------------------------------- vLLM pushes
 def bench_vllm(cluster: LinkedCluster, rates: list[int], lrs: list[float], reps: int) -> list[dict]:
     """vLLMUpdater (gloo over the link) into a bf16 vLLM engine on the far node: full vs delta."""
-    from lmcollect.engines.vllm_worker_ext import VLLM_EXTENSION
+    from lmcollect.engines.vllm.worker_ext import VLLM_EXTENSION
     from lmcollect.models import ModelSpec, get_model_path
     from lmcollect.policies.vllm_policy import VLLMPolicy
     from lmcollect.ray.vllm_replicas import VLLMReplicas

@@ -8,7 +8,7 @@ prefix-cache reset, version, resume. Alternated with it, in the same process and
   decoding steps: ``param.copy_`` for transformers, vLLM's own ``reload_weights`` in its worker for
   vLLM (the engine's internals, as a baseline must reach them); the write alone is timed;
 - **direct load** (vLLM): the worker's own load of the same tensors (``_lmcollect_reload``: straight
-  into the parameters, then the CPU GEMMs packed again, ``lmcollect/engines/vllm_direct_load.py``),
+  into the parameters, then the CPU GEMMs packed again, ``lmcollect/engines/vllm/direct_load.py``),
   timed the same way: the row "direct load / vLLM's reload_weights" compares the two;
 - **one decoding step**: the engine's time per step for the same 8 requests (a batch of 8 x 64
   tokens, wall time / 64).
@@ -44,7 +44,7 @@ def _engine(backend: str, path: str):
     model, tokenizer = load_model_and_tokenizer(path)
     weights = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     if backend == "vllm":
-        from lmcollect.engines.vllm_engine import VLLMEngine
+        from lmcollect.engines.vllm.engine import VLLMEngine
 
         return VLLMEngine(path, engine_kwargs=ENGINE_KWARGS), tokenizer, weights
     from lmcollect.engines import TransformersEngine

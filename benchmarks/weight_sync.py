@@ -304,7 +304,7 @@ def bench_vllm_push(reps: int, memcpy_gb_s: float) -> list[dict]:
     from lmcollect.transports.process_group import DIRECT_SEND_MIN_BYTES, ProcessGroupConfig
     from lmcollect.weight_sync import PushConfig
     from lmcollect.weight_sync.vllm_updater import vLLMUpdater
-    from lmcollect.engines.vllm_worker_ext import VLLM_EXTENSION
+    from lmcollect.engines.vllm.worker_ext import VLLM_EXTENSION
 
     path = str(get_model_path(ModelSpec(size="medium")))
     trainer = medium_model(path)
@@ -522,7 +522,7 @@ def bench_delta_vllm(lrs: list[float], reps: int, memcpy_gb_s: float) -> list[di
     from lmcollect.weights.delta import DeltaConfig
     from lmcollect.weight_sync import PushConfig
     from lmcollect.weight_sync.vllm_updater import vLLMUpdater
-    from lmcollect.engines.vllm_worker_ext import VLLM_EXTENSION
+    from lmcollect.engines.vllm.worker_ext import VLLM_EXTENSION
 
     path = str(get_model_path(ModelSpec(size="medium")))
     engine_kwargs = {
@@ -721,7 +721,7 @@ def bench_lora_ray(reps: int, memcpy_gb_s: float) -> list[dict]:
 def bench_lora_vllm(reps: int, memcpy_gb_s: float) -> list[dict]:
     """vLLMUpdater, medium fp32 into a vLLM engine actor (gloo for full pushes; an adapter goes in
     the engine's load call and its workers merge it)."""
-    from lmcollect.engines.vllm_worker_ext import VLLM_EXTENSION
+    from lmcollect.engines.vllm.worker_ext import VLLM_EXTENSION
     from lmcollect.models import ModelSpec, get_model_path
     from lmcollect.policies.vllm_policy import VLLMPolicy
     from lmcollect.ray.vllm_replicas import VLLMReplicas

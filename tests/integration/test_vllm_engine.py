@@ -24,7 +24,7 @@ from lmcollect.engines import EngineProtocol, EngineRequest, EngineResult, Worke
 from lmcollect.engines.protocol import PromptTooLongError
 from lmcollect.models import load_model_and_tokenizer
 from lmcollect.engines.sampling import SamplingConfig
-from lmcollect.engines.vllm_common import checkpoint_eos_token_ids
+from lmcollect.engines.vllm.common import checkpoint_eos_token_ids
 from lmcollect.weight_sync import PushConfig, vLLMUpdater
 from tests.engine_contract import CHECKS, EngineCase, generate_greedy, hf_case
 from tests.factories import corrupted_delta, perturbed_model, run_in_thread, sparsely_trained
@@ -32,7 +32,7 @@ from tests.integration.conftest import MAX_NEW_TOKENS, QUESTIONS, chat_batch
 from tests.vllm_hold import held_step
 
 pytest.importorskip("vllm")
-from lmcollect.engines.vllm_engine import VLLMEngine  # noqa: E402
+from lmcollect.engines.vllm.engine import VLLMEngine  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

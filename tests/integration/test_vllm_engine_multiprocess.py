@@ -1,5 +1,5 @@
 """VLLMEngine(multiprocess=True): vLLM's engine core in a process of its own, so a push's bytes go to
-its worker through shared memory (``lmcollect.engines.shm_payload``), not through the RPC.
+its worker through shared memory (``lmcollect.engines.vllm.shm_payload``), not through the RPC.
 
 The engine packs every push into one of two files under ``/dev/shm`` that it keeps from push to
 push (the worker maps each once) and removes when it closes. After a full push the engine answers
@@ -17,14 +17,14 @@ import torch
 
 from lmcollect.engines import EngineRequest, StalePushError
 from lmcollect.engines.sampling import SamplingConfig
-from lmcollect.engines.shm_payload import SHM_DIR
+from lmcollect.engines.vllm.shm_payload import SHM_DIR
 from lmcollect.weights.buckets import pack_buckets, packs_made
 from tests.engine_contract import forward_log_probs, generate_greedy
 from tests.factories import perturbed_model
 from tests.integration.conftest import CPU_ENGINE_KWARGS
 
 pytest.importorskip("vllm")
-from lmcollect.engines.vllm_engine import VLLMEngine  # noqa: E402
+from lmcollect.engines.vllm.engine import VLLMEngine  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

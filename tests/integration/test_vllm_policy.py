@@ -17,13 +17,13 @@ import torch
 from tensordict import TensorDictBase, lazy_stack
 
 from lmcollect.buffers import ReplayBuffer
-from lmcollect.collectors.llm_collector import LLMCollector
+from lmcollect.collectors.lockstep.collector import LLMCollector
 from lmcollect.data import keys
 from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
 from lmcollect.models import ModelSpec, get_model_path, load_model_and_tokenizer
 from lmcollect.policies import TransformersPolicy
-from lmcollect.engines.vllm_common import engine_kwargs_for, on_cpu, sampling_params_kwargs
-from lmcollect.engines.vllm_engine import VLLMEngine
+from lmcollect.engines.vllm.common import engine_kwargs_for, on_cpu, sampling_params_kwargs
+from lmcollect.engines.vllm.engine import VLLMEngine
 from lmcollect.engines.weight_group import GroupPush, join_weight_group
 from lmcollect.policies.vllm_policy import VLLMPolicy
 from lmcollect.engines.sampling import SamplingConfig
@@ -68,7 +68,7 @@ def test_engine_kwargs_defaults_and_errors(tmp_path: Path) -> None:
         "seed": 1,
         "logprobs_mode": "raw_logprobs",
         "dtype": "float32",
-        "worker_extension_cls": "lmcollect.engines.vllm_worker_ext.VLLMWeightReceiverExtension",
+        "worker_extension_cls": "lmcollect.engines.vllm.worker_ext.VLLMWeightReceiverExtension",
         **whole_prefills,
     }
     chunked = engine_kwargs_for(tmp_path, {"enable_chunked_prefill": True})

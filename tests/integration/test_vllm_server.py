@@ -22,11 +22,11 @@ import pytest
 import torch
 from tensordict import TensorDictBase
 
-from lmcollect.collectors.llm_collector import LLMCollector
+from lmcollect.collectors.lockstep.collector import LLMCollector
 from lmcollect.data import keys
 from lmcollect.engines import EngineRequest
 from lmcollect.engines.protocol import PromptTooLongError
-from lmcollect.engines.vllm_common import checkpoint_eos_token_ids
+from lmcollect.engines.vllm.common import checkpoint_eos_token_ids
 from lmcollect.engines.weight_group import GroupPush, join_weight_group
 from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
 from lmcollect.models import ModelSpec, get_model_path, load_model_and_tokenizer

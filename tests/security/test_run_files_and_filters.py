@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from lmcollect.collectors.group_filter import NON_FINITE_REWARDS, UNIFORM_REWARDS, drop_uniform_rewards, keep_mean_reward_in
+from lmcollect.collectors.shared.group_filter import NON_FINITE_REWARDS, UNIFORM_REWARDS, drop_uniform_rewards, keep_mean_reward_in
 
 
 # ---------------------------------------------------------------------- 12: group filters
@@ -37,7 +37,7 @@ def test_a_nan_band_is_refused() -> None:
 CREATE_AND_WAIT = """
 import sys, time
 from pathlib import Path
-import lmcollect.engines.shm_payload as shm
+import lmcollect.engines.vllm.shm_payload as shm
 shm.SHM_DIR = Path(sys.argv[1])
 kept = shm.SharedBufferFile(4096)
 print(kept.path, flush=True)
@@ -51,7 +51,7 @@ def test_pack_files_of_a_killed_engine_are_removed_and_live_ones_kept(tmp_path, 
     import sys
     from pathlib import Path
 
-    import lmcollect.engines.shm_payload as shm
+    import lmcollect.engines.vllm.shm_payload as shm
 
     child = subprocess.Popen([sys.executable, "-c", CREATE_AND_WAIT, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:

@@ -15,7 +15,7 @@ from lmcollect.diagnostics import check_logprobs
 from lmcollect.engines import TransformersEngine
 from lmcollect.engines.kv_policy import PushCostMeter, check_kv_policy, kv_versions_of
 from lmcollect.engines.protocol import EngineRequest, EngineResult
-from lmcollect.engines.vllm_kv import VLLMKVBook
+from lmcollect.engines.vllm.kv import VLLMKVBook
 from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.envs import ChatEnv, SingleTurnTask, arithmetic_dataset
 from lmcollect.testing import ByteTokenizer, ScriptedEngine

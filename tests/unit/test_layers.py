@@ -92,3 +92,18 @@ def test_no_private_name_crosses_a_module() -> None:
         if name.startswith("_")
     ]
     assert not found, "\n".join(found)
+
+
+MAX_FUNCTION_LINES = 60  # docstring included: a longer function is split where its steps are
+
+
+def test_no_function_is_over_sixty_lines() -> None:
+    long = [
+        f"{module}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for path, module in modules()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno is not None
+        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+    assert not long, "split these into named steps:\n" + "\n".join(long)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from lmcollect.engines.shm_payload import (
+from lmcollect.engines.vllm.shm_payload import (
     ALIGN_BYTES,
     SHM_DIR,
     MappedBufferFiles,

@@ -9,7 +9,7 @@ from lmcollect.collectors import LLMCollector
 from lmcollect.data import History, keys
 from lmcollect.data.turns import flatten_turns
 from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
-from lmcollect.engines.hf_generate import response_lengths
+from lmcollect.engines.hf.generate import response_lengths
 from lmcollect.policies import SamplingConfig, TransformersPolicy
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from lmcollect.engines.sampling import SamplingConfig
-from lmcollect.engines.vllm_common import sampling_params_kwargs
+from lmcollect.engines.vllm.common import sampling_params_kwargs
 from lmcollect.testing import ScriptedEngine
 
 

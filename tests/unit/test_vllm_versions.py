@@ -6,7 +6,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from lmcollect.engines.vllm_common import token_versions_of
+from lmcollect.engines.vllm.common import token_versions_of
 
 
 class Span(NamedTuple):
