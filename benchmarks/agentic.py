@@ -455,7 +455,7 @@ def run_sample(backend: str, mode: str, slots: int, w: Workload) -> Sample:
             if backend == "vllm":
                 policy.engine.close()
     engine, tokenizer, weights = _engine(backend, path, w, slots)
-    from lmcollect.collectors.continuous import ContinuousLLMCollector
+    from lmcollect.collectors.continuous.collector import ContinuousLLMCollector
 
     lagged = mode == "continuous-lag" or "-push" in mode
     if grpo:  # whole groups per batch: about turns_per_batch turns (dialogs of MEAN_TURNS turns)

@@ -200,7 +200,7 @@ def summary(samples: list[dict[str, Any]]) -> dict[str, Any]:
     counts = [s["counts"] for s in samples if s["counts"] is not None]
     if counts:
         from lmcollect.collectors import SamplingCounts
-        from lmcollect.collectors.group_filter import total_counts
+        from lmcollect.collectors.shared.group_filter import total_counts
 
         total = total_counts([SamplingCounts.from_state(c) for c in counts])
         assert total is not None, "counts is not empty"

@@ -18,7 +18,7 @@ import pytest
 from benchmarks.soak import account_turns
 from lmcollect.ray import RayReplayBuffer
 from lmcollect.ray.collector import CollectorActorError, RayLLMCollector
-from lmcollect.collectors.trajectories import ID_BLOCK_BITS, RESTART_BITS
+from lmcollect.collectors.shared.trajectories import ID_BLOCK_BITS, RESTART_BITS
 from lmcollect.data import keys
 from tests.faults.fault_factories import GuessingEnv, GuessingPolicy
 

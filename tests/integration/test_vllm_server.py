@@ -22,7 +22,7 @@ import pytest
 import torch
 from tensordict import TensorDictBase
 
-from lmcollect.collectors.llm_collector import LLMCollector
+from lmcollect.collectors.lockstep.collector import LLMCollector
 from lmcollect.data import keys
 from lmcollect.engines import EngineRequest
 from lmcollect.engines.protocol import PromptTooLongError

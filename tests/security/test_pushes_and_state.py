@@ -15,7 +15,7 @@ import torch
 from lmcollect.buffers.replay_buffer import ReplayBuffer
 from lmcollect.cli.rollouts import write_records
 from lmcollect.collectors import LLMCollector
-from lmcollect.collectors.rwlock import LockTimeoutError
+from lmcollect.collectors.lockstep.rwlock import LockTimeoutError
 from lmcollect.files import write_text_atomically
 from lmcollect.weight_sync.local import LocalWeightUpdater
 from lmcollect.weights.version import PushVersion

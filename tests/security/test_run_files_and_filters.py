@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from lmcollect.collectors.group_filter import NON_FINITE_REWARDS, UNIFORM_REWARDS, drop_uniform_rewards, keep_mean_reward_in
+from lmcollect.collectors.shared.group_filter import NON_FINITE_REWARDS, UNIFORM_REWARDS, drop_uniform_rewards, keep_mean_reward_in
 
 
 # ---------------------------------------------------------------------- 12: group filters

@@ -136,7 +136,7 @@ def test_the_demos_compact_calls_parse_render_and_warm_up() -> None:
 def test_an_observation_sets_its_turns_sampling_within_the_collectors() -> None:
     from tensordict import TensorDict
 
-    from lmcollect.collectors.engine_turns import sampling_of
+    from lmcollect.collectors.continuous.engine_turns import sampling_of
     from lmcollect.data import keys
     from lmcollect.policies import SamplingConfig
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from lmcollect.collectors import ContinuousLLMCollector, LLMCollector
-from lmcollect.collectors.batcher import CollectedTurn
-from lmcollect.collectors.turn_flow import TurnFlow
+from lmcollect.collectors.shared.batcher import CollectedTurn
+from lmcollect.collectors.continuous.turn_flow import TurnFlow
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns, leaf_keys, non_tensor_values
 from lmcollect.buffers import ReplayBuffer
@@ -20,7 +20,7 @@ from lmcollect.envs import ChatEnv, SingleTurnTask, arithmetic_dataset
 from lmcollect.envs.tasks.tool_calc import ToolCalcTask, tool_calc_dataset, tool_calc_player
 from lmcollect.policies import SamplingConfig
 from lmcollect.policies.outputs import Generation, answer_prompts
-from lmcollect.collectors.versioning import PolicyVersion
+from lmcollect.collectors.shared.versioning import PolicyVersion
 from lmcollect.weights.delta import WeightDelta
 from lmcollect.weights.version import PushVersion
 from tests.factories import corrupted_delta, run_in_thread

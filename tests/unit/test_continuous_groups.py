@@ -9,8 +9,8 @@ import torch
 
 from lmcollect.buffers import ReplayBuffer
 from lmcollect.collectors import ContinuousLLMCollector
-from lmcollect.collectors.batcher import CollectedTurn
-from lmcollect.collectors.group_flow import GroupFlow
+from lmcollect.collectors.shared.batcher import CollectedTurn
+from lmcollect.collectors.continuous.group_flow import GroupFlow
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns, non_tensor_values
 from lmcollect.envs import PROMPT_ID, ChatEnv, SingleTurnTask, arithmetic_dataset

@@ -12,7 +12,7 @@ from torch import nn
 
 from lmcollect.buffers import ReplayBuffer
 from lmcollect.collectors import LLMCollector
-from lmcollect.collectors.trajectories import TrajectoryTracker, id_base
+from lmcollect.collectors.shared.trajectories import TrajectoryTracker, id_base
 from lmcollect.data import keys
 from lmcollect.data.history import History
 from lmcollect.data.turns import flatten_turns

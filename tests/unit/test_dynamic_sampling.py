@@ -19,9 +19,9 @@ from lmcollect.collectors import (
     drop_uniform_rewards,
     keep_mean_reward_in,
 )
-from lmcollect.collectors.batcher import CollectedTurn
-from lmcollect.collectors.group_filter import STALE, UNIFORM_REWARDS
-from lmcollect.collectors.group_flow import GroupFlow
+from lmcollect.collectors.shared.batcher import CollectedTurn
+from lmcollect.collectors.shared.group_filter import STALE, UNIFORM_REWARDS
+from lmcollect.collectors.continuous.group_flow import GroupFlow
 from lmcollect.data import History, keys
 from lmcollect.data.turns import flatten_turns
 from lmcollect.envs import ChatEnv, SingleTurnTask
