@@ -10,16 +10,16 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
+from lmcollect.collectors.continuous.dialog_tasks import DialogTasks, EngineSide, Slot
+from lmcollect.collectors.continuous.group_flow import GroupFlow
+from lmcollect.collectors.continuous.state import ContinuousStateMixin
+from lmcollect.collectors.continuous.turn_flow import TurnFlow
+from lmcollect.collectors.lockstep.collector import instantiate_env
 from lmcollect.collectors.shared.common import CollectorVersionMixin
 from lmcollect.collectors.shared.config import CollectionConfig, collection_config, takes_collection_config
-from lmcollect.collectors.continuous.state import ContinuousStateMixin
-from lmcollect.collectors.continuous.dialog_tasks import DialogTasks, EngineSide, Slot
 from lmcollect.collectors.shared.group_filter import GroupTally, ReportsSamplingCounts, as_dynamic_sampling
-from lmcollect.collectors.continuous.group_flow import GroupFlow
-from lmcollect.collectors.lockstep.collector import instantiate_env
 from lmcollect.collectors.shared.shell import CollectorShell
 from lmcollect.collectors.shared.trajectories import TrajectoryTracker, id_base, random_namespace
-from lmcollect.collectors.continuous.turn_flow import TurnFlow
 from lmcollect.collectors.shared.versioning import PolicyVersion, make_policy_version
 from lmcollect.collectors.shared.weights import WeightReceiverMixin
 from lmcollect.data.turns import stack_turns

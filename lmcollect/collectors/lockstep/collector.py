@@ -12,19 +12,19 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
+from lmcollect.collectors.lockstep.env_runner import EnvRunner
+from lmcollect.collectors.lockstep.group_gate import lockstep_gate
+from lmcollect.collectors.lockstep.runners import AsyncRunners, SyncRunners
+from lmcollect.collectors.lockstep.rwlock import ReadWriteLock
 from lmcollect.collectors.shared.batcher import Batcher
 from lmcollect.collectors.shared.common import CollectorVersionMixin
 from lmcollect.collectors.shared.config import collection_config, takes_collection_config
-from lmcollect.collectors.lockstep.env_runner import EnvRunner
 from lmcollect.collectors.shared.group_filter import (
     GroupTally,
     ReportsSamplingCounts,
     as_dynamic_sampling,
     missing_filter_state,
 )
-from lmcollect.collectors.lockstep.group_gate import lockstep_gate
-from lmcollect.collectors.lockstep.runners import AsyncRunners, SyncRunners
-from lmcollect.collectors.lockstep.rwlock import ReadWriteLock
 from lmcollect.collectors.shared.shell import CollectorShell
 from lmcollect.collectors.shared.state_checks import (
     check_counts,

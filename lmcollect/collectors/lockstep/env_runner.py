@@ -9,8 +9,8 @@ from dataclasses import KW_ONLY, dataclass, field
 import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
 
-from lmcollect.collectors.shared.batcher import CollectedTurn
 from lmcollect.collectors.lockstep.rwlock import ReadWriteLock
+from lmcollect.collectors.shared.batcher import CollectedTurn
 from lmcollect.collectors.shared.trajectories import TrajectoryTracker
 from lmcollect.data import keys
 from lmcollect.envs.protocol import EnvProtocol
