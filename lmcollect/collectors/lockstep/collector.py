@@ -38,8 +38,8 @@ from lmcollect.collectors.shared.state_checks import (
 from lmcollect.collectors.shared.trajectories import TrajectoryTracker, id_base, random_namespace
 from lmcollect.collectors.shared.versioning import make_policy_version
 from lmcollect.collectors.shared.weights import WeightReceiverMixin
-from lmcollect.compat.torchrl import TorchrlEnv, is_torchrl_env
 from lmcollect.engines.protocol import engine_of
+from lmcollect.envs.registry import as_env
 from lmcollect.weight_sync.loader import LoadOptions
 from lmcollect.weights.version import PushVersion
 
@@ -650,23 +650,11 @@ def _build_envs(env: Any, async_envs: bool) -> list[Any]:
         if hasattr(env, "envs") and hasattr(env, "num_envs"):  # an AsyncEnvPool
             return list(env.envs)
         if isinstance(env, (list, tuple)):
-            return [instantiate_env(e) for e in env]
+            return [as_env(e) for e in env]
         raise TypeError(
             "with async_envs=True, env must be an AsyncEnvPool or a list of envs / env constructors, "
             f"got {type(env).__name__}."
         )
     if isinstance(env, (list, tuple)):
         raise TypeError("a list of envs needs async_envs=True (each env then steps in its own thread).")
-    return [instantiate_env(env)]
-
-
-def instantiate_env(env: Any) -> Any:
-    if isinstance(env, type) or (callable(env) and not hasattr(env, "batch_size")):
-        env = env()  # a constructor
-    if is_torchrl_env(env):  # a torchrl LLM env runs as it is: only its chat histories are translated
-        env = TorchrlEnv(env)
-    if not (hasattr(env, "step") and hasattr(env, "reset") and hasattr(env, "batch_size")):
-        raise TypeError(
-            f"env must follow lmcollect.envs.EnvProtocol (batch_size, reset, step), got {type(env).__name__}."
-        )
-    return env
+    return [as_env(env)]
