@@ -14,9 +14,8 @@ from lmcollect.collectors.continuous.dialog_tasks import DialogTasks, EngineSide
 from lmcollect.collectors.continuous.group_flow import GroupFlow
 from lmcollect.collectors.continuous.state import ContinuousStateMixin
 from lmcollect.collectors.continuous.turn_flow import TurnFlow
-from lmcollect.collectors.shared.common import CollectorVersionMixin
 from lmcollect.collectors.shared.config import CollectionConfig, collection_config, takes_collection_config
-from lmcollect.collectors.shared.group_filter import GroupTally, ReportsSamplingCounts, as_dynamic_sampling
+from lmcollect.collectors.shared.group_filter import GroupTally, as_dynamic_sampling
 from lmcollect.collectors.shared.shell import CollectorShell
 from lmcollect.collectors.shared.trajectories import TrajectoryTracker, id_base, random_namespace
 from lmcollect.collectors.shared.versioning import PolicyVersion, make_policy_version
@@ -33,9 +32,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_DIALOGS_IN_FLIGHT = 8
 
 
-class ContinuousLLMCollector(
-    CollectorShell, CollectorVersionMixin, ContinuousStateMixin, WeightReceiverMixin, ReportsSamplingCounts
-):
+class ContinuousLLMCollector(CollectorShell, ContinuousStateMixin, WeightReceiverMixin):
     """Collects dialog turns with every dialog as its own task: no barrier between dialogs.
 
     Each env slot runs one dialog at a time on a background asyncio loop: build the turn's

@@ -17,11 +17,9 @@ from lmcollect.collectors.lockstep.group_gate import lockstep_gate
 from lmcollect.collectors.lockstep.runners import AsyncRunners, SyncRunners
 from lmcollect.collectors.lockstep.rwlock import ReadWriteLock
 from lmcollect.collectors.shared.batcher import Batcher
-from lmcollect.collectors.shared.common import CollectorVersionMixin
 from lmcollect.collectors.shared.config import collection_config, takes_collection_config
 from lmcollect.collectors.shared.group_filter import (
     GroupTally,
-    ReportsSamplingCounts,
     as_dynamic_sampling,
     missing_filter_state,
 )
@@ -48,7 +46,7 @@ logger = logging.getLogger(__name__)
 Policy = Callable[[TensorDictBase], TensorDictBase]
 
 
-class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin, ReportsSamplingCounts):
+class LLMCollector(CollectorShell, WeightReceiverMixin):
     """Collects dialog turns from chat envs with an LLM policy, in this process.
 
     Iterate over it for batches (a lazy-stacked TensorDict per batch; see ``lmcollect.data.keys``
