@@ -32,6 +32,7 @@ from lmcollect.collectors.shared.state_checks import (
     check_rng,
     check_state_mapping,
     push_version_of,
+    state_of,
 )
 from lmcollect.collectors.shared.trajectories import TrajectoryTracker, id_base, random_namespace
 from lmcollect.collectors.shared.versioning import make_policy_version
@@ -624,11 +625,6 @@ def _group_size(envs: list[Any]) -> int:
 def _rng_of(policy: Any) -> Any:
     rng_state = getattr(policy, "rng_state", None)
     return rng_state() if callable(rng_state) else None
-
-
-def state_of(obj: Any) -> Any:
-    state_dict = getattr(obj, "state_dict", None)
-    return state_dict() if callable(state_dict) else None
 
 
 def _build_policy(policy: Policy | None, policy_factory: Callable[[], Policy] | None) -> Policy:
