@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from lmcollect.cli.configs import Backend, UsageError
-from lmcollect.envs import ChatEnv, PromptDataset, ShippedTask, SingleTurnTask, get_shipped_task
+from lmcollect.envs import ChatEnv, PromptDataset, ShippedTask, SingleTurnTask, get_shipped_task, make_env
+from lmcollect.envs.registry import SHIPPED_ECOSYSTEM
 from lmcollect.models import ModelSpec, get_model_path, load_model_and_tokenizer
 from lmcollect.policies import SamplingConfig, TransformersPolicy
 
@@ -26,8 +27,15 @@ def resolve_model_path(model: str | None) -> Path:
 
 
 def resolve_task(name: str) -> ShippedTask:
+    """``--task``: a shipped task by its name or its env name (``arithmetic`` or ``lmcollect:arithmetic``)."""
+    ecosystem, colon, short = name.rpartition(":")
+    if colon and ecosystem != SHIPPED_ECOSYSTEM:
+        raise UsageError(
+            f"--task {name}: the commands run the shipped tasks ({SHIPPED_ECOSYSTEM}:<task>); an env of another "
+            "library runs through the Python API (lmcollect.envs.make_env, see docs/collectors.md)."
+        )
     try:
-        return get_shipped_task(name)
+        return get_shipped_task(short)
     except ValueError as exc:
         raise UsageError(f"--task: {exc}") from exc
 
@@ -90,15 +98,11 @@ class EnvFactory:
     """Env seed (the collector group reseeds each collector)."""
 
     def __call__(self) -> ChatEnv:
-        task = None if self.task_name is None else get_shipped_task(self.task_name)
-        return ChatEnv(
-            self.rows,
-            task=SingleTurnTask() if task is None else task.make_task(),
-            batch_size=self.num_envs,
-            repeats=self.repeats,
-            max_turns=1 if task is None else task.max_turns,
-            seed=self.seed,
-        )
+        if self.task_name is None:
+            task = SingleTurnTask()
+            return ChatEnv(self.rows, task=task, batch_size=self.num_envs, repeats=self.repeats, seed=self.seed)
+        env_name = f"{SHIPPED_ECOSYSTEM}:{self.task_name}"  # the env registry's name of the shipped task
+        return make_env(env_name, rows=self.rows, batch_size=self.num_envs, repeats=self.repeats, seed=self.seed)
 
 
 def collector_placement(backend: Backend, num_collectors: int) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:

@@ -1,7 +1,8 @@
 """Collectors: run envs against a policy and hand batches of dialog turns to a trainer."""
 
-from lmcollect.collectors.shared.config import CollectionConfig
 from lmcollect.collectors.continuous.collector import ContinuousLLMCollector
+from lmcollect.collectors.lockstep.collector import LLMCollector
+from lmcollect.collectors.shared.config import CollectionConfig
 from lmcollect.collectors.shared.group_filter import (
     DynamicSampling,
     GroupFilter,
@@ -9,7 +10,6 @@ from lmcollect.collectors.shared.group_filter import (
     drop_uniform_rewards,
     keep_mean_reward_in,
 )
-from lmcollect.collectors.lockstep.collector import LLMCollector
 from lmcollect.collectors.shared.versioning import PolicyVersion
 
 __all__ = [

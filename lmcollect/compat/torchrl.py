@@ -4,7 +4,9 @@ Two small adapters, for code that already uses torchrl (tested with torchrl 0.14
 
 * :class:`TorchrlEnv` drives a torchrl LLM env (a ``ChatEnv`` in history mode, with its transforms:
   ``DataLoadingPrimer``, reward parsers, ``StepCounter``, ...) as an lmcollect env. The collectors
-  wrap a torchrl env in it themselves, so ``LLMCollector(torchrl_env, policy=...)`` works as it is.
+  wrap a torchrl env in it themselves (this module registers the ``"torchrl"`` ecosystem in
+  :mod:`lmcollect.envs.registry`), so ``LLMCollector(torchrl_env, policy=...)`` works as it is, and
+  ``"torchrl:GSM8KEnv"`` names the class of ``torchrl.envs.llm`` to build (``make_env(name, **kwargs)``).
   The env runs unchanged: only the chat histories are translated at its edge (torchrl's ``History``
   tensorclass in and out of the env, lmcollect's :class:`~lmcollect.data.History` for the policy),
   and every other entry (rewards and their shapes, ``step_count``, dataset fields) passes as the
@@ -29,6 +31,7 @@ from tensordict import NonTensorStack, TensorDictBase
 from lmcollect.data import keys
 from lmcollect.data.history import ROLES, History
 from lmcollect.data.turns import flatten_turns, non_tensor_values, stack_turns
+from lmcollect.envs.registry import register_ecosystem
 
 LOG_PROBS_FULL = ("log_probs", "full")
 """What torchrl's losses read as the log-probs of the sampling policy: one per token of ``tokens.full``."""
@@ -186,3 +189,21 @@ def to_torchrl_loss_batch(batch: TensorDictBase) -> TensorDictBase:
             turn.set(ADVANTAGE, advantage.float().reshape(1, 1))
         out.append(turn)
     return stack_turns(out)
+
+
+def build_torchrl_env(name: str, **kwargs: Any) -> TorchrlEnv:
+    """``make_env("torchrl:<name>", **kwargs)``: the class ``name`` of ``torchrl.envs.llm`` built with
+    ``kwargs`` (``input_mode="history"``), as an lmcollect env."""
+    try:
+        import torchrl.envs.llm as torchrl_llm_envs  # optional: imported only when a torchrl env is named
+    except ImportError as exc:
+        raise ImportError(f"the env 'torchrl:{name}' needs torchrl; pip install torchrl.") from exc
+    env_class = getattr(torchrl_llm_envs, name, None)
+    if not isinstance(env_class, type):
+        raise ValueError(
+            f"unknown env 'torchrl:{name}': torchrl.envs.llm has no class {name!r} (e.g. 'torchrl:GSM8KEnv')."
+        )
+    return TorchrlEnv(env_class(**kwargs))
+
+
+register_ecosystem("torchrl", recognizes=is_torchrl_env, wrap=TorchrlEnv, build=build_torchrl_env)

@@ -24,14 +24,13 @@ from lmcollect.collectors.collector_worker import (
     ContinuousCollectorWorker,
     WorkerMethods,
 )
-from lmcollect.collectors.shared.config import CollectionConfig, ConfiguredCollector, config_from, field_names
-from lmcollect.collectors.shared.group_filter import SamplingCounts
 from lmcollect.collectors.lockstep.collector import LLMCollector
+from lmcollect.collectors.shared.config import CollectionConfig, ConfiguredCollector, config_from, field_names
 from lmcollect.collectors.shared.weights import HoldsWeightUpdater
-from lmcollect.engines.kv_policy import PushCost
 from lmcollect.plumbing import ShutsDownOnExit
 from lmcollect.ray.carrier import put_weights
 from lmcollect.ray.cluster import actor_options, init_ray, torch_threads_for, with_thread_env
+from lmcollect.ray.forwarding import forward, forward_attribute
 from lmcollect.weights.version import PushVersion
 
 logger = logging.getLogger(__name__)
@@ -351,9 +350,6 @@ class RayLLMCollector(ConfiguredCollector, HoldsWeightUpdater, ShutsDownOnExit):
             self._call("start")
         self._started = True
 
-    def is_running(self) -> bool:
-        return self._call("is_running")
-
     @contextlib.contextmanager
     def pause(self, timeout_s: float = 600.0) -> Iterator[None]:
         """Context manager: the actor collects no turn inside it."""
@@ -400,23 +396,42 @@ class RayLLMCollector(ConfiguredCollector, HoldsWeightUpdater, ShutsDownOnExit):
         if self._shut_down:
             raise RuntimeError(f"{self._name} was shut down; build a new collector to collect again.")
 
-    # ------------------------------------------------------------------ properties
-    @property
-    def policy_version(self) -> int | str | None:
-        return self._call("get_policy_version")
+    # ------------------------------------------------------------------ forwarded to the actor's collector
+    # One line per member: it calls the actor's member of that name and carries the local
+    # collector's signature and docstring (see lmcollect.ray.forwarding). Keep one name per line.
+    is_running = forward(LLMCollector.is_running)
+    get_policy_version = forward(LLMCollector.get_policy_version)
+    increment_version = forward(LLMCollector.increment_version)
+    version_index = forward(LLMCollector.version_index)
+    process_info = forward(WorkerMethods.process_info)
+    push_costs = forward(LLMCollector.push_costs)
+    state_dict = forward(LLMCollector.state_dict)
+    check_state_dict = forward(LLMCollector.check_state_dict)
+    load_state_dict = forward(LLMCollector.load_state_dict)
+    layout = forward(LLMCollector.layout)
+    reset = forward(LLMCollector.reset)
+    getattr_env = forward(LLMCollector.getattr_env)
+    getattr_policy = forward(LLMCollector.getattr_policy)
+    getattr_rb = forward(LLMCollector.getattr_rb)
+    get_model = forward(LLMCollector.get_model)
+    get_policy_model = forward(LLMCollector.get_policy_model)
+    weight_metadata = forward(LLMCollector.weight_metadata)
+    register_scheme_receiver = forward(LLMCollector.register_scheme_receiver)
+    cascade_execute = forward(LLMCollector.cascade_execute)
+    policy_engine_num_replicas = forward(LLMCollector.policy_engine_num_replicas)
+    policy_weight_receiver_nodes = forward(LLMCollector.policy_weight_receiver_nodes)
+    policy_version = forward_attribute(LLMCollector.policy_version)
+    turns_run = forward_attribute(LLMCollector.turns_run)
+    turns_yielded = forward_attribute(LLMCollector.turns_yielded)
+    turns_counted = forward_attribute(LLMCollector.turns_counted)
+    num_buffered_turns = forward_attribute(LLMCollector.num_buffered_turns)
+    sampling_counts = forward_attribute(LLMCollector.sampling_counts)
+    last_batch_counts = forward_attribute(LLMCollector.last_batch_counts)
 
-    def get_policy_version(self) -> int | str | None:
-        return self._call("get_policy_version")
-
-    def increment_version(self) -> None:
-        self._call("increment_version")
-
-    def version_index(self) -> int:
-        """The version as a counter (also for uuid versions; 0 when versions are not tracked)."""
-        return self._call("version_index")
-
+    # ------------------------------------------------------------------ forwarded, with a record kept here (for a restart)
     @property
     def worker_idx(self) -> int | None:
+        """The actor's collector's ``worker_idx``; a restarted actor gets the one set here back."""
         return self._call("get_attribute", "worker_idx")
 
     @worker_idx.setter
@@ -424,80 +439,11 @@ class RayLLMCollector(ConfiguredCollector, HoldsWeightUpdater, ShutsDownOnExit):
         self._call("set_worker_idx", value)
         self._assigned_worker_idx = value
 
-    def process_info(self) -> dict[str, Any]:
-        """The actor's process id, host and Ray node."""
-        return self._call("process_info")
-
-    def push_costs(self) -> list[PushCost]:
-        """The actor's collector's :meth:`~lmcollect.collectors.ContinuousLLMCollector.push_costs`."""
-        return self._call("push_costs")
-
-    @property
-    def turns_run(self) -> int:
-        return self._call("get_attribute", "turns_run")
-
-    @property
-    def turns_yielded(self) -> int:
-        """Turns (batch rows) yielded or written so far."""
-        return self._call("get_attribute", "turns_yielded")
-
-    @property
-    def turns_counted(self) -> int:
-        """Turns run for what was yielded so far: what ``total_dialog_turns`` counts (see ``LLMCollector.turns_counted``)."""
-        return self._call("get_attribute", "turns_counted")
-
-    @property
-    def num_buffered_turns(self) -> int:
-        """Turns run in the actor and not yet counted (see ``LLMCollector.num_buffered_turns``)."""
-        return self._call("get_attribute", "num_buffered_turns")
-
-    @property
-    def sampling_counts(self) -> SamplingCounts | None:
-        """Dynamic sampling's counts in the actor since it began (see ``LLMCollector.sampling_counts``)."""
-        return self._call("get_attribute", "sampling_counts")
-
-    @property
-    def last_batch_counts(self) -> SamplingCounts | None:
-        """The same for the last batch the actor released (with ``sync_iter=False``: perhaps one taken ahead)."""
-        return self._call("get_attribute", "last_batch_counts")
-
-    # ------------------------------------------------------------------ state and attributes
-    def state_dict(self) -> Any:
-        return self._call("state_dict")
-
-    def check_state_dict(self, state_dict: Any, **kwargs: Any) -> None:
-        """Raise ValueError if ``load_state_dict`` would refuse ``state_dict`` (checked in the actor); changes nothing."""
-        self._call("check_state_dict", state_dict, **kwargs)
-
-    def load_state_dict(self, state_dict: Any, **kwargs: Any) -> None:
-        self._call("load_state_dict", state_dict, **kwargs)
-
-    def layout(self) -> dict[str, Any]:
-        """What a state from :meth:`state_dict` only fits (batching and env slots)."""
-        return self._call("layout")
-
     def set_seed(self, seed: int, static_seed: bool = False) -> int:
+        """The actor's collector's ``set_seed``; a restarted actor gets the same seed back."""
         out = self._call("set_seed", seed, static_seed)
         self._seed = (seed, static_seed)
         return out
-
-    def reset(self, index: Any = None, **kwargs: Any) -> None:
-        self._call("reset", index, **kwargs)
-
-    def getattr_env(self, attr: str) -> Any:
-        return self._call("getattr_env", attr)
-
-    def getattr_policy(self, attr: str) -> Any:
-        return self._call("getattr_policy", attr)
-
-    def getattr_rb(self, attr: str) -> Any:
-        return self._call("getattr_rb", attr)
-
-    def get_model(self, model_id: str) -> Any:
-        return self._call("get_model", model_id)
-
-    def get_policy_model(self) -> Any:
-        return self._call("get_policy_model")
 
     # ------------------------------------------------------------------ weights
     def _updater_policy(self) -> Any:
@@ -538,25 +484,6 @@ class RayLLMCollector(ConfiguredCollector, HoldsWeightUpdater, ShutsDownOnExit):
             self.remember_push(ref, version=self._call("receive_weights", ref, **push).version)
         else:
             self._call("receive_weights")
-
-    def weight_metadata(self, model_id: str = "policy") -> tuple[dict, dict]:
-        """name -> (dtype, shape) of the actor's model, and its tied aliases."""
-        return self._call("weight_metadata", model_id)
-
-    def register_scheme_receiver(
-        self, weight_recv_schemes: dict[str, Any], *, synchronize_weights: bool = True
-    ) -> None:
-        self._call("register_scheme_receiver", weight_recv_schemes, synchronize_weights=synchronize_weights)
-
-    def cascade_execute(self, attr_path: str, *args: Any, **kwargs: Any) -> Any:
-        return self._call("cascade_execute", attr_path, *args, **kwargs)
-
-    # ------------------------------------------------------------------ a vLLM policy's engine (vLLMUpdater)
-    def policy_engine_num_replicas(self) -> int:
-        return self._call("policy_engine_num_replicas")
-
-    def policy_weight_receiver_nodes(self) -> list[str | None]:
-        return self._call("policy_weight_receiver_nodes")
 
     def submit_join_weight_group(
         self, connection_info: dict[str, Any], *, ranks_per_replica: int

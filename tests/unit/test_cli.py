@@ -476,3 +476,18 @@ def test_a_lora_learner_trains_only_the_adapter_and_the_wrapped_model_computes_w
 def test_bench_refuses_an_output_the_markdown_table_would_overwrite(capsys) -> None:
     assert "--output results.md names the JSON rows file" in _error(["bench", "--output", "results.md"], capsys)
     assert "use e.g. --output results.json" in _error(["bench", "--output", "results.md"], capsys)
+
+
+def test_task_takes_a_shipped_task_by_its_name_or_its_env_registry_name() -> None:
+    from lmcollect.cli.builders import EnvFactory, resolve_task
+    from lmcollect.cli.configs import UsageError
+    from lmcollect.envs import ChatEnv
+
+    assert resolve_task("arithmetic") is resolve_task("lmcollect:arithmetic")
+    with pytest.raises(UsageError, match="--task torchrl:GSM8KEnv: the commands run the shipped tasks"):
+        resolve_task("torchrl:GSM8KEnv")
+    with pytest.raises(UsageError, match="--task: unknown task 'nope'; shipped tasks: comparison"):
+        resolve_task("lmcollect:nope")
+    rows = resolve_task("guessing").make_rows(4, seed=0)
+    env = EnvFactory(task_name="guessing", rows=rows, num_envs=2, repeats=2, seed=0)()  # built by the registry
+    assert isinstance(env, ChatEnv) and env.config.max_turns == 5 and tuple(env.batch_size) == (2,)

@@ -454,3 +454,46 @@ def test_the_ray_collectors_take_their_local_collectors_arguments_plus_the_ray_o
         RayContinuousLLMCollector(lambda: None, engine=object(), tokenizer=None, dialog_turns_per_batch=2)
     with pytest.raises(TypeError, match="engine_factory must be a callable"):
         RayContinuousLLMCollector(lambda: None, engine_factory=object(), tokenizer=None, dialog_turns_per_batch=2)
+
+
+def test_the_ray_collectors_forwards_carry_the_local_members_signature_and_docstring() -> None:
+    """Each forward line makes a method (or property) calling the actor's member of that name, typed and documented as the local one."""
+    import inspect
+
+    from lmcollect.collectors.collector_worker import WorkerMethods
+    from lmcollect.ray import RayLLMCollector
+    from lmcollect.ray.forwarding import forward, forward_attribute
+
+    forwarded = {
+        name: m for name, m in vars(RayLLMCollector).items() if isinstance(getattr(m, "forwarded_to", None), str)
+    }
+    assert len(forwarded) >= 28  # the spec page's getters, state, seeding, weights metadata... (see ray/collector.py)
+    spec_members = (
+        "as_remote async_shutdown cascade_execute dialog_turns_per_batch get_model get_policy_model get_policy_version "
+        "getattr_env getattr_policy getattr_rb increment_version init_updater is_initialized iterator load_state_dict "
+        "next pause policy_version register_scheme_receiver reset rollout set_seed shutdown start state_dict "
+        "total_dialog_turns weight_updater worker_idx"
+    ).split()  # the members of the spec page of torchrl's RayLLMCollector
+    assert [name for name in spec_members if not hasattr(RayLLMCollector, name)] == []
+    for name, member in forwarded.items():
+        local = inspect.getattr_static(LLMCollector, name, None) or inspect.getattr_static(WorkerMethods, name)
+        assert member.__doc__ == local.__doc__, name
+        if isinstance(local, property):
+            assert isinstance(member, property) and member.fset is None, name
+        else:
+            assert inspect.signature(member) == inspect.signature(local), name
+
+    calls = []
+
+    class Proxy:
+        def _call(self, method: str, *args: object, **kwargs: object) -> object:
+            calls.append((method, args, kwargs))
+            return 7
+
+        reset = forward(LLMCollector.reset)
+        turns_run = forward_attribute(LLMCollector.turns_run)
+
+    assert Proxy().reset([1], seed=3) == 7 and Proxy().turns_run == 7
+    assert calls == [("reset", ([1],), {"seed": 3}), ("get_attribute", ("turns_run",), {})]
+    with pytest.raises(TypeError, match="forward_attribute\\(\\) takes a class's property"):
+        forward_attribute(LLMCollector.reset)

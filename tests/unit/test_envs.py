@@ -446,3 +446,58 @@ def test_turn_limit_warning_and_pickle(caplog):
     env = ChatEnv(ROWS, reward_fn=MathAnswerReward(), batch_size=2, seed=4)
     clone = pickle.loads(pickle.dumps(env))
     assert prompts(clone.reset()) == prompts(env.reset())
+
+
+def test_the_env_registry_builds_shipped_tasks_by_name_and_lists_the_names_when_one_is_unknown() -> None:
+    from lmcollect.envs import ChatEnv, as_env, make_env, register_env, registered_envs
+
+    names = registered_envs()
+    assert {"lmcollect:arithmetic", "lmcollect:comparison", "lmcollect:guessing", "torchrl:*"} <= set(names)
+    env = make_env("lmcollect:guessing", batch_size=2, repeats=2, num_samples=4, seed=1)
+    assert isinstance(env, ChatEnv) and tuple(env.batch_size) == (2,) and env.config.max_turns == 5
+    assert isinstance(as_env("lmcollect:comparison"), ChatEnv)  # a collector's env= takes the name too
+    with pytest.raises(ValueError, match=r"unknown env 'lmcollect:nope'; registered: lmcollect:addition.*register_env"):
+        make_env("lmcollect:nope")
+    with pytest.raises(ValueError, match=r"an env name is 'ecosystem:name'.*got 'arithmetic'"):
+        make_env("arithmetic")
+    with pytest.raises(ValueError, match="registered already; pass replace=True"):
+        register_env("lmcollect:arithmetic", ChatEnv)
+    with pytest.raises(TypeError, match="env must follow lmcollect.envs.EnvProtocol .* or name a registered env"):
+        as_env(object())
+
+
+def test_an_outside_library_registers_its_names_and_its_env_objects_through_one_door() -> None:
+    from lmcollect.envs import as_env, make_env, register_ecosystem, register_env, registered_envs
+    from lmcollect.envs.registry import _ECOSYSTEMS, _FACTORIES
+
+    class ForeignEnv:  # an env of another library: no lmcollect protocol
+        def __init__(self, name: str = "x") -> None:
+            self.name = name
+
+    class Adapter:
+        def __init__(self, env: ForeignEnv) -> None:
+            self.env, self.batch_size = env, torch.Size([1])
+
+        def reset(self, td=None):  # noqa: ANN001, ANN202 (the protocol's shape)
+            raise NotImplementedError
+
+        def step(self, td):  # noqa: ANN001, ANN202
+            raise NotImplementedError
+
+    try:
+        register_ecosystem("foreign", recognizes=lambda e: isinstance(e, ForeignEnv), wrap=Adapter,
+                           build=lambda name, **kw: Adapter(ForeignEnv(name)))  # fmt: skip
+        register_env("foreign:fixed", lambda **kw: Adapter(ForeignEnv("fixed")))
+        assert {"foreign:*", "foreign:fixed"} <= set(registered_envs())
+        assert make_env("foreign:fixed").env.name == "fixed"  # a registered name first
+        assert make_env("foreign:any_other").env.name == "any_other"  # then the ecosystem's builder
+        wrapped = as_env(ForeignEnv("obj"))  # an object the adapter recognizes
+        assert isinstance(wrapped, Adapter) and wrapped.env.name == "obj"
+        assert isinstance(as_env(lambda: ForeignEnv("made")), Adapter)  # a constructor, then wrapped
+    finally:
+        _ECOSYSTEMS.pop("foreign", None)
+        _FACTORIES.pop("foreign:fixed", None)
+    with pytest.raises(ValueError, match="unknown env 'foreign:fixed'"):
+        make_env("foreign:fixed")
+    with pytest.raises(TypeError, match="pass recognizes and wrap together"):
+        register_ecosystem("half", recognizes=lambda e: True)

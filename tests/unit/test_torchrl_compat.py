@@ -11,7 +11,7 @@ import torch
 
 from lmcollect.buffers import ReplayBuffer
 from lmcollect.collectors import LLMCollector
-from lmcollect.collectors.lockstep.env_runner import next_observation
+from lmcollect.collectors.shared.turn_record import next_observation
 from lmcollect.compat.torchrl import LOG_PROBS_FULL, TorchrlEnv, is_torchrl_env, to_torchrl_loss_batch
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns

@@ -10,22 +10,21 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from lmcollect.collectors.shared.common import CollectorVersionMixin
-from lmcollect.collectors.shared.config import CollectionConfig, collection_config, takes_collection_config
-from lmcollect.collectors.continuous.state import ContinuousStateMixin
 from lmcollect.collectors.continuous.dialog_tasks import DialogTasks, EngineSide, Slot
-from lmcollect.collectors.shared.group_filter import GroupTally, ReportsSamplingCounts, as_dynamic_sampling
 from lmcollect.collectors.continuous.group_flow import GroupFlow
-from lmcollect.collectors.lockstep.collector import instantiate_env
+from lmcollect.collectors.continuous.state import ContinuousStateMixin
+from lmcollect.collectors.continuous.turn_flow import TurnFlow
+from lmcollect.collectors.shared.config import CollectionConfig, collection_config, takes_collection_config
+from lmcollect.collectors.shared.group_filter import GroupTally, as_dynamic_sampling
 from lmcollect.collectors.shared.shell import CollectorShell
 from lmcollect.collectors.shared.trajectories import TrajectoryTracker, id_base, random_namespace
-from lmcollect.collectors.continuous.turn_flow import TurnFlow
 from lmcollect.collectors.shared.versioning import PolicyVersion, make_policy_version
 from lmcollect.collectors.shared.weights import WeightReceiverMixin
 from lmcollect.data.turns import stack_turns
 from lmcollect.engines.kv_policy import KVPolicy, configure_kv_policy
 from lmcollect.engines.protocol import EngineProtocol
 from lmcollect.engines.sampling import SamplingConfig
+from lmcollect.envs.registry import as_env
 from lmcollect.plumbing import forwarded
 
 logger = logging.getLogger(__name__)
@@ -33,9 +32,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_DIALOGS_IN_FLIGHT = 8
 
 
-class ContinuousLLMCollector(
-    CollectorShell, CollectorVersionMixin, ContinuousStateMixin, WeightReceiverMixin, ReportsSamplingCounts
-):
+class ContinuousLLMCollector(CollectorShell, ContinuousStateMixin, WeightReceiverMixin):
     """Collects dialog turns with every dialog as its own task: no barrier between dialogs.
 
     Each env slot runs one dialog at a time on a background asyncio loop: build the turn's
@@ -411,7 +408,7 @@ def _check_optional_int(name: str, value: Any, *, minimum: int, hint: str) -> No
 def _build_slot_envs(env: Any, max_dialogs_in_flight: int | None) -> tuple[list[Any], list[Slot]]:
     """The envs (as given or built) and one slot per dialog run at once (an env's elements: a slot each)."""
     if isinstance(env, (list, tuple)):
-        envs = [instantiate_env(e) for e in env]
+        envs = [as_env(e) for e in env]
         slots = _slots_of(envs)
         if max_dialogs_in_flight is not None and max_dialogs_in_flight != len(slots):
             raise ValueError(
@@ -420,14 +417,14 @@ def _build_slot_envs(env: Any, max_dialogs_in_flight: int | None) -> tuple[list[
             )
     elif callable(env) and not hasattr(env, "batch_size"):
         wanted = max_dialogs_in_flight or DEFAULT_DIALOGS_IN_FLIGHT
-        envs = [instantiate_env(env)]
+        envs = [as_env(env)]
         size = _env_size(envs[0])
         if wanted % size:
             raise ValueError(
                 f"the env has batch_size {size} (one slot per element) but max_dialogs_in_flight={wanted} is not "
                 f"a multiple of it; pass max_dialogs_in_flight={size * max(1, round(wanted / size))}."
             )
-        envs += [instantiate_env(env) for _ in range(wanted // size - 1)]
+        envs += [as_env(env) for _ in range(wanted // size - 1)]
         slots = _slots_of(envs)
     else:
         raise TypeError(

@@ -20,12 +20,12 @@ from typing import Any, TypeVar
 import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
 
-from lmcollect.collectors.shared.batcher import CollectedTurn
 from lmcollect.collectors.continuous.engine_turns import prompt_of, request_of, sampling_of, turn_from_result
-from lmcollect.collectors.lockstep.env_runner import VersionFn, check_turn, env_next, next_observation, record_turn
 from lmcollect.collectors.continuous.group_flow import GroupFlow
-from lmcollect.collectors.shared.trajectories import TrajectoryTracker
 from lmcollect.collectors.continuous.turn_flow import TurnFlow
+from lmcollect.collectors.shared.batcher import CollectedTurn
+from lmcollect.collectors.shared.trajectories import TrajectoryTracker
+from lmcollect.collectors.shared.turn_record import VersionFn, check_turn, env_next, next_observation, record_turn
 from lmcollect.data import keys
 from lmcollect.engines.protocol import EngineProtocol, EngineResult, PromptTooLongError
 from lmcollect.engines.sampling import SamplingConfig

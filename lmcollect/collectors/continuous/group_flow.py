@@ -35,24 +35,14 @@ kept group whose deadline has passed (``version + L`` below the collector's vers
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
 
 from tensordict import TensorDictBase
 
+from lmcollect.collectors.continuous.turn_flow import deadlines_met, lag_admits
 from lmcollect.collectors.shared.batcher import CollectedTurn, turn_from_state, turn_state
 from lmcollect.collectors.shared.group_filter import DynamicSampling, GroupTally, missing_filter_state
-from lmcollect.collectors.continuous.turn_flow import deadlines_met, lag_admits, take_oldest
+from lmcollect.collectors.shared.groups import HeldGroup, HeldGroups
 from lmcollect.data.turns import stack_turns
-
-
-@dataclass
-class _Group:
-    """A group under way: its admission version, the dialogs it waits for and its turns so far."""
-
-    version: int
-    expected: int
-    done: int = 0
-    turns: list[CollectedTurn] = field(default_factory=list)
 
 
 class GroupFlow:
@@ -87,9 +77,16 @@ class GroupFlow:
         base_version: int = 0,
         sampling: DynamicSampling | None = None,
     ) -> None:
+        self.groups: HeldGroups[CollectedTurn] = HeldGroups(
+            group_size=group_size,
+            turns_per_batch=turns_per_batch,
+            sampling=sampling,
+            td_of=lambda turn: turn.td,
+            traj_id_of=lambda turn: turn.traj_id,
+        )
         self.group_size = group_size
         self.turns_per_batch = turns_per_batch
-        self.groups_per_batch = max(1, turns_per_batch // group_size)
+        self.groups_per_batch = self.groups.groups_per_batch
         self.capacity = capacity
         self.max_policy_lag = max_policy_lag
         self.max_turns = max_turns
@@ -100,16 +97,17 @@ class GroupFlow:
         self.num_batches = 0
         self.num_dialogs_running = 0
         self.num_dialogs_started = 0
-        self._open: dict[int, _Group] = {}  # group id -> group under way
-        self._finished: list[tuple[int, int, list[CollectedTurn]]] = []  # (admission version, seq, turns)
-        self._seq = 0
         self._num_in_flight = 0  # turns (read from other threads: an int)
         self._slot_group: dict[int, int] = {}  # slot -> the group its current dialog answers
         self._missing: Counter[int] = Counter()  # groups not admitted yet -> dialogs cut before they began
-        self.tally = None if sampling is None else GroupTally(sampling)
         self.oversample = 0 if sampling is None else sampling.oversample_groups
 
     # ------------------------------------------------------------------ counts
+    @property
+    def tally(self) -> GroupTally | None:
+        """Dynamic sampling's filter and counts (None without it)."""
+        return self.groups.tally
+
     @property
     def num_in_flight(self) -> int:
         """Turns started and not finished."""
@@ -118,8 +116,7 @@ class GroupFlow:
     @property
     def num_buffered_turns(self) -> int:
         """Finished turns not consumed: those of complete groups and those held for groups under way."""
-        held = sum(len(g.turns) for g in self._open.values())
-        return held + sum(len(turns) for _, _, turns in self._finished)
+        return self.groups.num_held_turns
 
     @property
     def num_counted(self) -> int:
@@ -129,7 +126,7 @@ class GroupFlow:
     @property
     def num_groups_open(self) -> int:
         """Groups admitted and not complete."""
-        return len(self._open)
+        return len(self.groups.open)
 
     def budget_left(self) -> bool:
         """Whether a group may still be admitted: turns run count, as torchrl counts ``total_dialog_turns``."""
@@ -143,11 +140,11 @@ class GroupFlow:
         self._slot_group[slot] = group
 
     def may_start(self, *, new_dialog: bool, version_index: int, group: int | None = None) -> bool:
-        if group in self._open or not new_dialog:
+        if group in self.groups.open or not new_dialog:
             return True  # a group under way always completes
         if not self.budget_left() or (self.tally is not None and self.tally.failure is not None):
             return False
-        if len(self._open) + len(self._finished) >= self.capacity + self.oversample:
+        if len(self.groups.open) + len(self.groups.kept) >= self.capacity + self.oversample:
             return False
         return self._lag_admits(version_index)
 
@@ -160,7 +157,7 @@ class GroupFlow:
             self.max_policy_lag is not None
             and self.budget_left()
             and not self._num_in_flight
-            and not self._open
+            and not self.groups.open
             and not self.ready(version_index)
             and not self._lag_admits(version_index)
         )
@@ -170,11 +167,11 @@ class GroupFlow:
             raise ValueError("GroupFlow.start_turn needs the turn's group")
         if self.num_dialogs_started == 0 and self.num_batches == 0:
             self.base_version = version_index  # as TurnFlow: versions pushed before collection do not count
-        if group not in self._open:
+        if group not in self.groups.open:
             expected = self.group_size - self._missing.pop(group, 0)
-            self._open[group] = _Group(version=version_index, expected=max(1, expected))
+            self.groups.open[group] = HeldGroup(version=version_index, expected=max(1, expected))
             self.num_started += 1
-            self.num_turns_counted += self._open[group].expected
+            self.num_turns_counted += self.groups.open[group].expected
         if not new_dialog:
             self.num_turns_counted += 1
         self._num_in_flight += 1
@@ -190,14 +187,10 @@ class GroupFlow:
 
     def finish_turn(self, version_index: int, turn: CollectedTurn) -> None:
         self._num_in_flight -= 1
-        if self.tally is not None:
-            self.tally.generated(turn.td)
         group = self._slot_group[turn.slot]
-        held = self._open[group]
-        held.turns.append(turn)
+        self.groups.add(group, turn, ended=turn.done)
         if turn.done:
             self.num_dialogs_running -= 1
-            held.done += 1
             del self._slot_group[turn.slot]
             self._complete_if_done(group)
 
@@ -206,7 +199,7 @@ class GroupFlow:
         group = self._slot_group.pop(slot, None)
         if group is None:
             return 0
-        held = self._open.get(group)
+        held = self.groups.open.get(group)
         if held is None:  # its group was not admitted yet: it will wait for one dialog fewer
             self._missing[group] += 1
             return 0
@@ -218,79 +211,51 @@ class GroupFlow:
         return dropped
 
     def _complete_if_done(self, group: int) -> None:
-        held = self._open[group]
-        if held.done < held.expected:
-            return
-        del self._open[group]
-        if not held.turns:
-            return
-        if self.tally is not None and self.tally.judge([(t.traj_id, t.td) for t in held.turns]) is not None:
+        dropped = self.groups.close_if_complete(group)
+        if dropped is not None:
             self.num_started -= 1  # dropped: it frees its admission place, a refill takes it
-            self.num_turns_counted -= len(held.turns)  # the budget counts delivered turns (drops: sampling counts)
-            return
-        self._finished.append((held.version, self._seq, held.turns))
-        self._seq += 1
+            self.num_turns_counted -= len(dropped)  # the budget counts delivered turns (drops: sampling counts)
 
     # ------------------------------------------------------------------ release
     def ready(self, version_index: int) -> bool:
         """Whether a batch may leave now (dynamic sampling: drops stale groups first, and raises once
         the filter has dropped too many groups in a row)."""
-        if self.tally is not None:
-            self.tally.raise_if_failed()
-            self._drop_stale(version_index)
-        if len(self._finished) < self.groups_per_batch:
+        if self.tally is not None and self.max_policy_lag is not None:
+            for turns in self.groups.drop_stale(version_index, self.max_policy_lag):
+                self.num_started -= 1  # its place goes to a refill, as a filtered group's does
+                self.num_turns_counted -= len(turns)
+        if not self.groups.batch_ready():
             return False
-        if self.max_policy_lag is None or not self._open:
+        if self.max_policy_lag is None or not self.groups.open:
             return True
-        ordered = sorted(self._finished, key=lambda item: item[:2])
-        left = [v for v, _, _ in ordered[self.groups_per_batch :]] + [g.version for g in self._open.values()]
+        ordered = sorted(self.groups.kept, key=lambda item: item[:2])
+        left = [v for v, _, _ in ordered[self.groups_per_batch :]] + [g.version for g in self.groups.open.values()]
         return deadlines_met(left, version_index, self.max_policy_lag, self.groups_per_batch, spare=self.oversample)
-
-    def _drop_stale(self, version_index: int) -> None:
-        """Drop the kept groups that a batch released now could no longer take (over-sampled ones)."""
-        if self.max_policy_lag is None or self.tally is None:
-            return
-        lag = self.max_policy_lag
-        stale = [item for item in self._finished if item[0] + lag < version_index]
-        if not stale:
-            return
-        self._finished = [item for item in self._finished if item[0] + lag >= version_index]
-        for _, _, turns in stale:
-            self.tally.drop_stale()
-            self.num_started -= 1  # its place goes to a refill, as a filtered group's does
-            self.num_turns_counted -= len(turns)
 
     def pop(self, version_index: int) -> TensorDictBase:
         """The next batch: ``G`` whole groups, oldest admission first (call only when :meth:`ready`)."""
         assert self.ready(version_index), "pop() called before a batch was ready"
-        # groups in completion order, each group's turns in finish order
-        taken, self._finished = take_oldest(self._finished, self.groups_per_batch)
-        tds = [turn.td for _, _, turns in taken for turn in turns]
+        tds = self.groups.take_batch()
         self.num_consumed += len(tds)
         self.num_batches += 1
-        if self.tally is not None:
-            self.tally.delivered(tds, num_groups=len(taken), batch=True)
         return stack_turns(tds)
 
     def exhausted(self) -> bool:
         """The group budget is spent and nothing more can ever make a batch."""
-        if self.budget_left() or self._num_in_flight or self._open:
+        if self.budget_left() or self._num_in_flight or self.groups.open:
             return False
-        return len(self._finished) < self.groups_per_batch
+        return len(self.groups.kept) < self.groups_per_batch
 
     def drain(self) -> TensorDictBase | None:
         """Every complete group not consumed yet, consumed now (completion order)."""
-        tds = [turn.td for _, _, turns in sorted(self._finished, key=lambda item: item[1]) for turn in turns]
-        if self.tally is not None:
-            self.tally.delivered(tds, num_groups=len(self._finished), batch=False)
-        self._finished = []
+        tds = self.groups.take_all()
         self.num_consumed += len(tds)
         return stack_turns(tds) if tds else None
 
     def drain_incomplete(self) -> TensorDictBase | None:
         """The turns held for groups under way (at shutdown: their other dialogs will never run)."""
-        tds = [turn.td for held in self._open.values() for turn in held.turns]
-        self._open.clear()
+        tds = [turn.td for held in self.groups.open.values() for turn in held.turns]
+        self.groups.open.clear()
         self._slot_group.clear()
         self.num_consumed += len(tds)
         return stack_turns(tds) if tds else None
@@ -302,7 +267,7 @@ class GroupFlow:
         return {
             **{k: getattr(self, k) for k in _COUNTERS},
             "num_turns_counted": self.num_turns_counted,
-            "finished": [{"version": v, "turns": [turn_state(t) for t in turns]} for v, _, turns in self._finished],
+            "finished": [{"version": v, "turns": [turn_state(t) for t in turns]} for v, _, turns in self.groups.kept],
             "open": {
                 str(g): {
                     "version": h.version,
@@ -310,7 +275,7 @@ class GroupFlow:
                     "done": h.done,
                     "turns": [turn_state(t) for t in h.turns],
                 }
-                for g, h in self._open.items()
+                for g, h in self.groups.open.items()
             },
             "slot_group": {str(s): g for s, g in self._slot_group.items()},
             "missing": {str(g): n for g, n in self._missing.items()},
@@ -322,19 +287,24 @@ class GroupFlow:
         self._parsed_state(state)
 
     def load_state_dict(self, state: dict) -> None:
-        counters, finished, self._open, self._slot_group, self._missing = self._parsed_state(state)
+        counters, finished, self.groups.open, self._slot_group, self._missing = self._parsed_state(state)
         if self.tally is not None:
             self.tally.load_state_dict(state["sampling"])
         for name, value in counters.items():
             setattr(self, name, value)
-        self._finished = []
+        self.groups.kept = []
         for version, turns in finished:
-            self._finished.append((version, self._seq, turns))
-            self._seq += 1
+            self.groups.keep(version, turns)
 
     def _parsed_state(
         self, state: dict
-    ) -> tuple[dict[str, int], list[tuple[int, list[CollectedTurn]]], dict[int, _Group], dict[int, int], Counter[int]]:
+    ) -> tuple[
+        dict[str, int],
+        list[tuple[int, list[CollectedTurn]]],
+        dict[int, HeldGroup[CollectedTurn]],
+        dict[int, int],
+        Counter[int],
+    ]:
         """Every field of ``state``, checked and converted, before anything changes."""
         if "open" not in state:
             raise ValueError(
@@ -347,7 +317,7 @@ class GroupFlow:
         counters["num_turns_counted"] = int(state.get("num_turns_counted", counters["num_started"] * self.group_size))
         finished = [(int(item["version"]), [turn_from_state(t) for t in item["turns"]]) for item in state["finished"]]
         open_groups = {
-            int(g): _Group(
+            int(g): HeldGroup(
                 int(h["version"]), int(h["expected"]), int(h["done"]), [turn_from_state(t) for t in h["turns"]]
             )
             for g, h in state["open"].items()

@@ -9,20 +9,20 @@ from typing import TYPE_CHECKING, Any
 
 from tensordict import TensorDictBase
 
-from lmcollect.collectors.shared.config import CollectionConfig
 from lmcollect.collectors.continuous.dialog_tasks import DialogTasks
-from lmcollect.collectors.shared.group_filter import missing_filter_state
 from lmcollect.collectors.continuous.group_flow import GroupFlow
-from lmcollect.collectors.lockstep.collector import state_of
+from lmcollect.collectors.continuous.turn_flow import TurnFlow
+from lmcollect.collectors.shared.config import CollectionConfig
+from lmcollect.collectors.shared.group_filter import missing_filter_state
 from lmcollect.collectors.shared.state_checks import (
     check_counts,
     check_env_states,
     check_parts,
     check_state_mapping,
     push_version_of,
+    state_of,
 )
 from lmcollect.collectors.shared.trajectories import TrajectoryTracker
-from lmcollect.collectors.continuous.turn_flow import TurnFlow
 from lmcollect.collectors.shared.versioning import PolicyVersion
 from lmcollect.weight_sync.loader import LoadOptions, WeightLoader
 

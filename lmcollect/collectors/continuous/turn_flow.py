@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 from tensordict import TensorDictBase
 
 from lmcollect.collectors.shared.batcher import Batcher, BatchMode, CollectedTurn, turn_from_state
+from lmcollect.collectors.shared.groups import take_oldest
 from lmcollect.data.turns import stack_turns
 
 if TYPE_CHECKING:
@@ -302,15 +303,6 @@ class TurnFlow:
 
 
 _COUNTERS = ("base_version", "num_started", "num_consumed", "num_batches")
-
-
-def take_oldest(finished: list[tuple], count: int) -> tuple[list[tuple], list[tuple]]:
-    """Of ``(version, seq, item)`` entries: the ``count`` oldest by version (ties: lowest seq first),
-    in seq (finish) order, and the rest."""
-    taken = sorted(finished, key=lambda entry: entry[:2])[:count]
-    chosen = {id(entry) for entry in taken}
-    rest = [entry for entry in finished if id(entry) not in chosen]
-    return sorted(taken, key=lambda entry: entry[1]), rest
 
 
 def lag_admits(flow: TurnFlow | GroupFlow, version_index: int, per_batch: int, extra: int = 0) -> bool:

@@ -12,19 +12,17 @@ from typing import Any
 import torch
 from tensordict import TensorDictBase
 
-from lmcollect.collectors.shared.batcher import Batcher
-from lmcollect.collectors.shared.common import CollectorVersionMixin
-from lmcollect.collectors.shared.config import collection_config, takes_collection_config
 from lmcollect.collectors.lockstep.env_runner import EnvRunner
-from lmcollect.collectors.shared.group_filter import (
-    GroupTally,
-    ReportsSamplingCounts,
-    as_dynamic_sampling,
-    missing_filter_state,
-)
 from lmcollect.collectors.lockstep.group_gate import lockstep_gate
 from lmcollect.collectors.lockstep.runners import AsyncRunners, SyncRunners
 from lmcollect.collectors.lockstep.rwlock import ReadWriteLock
+from lmcollect.collectors.shared.batcher import Batcher
+from lmcollect.collectors.shared.config import collection_config, takes_collection_config
+from lmcollect.collectors.shared.group_filter import (
+    GroupTally,
+    as_dynamic_sampling,
+    missing_filter_state,
+)
 from lmcollect.collectors.shared.shell import CollectorShell
 from lmcollect.collectors.shared.state_checks import (
     check_counts,
@@ -34,12 +32,13 @@ from lmcollect.collectors.shared.state_checks import (
     check_rng,
     check_state_mapping,
     push_version_of,
+    state_of,
 )
 from lmcollect.collectors.shared.trajectories import TrajectoryTracker, id_base, random_namespace
 from lmcollect.collectors.shared.versioning import make_policy_version
 from lmcollect.collectors.shared.weights import WeightReceiverMixin
-from lmcollect.compat.torchrl import TorchrlEnv, is_torchrl_env
 from lmcollect.engines.protocol import engine_of
+from lmcollect.envs.registry import as_env
 from lmcollect.weight_sync.loader import LoadOptions
 from lmcollect.weights.version import PushVersion
 
@@ -48,7 +47,7 @@ logger = logging.getLogger(__name__)
 Policy = Callable[[TensorDictBase], TensorDictBase]
 
 
-class LLMCollector(CollectorShell, CollectorVersionMixin, WeightReceiverMixin, ReportsSamplingCounts):
+class LLMCollector(CollectorShell, WeightReceiverMixin):
     """Collects dialog turns from chat envs with an LLM policy, in this process.
 
     Iterate over it for batches (a lazy-stacked TensorDict per batch; see ``lmcollect.data.keys``
@@ -628,11 +627,6 @@ def _rng_of(policy: Any) -> Any:
     return rng_state() if callable(rng_state) else None
 
 
-def state_of(obj: Any) -> Any:
-    state_dict = getattr(obj, "state_dict", None)
-    return state_dict() if callable(state_dict) else None
-
-
 def _build_policy(policy: Policy | None, policy_factory: Callable[[], Policy] | None) -> Policy:
     if policy is not None and policy_factory is not None:
         raise TypeError("pass either policy or policy_factory, not both.")
@@ -650,23 +644,11 @@ def _build_envs(env: Any, async_envs: bool) -> list[Any]:
         if hasattr(env, "envs") and hasattr(env, "num_envs"):  # an AsyncEnvPool
             return list(env.envs)
         if isinstance(env, (list, tuple)):
-            return [instantiate_env(e) for e in env]
+            return [as_env(e) for e in env]
         raise TypeError(
             "with async_envs=True, env must be an AsyncEnvPool or a list of envs / env constructors, "
             f"got {type(env).__name__}."
         )
     if isinstance(env, (list, tuple)):
         raise TypeError("a list of envs needs async_envs=True (each env then steps in its own thread).")
-    return [instantiate_env(env)]
-
-
-def instantiate_env(env: Any) -> Any:
-    if isinstance(env, type) or (callable(env) and not hasattr(env, "batch_size")):
-        env = env()  # a constructor
-    if is_torchrl_env(env):  # a torchrl LLM env runs as it is: only its chat histories are translated
-        env = TorchrlEnv(env)
-    if not (hasattr(env, "step") and hasattr(env, "reset") and hasattr(env, "batch_size")):
-        raise TypeError(
-            f"env must follow lmcollect.envs.EnvProtocol (batch_size, reset, step), got {type(env).__name__}."
-        )
-    return env
+    return [as_env(env)]

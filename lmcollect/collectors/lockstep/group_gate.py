@@ -1,10 +1,12 @@
 """Dynamic sampling in the lockstep collector: whole GRPO groups, filtered, a fixed number of kept ones per batch (pure logic).
 
-:class:`GroupGate` takes the place of ``LLMCollector``'s batcher. Its turns wait with their group (``("collector", "group_id")``) until the group's ``k`` dialogs have
-all ended; the complete group goes through the filter (:class:`~lmcollect.collectors.shared.group_filter.GroupTally`);
-kept groups wait until ``G = max(1, dialog_turns_per_batch // k)`` of them make a batch, flat, each
-group whole. In lockstep every env element always generates, so nothing needs to be admitted to
-refill: a batch takes as many lockstep steps as it needs kept groups.
+:class:`GroupGate` takes the place of ``LLMCollector``'s batcher. Its turns wait with their group
+(``("collector", "group_id")``) in :class:`~lmcollect.collectors.shared.groups.HeldGroups` until the
+group's ``k`` dialogs have all ended; the complete group goes through the filter; kept groups wait
+until ``G = max(1, dialog_turns_per_batch // k)`` of them make a batch, flat, each group whole, in
+completion order (every group is opened under version 0). In lockstep every env element always
+generates, so nothing needs to be admitted to refill: a batch takes as many lockstep steps as it
+needs kept groups.
 
 A ``reset()`` cuts the dialogs under way: the gate then drops every group not complete, and turns
 of those groups that still arrive (from slots not reset) are dropped with them.
@@ -13,13 +15,13 @@ of those groups that still arrive (from slots not reset) are dropped with them.
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
 from tensordict import TensorDictBase
 
 from lmcollect.collectors.shared.group_filter import DynamicSampling, GroupTally
+from lmcollect.collectors.shared.groups import HeldGroup, HeldGroups
 from lmcollect.data import keys
 from lmcollect.data.turns import stack_turns
 
@@ -36,73 +38,77 @@ class GroupGate:
     """
 
     def __init__(self, sampling: DynamicSampling, *, group_size: int, turns_per_batch: int) -> None:
-        self.group_size = group_size
-        self.groups_per_batch = max(1, turns_per_batch // group_size)
-        self.tally = GroupTally(sampling)
-        self._open: dict[int, list[TensorDictBase]] = {}  # group id -> its turns so far
-        self._ended: Counter[int] = Counter()  # group id -> dialogs ended
-        self._kept: list[list[TensorDictBase]] = []  # kept groups waiting for a batch, in completion order
+        self.groups: HeldGroups[TensorDictBase] = HeldGroups(
+            group_size=group_size,
+            turns_per_batch=turns_per_batch,
+            sampling=sampling,
+            td_of=lambda td: td,
+            traj_id_of=lambda td: int(td.get(keys.TRAJ_IDS)),
+        )
         self._cut: set[int] = set()  # groups a reset cut: their late turns are dropped
+
+    @property
+    def tally(self) -> GroupTally:
+        assert self.groups.tally is not None  # a gate always has a filter
+        return self.groups.tally
+
+    @property
+    def groups_per_batch(self) -> int:
+        return self.groups.groups_per_batch
 
     @property
     def num_buffered_turns(self) -> int:
         """Turns held: of groups under way and of kept groups waiting for a batch."""
-        return sum(len(t) for t in self._open.values()) + sum(len(t) for t in self._kept)
+        return self.groups.num_held_turns
 
     def add(self, td: TensorDictBase) -> None:
         """A finished turn."""
-        self.tally.generated(td)
         group = int(td.get(keys.GROUP_ID))
         if group in self._cut:
+            self.groups.count_generated(td)
             return
-        self._open.setdefault(group, []).append(td)
-        if bool(td.get(keys.NEXT_DONE).any()):
-            self._ended[group] += 1
-            if self._ended[group] >= self.group_size:
-                self._complete(group)
-
-    def _complete(self, group: int) -> None:
-        turns = self._open.pop(group)
-        del self._ended[group]
-        if self.tally.judge([(int(td.get(keys.TRAJ_IDS)), td) for td in turns]) is None:
-            self._kept.append(turns)
+        if group not in self.groups.open:
+            self.groups.open[group] = HeldGroup(version=0, expected=self.groups.group_size)
+        self.groups.add(group, td, ended=bool(td.get(keys.NEXT_DONE).any()))
+        self.groups.close_if_complete(group)
 
     def ready(self) -> bool:
         """Whether ``G`` kept groups wait; raises once the filter has dropped too many groups in a row."""
-        self.tally.raise_if_failed()
-        return len(self._kept) >= self.groups_per_batch
+        return self.groups.batch_ready()
 
     def pop(self) -> TensorDictBase:
         """The next batch: the ``G`` kept groups that completed first, flat (call only when :meth:`ready`)."""
-        assert len(self._kept) >= self.groups_per_batch, "pop() called before G kept groups were complete"
-        taken, self._kept = self._kept[: self.groups_per_batch], self._kept[self.groups_per_batch :]
-        tds = [td for turns in taken for td in turns]
-        self.tally.delivered(tds, num_groups=len(taken), batch=True)
-        return stack_turns(tds)
+        assert len(self.groups.kept) >= self.groups_per_batch, "pop() called before G kept groups were complete"
+        return stack_turns(self.groups.take_batch())
 
     def drop_incomplete(self) -> int:
         """Forget every group under way (its dialogs were cut by a reset); returns the turns dropped."""
-        dropped = sum(len(t) for t in self._open.values())
+        held = self.groups.open
+        dropped = sum(len(g.turns) for g in held.values())
         if dropped:
-            logger.info("reset dropped %d turns of %d GRPO groups under way", dropped, len(self._open))
-        self._cut |= set(self._open)
-        self._open.clear()
-        self._ended.clear()
+            logger.info("reset dropped %d turns of %d GRPO groups under way", dropped, len(held))
+        self._cut |= set(held)
+        held.clear()
         return dropped
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "open": {str(g): list(turns) for g, turns in self._open.items()},
-            "ended": {str(g): n for g, n in self._ended.items()},
-            "kept": [list(turns) for turns in self._kept],
+            "open": {str(g): list(held.turns) for g, held in self.groups.open.items()},
+            "ended": {str(g): held.done for g, held in self.groups.open.items() if held.done},
+            "kept": [list(turns) for _, _, turns in self.groups.kept],
             "cut": sorted(self._cut),
             "sampling": self.tally.state_dict(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self._open = {int(g): list(turns) for g, turns in state["open"].items()}
-        self._ended = Counter({int(g): int(n) for g, n in state["ended"].items()})
-        self._kept = [list(turns) for turns in state["kept"]]
+        ended = {int(g): int(n) for g, n in state["ended"].items()}
+        self.groups.open = {
+            int(g): HeldGroup(version=0, expected=self.groups.group_size, done=ended.get(int(g), 0), turns=list(turns))
+            for g, turns in state["open"].items()
+        }
+        self.groups.kept = []
+        for turns in state["kept"]:
+            self.groups.keep(0, list(turns))
         self._cut = {int(g) for g in state["cut"]}
         self.tally.load_state_dict(state["sampling"])
 

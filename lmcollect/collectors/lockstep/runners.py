@@ -6,8 +6,8 @@ import queue
 import threading
 from collections.abc import Callable
 
-from lmcollect.collectors.shared.batcher import CollectedTurn
 from lmcollect.collectors.lockstep.env_runner import EnvRunner
+from lmcollect.collectors.shared.batcher import CollectedTurn
 
 
 class SyncRunners:

@@ -354,24 +354,3 @@ def missing_filter_state(owner: str) -> ValueError:
         f"this state and the {owner} disagree about dynamic sampling (one has a group filter, the other none); "
         "restore it into a collector built with the same dynamic_sampling setting."
     )
-
-
-class ReportsSamplingCounts:
-    """The counts a collector with ``dynamic_sampling`` reports (a mixin; the collector says where its tally is)."""
-
-    def _sampling_tally(self) -> GroupTally | None:
-        raise NotImplementedError
-
-    @property
-    def sampling_counts(self) -> SamplingCounts | None:
-        """Dynamic sampling's counts since the collector began (None without ``dynamic_sampling``):
-        groups generated, kept and dropped by reason, tokens generated and delivered. A state from
-        :meth:`state_dict` carries them; ``.as_metrics()`` gives logger keys."""
-        tally = self._sampling_tally()
-        return None if tally is None else tally.total
-
-    @property
-    def last_batch_counts(self) -> SamplingCounts | None:
-        """The same counts for the last batch released: what happened between the batch before it and it."""
-        tally = self._sampling_tally()
-        return None if tally is None else tally.last_batch

@@ -1,5 +1,6 @@
 """What every collector shares around its scheduler: iteration, ``start()`` into a replay buffer,
-``pause()``, shutdown, the context manager and attribute access.
+``pause()``, shutdown, the context manager, attribute access, the policy-version accessors and
+dynamic sampling's counts (one base class, so a collector names two or three bases, not five).
 
 A collector (lockstep :class:`~lmcollect.collectors.LLMCollector` or continuous
 :class:`~lmcollect.collectors.ContinuousLLMCollector`) supplies the scheduler: ``next()``, the
@@ -16,16 +17,23 @@ from typing import Any
 
 from tensordict import TensorDictBase
 
-from lmcollect.collectors.shared.config import CollectionConfig
+from lmcollect.collectors.shared.config import CollectionConfig, ConfiguredCollector
+from lmcollect.collectors.shared.group_filter import GroupTally, SamplingCounts
+from lmcollect.collectors.shared.versioning import PolicyVersion
 from lmcollect.plumbing import ShutsDownOnExit
 
 logger = logging.getLogger(__name__)
 
 
-class CollectorShell(ShutsDownOnExit):
-    """The lifecycle half of a collector (a mixin: the collector's ``__init__`` calls :meth:`_init_shell`)."""
+class CollectorShell(ConfiguredCollector, ShutsDownOnExit):
+    """The lifecycle half of a collector (a base: the collector's ``__init__`` calls :meth:`_init_shell`).
+
+    The collector sets ``_policy_version`` (a :class:`PolicyVersion`, or None when versions are not
+    tracked) and says where its dynamic sampling tally is (:meth:`_sampling_tally`).
+    """
 
     envs: list[Any]
+    _policy_version: PolicyVersion | None
 
     def _init_shell(self, config: CollectionConfig, *, thread_name: str) -> None:
         self.config = config
@@ -146,3 +154,55 @@ class CollectorShell(ShutsDownOnExit):
         if self.replay_buffer is None:
             raise AttributeError("this collector has no replay_buffer; pass replay_buffer=... to use getattr_rb.")
         return getattr(self.replay_buffer, attr)
+
+    # ------------------------------------------------------------------ policy version
+    def _version(self) -> tuple[int | str, int]:
+        """(version, index) stamped on every turn; (-1, 0) when versions are not tracked."""
+        if self._policy_version is None:
+            return -1, 0
+        return self._policy_version.version, self._policy_version.index
+
+    @property
+    def policy_version(self) -> int | str | None:
+        """The current policy version, or None if version tracking is disabled."""
+        return None if self._policy_version is None else self._policy_version.version
+
+    def get_policy_version(self) -> int | str | None:
+        """The current policy version (a method, for calls through a Ray actor)."""
+        return self.policy_version
+
+    def version_index(self) -> int:
+        """The version as a counter (also for uuid versions; 0 when versions are not tracked)."""
+        return 0 if self._policy_version is None else self._policy_version.index
+
+    def increment_version(self) -> None:
+        """Bump the policy version; turns collected from now on carry the new one.
+
+        With ``track_policy_version=False`` nothing changes: turns stay "untracked" (-1).
+        """
+        if self._policy_version is None:
+            logger.debug("increment_version(): versions are not tracked (track_policy_version=False)")
+            return
+        self._policy_version.increment()
+
+    def is_initialized(self) -> bool:
+        """True once the collector is built and not shut down."""
+        return not self._shut_down
+
+    # ------------------------------------------------------------------ dynamic sampling
+    def _sampling_tally(self) -> GroupTally | None:
+        raise NotImplementedError
+
+    @property
+    def sampling_counts(self) -> SamplingCounts | None:
+        """Dynamic sampling's counts since the collector began (None without ``dynamic_sampling``):
+        groups generated, kept and dropped by reason, tokens generated and delivered. A state from
+        :meth:`state_dict` carries them; ``.as_metrics()`` gives logger keys."""
+        tally = self._sampling_tally()
+        return None if tally is None else tally.total
+
+    @property
+    def last_batch_counts(self) -> SamplingCounts | None:
+        """The same counts for the last batch released: what happened between the batch before it and it."""
+        tally = self._sampling_tally()
+        return None if tally is None else tally.last_batch

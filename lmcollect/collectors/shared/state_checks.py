@@ -93,3 +93,9 @@ def check_rng(rng: Any, policy: Any) -> None:
         check = getattr(policy, "check_rng_state", None)  # a policy that can tell checks its own format
         if callable(check):
             check(policy_state)
+
+
+def state_of(obj: Any) -> Any:
+    """``obj.state_dict()`` if it has one (an env's state in a collector's checkpoint), else None."""
+    state_dict = getattr(obj, "state_dict", None)
+    return state_dict() if callable(state_dict) else None
