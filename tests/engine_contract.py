@@ -20,8 +20,20 @@ from threading import Event
 import pytest
 import torch
 
-from lmcollect.engines import EngineClosedError, EngineProtocol, EngineRequest, EngineResult, StalePushError
+from lmcollect.engines import (
+    EngineClosedError,
+    EngineProtocol,
+    EngineRequest,
+    EngineResult,
+    StalePushError,
+    capabilities_of,
+)
 from lmcollect.engines.kv_policy import configure_kv_policy, push_costs_of
+from lmcollect.engines.weight_group import GroupPush
+from lmcollect.weights.buckets import view_buckets
+from lmcollect.weights.delta import DeltaRejectedError, WeightDelta
+from lmcollect.weights.lora import LoraAdapter, LoraLayerWeights
+from lmcollect.weights.version import PushVersion
 from lmcollect.policies import SamplingConfig
 
 TIMEOUT_S = 60.0
@@ -241,7 +253,7 @@ def check_kv_policies(case: EngineCase) -> None:
     tokens never reuses this dialog's old prefix (it answers exactly as the new weights do), while a
     first turn of the same version (a group's sibling) reuses that other dialog's prompt."""
     engine = case.engine
-    if getattr(engine, "set_kv_policy", None) is None:
+    if not capabilities_of(engine).sets_kv_policy:
         with pytest.raises(ValueError, match="kv_policy='keep'.*use kv_policy='recompute'"):
             configure_kv_policy(engine, "keep")
         return
@@ -296,6 +308,45 @@ def _check_a_push_under(case: EngineCase, policy: str) -> None:
     engine.reset_prefix_cache()
 
 
+# what each refusal must name: the fix (another updater, another engine, or another push)
+REFUSAL_FIXES = {
+    "full": "vLLMUpdater",
+    "group_push": "RayRemoteWeightUpdater",
+    "lora_adapter": "merge_and_unload",
+    "weight_delta": "delta=False",
+}
+
+
+def probe_payloads(case: EngineCase) -> dict[str, object]:
+    """One payload of each kind, each one the engine must refuse even where it loads that kind
+    (full weights of a wrong shape, an adapter of a layer the model lacks, a delta of a version it
+    does not hold); no process-group push: a trainer must broadcast it (checked where it is refused)."""
+    version = case.engine.version
+    adapter = LoraAdapter(layers={"no.such.layer.weight": LoraLayerWeights(torch.zeros(1, 4), torch.zeros(4, 1), 1.0)}, rank=1)
+    delta = WeightDelta(PushVersion(version + 7), (), view_buckets({"x": torch.zeros(1)}))
+    return {"full": case.bad_weights.items(), "lora_adapter": adapter, "weight_delta": delta, "group_push": GroupPush(timeout_s=1.0)}
+
+
+def check_capabilities_match_what_load_weights_takes(case: EngineCase) -> None:
+    """A payload kind is refused iff the engine's declared capabilities say it does not load it:
+    a ``TypeError`` naming the fix, before anything is read; a kind it loads goes on to the
+    payload's own checks (a ``ValueError`` or ``DeltaRejectedError`` here). Nothing changes either way."""
+    engine, version = case.engine, case.engine.version
+    capabilities = capabilities_of(engine)
+    for kind, payload in probe_payloads(case).items():
+        if capabilities.loads(kind):
+            if kind == "group_push":
+                continue  # received only from a trainer's broadcast: the process-group tests push it
+            with pytest.raises((ValueError, DeltaRejectedError)):
+                engine.load_weights(payload, version=version + 1)
+        else:
+            with pytest.raises(TypeError, match=REFUSAL_FIXES[kind]):
+                engine.load_weights(payload, version=version + 1)
+        assert engine.version == version, f"a refused {kind} changed the version"
+    prompt = case.prompts[2]
+    assert_answers_like(run(engine, prompt, greedy(6)), prompt, case.old, case.log_prob_atol)
+
+
 CHECKS: dict[str, Callable[[EngineCase], None]] = {
     "greedy_and_log_probs": check_greedy_equals_plain_generation_and_log_probs_a_forward_pass,
     "ignore_eos": check_ignore_eos_fills_the_budget_and_only_other_stop_ids_end_it,
@@ -304,6 +355,7 @@ CHECKS: dict[str, Callable[[EngineCase], None]] = {
     "push_mid_generation": check_a_push_mid_generation_is_recorded_per_token,
     "bad_push": check_a_bad_push_changes_nothing,
     "older_push": check_an_older_push_is_refused,
+    "capabilities": check_capabilities_match_what_load_weights_takes,
     "kv_policies": check_kv_policies,
     "close": check_close_fails_pending_futures,
 }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from lmcollect.engines.protocol import (
     BatchGenerating,
+    EngineCapabilities,
     EngineClosedError,
     EngineProtocol,
     EngineRequest,
@@ -11,6 +12,7 @@ from lmcollect.engines.protocol import (
     PromptTooLongError,
     StalePushError,
     WorkerRpcEngine,
+    capabilities_of,
     engine_of,
     worker_rpc_engine_of,
 )
@@ -26,6 +28,7 @@ _LAZY = {
 
 __all__ = [
     "BatchGenerating",
+    "EngineCapabilities",
     "EngineClosedError",
     "EngineProtocol",
     "EngineRequest",
@@ -34,6 +37,7 @@ __all__ = [
     "PromptTooLongError",
     "StalePushError",
     "WorkerRpcEngine",
+    "capabilities_of",
     "engine_of",
     "worker_rpc_engine_of",
     *_LAZY,

@@ -31,6 +31,8 @@ from typing import Literal
 
 import torch
 
+from lmcollect.engines.protocol import capabilities_of
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -56,20 +58,21 @@ def check_kv_policy(kv_policy: object, *, supported: tuple[str, ...] = KV_POLICI
 
 
 def configure_kv_policy(engine: object, kv_policy: object) -> KVPolicy:
-    """Give ``engine`` the collector's ``kv_policy`` (``engine.set_kv_policy``); an engine without that
-    verb recomputes, so it takes ``"recompute"`` and refuses ``"keep"`` naming the fix."""
-    check_kv_policy(kv_policy)
-    setter = getattr(engine, "set_kv_policy", None)
-    if setter is None:
+    """Give ``engine`` the collector's ``kv_policy`` (``engine.set_kv_policy``); an engine whose
+    capabilities lack ``sets_kv_policy`` recomputes, so it takes ``"recompute"`` and refuses
+    ``"keep"`` naming the fix."""
+    policy = check_kv_policy(kv_policy)
+    if not capabilities_of(engine).sets_kv_policy:
         return check_kv_policy(kv_policy, supported=("recompute",), engine=type(engine).__name__)
-    setter(kv_policy)
-    return kv_policy  # type: ignore[return-value]
+    engine.set_kv_policy(policy)  # type: ignore[attr-defined]  # declared by sets_kv_policy
+    return policy
 
 
 def push_costs_of(engine: object) -> list[PushCost]:
-    """``engine.push_costs()`` where the engine meters its loads, else an empty list."""
-    costs = getattr(engine, "push_costs", None)
-    return list(costs()) if callable(costs) else []
+    """``engine.push_costs()`` where the engine meters its loads (``meters_push_costs``), else an empty list."""
+    if not capabilities_of(engine).meters_push_costs:
+        return []
+    return list(engine.push_costs())  # type: ignore[attr-defined]  # declared by meters_push_costs
 
 
 def kv_versions_of(

@@ -23,24 +23,22 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 
 from lmcollect.engines.sampling import SamplingConfig
+from lmcollect.engines.weight_group import GroupPush
 from lmcollect.weights.buckets import WeightBuckets
 from lmcollect.weights.delta import DeltaRejectedError, WeightDelta
 from lmcollect.weights.lora import LoraAdapter
-from lmcollect.weights.version import PushVersion
-
-if TYPE_CHECKING:
-    from lmcollect.engines.weight_group import GroupPush
-    from lmcollect.weights.delta import WeightDelta
-    from lmcollect.weights.lora import LoraAdapter
+from lmcollect.weights.version import PushVersion, VersionCounter
 
 __all__ = [
-    "BatchGenerating", "EngineClosedError", "EngineProtocol", "EngineRequest", "EngineResult", "StalePushError", "WorkerRpcEngine",
-    "check_version", "engine_of", "refuse_delta_base", "refuse_stale_push", "worker_rpc_engine_of",
+    "CORE_ONLY", "BatchGenerating", "DeclaresCapabilities", "EngineCapabilities", "EngineClosedError", "EngineProtocol",
+    "EngineRequest", "EngineResult", "PayloadKind", "StalePushError", "WorkerRpcEngine", "capabilities_of",
+    "check_engine_loads", "check_version", "engine_of", "load_refusal", "payload_kind", "refuse_delta_base",
+    "refuse_stale_push", "version_counter_of", "worker_rpc_engine_of",
 ]  # fmt: skip
 
 
@@ -107,20 +105,136 @@ def refuse_delta_base(delta: WeightDelta, held: int, engine: str) -> None:
         )
 
 
-def check_engine_loads(engine: object, source: object) -> None:
-    """Refuse a LoRA adapter or a weight delta that ``engine`` cannot load (``loads_lora_adapters`` /
-    ``loads_weight_deltas`` not True), naming the fix; any other source passes."""
-    name = type(engine).__name__
-    if isinstance(source, LoraAdapter) and not getattr(engine, "loads_lora_adapters", False):
-        raise TypeError(
-            f"{name} does not load LoRA adapters (TransformersEngine, VLLMEngine and the engines routing to them "
-            "do): collect with one of those, or push the merged model (model.merge_and_unload()) as full weights."
-        )
-    if isinstance(source, WeightDelta) and not getattr(engine, "loads_weight_deltas", False):
-        raise TypeError(
-            f"{name} does not load weight deltas (TransformersEngine and VLLMEngine do): push full weights "
-            "(PushConfig(delta=False))."
-        )
+PayloadKind = Literal["full", "group_push", "lora_adapter", "weight_delta"]
+"""What ``load_weights`` was given: full weights (named tensors or a sender's
+:class:`~lmcollect.weights.buckets.WeightBuckets`), a process-group push, a LoRA adapter or a weight delta."""
+
+
+def payload_kind(source: object) -> PayloadKind:
+    """The :data:`PayloadKind` of a ``load_weights`` source (anything not a push, an adapter or a delta is full weights)."""
+    if isinstance(source, GroupPush):
+        return "group_push"
+    if isinstance(source, LoraAdapter):
+        return "lora_adapter"
+    if isinstance(source, WeightDelta):
+        return "weight_delta"
+    return "full"
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineCapabilities:
+    """What an engine does beyond the core of :class:`EngineProtocol`: its ``capabilities``, read
+    with :func:`capabilities_of` (an engine that declares none implements the core alone).
+
+    One source of truth: an engine refuses a payload kind whose field is False, naming the fix
+    (:func:`check_engine_loads`), and callers read these fields instead of probing for methods.
+    """
+
+    loads_full_weights: bool = True
+    """``load_weights`` takes full weights (named tensors, a sender's WeightBuckets): the core of
+    the protocol. False for a vLLM server, whose workers only receive a process-group push."""
+    loads_group_pushes: bool = False
+    """``load_weights`` takes a :class:`~lmcollect.engines.weight_group.GroupPush`: its worker
+    processes receive a trainer's broadcast (a :class:`WorkerRpcEngine`: the vLLM engines)."""
+    loads_lora_adapters: bool = False
+    """``load_weights`` takes a :class:`~lmcollect.weights.lora.LoraAdapter`, merged into a kept
+    copy of the adapted layers' base weights (adapters replace each other)."""
+    loads_weight_deltas: bool = False
+    """``load_weights`` takes a :class:`~lmcollect.weights.delta.WeightDelta` of the weights it holds."""
+    checks_finite_in_copy: bool = False
+    """``load_weights(full weights, check_finite=True)`` refuses NaN/Inf while it copies (one pass
+    per buffer), so a sender need not check them first."""
+    sets_kv_policy: bool = False
+    """It has ``kv_policy`` and ``set_kv_policy(policy)`` and can keep keys/values across a load
+    (``"keep"``, see :mod:`lmcollect.engines.kv_policy`); without it, an engine recomputes."""
+    meters_push_costs: bool = False
+    """It has ``push_costs()``: the recent loads' :class:`~lmcollect.engines.kv_policy.PushCost`."""
+    checkpoints_weights: bool = False
+    """It has ``checkpoint_weights()``: the base weights it holds and the LoRA adapter merged on
+    them (what a checkpoint restores it to)."""
+    has_version_counter: bool = False
+    """It has ``version_counter``: the :class:`~lmcollect.weights.version.VersionCounter` behind
+    ``version``, which a collector driving the engine reads as its policy version."""
+
+    def loads(self, kind: PayloadKind) -> bool:
+        """Whether ``load_weights`` takes a payload of ``kind``."""
+        return {
+            "full": self.loads_full_weights,
+            "group_push": self.loads_group_pushes,
+            "lora_adapter": self.loads_lora_adapters,
+            "weight_delta": self.loads_weight_deltas,
+        }[kind]
+
+
+CORE_ONLY = EngineCapabilities()
+"""The capabilities of an engine that declares none: it loads full weights, nothing more."""
+
+
+@runtime_checkable
+class DeclaresCapabilities(Protocol):
+    """An engine that declares its :class:`EngineCapabilities` (every engine of lmcollect does)."""
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        """What the engine does beyond the core protocol."""
+        ...
+
+
+def capabilities_of(engine: object) -> EngineCapabilities:
+    """``engine.capabilities``, or :data:`CORE_ONLY` for an engine that declares none (a user's
+    engine implementing only :class:`EngineProtocol`)."""
+    if isinstance(engine, DeclaresCapabilities):
+        declared = engine.capabilities
+        if not isinstance(declared, EngineCapabilities):
+            raise TypeError(
+                f"{type(engine).__name__}.capabilities is a {type(declared).__name__}; declare an EngineCapabilities."
+            )
+        return declared
+    return CORE_ONLY
+
+
+def version_counter_of(engine: object) -> VersionCounter | None:
+    """The engine's :class:`~lmcollect.weights.version.VersionCounter` where it has one
+    (``has_version_counter``), else None."""
+    if engine is None or not capabilities_of(engine).has_version_counter:
+        return None
+    counter = engine.version_counter  # type: ignore[attr-defined]  # declared by has_version_counter
+    return counter if isinstance(counter, VersionCounter) else None
+
+
+_REFUSALS: dict[PayloadKind, str] = {
+    "full": (
+        "{name} cannot load weights sent as tensors (a vLLM server's weights do not travel through its HTTP "
+        "endpoints); give the collector weight_updater=vLLMUpdater() (a process-group broadcast into the "
+        "server's workers) and push through it."
+    ),
+    "group_push": (
+        "{name} has no worker processes to receive a process-group push (vLLMUpdater); collect with a vLLM "
+        "engine (VLLMEngine, a vLLM server), or push with RayRemoteWeightUpdater instead."
+    ),
+    "lora_adapter": (
+        "{name} does not load LoRA adapters (TransformersEngine, VLLMEngine and the engines routing to them "
+        "do): collect with one of those, or push the merged model (model.merge_and_unload()) as full weights."
+    ),
+    "weight_delta": (
+        "{name} does not load weight deltas (TransformersEngine and VLLMEngine do): push full weights "
+        "(PushConfig(delta=False))."
+    ),
+}
+
+
+def load_refusal(engine: object, kind: PayloadKind) -> TypeError:
+    """The error of ``engine`` refusing a payload of ``kind``, naming the fix."""
+    return TypeError(_REFUSALS[kind].format(name=type(engine).__name__))
+
+
+def check_engine_loads(engine: object, source: object) -> PayloadKind:
+    """The payload kind of ``source``; ``TypeError`` naming the fix if ``engine``'s
+    :class:`EngineCapabilities` say it does not load that kind. Changes nothing."""
+    kind = payload_kind(source)
+    if not capabilities_of(engine).loads(kind):
+        raise load_refusal(engine, kind)
+    return kind
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -189,7 +303,7 @@ class EngineProtocol(Protocol):
 
     def load_weights(
         self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]] | WeightBuckets | LoraAdapter | WeightDelta,
+        source: Iterable[tuple[str, torch.Tensor]] | WeightBuckets | LoraAdapter | WeightDelta,
         *,
         version: int | PushVersion,
     ) -> list[Any] | None:
@@ -208,11 +322,11 @@ class EngineProtocol(Protocol):
 
         Returns None (a :class:`WorkerRpcEngine` returns its workers' reports for a ``GroupPush``).
 
-        An engine whose ``loads_lora_adapters`` is True also takes a
+        An engine whose ``capabilities.loads_lora_adapters`` is True also takes a
         :class:`~lmcollect.weights.lora.LoraAdapter`: it merges the adapter into its kept copy of
         the adapted layers' base weights (adapters replace each other; a full push is a new base).
 
-        An engine whose ``loads_weight_deltas`` is True also takes a
+        An engine whose ``capabilities.loads_weight_deltas`` is True also takes a
         :class:`~lmcollect.weights.delta.WeightDelta`: the changed elements of the weights it holds
         (its version must be the delta's base, see :func:`refuse_delta_base`). It checks names,
         dtypes and positions, writes, verifies the checksums, and on any failure raises
@@ -239,19 +353,15 @@ class EngineProtocol(Protocol):
         """Forget cached prompt prefixes (after a weight load, they were computed with old weights)."""
         ...
 
-    # Optional (TransformersEngine, VLLMEngine and the engines routing to them): ``kv_policy`` and
-    # ``set_kv_policy(policy)``, what a load does to the keys/values held (see
-    # lmcollect.engines.kv_policy); an engine without them recomputes. ``push_costs()``: the recent
-    # loads' :class:`~lmcollect.engines.kv_policy.PushCost`.
+    # Optional, declared in ``capabilities`` (:class:`EngineCapabilities`, read with
+    # :func:`capabilities_of`): ``kv_policy`` / ``set_kv_policy`` (``sets_kv_policy``),
+    # ``push_costs()`` (``meters_push_costs``), ``checkpoint_weights()`` (``checkpoints_weights``),
+    # ``version_counter`` (``has_version_counter``), and the payload kinds ``load_weights`` takes.
 
     @property
     def version(self) -> int:
         """The version of the weights loaded now (-1 before any push)."""
         ...
-
-    # Optional (every engine here): ``version_counter``, the
-    # :class:`~lmcollect.weights.version.VersionCounter` behind :attr:`version`; a tracking collector
-    # generating with the engine reads it as its policy version (no copying between two counters).
 
     @property
     def num_in_flight(self) -> int:

@@ -11,7 +11,16 @@ from typing import Any, TypeVar
 import torch
 
 from lmcollect.engines.kv_policy import KVPolicy, PushCost, check_kv_policy, configure_kv_policy, push_costs_of
-from lmcollect.engines.protocol import EngineClosedError, EngineProtocol, EngineRequest, EngineResult, WorkerRpcEngine
+from lmcollect.engines.protocol import (
+    EngineCapabilities,
+    EngineClosedError,
+    EngineProtocol,
+    EngineRequest,
+    EngineResult,
+    WorkerRpcEngine,
+    capabilities_of,
+    check_engine_loads,
+)
 from lmcollect.engines.weight_group import GroupPush
 from lmcollect.weights.buckets import WeightBuckets
 from lmcollect.weights.delta import WeightDelta
@@ -123,6 +132,7 @@ class EngineRouter:
         A :class:`~lmcollect.engines.weight_group.GroupPush` is received by every replica at once
         (the broadcast needs all of them); returns their workers' reports, replica by replica.
         """
+        check_engine_loads(self, source)  # a kind some replica does not load: refused before any loads
         if isinstance(source, GroupPush):
             reports = self._load_group_push(source, version)
             self._counter.take(version)
@@ -146,14 +156,19 @@ class EngineRouter:
         ) from first
 
     @property
-    def loads_lora_adapters(self) -> bool:
-        """Whether ``load_weights`` takes a LoRA adapter: when every replica's engine does."""
-        return all(getattr(engine, "loads_lora_adapters", False) for engine in self.engines)
-
-    @property
-    def loads_weight_deltas(self) -> bool:
-        """Whether ``load_weights`` takes a weight delta: when every replica's engine does."""
-        return all(getattr(engine, "loads_weight_deltas", False) for engine in self.engines)
+    def capabilities(self) -> EngineCapabilities:
+        """What every replica does (a payload kind, the KV policy "keep"), or any replica (push costs,
+        which are listed replica by replica); the router keeps a version counter of its own."""
+        each = [capabilities_of(engine) for engine in self.engines]
+        return EngineCapabilities(
+            loads_full_weights=all(c.loads_full_weights for c in each),
+            loads_group_pushes=all(c.loads_group_pushes for c in each),
+            loads_lora_adapters=all(c.loads_lora_adapters for c in each),
+            loads_weight_deltas=all(c.loads_weight_deltas for c in each),
+            sets_kv_policy=all(c.sets_kv_policy for c in each),
+            meters_push_costs=any(c.meters_push_costs for c in each),
+            has_version_counter=True,
+        )
 
     def _load_group_push(self, push: GroupPush, version: int | PushVersion) -> list[Any]:
         engines = [self._worker_engine(i) for i in range(len(self.engines))]  # all checked before any receives
@@ -225,7 +240,7 @@ class EngineRouter:
         check_kv_policy(kv_policy)
         if kv_policy != "recompute":
             for engine in self.engines:
-                if getattr(engine, "set_kv_policy", None) is None:
+                if not capabilities_of(engine).sets_kv_policy:
                     configure_kv_policy(engine, kv_policy)  # raises, naming the engine
         self._on_every(lambda engine: configure_kv_policy(engine, kv_policy))
 

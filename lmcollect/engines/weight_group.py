@@ -10,9 +10,10 @@ while the trainer sends. Only the engines name the workers' methods (those of
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from lmcollect.engines.protocol import WorkerRpcEngine
+if TYPE_CHECKING:  # the protocol module imports GroupPush (a payload kind engines dispatch on)
+    from lmcollect.engines.protocol import WorkerRpcEngine
 
 JOIN_METHOD = "init_weight_group"
 RECEIVE_METHOD = "receive_weights"

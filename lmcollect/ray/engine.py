@@ -16,6 +16,7 @@ import concurrent.futures
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
@@ -24,11 +25,13 @@ from ray.exceptions import RayActorError
 
 from lmcollect.engines.kv_policy import KVPolicy, PushCost, configure_kv_policy, push_costs_of
 from lmcollect.engines.protocol import (
+    EngineCapabilities,
     EngineClosedError,
     EngineProtocol,
     EngineRequest,
     EngineResult,
     WorkerRpcEngine,
+    capabilities_of,
     check_engine_loads,
 )
 from lmcollect.engines.router import EngineRouter
@@ -45,6 +48,15 @@ from lmcollect.weights.version import PushVersion, VersionCounter
 __all__ = ["RayEngine", "ray_engine_replicas", "start_ray_engines"]
 
 _ACTOR_DEFAULTS = {"num_cpus": 1, "max_concurrency": 1000}
+
+
+@dataclass(frozen=True)
+class _Started:
+    """What the proxy learns of its actor's engine once it has started."""
+
+    version: int
+    worker_replicas: int | None  # None: the engine has no worker processes (not a WorkerRpcEngine)
+    capabilities: EngineCapabilities
 
 
 class _EngineHost:
@@ -71,21 +83,19 @@ class _EngineHost:
         source: dict[str, torch.Tensor] | WeightBuckets | GroupPush | LoraAdapter | WeightDelta,
         version: int | PushVersion,
     ) -> list[Any] | None:
+        check_engine_loads(self.engine, source)  # a kind the engine does not load: refused by name, here
         if isinstance(source, GroupPush):  # the engine's workers receive the broadcast
-            engine = _worker_rpc_engine(self.engine)
-            return await asyncio.to_thread(engine.load_weights, source, version=version)
-        if isinstance(source, (LoraAdapter, WeightDelta)):
-            check_engine_loads(self.engine, source)
-            return await asyncio.to_thread(self.engine.load_weights, source, version=version)
-        if isinstance(source, WeightBuckets):  # mapped from the object store: the engine reads them as they are
-            return await asyncio.to_thread(self.engine.load_weights, source, version=version)
-        return await asyncio.to_thread(self.engine.load_weights, source.items(), version=version)
+            return await asyncio.to_thread(_worker_rpc_engine(self.engine).load_weights, source, version=version)
+        # buckets mapped from the object store go as they are (the engine reads them through views)
+        weights = source.items() if isinstance(source, dict) else source
+        return await asyncio.to_thread(self.engine.load_weights, weights, version=version)
 
     async def version(self) -> int:
         return self.engine.version
 
-    async def num_replicas(self) -> int | None:
-        return self.engine.num_replicas if isinstance(self.engine, WorkerRpcEngine) else None
+    async def started(self) -> _Started:
+        replicas = self.engine.num_replicas if isinstance(self.engine, WorkerRpcEngine) else None
+        return _Started(self.engine.version, replicas, capabilities_of(self.engine))
 
     async def collective_rpc_each(self, method: str, args_per_replica: list[tuple], kwargs: dict | None) -> list[Any]:
         engine = _worker_rpc_engine(self.engine)
@@ -118,25 +128,29 @@ class RayEngine:
         start_timeout_s: float = 900.0,
         call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
     ) -> None:
-        ((actor, version, worker_replicas),) = _launch(
+        ((actor, started),) = _launch(
             engine_factory,
             1,
             remote_config=remote_config,
             ray_init_config=ray_init_config,
             start_timeout_s=start_timeout_s,
         )
-        self._attach(actor, version, worker_replicas, call_timeout_s)
+        self._attach(actor, started, call_timeout_s)
 
     @classmethod
-    def _of_actor(cls, actor: Any, version: int, worker_replicas: int | None, call_timeout_s: float) -> RayEngine:
+    def _of_actor(cls, actor: Any, started: _Started, call_timeout_s: float) -> RayEngine:
         engine = cls.__new__(cls)
-        engine._attach(actor, version, worker_replicas, call_timeout_s)
+        engine._attach(actor, started, call_timeout_s)
         return engine
 
-    def _attach(self, actor: Any, version: int, worker_replicas: int | None, call_timeout_s: float) -> None:
+    def _attach(self, actor: Any, started: _Started, call_timeout_s: float) -> None:
         self._actor = actor
         # the actor's engine counts in its process; this proxy's counter takes each load / set_version made here
-        self._counter, self._worker_replicas = VersionCounter(start=version), worker_replicas  # None: no workers
+        self._counter, self._worker_replicas = VersionCounter(start=started.version), started.worker_replicas
+        # the actor's engine's, as this proxy offers them: no check_finite keyword, no checkpoint_weights
+        self._capabilities = replace(
+            started.capabilities, checks_finite_in_copy=False, checkpoints_weights=False, has_version_counter=True
+        )
         self.call_timeout_s = call_timeout_s
         self._lock = threading.Lock()
         self._pending: set[Future] = set()  # submitted through this proxy, not answered yet
@@ -166,9 +180,11 @@ class RayEngine:
     def resume(self) -> None:
         self._get(self._actor.call.remote("resume"), "resume")
 
-    # passed on to the actor's engine, which refuses them if it cannot
-    loads_lora_adapters = True
-    loads_weight_deltas = True
+    capabilities = forwarded(
+        "_capabilities",
+        "What the actor's engine does beyond the core protocol, as this proxy passes it on "
+        "(see :class:`~lmcollect.engines.protocol.EngineCapabilities`).",
+    )
 
     def load_weights(
         self,
@@ -177,7 +193,8 @@ class RayEngine:
         version: int | PushVersion,
     ) -> list[Any] | None:
         # weights: one object-store copy, checked by the engine before it writes (buckets as numpy
-        # buffers, which the actor maps without another copy)
+        # buffers, which the actor maps without another copy); a kind it does not load never travels
+        check_engine_loads(self, source)
         payload: Any
         if isinstance(source, GroupPush):
             payload = source
@@ -292,7 +309,7 @@ def start_ray_engines(
         ray_init_config=ray_init_config,
         start_timeout_s=start_timeout_s,
     )
-    return [RayEngine._of_actor(actor, version, replicas, call_timeout_s) for actor, version, replicas in launched]
+    return [RayEngine._of_actor(actor, started, call_timeout_s) for actor, started in launched]
 
 
 def _launch(
@@ -302,21 +319,21 @@ def _launch(
     remote_config: dict[str, Any] | None,
     ray_init_config: dict[str, Any] | None,
     start_timeout_s: float,
-) -> list[tuple[Any, int, int | None]]:
-    """Start the engine actors at once; each one's (actor, version, worker replicas) once all have started."""
+) -> list[tuple[Any, _Started]]:
+    """Start the engine actors at once; each one's (actor, what its engine is) once all have started."""
     init_ray(ray_init_config)
     actor_cls = ray.remote(**actor_options(remote_config, defaults=_ACTOR_DEFAULTS))(_EngineHost)
     actors = [actor_cls.remote(engine_factory) for _ in range(num_engines)]
     try:
         started = get_within(  # also surfaces start-up errors here
-            [ref for actor in actors for ref in (actor.version.remote(), actor.num_replicas.remote())],
+            [actor.started.remote() for actor in actors],
             timeout_s=start_timeout_s, call="RayEngine start-up", knob="start_timeout_s",
         )  # fmt: skip
     except BaseException:
         for actor in actors:
             ray.kill(actor)
         raise
-    return list(zip(actors, started[0::2], started[1::2], strict=True))
+    return list(zip(actors, started, strict=True))
 
 
 def ray_engine_replicas(

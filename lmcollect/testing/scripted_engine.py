@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,8 +20,10 @@ from typing import Any
 import torch
 
 from lmcollect.data.history import History
+from lmcollect.engines.base import EngineBase, FullWeights
 from lmcollect.engines.loop_queue import QueuedAndRunning
 from lmcollect.engines.protocol import (
+    EngineCapabilities,
     EngineClosedError,
     EngineRequest,
     EngineResult,
@@ -30,8 +32,6 @@ from lmcollect.engines.protocol import (
 )
 from lmcollect.plumbing import forwarded
 from lmcollect.weights.buckets import WeightBuckets
-from lmcollect.weights.delta import WeightDelta
-from lmcollect.weights.lora import LoraAdapter
 from lmcollect.weights.tensors import expected_metadata
 from lmcollect.weights.version import PushVersion, VersionCounter, version_index
 
@@ -121,7 +121,7 @@ class _Running:
     versions: list[int] = field(default_factory=list)
 
 
-class ScriptedEngine(QueuedAndRunning):
+class ScriptedEngine(QueuedAndRunning, EngineBase):
     """An :class:`~lmcollect.engines.protocol.EngineProtocol` engine that decodes a script.
 
     A decoding thread runs steps while requests are in flight: each step appends one token to every
@@ -142,6 +142,9 @@ class ScriptedEngine(QueuedAndRunning):
         max_context_tokens: the "model's" context: a prompt of this many tokens or more is refused at
             submit, as every engine refuses it (None: no bound).
     """
+
+    capabilities = EngineCapabilities(has_version_counter=True)
+    """Full weights only (its one ``tag`` tensor), and a version counter."""
 
     def __init__(
         self,
@@ -202,26 +205,19 @@ class ScriptedEngine(QueuedAndRunning):
             self._paused = False
             self._wake.notify_all()
 
-    def load_weights(
-        self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]] | WeightBuckets | LoraAdapter | WeightDelta,
-        *,
-        version: int | PushVersion,
-    ) -> None:
-        if isinstance(named_tensors, LoraAdapter):
-            raise TypeError("ScriptedEngine has no linear layers to adapt; push its {'tag'} tensor instead.")
-        if isinstance(named_tensors, WeightDelta):
-            raise TypeError("ScriptedEngine does not load weight deltas; push its {'tag'} tensor in full.")
-        weights = named_tensors.tensors() if isinstance(named_tensors, WeightBuckets) else dict(named_tensors)
+    def _load_full(self, weights: FullWeights, version: int | PushVersion, options: Mapping[str, Any]) -> None:
+        """Its one ``tag`` tensor, written between two decoding steps (adapters and deltas are
+        refused by name: its capabilities list neither)."""
+        tensors = weights.tensors() if isinstance(weights, WeightBuckets) else dict(weights)
         expected = dict(self.model.named_parameters())
-        if set(weights) != set(expected) or any(weights[k].shape != v.shape for k, v in expected.items()):
+        if set(tensors) != set(expected) or any(tensors[k].shape != v.shape for k, v in expected.items()):
             raise ValueError(
                 f"ScriptedEngine takes exactly {{'tag': shape (1,)}}, got "
-                f"{ {k: tuple(v.shape) for k, v in weights.items()} }; no weight was changed."
+                f"{ {k: tuple(v.shape) for k, v in tensors.items()} }; no weight was changed."
             )
         with self._step_lock:  # between two decoding steps
             refuse_stale_push(version_index(version), self._counter.index, "ScriptedEngine")
-            self.model.tag.data.copy_(weights["tag"])
+            self.model.tag.data.copy_(tensors["tag"])
             self._counter.take(version)
             self.num_prefix_cache_resets += 1  # a load forgets cached prefixes (EngineProtocol.load_weights)
 

@@ -631,11 +631,12 @@ def test_a_delta_push_over_the_transformers_engine_equals_the_full_push(tiny_par
 
 
 def test_a_delta_push_into_an_engine_that_cannot_load_deltas_names_the_fix() -> None:
+    from lmcollect.engines import capabilities_of
     from lmcollect.weights.version import PushVersion
 
     env = ChatEnv(arithmetic_dataset(8, seed=0), task=SingleTurnTask(), batch_size=1, seed=0)
     engine = ScriptedEngine()  # no loads_weight_deltas (as a vLLM server's engine)
-    assert not getattr(engine, "loads_weight_deltas", False)
+    assert not capabilities_of(engine).loads_weight_deltas
     collector = ContinuousLLMCollector([env], engine=engine, tokenizer=ByteTokenizer(), dialog_turns_per_batch=1)
     delta = WeightDelta(PushVersion(1), (), None)
     with pytest.raises(TypeError, match="delta=False"):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lmcollect.engines import (
+    EngineCapabilities,
     EngineClosedError,
     EngineProtocol,
     EngineRequest,
@@ -205,6 +206,8 @@ def test_a_push_through_the_router_reaches_requests_in_flight_on_every_replica()
 
 class WorkerHeldEngine(HeldEngine):
     """A HeldEngine with worker processes (a WorkerRpcEngine): answers each RPC with its arguments."""
+
+    capabilities = EngineCapabilities(loads_group_pushes=True)
 
     def __init__(self, name: str, *, num_replicas: int = 1) -> None:
         super().__init__(name)

@@ -376,8 +376,10 @@ def test_bad_requests_and_settings_are_refused_naming_them(make_engine, tiny_mod
         engine.submit([1, 2, 3])
     with pytest.raises(ValueError, match="max_batch_size"):
         TransformersEngine(perturbed_model(tiny_model_path, seed=1), tokenizer, max_batch_size=0)
-    with pytest.raises(ValueError, match="version"):
+    with pytest.raises(TypeError, match="version must be an int"):
         engine.load_weights([], version="1")
+    with pytest.raises(ValueError, match="version must be >= -1"):
+        engine.load_weights([], version=-2)
 
 
 # ---------------------------------------------------------------------- the lockstep batch path (model.generate)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmcollect.weights.version import PolicyVersion, VersionCounter
+from lmcollect.engines.protocol import version_counter_of
+from lmcollect.weights.version import PolicyVersion
 
 __all__ = ["PolicyVersion", "make_policy_version"]
 
@@ -26,7 +27,7 @@ def make_policy_version(track_policy_version: bool | PolicyVersion, *, engine: A
             "track_policy_version must be a bool or a PolicyVersion instance, "
             f"got {type(track_policy_version).__name__}."
         )
-    counter = getattr(engine, "version_counter", None)
-    if version is not None and isinstance(counter, VersionCounter):
+    counter = version_counter_of(engine)
+    if version is not None and counter is not None:
         version.share(counter)
     return version

@@ -9,17 +9,20 @@ import numbers
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import DynamicCache
 
+from lmcollect.engines.base import EngineBase, FullWeights
 from lmcollect.engines.hf.generate import generate_together
 from lmcollect.engines.hf.kv_batch import LeftPaddedKVCache
+from lmcollect.engines.hf.running_request import RunningRequest
 from lmcollect.engines.kv_policy import KVPolicy, PushCost, PushCostMeter, check_kv_policy
 from lmcollect.engines.protocol import (
+    EngineCapabilities,
     EngineClosedError,
     EngineRequest,
     EngineResult,
@@ -27,7 +30,6 @@ from lmcollect.engines.protocol import (
     refuse_long_prompt,
     refuse_stale_push,
 )
-from lmcollect.engines.hf.running_request import RunningRequest
 from lmcollect.engines.sampling import eos_token_ids
 from lmcollect.plumbing import forwarded
 from lmcollect.weights.buckets import WeightBuckets
@@ -54,7 +56,7 @@ logger = logging.getLogger(__name__)
 Outcome = tuple[RunningRequest, EngineResult | BaseException]
 
 
-class TransformersEngine:
+class TransformersEngine(EngineBase):
     """Answers requests as they arrive, batching every running request into one decoding step.
 
     A background thread runs the loop. Each step (under the loop's lock):
@@ -100,6 +102,16 @@ class TransformersEngine:
         result = future.result()  # result.token_versions: -1 before the load, 1 after
         engine.close()
     """
+
+    capabilities = EngineCapabilities(
+        loads_lora_adapters=True,  # merged into a kept copy of the adapted layers' base weights
+        loads_weight_deltas=True,  # written in place
+        sets_kv_policy=True,
+        meters_push_costs=True,
+        checkpoints_weights=True,
+        has_version_counter=True,
+    )
+    """What it does beyond the core protocol (see :class:`~lmcollect.engines.protocol.EngineCapabilities`)."""
 
     def __init__(
         self,
@@ -203,74 +215,66 @@ class TransformersEngine:
             self._paused = False
             self._state.notify_all()
 
-    def load_weights(
-        self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]] | WeightBuckets | LoraAdapter | WeightDelta,
-        *,
-        version: int | PushVersion,
-        convert_dtype: bool = False,
-    ) -> None:
+    full_load_options = frozenset({"convert_dtype"})
+
+    def _load_full(self, weights: FullWeights, version: int | PushVersion, options: Mapping[str, Any]) -> None:
         """Check every tensor against the model, then copy them in place between two steps and take ``version``.
 
         All or nothing: a missing, unexpected, misshapen or wrongly typed tensor raises one
-        ValueError naming each, before anything is written (``convert_dtype=True`` casts floating
-        tensors instead). Tied weights may come under either name. Names carrying one extra leading
-        component (``model.`` of a policy wrapping the model) are accepted. Works paused or running;
-        running requests continue under the new weights (their prefixes are re-prefilled).
-
-        A :class:`~lmcollect.weights.lora.LoraAdapter` is merged into a kept copy of the base
-        weights of the layers it adapts (``base + scaling * B @ A``, see
-        :class:`~lmcollect.weights.kept_base.KeptBase`): adapters replace each other, and a full
-        push (whatever its values) becomes the new base. An adapter whose merge would not be
-        finite is refused with nothing changed.
-
-        A :class:`~lmcollect.weights.delta.WeightDelta` is written in place into the model (no
-        copy of the weights) between two steps: checked first (base version, names, dtypes,
-        positions), its checksums verified after writing, and undone on a mismatch, so a refused
-        delta (:class:`~lmcollect.weights.delta.DeltaRejectedError`) changes nothing.
-
-        A sender's :class:`~lmcollect.weights.buckets.WeightBuckets` are copied into the model
-        straight from views of their bytes (no other copy).
+        ValueError naming each, before anything is written (``load_weights(..., convert_dtype=True)``
+        casts floating tensors instead). Tied weights may come under either name. Names carrying
+        one extra leading component (``model.`` of a policy wrapping the model) are accepted.
+        Works paused or running; running requests continue under the new weights (their prefixes
+        are re-prefilled). A sender's :class:`~lmcollect.weights.buckets.WeightBuckets` are copied
+        into the model straight from views of their bytes (no other copy). A full push (whatever
+        its values) becomes the base that LoRA adapters merge into.
         """
-        _check_int("version", version_index(version), minimum=-1, hint="the pushed weights' version")
-        if isinstance(named_tensors, WeightBuckets):
-            named_tensors = named_tensors.tensors().items()
-        if isinstance(named_tensors, WeightDelta):
-            self._load_delta(named_tensors, version)
-            return
-        adapter = named_tensors if isinstance(named_tensors, LoraAdapter) else None
-        writes: dict[str, torch.Tensor] = {}
-        if isinstance(named_tensors, LoraAdapter):
-            check_adapter(named_tensors, self.weight_metadata()[0], receiver="TransformersEngine's model")
-            targets = unique_targets(self.model)[0]
-        else:
-            targets, writes = self._planned_writes(named_tensors, convert_dtype=convert_dtype)
-        queued = time.perf_counter()
-        with self._between_steps(), torch.no_grad():
-            if self._closed:
-                raise EngineClosedError("this TransformersEngine is closed; it cannot load weights.")
-            refuse_stale_push(version_index(version), self._counter.index, "TransformersEngine")
-            started = time.perf_counter()
-            if adapter is not None:
-                self._kept_base.merge_into(adapter.to(self._device), targets, receiver="TransformersEngine's model")
-            else:
-                self._kept_base.forget()
+        named = weights.tensors().items() if isinstance(weights, WeightBuckets) else weights
+        targets, writes = self._planned_writes(named, convert_dtype=bool(options.get("convert_dtype", False)))
+
+        def write() -> None:
+            self._kept_base.forget()
             for name, tensor in writes.items():
                 targets[name].copy_(tensor)
-            self._took(version, started, queued=queued)
+
+        self._load_between_steps(version, write)
+
+    def _load_adapter(self, adapter: LoraAdapter, version: int | PushVersion) -> None:
+        """Merge ``adapter`` into a kept copy of the base weights of the layers it adapts
+        (``base + scaling * B @ A``, see :class:`~lmcollect.weights.kept_base.KeptBase`): adapters
+        replace each other. An adapter whose merge would not be finite is refused with nothing changed."""
+        check_adapter(adapter, self.weight_metadata()[0], receiver="TransformersEngine's model")
+        targets = unique_targets(self.model)[0]
+        on_device = adapter.to(self._device)
+        self._load_between_steps(
+            version, lambda: self._kept_base.merge_into(on_device, targets, receiver="TransformersEngine's model")
+        )
 
     def _load_delta(self, delta: WeightDelta, version: int | PushVersion) -> None:
+        """Write ``delta`` in place into the model (no copy of the weights) between two steps: checked
+        first (base version, names, dtypes, positions), its checksums verified after writing, and
+        undone on a mismatch, so a refused delta (:class:`~lmcollect.weights.delta.DeltaRejectedError`)
+        changes nothing."""
         targets, aliases = unique_targets(self.model)
+
+        def write() -> None:
+            refuse_delta_base(delta, self._counter.index, "TransformersEngine")
+            # the base's index matched; its uuid is the owning collector's to check
+            prepare_delta(delta, targets, held_version=delta.base_version, aliases=aliases).apply_()
+            self._kept_base.forget()
+
+        self._load_between_steps(version, write)
+
+    def _load_between_steps(self, version: int | PushVersion, write: Callable[[], None]) -> None:
+        """``write()`` between two decoding steps, then ``version`` taken: every load goes through
+        here. A stale version is refused there (loads are ordered by the step lock)."""
         queued = time.perf_counter()
         with self._between_steps(), torch.no_grad():
             if self._closed:
                 raise EngineClosedError("this TransformersEngine is closed; it cannot load weights.")
             refuse_stale_push(version_index(version), self._counter.index, "TransformersEngine")
-            refuse_delta_base(delta, self._counter.index, "TransformersEngine")
-            # the base's index matched; its uuid is the owning collector's to check
             started = time.perf_counter()
-            prepare_delta(delta, targets, held_version=delta.base_version, aliases=aliases).apply_()
-            self._kept_base.forget()
+            write()
             self._took(version, started, queued=queued)
 
     def _took(self, version: int | PushVersion, started: float, *, queued: float) -> None:
@@ -283,8 +287,6 @@ class TransformersEngine:
             version=version_index(version), kv_policy=self._kv_policy, call_s=call_s,
             wait_s=started - queued, load_s=call_s,
         )  # fmt: skip
-
-    loads_weight_deltas = True  # load_weights takes a WeightDelta (written in place)
 
     def checkpoint_weights(self) -> tuple[dict[str, torch.Tensor], LoraAdapter | None]:
         """What a checkpoint restores this engine to: its base weights (the model's state, with the
@@ -335,7 +337,6 @@ class TransformersEngine:
     version_counter = forwarded(
         "_counter", "The counter of :attr:`version` (a collector driving this engine reads it)."
     )
-    loads_lora_adapters = True  # load_weights takes a LoraAdapter
 
     @property
     def num_in_flight(self) -> int:

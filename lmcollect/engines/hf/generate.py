@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from lmcollect.engines.protocol import EngineRequest, EngineResult
 from lmcollect.engines.hf.running_request import StopStringWatch, request_generator
-from lmcollect.engines.sampling import SamplingConfig
 from lmcollect.engines.hf.step_log_probs import StepLogProbs, no_generate_warpers
+from lmcollect.engines.protocol import EngineRequest, EngineResult
+from lmcollect.engines.sampling import SamplingConfig
 
 if TYPE_CHECKING:  # transformers' classes: the caller built the model
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

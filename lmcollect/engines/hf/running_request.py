@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
+from lmcollect.engines.hf.step_log_probs import draw_tokens, sampling_warpers
 from lmcollect.engines.kv_policy import KVPolicy, kv_versions_of
 from lmcollect.engines.protocol import EngineRequest, EngineResult
-from lmcollect.engines.hf.step_log_probs import draw_tokens, sampling_warpers
 
 if TYPE_CHECKING:  # only for annotations; the engine passes the tokenizer it was built with
     from transformers import PreTrainedTokenizerBase

@@ -24,14 +24,16 @@ import threading
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from lmcollect.engines.base import EngineBase
 from lmcollect.engines.protocol import (
+    EngineCapabilities,
     EngineClosedError,
     EngineRequest,
     EngineResult,
@@ -52,9 +54,6 @@ from lmcollect.engines.vllm.common import (
 from lmcollect.engines.vllm.worker_ext import checkpoint_metadata
 from lmcollect.engines.weight_group import RECEIVE_METHOD, GroupPush
 from lmcollect.plumbing import forwarded, settle
-from lmcollect.weights.buckets import WeightBuckets
-from lmcollect.weights.delta import WeightDelta
-from lmcollect.weights.lora import LoraAdapter
 from lmcollect.weights.version import PushVersion, VersionCounter, version_index
 
 __all__ = ["PauseLeaseRenewer", "VLLMServerEngine", "check_server_config", "master_address_for"]
@@ -114,7 +113,7 @@ def master_address_for(base_url: str) -> str:
         return probe.getsockname()[0]
 
 
-class VLLMServerEngine:
+class VLLMServerEngine(EngineBase):
     """A vLLM server behind :class:`~lmcollect.engines.protocol.EngineProtocol` (one server is one replica).
 
     - ``submit``: one ``/v1/completions`` request per engine request (token ids in; the generated
@@ -154,6 +153,12 @@ class VLLMServerEngine:
     """
 
     num_replicas = 1
+    capabilities = EngineCapabilities(
+        loads_full_weights=False,  # tensors do not travel as JSON
+        loads_group_pushes=True,  # the server's workers receive a trainer's broadcast
+        has_version_counter=True,
+    )
+    """What it does beyond the core protocol (see :class:`~lmcollect.engines.protocol.EngineCapabilities`)."""
 
     def __init__(
         self,
@@ -386,25 +391,14 @@ class VLLMServerEngine:
         name = checkpoint_dtype(folder)
         return checkpoint_metadata(folder, dtype=getattr(torch, name) if name else None)
 
-    def load_weights(
-        self,
-        source: Iterable[tuple[str, torch.Tensor]] | WeightBuckets | GroupPush | LoraAdapter | WeightDelta,
-        *,
-        version: int | PushVersion,
-    ) -> list[Any]:
-        """A :class:`~lmcollect.engines.weight_group.GroupPush`: paused, the server's workers receive
-        the trainer's broadcast and reload, the prefix cache is reset and ``version`` taken; returns
-        the workers' reports. Tensors themselves are refused, before anything is sent: they do not
-        travel through the server's JSON endpoints (push with a ``vLLMUpdater``)."""
-        if not isinstance(source, GroupPush):
-            raise TypeError(
-                f"VLLMServerEngine ({self.base_url}) cannot load weights sent through HTTP; give the collector "
-                "weight_updater=vLLMUpdater() (a process-group broadcast into the server's workers) and push through it."
-            )
-        check_version(version)
+    def _load_group_push(self, push: GroupPush, version: int | PushVersion) -> list[Any]:
+        """Paused, the server's workers receive the trainer's broadcast and reload, the prefix cache
+        is reset and ``version`` taken; returns the workers' reports. Tensors themselves are refused
+        by ``load_weights``, before anything is sent (``capabilities.loads_full_weights`` is False):
+        they do not travel through the server's JSON endpoints (push with a ``vLLMUpdater``)."""
         with self.paused():
             refuse_stale_push(version_index(version), self._counter.index, "VLLMServerEngine")
-            reports = self.collective_rpc(RECEIVE_METHOD, source.worker_args())
+            reports = self.collective_rpc(RECEIVE_METHOD, push.worker_args())
             self._reset_prefix_cache_now()  # its prefixes were computed with the old weights
             self._counter.take(version)
         return reports

@@ -17,7 +17,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -25,9 +25,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 import torch
 
+from lmcollect.engines.base import EngineBase, FullWeights
 from lmcollect.engines.kv_policy import KVPolicy, PushCost, check_kv_policy
 from lmcollect.engines.loop_queue import QueuedAndRunning
 from lmcollect.engines.protocol import (
+    EngineCapabilities,
     EngineClosedError,
     EngineRequest,
     EngineResult,
@@ -36,7 +38,6 @@ from lmcollect.engines.protocol import (
     refuse_long_prompt,
     refuse_stale_push,
 )
-from lmcollect.engines.vllm.shm_payload import SharedPackSets, shared_memory_available
 from lmcollect.engines.vllm.common import (
     INITIAL_VERSION,
     engine_config,
@@ -47,6 +48,7 @@ from lmcollect.engines.vllm.common import (
     result_of,
 )
 from lmcollect.engines.vllm.kv import VLLMKVBook
+from lmcollect.engines.vllm.shm_payload import SharedPackSets, shared_memory_available
 from lmcollect.engines.vllm.worker_ext import (
     COMMIT_STAGED_WEIGHTS,
     DROP_STAGED_WEIGHTS,
@@ -88,7 +90,7 @@ T = TypeVar("T")
 Queued = tuple[Future[EngineResult], str, EngineRequest, "SamplingParams"]
 
 
-class VLLMEngine(QueuedAndRunning):
+class VLLMEngine(QueuedAndRunning, EngineBase):
     """vLLM (continuous batching) in this process, behind the engine protocol; any thread may call it.
 
     A weight push (what ``load_weights`` does by itself, or an updater around a process-group
@@ -129,6 +131,18 @@ class VLLMEngine(QueuedAndRunning):
         result = engine.submit(EngineRequest(prompt_ids=ids, sampling=SamplingConfig(temperature=0.0))).result()
         engine.close()
     """
+
+    capabilities = EngineCapabilities(
+        loads_group_pushes=True,  # its workers receive a trainer's broadcast inside the load
+        loads_lora_adapters=True,  # merged in the workers
+        loads_weight_deltas=True,  # applied in the workers
+        checks_finite_in_copy=True,
+        sets_kv_policy=True,
+        meters_push_costs=True,
+        checkpoints_weights=True,
+        has_version_counter=True,
+    )
+    """What it does beyond the core protocol (see :class:`~lmcollect.engines.protocol.EngineCapabilities`)."""
 
     def __init__(
         self,
@@ -208,60 +222,52 @@ class VLLMEngine(QueuedAndRunning):
         """Continue every in-flight request and the ones submitted while paused."""
         self._between_steps(lambda: setattr(self, "_paused", False))
 
-    def load_weights(
-        self,
-        source: Iterable[tuple[str, torch.Tensor]] | WeightBuckets | GroupPush | LoraAdapter | WeightDelta,
-        *,
-        version: int | PushVersion,
-        check_finite: bool = False,
-    ) -> list[Any] | None:
+    full_load_options = frozenset({"check_finite"})
+
+    def _load_full(self, weights: FullWeights, version: int | PushVersion, options: Mapping[str, Any]) -> None:
         """Check every name, shape and dtype, then reload the weights in every worker and take ``version``.
 
-        ``check_finite``: refuse full weights holding NaN or Inf, checked in the pack buffers right
-        after the copy into them (one pass per buffer; the tensors are named only when one fails).
+        ``load_weights(..., check_finite=True)``: refuse full weights holding NaN or Inf, checked in
+        the pack buffers right after the copy into them (one pass per buffer; the tensors are named
+        only when one fails).
 
         Names are the checkpoint's (Hugging Face) names; a tied output embedding may be sent or
         left out. A refused load raises ``ValueError`` and changes nothing. The load runs between
         two decoding steps, paused or not; running requests are recomputed under the new weights.
 
-        ``source`` a :class:`~lmcollect.weights.buckets.WeightBuckets` (what a sender packed, e.g.
-        a Ray push's object): its layout is checked, then an in-process worker reloads straight
-        from its buffers, which it keeps as its base (do not write into them afterwards); workers
-        in other processes get them copied as they are into the shared pack set. Not packed again.
-
-        ``source`` a :class:`~lmcollect.engines.weight_group.GroupPush`: the workers receive the
-        weights from the trainer's process group (joined before) and reload them, inside the same
-        step boundary; returns each worker's report (what arrived, checksums with ``verify``).
+        A sender's :class:`~lmcollect.weights.buckets.WeightBuckets` (e.g. a Ray push's object):
+        its layout is checked, then an in-process worker reloads straight from its buffers, which it
+        keeps as its base (do not write into them afterwards); workers in other processes get them
+        copied as they are into the shared pack set. Not packed again.
         """
-        check_version(version)
-        if isinstance(source, GroupPush):
-            return self._timed_load(
-                version, lambda: self._took_base(self._llm.collective_rpc(RECEIVE_METHOD, args=source.worker_args()))
-            )
-        if isinstance(source, LoraAdapter):
-            return self._load_adapter(source, version)
-        if isinstance(source, WeightDelta):
-            return self._load_delta(source, version)
-        if isinstance(source, WeightBuckets):
-            problems = bucket_problems(source) or weight_problems(
-                source.layout.metadata(), self._metadata, aliases=self._aliases
+        check_finite = bool(options.get("check_finite", False))
+        if isinstance(weights, WeightBuckets):
+            problems = bucket_problems(weights) or weight_problems(
+                weights.layout.metadata(), self._metadata, aliases=self._aliases
             )
             raise_if_problems(problems, where=" by VLLMEngine.load_weights")  # before anything is sent or written
             with self._full_load:
                 started = time.perf_counter()
-                method, payload = self._passed_on(source, check_finite=check_finite)
-                self._load_full(method, payload, version, into_spare=method == LOAD_SHARED_WEIGHTS,
-                                copy_s=time.perf_counter() - started)  # fmt: skip
-            return None
-        weights = dict(source)
-        check_weights(weights, self._metadata, aliases=self._aliases)  # before anything is sent or written
+                method, payload = self._passed_on(weights, check_finite=check_finite)
+                self._reload_workers(method, payload, version, into_spare=method == LOAD_SHARED_WEIGHTS,
+                                     copy_s=time.perf_counter() - started)  # fmt: skip
+            return
+        tensors = dict(weights)
+        check_weights(tensors, self._metadata, aliases=self._aliases)  # before anything is sent or written
         with self._full_load:
             started = time.perf_counter()
-            method, payload = self._packed(weights, check_finite=check_finite)
-            self._load_full(method, payload, version, into_spare=True, copy_s=time.perf_counter() - started)
-        return None
+            method, payload = self._packed(tensors, check_finite=check_finite)
+            self._reload_workers(method, payload, version, into_spare=True, copy_s=time.perf_counter() - started)
 
-    def _load_full(
+    def _load_group_push(self, push: GroupPush, version: int | PushVersion) -> list[Any]:
+        """The workers receive the weights from the trainer's process group (joined before) and
+        reload them, inside the same step boundary; each worker's report (what arrived, checksums
+        with ``verify``)."""
+        return self._timed_load(
+            version, lambda: self._took_base(self._llm.collective_rpc(RECEIVE_METHOD, args=push.worker_args()))
+        )
+
+    def _reload_workers(
         self, method: str, payload: tuple[str, Any], version: int | PushVersion, *, into_spare: bool, copy_s: float
     ) -> None:
         """Every worker reloads ``payload`` with ``method`` between two steps (under ``_full_load``).
@@ -346,8 +352,7 @@ class VLLMEngine(QueuedAndRunning):
             raise_if_problems(non_finite_problems(copied.tensors()), where=" by VLLMEngine.load_weights")
         return LOAD_SHARED_WEIGHTS, (layout_json, where.as_args())
 
-    loads_lora_adapters = True  # load_weights takes a LoraAdapter (merged in the workers)
-    checks_finite_in_copy = True  # load_weights(check_finite=True) refuses NaN/Inf while it copies
+    checks_finite_in_copy = True  # capabilities.checks_finite_in_copy, as weight_sync/loader.py still reads it
 
     def _load_adapter(self, adapter: LoraAdapter, version: int | PushVersion) -> list[Any]:
         """A LoRA adapter: checked here, sent to every worker in the call (a few MB), merged there into
@@ -388,8 +393,6 @@ class VLLMEngine(QueuedAndRunning):
             return held_base_of(reports), self._adapter
 
         return self._between_steps(read)
-
-    loads_weight_deltas = True  # load_weights takes a WeightDelta (applied in the workers)
 
     def _load_delta(self, delta: WeightDelta, version: int | PushVersion) -> list[Any]:
         """A delta push (e.g. a ``RayRemoteWeightUpdater(delta=True)`` push into a continuous

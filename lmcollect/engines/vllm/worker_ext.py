@@ -60,8 +60,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from lmcollect.engines.vllm.shm_payload import MappedBufferFiles
 from lmcollect.engines.vllm.direct_load import DirectLoad, direct_load_for
+from lmcollect.engines.vllm.shm_payload import MappedBufferFiles
 from lmcollect.transports.process_group import ProcessGroupReceiver
 from lmcollect.weights.buckets import WeightBuckets, layout_from_json, packed_weights
 from lmcollect.weights.delta import DeltaRejectedError, WeightDelta, prepare_delta
