@@ -12,8 +12,11 @@ import ray
 from ray.actor import ActorHandle
 from ray.exceptions import RayActorError, RayTaskError
 
+from lmcollect.collectors.shared.weights import HoldsWeightUpdater
 from lmcollect.ray.carrier import put_weights
+from lmcollect.ray.loader_proxy import ActorWeightLoader
 from lmcollect.weight_sync.base import WeightPushError, WeightUpdaterBase, WorkerIds
+from lmcollect.weight_sync.loader import LoadOptions
 from lmcollect.weights.buckets import WeightBuckets, pack_buckets, view_buckets
 from lmcollect.weights.cost_model import RAY_CPU_PUSH_COST, DeltaChooser
 from lmcollect.weights.delta import (
@@ -100,12 +103,12 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
         if isinstance(max_interval, bool) or not isinstance(max_interval, int) or max_interval < 0:
             raise ValueError(f"max_interval must be an int >= 0 (0: update every push), got {max_interval!r}.")
         self._policy_weights = policy_weights
-        self._collectors = list(remote_collectors or [])  # RayLLMCollectors remember pushes for restarts
-        self._actors = [_actor_of(c, i) for i, c in enumerate(self._collectors)]
+        # each worker's target: a proxy of its actor's loader (a RayLLMCollector's remembers pushes for restarts)
+        self._loaders = [_loader_of(c, i) for i, c in enumerate(remote_collectors or [])]
         self.max_interval = max_interval
         self.config = push_config_or_default(config, updater="RayRemoteWeightUpdater")
         self.config.check_for("ray", updater="RayRemoteWeightUpdater")
-        self._missed = [0] * len(self._actors)  # pushes each worker missed in a row
+        self._missed = [0] * len(self._loaders)  # pushes each worker missed in a row
         self._missed_before_push = list(self._missed)
         self._worker_metadata: list[tuple[dict, dict]] | None = None
         self._in_flight: PushHandle | None = None
@@ -118,14 +121,13 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
             if auto
             else None
         )
-        self._held: list[PushVersion | None] = [None] * len(self._actors)  # what each worker got from us
+        self._held: list[PushVersion | None] = [None] * len(self._loaders)  # what each worker got from us
 
     def register_collector(self, collector: Any) -> None:
         """Register the collector; with no ``remote_collectors`` it becomes worker 0."""
         super().register_collector(collector)
-        if not self._actors:
-            self._collectors = [collector]
-            self._actors = [_actor_of(collector, 0)]
+        if not self._loaders:
+            self._loaders = [_loader_of(collector, 0)]
             self._missed = [0]
             self._held = [None]
 
@@ -135,7 +137,7 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
 
     def all_worker_ids(self) -> list[int]:
         """Indices of the remote collectors: ``[0, ..., len(remote_collectors) - 1]``."""
-        return list(range(len(self._actors)))
+        return list(range(len(self._loaders)))
 
     # ------------------------------------------------------------------ the steps of a push
     def _get_server_weights(self) -> WeightDict | None:
@@ -176,15 +178,15 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
         raise_if_problems(problems, where=f" for worker(s) {sorted(w for ws in groups.values() for w in ws)}")
 
     def _workers_version(self) -> int:
-        refs = {i: actor.version_index.remote() for i, actor in enumerate(self._actors)}
+        refs = {i: loader.version_index_ref() for i, loader in enumerate(self._loaders)}
         found = gather_refs(refs, what="report its policy version", timeout_s=self.config.timeout_s)
         return max(found.values(), default=0)
 
     def _fetch_metadata(self) -> list[tuple[dict, dict]]:
         if self._worker_metadata is None:
-            refs = {i: actor.weight_metadata.remote() for i, actor in enumerate(self._actors)}
+            refs = {i: loader.metadata_ref() for i, loader in enumerate(self._loaders)}
             found = gather_refs(refs, what="report its model's weight metadata", timeout_s=self.config.timeout_s)
-            self._worker_metadata = [found[i] for i in range(len(self._actors))]
+            self._worker_metadata = [found[i] for i in range(len(self._loaders))]
         return self._worker_metadata
 
     def _payload(self, weights: WeightDict) -> WeightBuckets:
@@ -198,15 +200,14 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
 
     def _sync_weights_with_worker(self, *, worker_id: int, server_weights: Any, version: PushVersion) -> Any:
         """Ask worker ``worker_id`` to apply the payload behind the ObjectRef ``server_weights``."""
-        convert_dtype = self.config.convert_dtype
-        remember = getattr(self._collectors[worker_id], "remember_push", None)
-        if callable(remember):  # a RayLLMCollector re-sends it to its actor if the actor restarts
-            remember(server_weights, version=version, convert_dtype=convert_dtype)
-        extra = {"zero_copy": True} if self.config.zero_copy else {}  # actors of other kinds need not know it
         # NaN/Inf were refused here, before ray.put (or allowed by the config): not checked again in the actor
-        return self._actors[worker_id].receive_weights.remote(
-            server_weights, convert_dtype=convert_dtype, version=version, allow_non_finite=True, **extra
+        options = LoadOptions(
+            version=version,
+            convert_dtype=self.config.convert_dtype,
+            zero_copy=self.config.zero_copy,
+            allow_non_finite=True,
         )
+        return self._loaders[worker_id].load_ref(server_weights, options)  # remembered for a restart
 
     def _aligned(self, weights: WeightDict) -> WeightDict:
         """Names spelled as the workers' models spell them (a policy wrapping ``.model`` sends ``model.*``)."""
@@ -230,7 +231,7 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
         return handle
 
     def _before_push(self) -> None:
-        if not self._actors:
+        if not self._loaders:
             raise ValueError(
                 "this RayRemoteWeightUpdater has no workers: pass remote_collectors=[...] or register a collector."
             )
@@ -378,9 +379,9 @@ class RayRemoteWeightUpdater(WeightUpdaterBase[int]):
         if plan.delta_targets:
             assert plan.encoded is not None, "a plan has delta targets only when the delta was encoded"
             delta_ref = put_weights(plan.encoded.delta)
-            convert_dtype = self.config.convert_dtype
+            options = LoadOptions(version=pushed, convert_dtype=self.config.convert_dtype)
             for i in plan.delta_targets:  # not remembered for restarts: a restarted worker gets a full push
-                refs[i] = self._actors[i].receive_weights.remote(delta_ref, convert_dtype=convert_dtype, version=pushed)
+                refs[i] = self._loaders[i].load_ref(delta_ref, options, remember=False)
         refs.update(send_full(plan.full_targets) if plan.full_targets else {})
         full_nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         if plan.encoded is not None and plan.delta_targets:
@@ -547,12 +548,13 @@ def _first_line(exc: BaseException) -> str:
     return lines[0][:300] if lines else type(exc).__name__
 
 
-def _actor_of(collector: Any, index: int) -> ActorHandle:
+def _loader_of(collector: Any, index: int) -> ActorWeightLoader:
+    """The target of ``remote_collectors[index]``: a proxy of its actor's weight loader."""
     if isinstance(collector, ActorHandle):
-        return collector
-    actor = getattr(collector, "actor", None)  # a RayLLMCollector exposes its actor handle
-    if isinstance(actor, ActorHandle):
-        return actor
+        return ActorWeightLoader(collector)
+    target = collector.weight_target() if isinstance(collector, HoldsWeightUpdater) else None
+    if isinstance(target, ActorWeightLoader):  # a RayLLMCollector's (it remembers pushes for restarts)
+        return target
     raise TypeError(
         f"remote_collectors[{index}] is a {type(collector).__name__}; pass RayLLMCollector objects or "
         "the actor handles of collector actors."

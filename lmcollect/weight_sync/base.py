@@ -12,6 +12,7 @@ from typing import Any, Generic, TypeAlias, TypeVar
 
 import torch
 
+from lmcollect.weight_sync.target import WeightTarget
 from lmcollect.weights.delta import PushStats, distinct_nbytes
 from lmcollect.weights.lora import LoraAdapter, check_adapter, is_lora_source, lora_adapter
 from lmcollect.weights.tensors import Metadata, WeightDict, expected_metadata, to_weight_dict
@@ -58,6 +59,7 @@ class WeightUpdaterBase(abc.ABC, Generic[WorkerId]):
 
     def __init__(self) -> None:
         self._collector_ref: weakref.ref | None = None
+        self._weight_target: WeightTarget | None = None  # learnt once, when the collector registers
         self._post_hooks: list[Callable[[], None]] = []
         self._pushed_version = 0
         self._caught_up = False  # the counter starts from the workers' version at the first push
@@ -68,7 +70,7 @@ class WeightUpdaterBase(abc.ABC, Generic[WorkerId]):
     def __getstate__(self) -> dict[str, Any]:
         # the collector link is a weak reference, which cannot travel; register again after unpickling
         state = self.__dict__.copy()
-        state["_collector_ref"] = None
+        state.update(_collector_ref=None, _weight_target=None)
         return state
 
     # ------------------------------------------------------------------ registration
@@ -80,6 +82,7 @@ class WeightUpdaterBase(abc.ABC, Generic[WorkerId]):
                 "one collector. Build a new updater for another collector."
             )
         self._collector_ref = weakref.ref(collector)
+        self._weight_target = collector.weight_target()
 
     @property
     def collector(self) -> Any:
@@ -145,19 +148,26 @@ class WeightUpdaterBase(abc.ABC, Generic[WorkerId]):
         return PushVersion(version)
 
     def _workers_version(self) -> int:
-        """The highest version index the workers hold (the registered collector's here)."""
-        index = getattr(self.collector, "version_index", None)
-        return int(index()) if callable(index) else 0
+        """The highest version index the workers hold (the target's here; 0 without one)."""
+        target = self._weight_target
+        return 0 if target is None else target.version_index()
 
     def _commit_version(self, pushed: PushVersion) -> None:
         self._pushed_version = pushed.index
 
     def increment_version(self) -> None:
         """Bump the registered collector's policy version (for receivers that cannot do it)."""
-        collector = self.collector
-        if collector is None:
-            raise RuntimeError(f"this {type(self).__name__} has no live collector; register one first.")
-        collector.increment_version()
+        self._target().increment_version()
+
+    def _target(self) -> WeightTarget:
+        """What pushes go into: the registered collector's target (learnt when it registered)."""
+        target = self._weight_target
+        if target is None or (self._collector_ref is not None and self.collector is None):
+            raise RuntimeError(
+                f"this {type(self).__name__} has no live collector: pass it as weight_updater=... to a "
+                "collector (or set collector.weight_updater) before pushing."
+            )
+        return target
 
     # ------------------------------------------------------------------ what subclasses define
     @abc.abstractmethod
@@ -277,10 +287,7 @@ class WeightUpdaterBase(abc.ABC, Generic[WorkerId]):
     def _adapter_metadata(self, worker_id: WorkerId) -> Metadata | None:
         """name -> (dtype, shape) of worker ``worker_id``'s model (here: the registered collector's);
         None: not known here (the worker's engine checks the adapter before loading it)."""
-        collector = self.collector
-        if collector is None:
-            raise RuntimeError(f"this {type(self).__name__} has no live collector; register one before pushing.")
-        return collector.weight_metadata()[0]
+        return self._target().metadata()[0]
 
     def _send_adapter(self, *, worker_id: WorkerId, adapter: LoraAdapter, version: PushVersion) -> None:
         """Send ``adapter`` to one worker (here: as :meth:`_sync_weights_with_worker` sends weights)."""

@@ -17,9 +17,10 @@ from lmcollect.engines.protocol import (
     WorkerRpcEngine,
     check_engine_loads,
     engine_of,
+    refuse_stale_push,
     worker_rpc_engine_of,
 )
-from lmcollect.engines.weight_group import GroupPush
+from lmcollect.engines.weight_group import GroupPush, join_weight_group, weight_receiver_nodes
 from lmcollect.weights.buckets import WeightBuckets
 from lmcollect.weights.delta import DeltaRejectedError, WeightDelta, check_delta_base, prepare_delta
 from lmcollect.weights.lora import LoraAdapter, check_adapter, check_merge, is_lora_source, lora_adapter
@@ -99,6 +100,9 @@ class WeightLoader:
         self._shared_models: set[int] = set()  # id() of models whose tensors map a push (zero_copy)
         self._thread: ThreadPoolExecutor | None = None  # pushes started before the trainer sends
 
+    def __repr__(self) -> str:
+        return f"WeightLoader({type(self.policy).__name__})"
+
     # ------------------------------------------------------------------ what is loaded into
     def model(self, model_id: str = "policy") -> Any:
         """The model ``model_id`` names (``policy.model`` when the policy has one, else the policy)."""
@@ -132,15 +136,52 @@ class WeightLoader:
         engine = self.engine(model_id)
         return engine.weight_metadata() if engine is not None else expected_metadata(self.model(model_id))
 
+    # ------------------------------------------------------------------ the updater's target (WeightTarget)
+    def version_index(self) -> int:
+        """The version index of the weights held: the collector's (0 before any push), else the
+        engine's (an untracked collector's, or a bare engine's); 0 when neither counts."""
+        if self.version is not None:
+            return self.version.index
+        engine = engine_of(self.policy)
+        return max(engine.version, 0) if engine is not None else 0
+
+    def increment_version(self) -> None:
+        """Bump the collector's version without new weights (nothing when versions are not tracked)."""
+        if self.version is not None:
+            self.version.increment()
+
+    def num_replicas(self) -> int:
+        """How many replicas the engine with worker processes has."""
+        return self.worker_engine().num_replicas
+
+    def receiver_nodes(self) -> list[str | None]:
+        """The Ray node of each worker of the engine (None: outside Ray, in this process)."""
+        return weight_receiver_nodes(self.worker_engine())
+
+    def owner_node(self) -> str | None:
+        """The Ray node of this process: None (an actor's proxy answers its own node)."""
+        return None
+
+    def submit_join_weight_group(
+        self, connection_info: dict[str, Any], *, ranks_per_replica: int
+    ) -> Callable[[float | None], Any]:
+        """Start the engine's workers joining a trainer's weight group on this loader's thread (see
+        :func:`~lmcollect.engines.weight_group.join_weight_group`); returns ``wait(timeout_s)``."""
+        engine = self.worker_engine()
+        return self.run_in_thread(join_weight_group, engine, connection_info, ranks_per_replica=ranks_per_replica)
+
     # ------------------------------------------------------------------ loads
-    def load(self, weights: Any, options: LoadOptions = LoadOptions(), *, model_id: str = "policy") -> Any:
+    def load(self, weights: Any, options: LoadOptions | None = None, *, model_id: str = "policy") -> Any:
         """Load one push (see ``LLMCollector.receive_weights``); returns the engine's report, if any."""
+        options = options or LoadOptions()
         if is_lora_source(weights):
             weights = lora_adapter(weights)
         with self.lock:
-            engine = self.engine(model_id)
-            if engine is None and isinstance(weights, GroupPush):
-                raise TypeError(NO_GROUP_ENGINE.format(policy=type(self.policy).__name__))
+            engine: Any = self.engine(model_id)
+            if isinstance(weights, GroupPush):  # to the engine whose worker processes joined the group
+                engine = self.worker_engine() if model_id == "policy" else None
+                if engine is None:
+                    raise TypeError(NO_GROUP_ENGINE.format(policy=type(self.policy).__name__))
             if engine is None and isinstance(weights, LoraAdapter):  # merged by the engine, which keeps the base
                 engine = engine_of(self.policy) if model_id == "policy" else None
                 if engine is None:
@@ -155,11 +196,16 @@ class WeightLoader:
                 self._load_into_module(target, weights, options)
             return None
 
-    def submit(self, source: GroupPush | LoraAdapter, *, version: PushVersion | None) -> Callable[[float | None], Any]:
+    def submit_load(
+        self, source: GroupPush | LoraAdapter, *, version: PushVersion | None
+    ) -> Callable[[float | None], Any]:
         """Start :meth:`load` of a process-group push on a thread; returns ``wait(timeout_s)`` for the
         workers' reports (the load returns only once the trainer has sent). A push older than the
         weights held is refused here, before the trainer sends."""
         self.check_version(version)
+        engine = engine_of(self.policy)
+        if version is not None and self.version is None and engine is not None:  # untracked: the engine's own
+            refuse_stale_push(version.index, engine.version, type(engine).__name__)
         return self.run_in_thread(self.load, source, LoadOptions(version=version))
 
     def run_in_thread(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[[float | None], Any]:

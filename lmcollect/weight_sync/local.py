@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lmcollect.weight_sync.base import WeightUpdaterBase
+from lmcollect.weight_sync.loader import LoadOptions
 from lmcollect.weights.tensors import (
     WeightDict,
     narrowest_held_dtypes,
@@ -63,18 +64,11 @@ class LocalWeightUpdater(WeightUpdaterBase[int]):
         if self.allow_non_finite:
             return
         held = None
-        if self.convert_dtype and self.collector is not None:
-            held = narrowest_held_dtypes(weights, [self.collector.weight_metadata()])
+        if self.convert_dtype and self._weight_target is not None:
+            held = narrowest_held_dtypes(weights, [self._weight_target.metadata()])
         raise_if_problems(non_finite_problems(weights, dtypes=held))
 
     def _sync_weights_with_worker(self, *, worker_id: int, server_weights: WeightDict, version: PushVersion) -> None:
-        collector = self.collector
-        if collector is None:
-            raise RuntimeError(
-                "this LocalWeightUpdater has no live collector: pass it as weight_updater=... to a "
-                "collector (or set collector.weight_updater) before pushing."
-            )
         # NaN/Inf: refused (or allowed) by _validate already
-        collector.receive_weights(
-            server_weights, convert_dtype=self.convert_dtype, version=version, allow_non_finite=True
-        )
+        options = LoadOptions(version=version, convert_dtype=self.convert_dtype, allow_non_finite=True)
+        self._target().load(server_weights, options)

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from lmcollect.engines.protocol import EngineProtocol, WorkerRpcEngine, refuse_stale_push, worker_rpc_engine_of
+from lmcollect.engines.protocol import worker_rpc_engine_of
 from lmcollect.engines.vllm.worker_ext import RayNode, current_ray_node
-from lmcollect.engines.weight_group import GroupPush, join_weight_group, weight_receiver_nodes
+from lmcollect.engines.weight_group import GroupPush
 from lmcollect.transports.process_group import PreparedPush, ProcessGroupConfig, ProcessGroupSender
 from lmcollect.weight_sync.base import WeightPushError, WeightUpdaterBase
+from lmcollect.weight_sync.loader import WeightLoader
+from lmcollect.weight_sync.target import Metadata, Wait, WeightTarget
 from lmcollect.weights.cost_model import VLLM_CPU_PUSH_COST, DeltaChooser
 from lmcollect.weights.delta import DeltaConfig, distinct_nbytes, resolve_delta
 from lmcollect.weights.lora import LoraAdapter
@@ -31,9 +32,6 @@ from lmcollect.weights.version import PushVersion
 
 logger = logging.getLogger(__name__)
 
-Metadata = dict[str, tuple[torch.dtype, torch.Size]]
-Wait = Callable[[float | None], Any]
-"""``wait(timeout_s)``: the call's result once it is done (a join: None; a receive: the workers' reports)."""
 LOOPBACK = "127.0.0.1"
 CAUSE_WAIT_S = 5.0  # how long a failed push waits for the worker side's own error
 
@@ -146,7 +144,7 @@ class vLLMUpdater(WeightUpdaterBase[int]):
             else None
         )
         self._push_started = 0.0  # when the push being made began (timed for delta="auto")
-        self._policy: Any = None  # set by from_policy: an engine reached without a collector
+        self._policy: Any = None  # set by from_policy: an engine reached without a collector (its loader)
         self._sender: ProcessGroupSender | None = None
         self._num_replicas = 1
         self.last_push_info: list[dict[str, Any]] = []
@@ -198,7 +196,8 @@ class vLLMUpdater(WeightUpdaterBase[int]):
         if engine is None:
             return None
         updater = cls()
-        updater._policy = _BareEngine(engine)
+        updater._policy = policy
+        updater._weight_target = WeightLoader(policy, version=None)  # the engine counts its versions
         return updater
 
     @classmethod
@@ -285,12 +284,12 @@ class vLLMUpdater(WeightUpdaterBase[int]):
 
     def _engine_node_ids(self, trainer_node_id: str) -> list[str]:
         """The Ray node of every engine worker, as the workers report it."""
-        reported = self._target().policy_weight_receiver_nodes()
+        target = self._target()
+        reported = target.receiver_nodes()
         owner_node_id = trainer_node_id
         if None in reported:
-            # a worker without Ray is a subprocess of the engine's owner: the collector's process
-            process_info = getattr(self._target(), "process_info", None)  # a Ray collector reports its actor's node
-            owner_node_id = process_info()["node_id"] if callable(process_info) else trainer_node_id
+            # a worker without Ray is a subprocess of the engine's owner: the loader's process
+            owner_node_id = target.owner_node() or trainer_node_id
         return [owner_node_id if node_id is None else node_id for node_id in reported]
 
     def reset_delta_base(self) -> None:
@@ -343,7 +342,7 @@ class vLLMUpdater(WeightUpdaterBase[int]):
         deadline = time.monotonic() + self.timeout_s
         # The engine's load: its workers receive while the trainer sends, then the prefix-cache
         # reset and the version, in one hold of the engine (a collector's policy lock or pause).
-        received = self._target().submit_receive_weights(
+        received = self._target().submit_load(
             GroupPush(timeout_s=self.timeout_s, verify=self.config.verify), version=version
         )
         prepared, self._prepared = self._prepared, None
@@ -370,7 +369,7 @@ class vLLMUpdater(WeightUpdaterBase[int]):
         """An adapter is a few MB: it goes in the engine's load call itself (``VLLMEngine`` sends it
         to its workers, which merge it), not through the process group's broadcast."""
         deadline = time.monotonic() + self.timeout_s
-        received = self._target().submit_receive_weights(adapter.to("cpu"), version=version)
+        received = self._target().submit_load(adapter.to("cpu"), version=version)
         self.last_push_info = self._wait(received, deadline, "receive_weights")
 
     def _record_push_stats(self, weights: WeightDict, targets: list[int]) -> None:
@@ -385,26 +384,20 @@ class vLLMUpdater(WeightUpdaterBase[int]):
             )
 
     # ------------------------------------------------------------------ reaching the engine
-    # Through the registered collector (in-process or a Ray actor), else the from_policy engine:
-    # each answers policy_engine_num_replicas / policy_weight_receiver_nodes / submit_join_weight_group
-    # / submit_receive_weights (engine verbs: the engine names its workers' methods).
-    def _target(self) -> EngineTarget:
-        target = self.collector if self.collector is not None else self._policy
-        if target is None:
+    # Through the registered collector's target (its WeightLoader, or a proxy of its actor's), else
+    # the from_policy engine's loader: the engine names its workers' methods.
+    def _target(self) -> WeightTarget:
+        if self._weight_target is None and self._policy is not None:  # from_policy, after unpickling
+            self._weight_target = WeightLoader(self._policy, version=None)
+        if self._weight_target is None:
             raise RuntimeError(
                 "this vLLMUpdater has no collector: pass it as weight_updater=... to a collector whose "
                 "policy is a VLLMPolicy (or build it with vLLMUpdater.from_policy(policy))."
             )
-        return target
-
-    def _workers_version(self) -> int:
-        """The version the engine holds: the collector's, else the bare engine's."""
-        if self.collector is None and self._policy is not None:
-            return self._policy.version_index()
-        return super()._workers_version()
+        return super()._target()
 
     def _call_num_replicas(self) -> int:
-        return self._target().policy_engine_num_replicas()
+        return self._target().num_replicas()
 
     def _wait(self, wait: Wait, deadline: float, what: str) -> Any:
         try:
@@ -435,59 +428,3 @@ class vLLMUpdater(WeightUpdaterBase[int]):
 
 
 VLLMUpdater = vLLMUpdater
-
-
-class EngineTarget(Protocol):
-    """How the updater reaches an engine's workers: a collector (local or Ray) or a bare engine."""
-
-    def policy_engine_num_replicas(self) -> int: ...
-
-    def policy_weight_receiver_nodes(self) -> list[str | None]: ...
-
-    def submit_join_weight_group(self, connection_info: dict[str, Any], *, ranks_per_replica: int) -> Wait: ...
-
-    def submit_receive_weights(self, source: GroupPush | LoraAdapter, *, version: PushVersion | None) -> Wait: ...
-
-
-class _BareEngine:
-    """An engine reached without a collector (``from_policy``): calls run on a thread of their own.
-
-    The engine's ``load_weights`` receives, resets its prefix cache and takes the version (a
-    continuous engine between two decoding steps); a lockstep policy's generation is the caller's
-    to keep off meanwhile (no collector lock here).
-    """
-
-    def __init__(self, engine: WorkerRpcEngine) -> None:
-        self.engine = engine
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="vllm-updater")
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"engine": self.engine}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        _BareEngine.__init__(self, state["engine"])
-
-    def policy_engine_num_replicas(self) -> int:
-        return self.engine.num_replicas
-
-    def policy_weight_receiver_nodes(self) -> list[str | None]:
-        return weight_receiver_nodes(self.engine)
-
-    def submit_join_weight_group(self, connection_info: dict[str, Any], *, ranks_per_replica: int) -> Wait:
-        return self._thread.submit(
-            join_weight_group, self.engine, connection_info, ranks_per_replica=ranks_per_replica
-        ).result
-
-    def version_index(self) -> int:
-        """The version the engine holds (what a new updater counts on from)."""
-        return max(self.engine.version, 0) if isinstance(self.engine, EngineProtocol) else 0
-
-    def submit_receive_weights(self, source: GroupPush | LoraAdapter, *, version: PushVersion | None) -> Wait:
-        engine = self.engine
-        index = version.index if version is not None else self.version_index() + 1
-        if isinstance(engine, EngineProtocol):  # here, before the trainer sends to workers that would not receive
-            refuse_stale_push(index, engine.version, type(engine).__name__)
-        return self._thread.submit(engine.load_weights, source, version=index).result
-
-    def __repr__(self) -> str:
-        return f"{type(self.engine).__name__}"

@@ -11,7 +11,7 @@ import torch
 from lmcollect.weights.buckets import pack_buckets, plan_layout
 from lmcollect.transports.process_group import ProcessGroupConfig, ProcessGroupReceiver, ProcessGroupSender
 from lmcollect.weight_sync.vllm_updater import LOOPBACK, default_master_address, vLLMUpdater
-from lmcollect.engines.vllm_worker_ext import EngineWeights, RayNode, current_ray_node
+from lmcollect.engines.vllm.worker_ext import EngineWeights, RayNode, current_ray_node
 from lmcollect.weights.tensors import tensor_metadata
 
 TRAINER = RayNode(node_id="node-a", ip="10.0.0.1")
