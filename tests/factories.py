@@ -256,7 +256,7 @@ def make_guessing_slot_env():
 
 def make_tiny_vllm_engine(model_path: str, engine_kwargs: dict):
     """A VLLMEngine over the model saved at ``model_path`` (built inside a collector's actor)."""
-    from lmcollect.engines.vllm_engine import VLLMEngine
+    from lmcollect.engines.vllm.engine import VLLMEngine
 
     return VLLMEngine(model_path, engine_kwargs=engine_kwargs, timeout_s=120.0)
 

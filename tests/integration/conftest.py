@@ -88,7 +88,7 @@ def greedy_policy(vllm_env: None, model_dir: Path) -> Any:
 
 @pytest.fixture(scope="session")
 def engine(greedy_policy: Any) -> Any:
-    from lmcollect.engines.vllm_engine import VLLMEngine
+    from lmcollect.engines.vllm.engine import VLLMEngine
 
     assert isinstance(greedy_policy.engine, VLLMEngine)
     return greedy_policy.engine

@@ -13,7 +13,7 @@ import pytest
 import torch
 from tensordict import TensorDictBase
 
-from lmcollect.collectors.llm_collector import LLMCollector
+from lmcollect.collectors.lockstep.collector import LLMCollector
 from lmcollect.data import keys
 from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
 from lmcollect.models import load_model_and_tokenizer

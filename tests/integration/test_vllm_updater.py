@@ -16,7 +16,7 @@ import pytest
 import torch
 from tensordict import TensorDictBase, lazy_stack
 
-from lmcollect.collectors.llm_collector import LLMCollector
+from lmcollect.collectors.lockstep.collector import LLMCollector
 from lmcollect.data import keys
 from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
 from lmcollect.models import ModelSpec, get_model_path, load_model_and_tokenizer
@@ -30,7 +30,7 @@ pytest.importorskip("vllm")
 from lmcollect.policies.vllm_policy import VLLMPolicy  # noqa: E402
 from lmcollect.weight_sync.vllm_updater import VLLMUpdater, vLLMUpdater  # noqa: E402
 from lmcollect.weight_sync import PushConfig  # noqa: E402
-from lmcollect.engines.vllm_worker_ext import VLLM_EXTENSION  # noqa: E402
+from lmcollect.engines.vllm.worker_ext import VLLM_EXTENSION  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
