@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from lmcollect.engines.vllm_worker_ext import VLLMWeightReceiverExtension
+from lmcollect.engines.vllm.worker_ext import VLLMWeightReceiverExtension
 
 HOLD_S = 1.0
 HOLDING_EXTENSION = "tests.vllm_hold.HoldingReceiverExtension"

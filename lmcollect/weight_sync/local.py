@@ -6,6 +6,7 @@ from typing import Any
 
 from lmcollect.weight_sync.base import WeightUpdaterBase
 from lmcollect.weight_sync.loader import LoadOptions
+from lmcollect.weights.push_config import PushConfig, push_config_or_default, with_keywords
 from lmcollect.weights.tensors import (
     WeightDict,
     narrowest_held_dtypes,
@@ -26,9 +27,13 @@ class LocalWeightUpdater(WeightUpdaterBase[int]):
     Args:
         policy_weights: what ``push_weights()`` pushes when given nothing: an ``nn.Module``, a
             TensorDict (module) or a dict, read at push time (so it follows training).
-        convert_dtype: cast floating tensors to the model's dtype instead of rejecting them.
-        allow_non_finite: push weights holding NaN or infinite values; False (the default):
-            such a push is refused before anything changes.
+        config: how it pushes (:class:`~lmcollect.weights.push_config.PushConfig`): an in-process
+            push reads ``convert_dtype`` (cast floating tensors to the model's dtype instead of
+            rejecting them) and ``allow_non_finite`` (push weights holding NaN or infinite values;
+            False, the default: such a push is refused before anything changes); the options of
+            pushes that travel (delta, buckets, Ray, process group) are refused.
+        convert_dtype, allow_non_finite: the same fields as keywords (None: the config's); a
+            keyword that disagrees with ``config`` is a ValueError.
 
     Example::
 
@@ -40,12 +45,32 @@ class LocalWeightUpdater(WeightUpdaterBase[int]):
     """
 
     def __init__(
-        self, policy_weights: Any = None, *, convert_dtype: bool = False, allow_non_finite: bool = False
+        self,
+        policy_weights: Any = None,
+        *,
+        config: PushConfig | None = None,
+        convert_dtype: bool | None = None,
+        allow_non_finite: bool | None = None,
     ) -> None:
         super().__init__()
         self._policy_weights = policy_weights
-        self.convert_dtype = convert_dtype
-        self.allow_non_finite = allow_non_finite
+        self.config = with_keywords(
+            push_config_or_default(config, updater="LocalWeightUpdater"),
+            updater="LocalWeightUpdater",
+            convert_dtype=convert_dtype,
+            allow_non_finite=allow_non_finite,
+        )
+        self.config.check_for("in process", updater="LocalWeightUpdater")
+
+    @property
+    def convert_dtype(self) -> bool:
+        """Cast floating tensors to the model's dtype instead of rejecting them (``config.convert_dtype``)."""
+        return self.config.convert_dtype
+
+    @property
+    def allow_non_finite(self) -> bool:
+        """Push weights holding NaN or infinite values (``config.allow_non_finite``)."""
+        return self.config.allow_non_finite
 
     @classmethod
     def from_policy(cls, policy: Any) -> LocalWeightUpdater:

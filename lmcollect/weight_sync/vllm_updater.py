@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -20,7 +19,7 @@ from lmcollect.weight_sync.target import Metadata, Wait, WeightTarget
 from lmcollect.weights.cost_model import VLLM_CPU_PUSH_COST, DeltaChooser
 from lmcollect.weights.delta import DeltaConfig, distinct_nbytes, resolve_delta
 from lmcollect.weights.lora import LoraAdapter
-from lmcollect.weights.push_config import Backend, PushConfig, push_config_or_default
+from lmcollect.weights.push_config import Backend, PushConfig, push_config_or_default, with_keywords
 from lmcollect.weights.tensors import (
     WeightDict,
     non_finite_problems,
@@ -46,26 +45,6 @@ def default_master_address(trainer_node: RayNode | None, engine_node_ids: Sequen
     if trainer_node is None or all(node_id == trainer_node.node_id for node_id in engine_node_ids):
         return LOOPBACK
     return trainer_node.ip
-
-
-def _merge_keywords(config: PushConfig, **keywords: Any) -> PushConfig:
-    """``config`` with the spec's constructor keywords that were given (not None) set in it.
-
-    A keyword that disagrees with a field ``config`` set to something else is a ValueError,
-    so neither silently wins.
-    """
-    given = {name: value for name, value in keywords.items() if value is not None}
-    defaults = PushConfig()
-    clashes = [
-        f"{name}={value!r} and config=PushConfig({name}={getattr(config, name)!r})"
-        for name, value in given.items()
-        if getattr(config, name) not in (value, getattr(defaults, name))
-    ]
-    if clashes:
-        raise ValueError(
-            f"vLLMUpdater got {'; '.join(clashes)}: give each setting once (the keyword or the config field)."
-        )
-    return replace(config, **given)
 
 
 class vLLMUpdater(WeightUpdaterBase[int]):
@@ -130,8 +109,9 @@ class vLLMUpdater(WeightUpdaterBase[int]):
         config: PushConfig | None = None,
     ) -> None:
         super().__init__()
-        self.config = _merge_keywords(
+        self.config = with_keywords(
             push_config_or_default(config, updater="vLLMUpdater"),
+            updater="vLLMUpdater",
             master_address=master_address,
             master_port=master_port,
             vllm_tp_size=vllm_tp_size,
@@ -176,11 +156,6 @@ class vLLMUpdater(WeightUpdaterBase[int]):
     def _delta_config(self) -> DeltaConfig | None:
         """The delta encoding of every push (None: full pushes, or "auto", which chooses per push)."""
         return None if self.config.delta == "auto" else resolve_delta(self.config.delta)
-
-    def _bucket_size(self) -> dict[str, int]:
-        """The config's bucket size, if it sets one (else the process group's default)."""
-        size = self.config.bucket_size_bytes
-        return {} if size is None else {"bucket_size_bytes": size}
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -237,16 +212,13 @@ class vLLMUpdater(WeightUpdaterBase[int]):
         metadata = model_metadata if model_metadata is not None else self.model_metadata
         self._num_replicas = self._call_num_replicas()
         config = ProcessGroupConfig(
-            master_address=self.config.master_address or self._default_master_address(),
-            master_port=self.config.master_port or 0,
             num_receivers=self.vllm_tp_size * self._num_replicas,
+            push=self.config,
+            master_address=self.config.master_address or self._default_master_address(),
             backend=self._choose_backend(device),
-            timeout_s=self.timeout_s,
-            convert_dtype=self.config.convert_dtype,
-            allow_non_finite=self.config.allow_non_finite,
-            digest=self.config.digest,
-            delta=self._delta_config,
-            **self._bucket_size(),
+            delta=self._delta_config or False,  # "auto": chosen per push (sender.use_delta)
+            link_gbit=None,  # the updater's chooser reads them
+            cost_model=None,
         )
         sender = ProcessGroupSender(config)
         info = sender.connection_info()
