@@ -5,13 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from lmcollect.weight_sync.base import WeightUpdaterBase
-from lmcollect.weight_sync.loader import LoadOptions
+from lmcollect.weight_sync.sender import InProcessSender
 from lmcollect.weights.push_config import PushConfig, push_config_or_default, with_keywords
 from lmcollect.weights.tensors import (
     WeightDict,
-    narrowest_held_dtypes,
-    non_finite_problems,
-    raise_if_problems,
     to_weight_dict,
 )
 from lmcollect.weights.version import PushVersion
@@ -83,17 +80,11 @@ class LocalWeightUpdater(WeightUpdaterBase[int]):
     def _get_server_weights(self) -> WeightDict | None:
         return None if self._policy_weights is None else to_weight_dict(self._policy_weights)
 
-    def _validate(self, weights: WeightDict, worker_ids: list[int]) -> None:
-        """Refuse NaN/Inf here (as the model will hold the values, with ``convert_dtype``); names,
-        shapes and dtypes are checked by the collector as it loads."""
-        if self.allow_non_finite:
-            return
-        held = None
-        if self.convert_dtype and self._weight_target is not None:
-            held = narrowest_held_dtypes(weights, [self._weight_target.metadata()])
-        raise_if_problems(non_finite_problems(weights, dtypes=held))
+    def _make_sender(self) -> InProcessSender:
+        return InProcessSender(self._target, self.config)
 
     def _sync_weights_with_worker(self, *, worker_id: int, server_weights: WeightDict, version: PushVersion) -> None:
-        # NaN/Inf: refused (or allowed) by _validate already
-        options = LoadOptions(version=version, convert_dtype=self.convert_dtype, allow_non_finite=True)
-        self._target().load(server_weights, options)
+        """Load ``server_weights`` into the collector as ``version`` (checked by the sender before)."""
+        sender = self.push_sender
+        assert isinstance(sender, InProcessSender), "_make_sender builds it"
+        sender.load(server_weights, version)
