@@ -33,18 +33,25 @@ class WeightPushError(RuntimeError):
 class WeightUpdaterBase(abc.ABC, Generic[WorkerId]):
     """Pushes a trainer's weights to the inference workers behind a collector.
 
-    One push, in order:
+    One push, in order (one loop for every mechanism, :meth:`_push`; each stage is the
+    :attr:`push_sender`'s, a :class:`~lmcollect.weight_sync.sender.PushSender`):
 
     1. resolve the weights: the argument (an ``nn.Module``, a TensorDict module, a TensorDict, a
-       dict) or, when it is None, :meth:`_get_server_weights`; then :meth:`_maybe_map_weights`;
-    2. check ``worker_ids`` against :meth:`all_worker_ids` and :meth:`_validate` the weights, so a
-       bad push is rejected before any worker changes anything;
-    3. assign the push its version (:meth:`next_version`): one more than the last push, or
+       dict) or, when it is None, :meth:`_get_server_weights`; then :meth:`_maybe_map_weights`
+       and the sender's ``prepare``;
+    2. assign the push its version (:meth:`next_version`): one more than the last push, or
        ``push_weights(..., version=N)``; versions only go up, a lower or equal one is refused;
-    4. for every targeted worker that :meth:`_skip_update` does not skip,
-       :meth:`_sync_weights_with_worker`: the receiver pauses its policy (no turn runs), loads
-       the weights in place, resets its prefix cache, takes the push's version, resumes;
-    5. run the :attr:`post_hooks` (only when some worker was updated).
+    3. check ``worker_ids`` against :meth:`all_worker_ids` and the weights against every worker
+       (the sender's ``check``, once), so a bad push is rejected before any worker changes anything;
+    4. leave out the workers :meth:`_skip_update` skips; the sender's ``plan`` (e.g. a delta);
+    5. send and wait: each targeted worker's loader (its :class:`~lmcollect.weight_sync.target.WeightTarget`,
+       learnt when the collector registered) holds its policy (no turn runs), loads the weights
+       in place, resets its prefix cache, takes the push's version, resumes;
+    6. record :attr:`last_push_stats`, run the :attr:`post_hooks` (only when some worker was updated).
+
+    An updater that defines only :meth:`all_worker_ids` and :meth:`_sync_weights_with_worker`
+    (and optionally :meth:`_validate`, :meth:`_adapter_metadata`) pushes through an
+    :class:`~lmcollect.weight_sync.sender.EachWorkerSender`, which calls those hooks.
 
     The version belongs to the push, not to each receiver: collectors holding the same weights
     report the same version, and one that skipped pushes reports the one it holds.

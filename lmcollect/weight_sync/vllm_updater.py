@@ -30,15 +30,17 @@ class vLLMUpdater(WeightUpdaterBase[int]):
     The engine may be in this process (a local ``LLMCollector``), in a ``RayLLMCollector``'s
     actor, in engine actors (``VLLMReplicas``), or a vLLM server (``VLLMServerPolicy``, through its
     development endpoints, which also pause the server's generation for the call); the updater
-    reaches it through the collector.
+    reaches it through the collector's weight loader (or a proxy of its actor's), learnt when the
+    collector registers, and pushes through a
+    :class:`~lmcollect.weight_sync.group_sender.ProcessGroupPushSender`.
 
     One push, in order:
 
     1. check the weights against what every worker accepts, and for NaN/Inf (one ValueError,
        nothing sent);
-    2. the collector's ``receive_weights(GroupPush(...))`` starts without the trainer waiting for
-       it: the engine's ``load_weights`` holds it (the collector's policy lock or the engine's
-       pause, so no turn runs) while its workers receive;
+    2. the loader's load of ``GroupPush(...)`` starts without the trainer waiting for it: the
+       engine's ``load_weights`` holds it (the collector's policy lock or the engine's pause, so
+       no turn runs) while its workers receive;
     3. send: the layout (metadata) through the store, then a few flat per-dtype buckets by broadcast
        (with ``convert_dtype``, each tensor is cast to the engine's dtype as its bucket is packed);
        with ``delta``, after the first push only the changed elements travel: each worker patches
