@@ -10,7 +10,9 @@ import torch
 from lmcollect.collectors import LLMCollector
 from lmcollect.engines.weight_group import GroupPush
 from lmcollect.testing import ScriptedEngine
-from lmcollect.weight_sync import LocalWeightUpdater, WeightLoader, WeightTarget
+from lmcollect.weight_sync import LocalWeightUpdater, WeightLoader, WeightTarget, WeightUpdaterBase
+from lmcollect.weight_sync.sender import EachWorkerSender, PushSender
+from lmcollect.weights.delta import PushStats
 from lmcollect.weight_sync.vllm_updater import vLLMUpdater
 from lmcollect.weights.version import PushVersion
 from tests.unit.test_weight_sync import make_collector, trained
@@ -81,3 +83,95 @@ def test_a_collector_without_a_live_target_refuses_pushes_by_name() -> None:
     with pytest.raises(RuntimeError, match="no live collector"):
         LocalWeightUpdater().push_weights(trained())
     assert isinstance(make_collector(), LLMCollector)
+
+
+class RecordingSender(PushSender[int]):
+    """Records the loop's calls; refuses a push whose weights hold a tensor named "bad"."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def before_push(self) -> None:
+        self.calls.append("before_push")
+
+    def prepare(self, weights: Any) -> Any:
+        self.calls.append("prepare")
+        return weights
+
+    def check(self, payload: Any, worker_ids: list[int]) -> None:
+        self.calls.append(f"check {worker_ids}")
+        if "bad" in payload:
+            raise ValueError("bad")
+
+    def plan(self, payload: Any, targets: list[int]) -> str:
+        self.calls.append(f"plan {targets}")
+        return "the plan"
+
+    def send(self, payload: Any, targets: list[int], pushed: PushVersion, plan: Any) -> str:
+        self.calls.append(f"send {targets} v{pushed.index} {plan}")
+        self.last_push_stats = PushStats.full(4, num_full=len(targets))
+        return "sent"
+
+    def wait(self, sent: Any, targets: list[int], pushed: PushVersion, *, wait: bool, on_done: Any) -> None:
+        self.calls.append(f"wait {sent} {wait}")
+        on_done()
+
+
+class RecordingUpdater(WeightUpdaterBase[int]):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sender = RecordingSender()
+        self.register_post_hook(lambda: self.sender.calls.append("post hook"))
+
+    def all_worker_ids(self) -> list[int]:
+        return [0, 1, 2]
+
+    def _skip_update(self, worker_id: int) -> bool:
+        return worker_id == 1
+
+    def _make_sender(self) -> RecordingSender:
+        return self.sender
+
+    def _sync_weights_with_worker(self, *, worker_id: int, server_weights: Any, version: PushVersion) -> None:
+        raise AssertionError("the sender sends")
+
+
+def test_one_loop_calls_each_stage_of_the_sender_once_in_order() -> None:
+    updater = RecordingUpdater()
+    updater.push_weights({"w": torch.zeros(1)})
+    assert updater.sender.calls == [
+        "before_push", "prepare", "check [0, 1, 2]", "plan [0, 2]", "send [0, 2] v1 the plan", "wait sent True",
+        "post hook",
+    ]  # fmt: skip
+    stats = updater.last_push_stats
+    assert stats is not None and stats.num_full == 2 and stats.call_s is not None and updater.version == 1
+    updater.sender.calls.clear()
+    with pytest.raises(ValueError, match="bad"):  # refused at the check: no version handed out, nothing sent
+        updater.push_weights({"bad": torch.zeros(1)}, worker_ids=[2])
+    assert updater.sender.calls == ["before_push", "prepare", "check [2]"] and updater.version == 1
+    updater.push_weights({"w": torch.zeros(1)})
+    assert updater.version == 2  # the refused push's version was not taken
+
+
+def test_a_custom_updater_with_only_the_spec_hooks_pushes_through_each_worker_sender() -> None:
+    class Hooks(WeightUpdaterBase[int]):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sent: list[tuple[int, int]] = []
+
+        def all_worker_ids(self) -> list[int]:
+            return [0, 1]
+
+        def _validate(self, weights: Any, worker_ids: list[int]) -> None:
+            if "bad" in weights:
+                raise ValueError("bad weights")
+
+        def _sync_weights_with_worker(self, *, worker_id: int, server_weights: Any, version: PushVersion) -> None:
+            self.sent.append((worker_id, version.index))
+
+    updater = Hooks()
+    assert isinstance(updater.push_sender, EachWorkerSender)
+    updater.push_weights({"w": torch.zeros(2)})
+    with pytest.raises(ValueError, match="bad weights"):
+        updater.push_weights({"bad": torch.zeros(2)})
+    assert updater.sent == [(0, 1), (1, 1)] and updater.version == 1
