@@ -12,7 +12,7 @@ from tensordict import TensorDictBase
 from lmcollect.data import History, keys
 from lmcollect.envs import ChatEnv, GuessingGameTask, binary_search_player, guessing_game_dataset
 from lmcollect.testing import ScriptedPolicy
-from lmcollect.engines.vllm_worker_ext import VLLMWeightReceiverExtension
+from lmcollect.engines.vllm.worker_ext import VLLMWeightReceiverExtension
 
 ENV_FAULTS = ("raise", "task_raises", "no_done", "no_reward")
 POLICY_FAULTS = ("raise", "short_log_probs")

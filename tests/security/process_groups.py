@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lmcollect.engines.vllm_worker_ext import EngineWeights
+from lmcollect.engines.vllm.worker_ext import EngineWeights
 from lmcollect.transports.process_group import ProcessGroupConfig, ProcessGroupReceiver, ProcessGroupSender
 from lmcollect.weights.tensors import tensor_metadata
 
