@@ -310,8 +310,10 @@ class MeteredEngine:
         return self.engine.version_counter
 
     @property
-    def checks_finite_in_copy(self) -> bool:  # the engine's NaN/Inf check rides on its copy, as without the meter
-        return getattr(self.engine, "checks_finite_in_copy", False)
+    def capabilities(self) -> Any:  # the engine's (version counter, KV policy, NaN/Inf check in its copy...)
+        from lmcollect.engines import capabilities_of
+
+        return capabilities_of(self.engine)
 
     def weight_metadata(self) -> tuple[dict, dict]:
         return self.engine.weight_metadata()

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
-from lmcollect.engines.sampling import eos_token_ids
 from lmcollect.engines.hf.engine import TransformersEngine
+from lmcollect.engines.sampling import eos_token_ids
 from lmcollect.plumbing import forwarded
 from lmcollect.policies.engine_policy import EnginePolicy
 

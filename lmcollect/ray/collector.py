@@ -31,6 +31,7 @@ from lmcollect.plumbing import ShutsDownOnExit
 from lmcollect.ray.carrier import put_weights
 from lmcollect.ray.cluster import actor_options, init_ray, torch_threads_for, with_thread_env
 from lmcollect.ray.forwarding import forward, forward_attribute
+from lmcollect.ray.loader_proxy import ActorWeightLoader
 from lmcollect.weights.version import PushVersion
 
 logger = logging.getLogger(__name__)
@@ -450,6 +451,10 @@ class RayLLMCollector(ConfiguredCollector, HoldsWeightUpdater, ShutsDownOnExit):
         """The driver's ``policy`` argument (the policy itself lives in the actor)."""
         return self._policy_arg
 
+    def weight_target(self) -> ActorWeightLoader:
+        """What a weight updater pushes into: a proxy of the actor's weight loader (pushes remembered for a restart)."""
+        return ActorWeightLoader(self._actor, remember=self.remember_push, call_timeout_s=self._call_timeout_s)
+
     def init_updater(self, *args: Any, **kwargs: Any) -> None:
         """``init(*args, **kwargs)`` on the weight updater (the driver's, else the actor's)."""
         if self._weight_updater is not None:
@@ -484,27 +489,6 @@ class RayLLMCollector(ConfiguredCollector, HoldsWeightUpdater, ShutsDownOnExit):
             self.remember_push(ref, version=self._call("receive_weights", ref, **push).version)
         else:
             self._call("receive_weights")
-
-    def submit_join_weight_group(
-        self, connection_info: dict[str, Any], *, ranks_per_replica: int
-    ) -> Callable[[float | None], Any]:
-        """Start ``join_policy_weight_group`` in the actor without waiting; returns ``wait(timeout_s)``."""
-        ref = self._actor.join_policy_weight_group.remote(connection_info, ranks_per_replica=ranks_per_replica)
-
-        def wait(timeout_s: float | None = None) -> Any:
-            return self._get(ref, "join_policy_weight_group", timeout_s)
-
-        return wait
-
-    def submit_receive_weights(self, source: Any, *, version: PushVersion | None) -> Callable[[float | None], Any]:
-        """Start ``receive_weights(source)`` in the actor without waiting (a process-group push:
-        its receive returns only once the trainer has sent); ``wait(timeout_s)`` gives the report."""
-        ref = self._actor.receive_weights.remote(source, version=version)
-
-        def wait(timeout_s: float | None = None) -> Any:
-            return self._get(ref, "receive_weights", timeout_s).report
-
-        return wait
 
     def __repr__(self) -> str:
         return self._name

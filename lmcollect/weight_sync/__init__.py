@@ -15,6 +15,8 @@ from lmcollect.transports.shared_memory import SharedMemoryReceiver, SharedMemor
 from lmcollect.weight_sync.base import WeightPushError, WeightUpdaterBase
 from lmcollect.weight_sync.loader import LoadOptions, WeightLoader
 from lmcollect.weight_sync.local import LocalWeightUpdater
+from lmcollect.weight_sync.sender import PushSender
+from lmcollect.weight_sync.target import WeightTarget
 from lmcollect.weights.buckets import BucketLayout, TensorSlot, WeightBuckets, pack_buckets, view_buckets
 from lmcollect.weights.delta import DeltaConfig, DeltaRejectedError, PushStats, WeightDelta
 from lmcollect.weights.push_config import PushConfig
@@ -35,6 +37,7 @@ __all__ = [
     "LoadOptions",
     "LocalWeightUpdater",
     "PushConfig",
+    "PushSender",
     "PushStats",
     "SharedMemoryReceiver",
     "SharedMemorySender",
@@ -45,6 +48,7 @@ __all__ = [
     "WeightPushError",
     "WeightReceiver",
     "WeightSender",
+    "WeightTarget",
     "WeightUpdaterBase",
     "check_weights",
     "load_weights_",

@@ -12,8 +12,10 @@ from typing import Any, Generic, TypeAlias, TypeVar
 
 import torch
 
-from lmcollect.weights.delta import PushStats, distinct_nbytes
-from lmcollect.weights.lora import LoraAdapter, check_adapter, is_lora_source, lora_adapter
+from lmcollect.weight_sync.sender import EachWorkerSender, PushSender
+from lmcollect.weight_sync.target import WeightTarget
+from lmcollect.weights.delta import PushStats
+from lmcollect.weights.lora import LoraAdapter, is_lora_source, lora_adapter
 from lmcollect.weights.tensors import Metadata, WeightDict, expected_metadata, to_weight_dict
 from lmcollect.weights.version import PushVersion
 
@@ -31,18 +33,25 @@ class WeightPushError(RuntimeError):
 class WeightUpdaterBase(abc.ABC, Generic[WorkerId]):
     """Pushes a trainer's weights to the inference workers behind a collector.
 
-    One push, in order:
+    One push, in order (one loop for every mechanism, :meth:`_push`; each stage is the
+    :attr:`push_sender`'s, a :class:`~lmcollect.weight_sync.sender.PushSender`):
 
     1. resolve the weights: the argument (an ``nn.Module``, a TensorDict module, a TensorDict, a
-       dict) or, when it is None, :meth:`_get_server_weights`; then :meth:`_maybe_map_weights`;
-    2. check ``worker_ids`` against :meth:`all_worker_ids` and :meth:`_validate` the weights, so a
-       bad push is rejected before any worker changes anything;
-    3. assign the push its version (:meth:`next_version`): one more than the last push, or
+       dict) or, when it is None, :meth:`_get_server_weights`; then :meth:`_maybe_map_weights`
+       and the sender's ``prepare``;
+    2. assign the push its version (:meth:`next_version`): one more than the last push, or
        ``push_weights(..., version=N)``; versions only go up, a lower or equal one is refused;
-    4. for every targeted worker that :meth:`_skip_update` does not skip,
-       :meth:`_sync_weights_with_worker`: the receiver pauses its policy (no turn runs), loads
-       the weights in place, resets its prefix cache, takes the push's version, resumes;
-    5. run the :attr:`post_hooks` (only when some worker was updated).
+    3. check ``worker_ids`` against :meth:`all_worker_ids` and the weights against every worker
+       (the sender's ``check``, once), so a bad push is rejected before any worker changes anything;
+    4. leave out the workers :meth:`_skip_update` skips; the sender's ``plan`` (e.g. a delta);
+    5. send and wait: each targeted worker's loader (its :class:`~lmcollect.weight_sync.target.WeightTarget`,
+       learnt when the collector registered) holds its policy (no turn runs), loads the weights
+       in place, resets its prefix cache, takes the push's version, resumes;
+    6. record :attr:`last_push_stats`, run the :attr:`post_hooks` (only when some worker was updated).
+
+    An updater that defines only :meth:`all_worker_ids` and :meth:`_sync_weights_with_worker`
+    (and optionally :meth:`_validate`, :meth:`_adapter_metadata`) pushes through an
+    :class:`~lmcollect.weight_sync.sender.EachWorkerSender`, which calls those hooks.
 
     The version belongs to the push, not to each receiver: collectors holding the same weights
     report the same version, and one that skipped pushes reports the one it holds.
@@ -58,17 +67,16 @@ class WeightUpdaterBase(abc.ABC, Generic[WorkerId]):
 
     def __init__(self) -> None:
         self._collector_ref: weakref.ref | None = None
+        self._weight_target: WeightTarget | None = None  # learnt once, when the collector registers
+        self._push_sender: PushSender[WorkerId] | None = None
         self._post_hooks: list[Callable[[], None]] = []
         self._pushed_version = 0
         self._caught_up = False  # the counter starts from the workers' version at the first push
-        self.last_push_stats: PushStats | None = None
-        """What the last push moved (None before any): ``kind`` ("full", "delta" or "lora"), bytes
-        sent once to all receivers, and how many receivers got what. Every updater sets it."""
 
     def __getstate__(self) -> dict[str, Any]:
         # the collector link is a weak reference, which cannot travel; register again after unpickling
         state = self.__dict__.copy()
-        state["_collector_ref"] = None
+        state.update(_collector_ref=None, _weight_target=None, _push_sender=None)
         return state
 
     # ------------------------------------------------------------------ registration
@@ -80,6 +88,7 @@ class WeightUpdaterBase(abc.ABC, Generic[WorkerId]):
                 "one collector. Build a new updater for another collector."
             )
         self._collector_ref = weakref.ref(collector)
+        self._weight_target = collector.weight_target()
 
     @property
     def collector(self) -> Any:
@@ -145,19 +154,26 @@ class WeightUpdaterBase(abc.ABC, Generic[WorkerId]):
         return PushVersion(version)
 
     def _workers_version(self) -> int:
-        """The highest version index the workers hold (the registered collector's here)."""
-        index = getattr(self.collector, "version_index", None)
-        return int(index()) if callable(index) else 0
+        """The highest version index the workers hold (the target's here; 0 without one)."""
+        target = self._weight_target
+        return 0 if target is None else target.version_index()
 
     def _commit_version(self, pushed: PushVersion) -> None:
         self._pushed_version = pushed.index
 
     def increment_version(self) -> None:
         """Bump the registered collector's policy version (for receivers that cannot do it)."""
-        collector = self.collector
-        if collector is None:
-            raise RuntimeError(f"this {type(self).__name__} has no live collector; register one first.")
-        collector.increment_version()
+        self._target().increment_version()
+
+    def _target(self) -> WeightTarget:
+        """What pushes go into: the registered collector's target (learnt when it registered)."""
+        target = self._weight_target
+        if target is None or (self._collector_ref is not None and self.collector is None):
+            raise RuntimeError(
+                f"this {type(self).__name__} has no live collector: pass it as weight_updater=... to a "
+                "collector (or set collector.weight_updater) before pushing."
+            )
+        return target
 
     # ------------------------------------------------------------------ what subclasses define
     @abc.abstractmethod
@@ -172,12 +188,6 @@ class WeightUpdaterBase(abc.ABC, Generic[WorkerId]):
         """Rename or convert the weights for the receivers (identity here)."""
         return server_weights
 
-    def _validate(self, weights: WeightDict, worker_ids: list[WorkerId]) -> None:
-        """Raise ValueError before anything is sent if the weights do not fit (receivers check too).
-
-        A no-op here (accept everything); updaters that can check before sending override it.
-        """
-
     def _skip_update(self, worker_id: WorkerId) -> bool:
         """True to leave ``worker_id`` out of this push (every worker is updated here)."""
         return False
@@ -188,6 +198,25 @@ class WeightUpdaterBase(abc.ABC, Generic[WorkerId]):
         (what it returns is the subclass's business)."""
 
     # ------------------------------------------------------------------ pushing
+    @property
+    def push_sender(self) -> PushSender[WorkerId]:
+        """The mechanism this updater pushes through (built on first use by :meth:`_make_sender`)."""
+        if self._push_sender is None:
+            self._push_sender = self._make_sender()
+        return self._push_sender
+
+    def _make_sender(self) -> PushSender[WorkerId]:
+        """The updater's sender; here the spec hooks' (:class:`~lmcollect.weight_sync.sender.EachWorkerSender`)."""
+        return EachWorkerSender(
+            sync=self._sync_weights_with_worker, validate=self._validate, adapter_metadata=self._adapter_metadata
+        )
+
+    @property
+    def last_push_stats(self) -> PushStats | None:
+        """What the last push moved (None before any): ``kind`` ("full", "delta" or "lora"), bytes
+        sent once to all receivers, how many receivers got what, and the call's seconds."""
+        return None if self._push_sender is None else self._push_sender.last_push_stats
+
     def push_weights(
         self, policy_or_weights: Any = None, worker_ids: WorkerIds = None, *, version: int | None = None
     ) -> object:
@@ -197,94 +226,45 @@ class WeightUpdaterBase(abc.ABC, Generic[WorkerId]):
         return self._push(policy_or_weights, worker_ids, version=version, wait=True)
 
     def _push(self, policy_or_weights: Any, worker_ids: WorkerIds, *, version: int | None, wait: bool) -> object:
-        """The one push path of every updater: full, delta (a subclass's :meth:`_plan`) or LoRA
-        adapter (a peft model or a :class:`~lmcollect.weights.lora.LoraAdapter`: only the adapter's
-        tensors are sent, each worker's engine merges it into its kept base weights). Everything is
-        checked before the version is taken, so a refused push changes nothing anywhere."""
-        self._before_push()
+        """The one loop of every updater and mechanism: check -> version -> plan -> send -> wait ->
+        record, each stage the :attr:`push_sender`'s. A push is full weights or a LoRA adapter (a
+        peft model or a :class:`~lmcollect.weights.lora.LoraAdapter`: only its tensors are sent, each
+        worker's engine merges it into its kept base weights). Everything is checked before the
+        version is committed, so a refused push changes nothing anywhere."""
+        sender = self.push_sender
+        sender.before_push()
         started = time.perf_counter()
-        ids: list[WorkerId]
         payload: WeightDict | LoraAdapter
         if is_lora_source(policy_or_weights):
-            payload = adapter = lora_adapter(policy_or_weights)
-            ids = self._resolve_worker_ids(worker_ids)
-            pushed = self.next_version(version)
-            self._check_adapter(adapter, ids)
+            payload = lora_adapter(policy_or_weights)
         else:
-            payload = self._prepare_weights(self._resolve_weights(policy_or_weights))
-            ids = self._resolve_worker_ids(worker_ids)
-            pushed = self.next_version(version)
-            self._validate(payload, ids)
+            payload = sender.prepare(self._resolve_weights(policy_or_weights))
+        ids = self._resolve_worker_ids(worker_ids)
+        pushed = self.next_version(version)  # the version, once
+        sender.check(payload, ids)  # names, shapes, dtypes, NaN/Inf: once, on this side
         targets = [i for i in ids if not self._skip_update(i)]
-        plan = self._plan(payload, targets)  # nothing changes yet: a refused plan leaves all as it was
+        plan = sender.plan(payload, targets)  # nothing changes yet: a refused plan leaves all as it was
         self._commit_version(pushed)  # from here some worker may hold it: never hand it out twice
-        sent = self._send(payload, targets, pushed, plan)
-        return self._finish(sent, targets, pushed, started=started, wait=wait)
+        sent = sender.send(payload, targets, pushed, plan)
+        on_done = self._run_post_hooks if targets else _nothing
+        result = sender.wait(sent, targets, pushed, wait=wait, on_done=on_done)
+        stats = sender.last_push_stats
+        if stats is not None:  # the call's seconds (None: not waited for)
+            seconds = time.perf_counter() - started if wait else None
+            sender.last_push_stats = dataclasses.replace(stats, call_s=seconds)
+        return result
 
-    # ------------------------------------------------------------------ the stages a subclass may change
-    def _before_push(self) -> None:
-        """Run first (e.g. wait for a push still in flight)."""
+    # ------------------------------------------------------------------ the hooks of EachWorkerSender
+    def _validate(self, weights: WeightDict, worker_ids: list[WorkerId]) -> None:
+        """Raise ValueError before anything is sent if the weights do not fit (receivers check too).
 
-    def _prepare_weights(self, weights: WeightDict) -> WeightDict:
-        """The weights as they will be checked and sent (e.g. names aligned to the workers')."""
-        return weights
-
-    def _plan(self, payload: WeightDict | LoraAdapter, targets: list[WorkerId]) -> Any:
-        """Decide how the push travels before anything changes (e.g. a delta's encoding); None here."""
-        return None
-
-    def _send(self, payload: WeightDict | LoraAdapter, targets: list[WorkerId], pushed: PushVersion, plan: Any) -> Any:
-        """Send the push to every target (here: one :meth:`_sync_weights_with_worker` or
-        :meth:`_send_adapter` each, in turn) and set :attr:`last_push_stats`."""
-        if isinstance(payload, LoraAdapter):
-            for worker_id in targets:
-                self._send_adapter(worker_id=worker_id, adapter=payload, version=pushed)
-            self.last_push_stats = PushStats.lora(payload.nbytes, num_receivers=len(targets))
-            return None
-        for worker_id in targets:
-            self._sync_weights_with_worker(worker_id=worker_id, server_weights=payload, version=pushed)
-        self._record_push_stats(payload, targets)
-        return None
-
-    def _finish(self, sent: Any, targets: list[WorkerId], pushed: PushVersion, *, started: float, wait: bool) -> object:
-        """After :meth:`_send`: the call's seconds, then the :attr:`post_hooks` (when some worker
-        was updated). Returns what ``push_weights`` returns (None here)."""
-        self._record_call_s(started)
-        if targets:
-            self._run_post_hooks()
-        return None
-
-    def _record_call_s(self, started: float | None) -> None:
-        """:attr:`last_push_stats` with the push call's seconds since ``started`` (None: not waited for)."""
-        if self.last_push_stats is not None:
-            seconds = None if started is None else time.perf_counter() - started
-            self.last_push_stats = dataclasses.replace(self.last_push_stats, call_s=seconds)
-
-    def _record_push_stats(self, weights: WeightDict, targets: list[WorkerId]) -> None:
-        """Set :attr:`last_push_stats` after a full push to ``targets`` (an updater whose transport
-        measures its own pushes, e.g. deltas, sets them as it sends and overrides this)."""
-        self.last_push_stats = PushStats.full(distinct_nbytes(weights), num_full=len(targets))
-
-    # ------------------------------------------------------------------ LoRA adapters
-    def _check_adapter(self, adapter: LoraAdapter, worker_ids: list[WorkerId]) -> None:
-        """Check the adapter against every targeted worker's model (:meth:`_adapter_metadata`), so
-        an adapter that does not fit changes nothing anywhere."""
-        for worker_id in worker_ids:
-            metadata = self._adapter_metadata(worker_id)
-            if metadata is not None:
-                check_adapter(adapter, metadata, receiver=f"worker {worker_id}'s model")
+        A no-op here (accept everything); updaters that can check before sending override it.
+        """
 
     def _adapter_metadata(self, worker_id: WorkerId) -> Metadata | None:
-        """name -> (dtype, shape) of worker ``worker_id``'s model (here: the registered collector's);
-        None: not known here (the worker's engine checks the adapter before loading it)."""
-        collector = self.collector
-        if collector is None:
-            raise RuntimeError(f"this {type(self).__name__} has no live collector; register one before pushing.")
-        return collector.weight_metadata()[0]
-
-    def _send_adapter(self, *, worker_id: WorkerId, adapter: LoraAdapter, version: PushVersion) -> None:
-        """Send ``adapter`` to one worker (here: as :meth:`_sync_weights_with_worker` sends weights)."""
-        self._sync_weights_with_worker(worker_id=worker_id, server_weights=adapter, version=version)
+        """name -> (dtype, shape) of worker ``worker_id``'s model (here: the registered collector's
+        target's); None: not known here (the worker's engine checks the adapter before loading it)."""
+        return self._target().metadata()[0]
 
     def __call__(self, policy_or_weights: Any = None, worker_ids: WorkerIds = None, **kwargs: Any) -> Any:
         return self.push_weights(policy_or_weights, worker_ids, **kwargs)
@@ -312,6 +292,10 @@ class WeightUpdaterBase(abc.ABC, Generic[WorkerId]):
             )
         # each id as all_worker_ids() names it (found by equality, as the check above)
         return [next(k for k in known if k == i) for i in dict.fromkeys(ids)]
+
+
+def _nothing() -> None:
+    """No post-hooks: no worker was updated."""
 
 
 def resolve_updater(updater: Any, policy: Any = None) -> WeightUpdaterBase | None:

@@ -15,11 +15,14 @@ import torch
 from lmcollect.engines.protocol import (
     EngineProtocol,
     WorkerRpcEngine,
+    capabilities_of,
     check_engine_loads,
     engine_of,
+    refuse_stale_push,
+    version_counter_of,
     worker_rpc_engine_of,
 )
-from lmcollect.engines.weight_group import GroupPush
+from lmcollect.engines.weight_group import GroupPush, join_weight_group, weight_receiver_nodes
 from lmcollect.weights.buckets import WeightBuckets
 from lmcollect.weights.delta import DeltaRejectedError, WeightDelta, check_delta_base, prepare_delta
 from lmcollect.weights.lora import LoraAdapter, check_adapter, check_merge, is_lora_source, lora_adapter
@@ -99,6 +102,9 @@ class WeightLoader:
         self._shared_models: set[int] = set()  # id() of models whose tensors map a push (zero_copy)
         self._thread: ThreadPoolExecutor | None = None  # pushes started before the trainer sends
 
+    def __repr__(self) -> str:
+        return f"WeightLoader({type(self.policy).__name__})"
+
     # ------------------------------------------------------------------ what is loaded into
     def model(self, model_id: str = "policy") -> Any:
         """The model ``model_id`` names (``policy.model`` when the policy has one, else the policy)."""
@@ -132,15 +138,52 @@ class WeightLoader:
         engine = self.engine(model_id)
         return engine.weight_metadata() if engine is not None else expected_metadata(self.model(model_id))
 
+    # ------------------------------------------------------------------ the updater's target (WeightTarget)
+    def version_index(self) -> int:
+        """The version index of the weights held: the collector's (0 before any push), else the
+        engine's (an untracked collector's, or a bare engine's); 0 when neither counts."""
+        if self.version is not None:
+            return self.version.index
+        engine = engine_of(self.policy)
+        return max(engine.version, 0) if engine is not None else 0
+
+    def increment_version(self) -> None:
+        """Bump the collector's version without new weights (nothing when versions are not tracked)."""
+        if self.version is not None:
+            self.version.increment()
+
+    def num_replicas(self) -> int:
+        """How many replicas the engine with worker processes has."""
+        return self.worker_engine().num_replicas
+
+    def receiver_nodes(self) -> list[str | None]:
+        """The Ray node of each worker of the engine (None: outside Ray, in this process)."""
+        return weight_receiver_nodes(self.worker_engine())
+
+    def owner_node(self) -> str | None:
+        """The Ray node of this process: None (an actor's proxy answers its own node)."""
+        return None
+
+    def submit_join_weight_group(
+        self, connection_info: dict[str, Any], *, ranks_per_replica: int
+    ) -> Callable[[float | None], Any]:
+        """Start the engine's workers joining a trainer's weight group on this loader's thread (see
+        :func:`~lmcollect.engines.weight_group.join_weight_group`); returns ``wait(timeout_s)``."""
+        engine = self.worker_engine()
+        return self.run_in_thread(join_weight_group, engine, connection_info, ranks_per_replica=ranks_per_replica)
+
     # ------------------------------------------------------------------ loads
-    def load(self, weights: Any, options: LoadOptions = LoadOptions(), *, model_id: str = "policy") -> Any:
+    def load(self, weights: Any, options: LoadOptions | None = None, *, model_id: str = "policy") -> Any:
         """Load one push (see ``LLMCollector.receive_weights``); returns the engine's report, if any."""
+        options = options or LoadOptions()
         if is_lora_source(weights):
             weights = lora_adapter(weights)
         with self.lock:
-            engine = self.engine(model_id)
-            if engine is None and isinstance(weights, GroupPush):
-                raise TypeError(NO_GROUP_ENGINE.format(policy=type(self.policy).__name__))
+            engine: Any = self.engine(model_id)
+            if isinstance(weights, GroupPush):  # to the engine whose worker processes joined the group
+                engine = self.worker_engine() if model_id == "policy" else None
+                if engine is None:
+                    raise TypeError(NO_GROUP_ENGINE.format(policy=type(self.policy).__name__))
             if engine is None and isinstance(weights, LoraAdapter):  # merged by the engine, which keeps the base
                 engine = engine_of(self.policy) if model_id == "policy" else None
                 if engine is None:
@@ -155,11 +198,16 @@ class WeightLoader:
                 self._load_into_module(target, weights, options)
             return None
 
-    def submit(self, source: GroupPush | LoraAdapter, *, version: PushVersion | None) -> Callable[[float | None], Any]:
+    def submit_load(
+        self, source: GroupPush | LoraAdapter, *, version: PushVersion | None
+    ) -> Callable[[float | None], Any]:
         """Start :meth:`load` of a process-group push on a thread; returns ``wait(timeout_s)`` for the
         workers' reports (the load returns only once the trainer has sent). A push older than the
         weights held is refused here, before the trainer sends."""
         self.check_version(version)
+        engine = engine_of(self.policy)
+        if version is not None and self.version is None and engine is not None:  # untracked: the engine's own
+            refuse_stale_push(version.index, engine.version, type(engine).__name__)
         return self.run_in_thread(self.load, source, LoadOptions(version=version))
 
     def run_in_thread(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Callable[[float | None], Any]:
@@ -201,8 +249,8 @@ class WeightLoader:
         version (index and uuid), which the collector reads as its own.
 
         A :class:`~lmcollect.weights.delta.WeightDelta` (with ``version``) must apply to the push
-        held (checked here), then goes to the engine as it is: engines whose
-        ``loads_weight_deltas`` is True check and apply it, and a rejected one changes nothing.
+        held (checked here), then goes to the engine as it is: engines whose capabilities have
+        ``loads_weight_deltas`` check and apply it, and a rejected one changes nothing.
         Other engines refuse deltas, naming the fix.
         """
         version = options.version
@@ -215,9 +263,7 @@ class WeightLoader:
         # version): no pause, so the copy overlaps decoding and the only stall is the load. Otherwise
         # load, reset and version change while no token is generated: a lockstep policy's turn (one
         # version for all its tokens) waits, an engine with a counter of its own is paused.
-        separate_version = self.version is not None and not self.version.shares(
-            getattr(engine, "version_counter", None)
-        )
+        separate_version = self.version is not None and not self.version.shares(version_counter_of(engine))
         hold = separate_version or not isinstance(self.policy, EngineProtocol)
         with self._held() if hold else contextlib.nullcontext():
             try:
@@ -261,7 +307,7 @@ class WeightLoader:
         source = buckets if buckets is not None else weights.items()
         if options.allow_non_finite:
             return source, {}
-        if getattr(engine, "checks_finite_in_copy", False):
+        if capabilities_of(engine).checks_finite_in_copy:
             return source, {"check_finite": True}
         refuse_non_finite(weights)  # the values as the engine will hold them
         return source, {}
@@ -314,16 +360,15 @@ class WeightLoader:
         """The policy's weights for a ``state_dict``: ``policy_state_dict`` (the weights) and
         ``lora_adapter`` (a LoRA adapter merged on top of them, as :meth:`LoraAdapter.state`, or None).
 
-        An engine that merges adapters and can give what it holds (``checkpoint_weights``:
+        An engine that merges adapters and can give what it holds (``capabilities.checkpoints_weights``:
         ``TransformersEngine``, ``VLLMEngine``) gives its base and the adapter merged on it, so a
         restore loads the base as a full push and merges the adapter again: the restored engine
         holds the same weights and the same base, and the next adapter replaces this one instead of
         stacking on it. Otherwise the model's ``state_dict()``, or the state of the engine's torch
         module (``ScriptedEngine``); None when the weights are in no process here."""
         engine = engine_of(self.policy)
-        checkpoint_weights = getattr(engine, "checkpoint_weights", None)
-        if callable(checkpoint_weights):
-            held = checkpoint_weights()
+        if engine is not None and capabilities_of(engine).checkpoints_weights:
+            held = engine.checkpoint_weights()  # type: ignore[attr-defined]  # declared by checkpoints_weights
             base, adapter = held if held is not None else (None, None)
             return {"policy_state_dict": base, "lora_adapter": None if adapter is None else adapter.state()}
         source = getattr(engine, "model", None) if self.engine("policy") is not None else self.model("policy")

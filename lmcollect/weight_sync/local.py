@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from lmcollect.weight_sync.base import WeightUpdaterBase
+from lmcollect.weight_sync.sender import InProcessSender
+from lmcollect.weights.push_config import PushConfig, push_config_or_default, with_keywords
 from lmcollect.weights.tensors import (
     WeightDict,
-    narrowest_held_dtypes,
-    non_finite_problems,
-    raise_if_problems,
     to_weight_dict,
 )
 from lmcollect.weights.version import PushVersion
@@ -25,9 +24,13 @@ class LocalWeightUpdater(WeightUpdaterBase[int]):
     Args:
         policy_weights: what ``push_weights()`` pushes when given nothing: an ``nn.Module``, a
             TensorDict (module) or a dict, read at push time (so it follows training).
-        convert_dtype: cast floating tensors to the model's dtype instead of rejecting them.
-        allow_non_finite: push weights holding NaN or infinite values; False (the default):
-            such a push is refused before anything changes.
+        config: how it pushes (:class:`~lmcollect.weights.push_config.PushConfig`): an in-process
+            push reads ``convert_dtype`` (cast floating tensors to the model's dtype instead of
+            rejecting them) and ``allow_non_finite`` (push weights holding NaN or infinite values;
+            False, the default: such a push is refused before anything changes); the options of
+            pushes that travel (delta, buckets, Ray, process group) are refused.
+        convert_dtype, allow_non_finite: the same fields as keywords (None: the config's); a
+            keyword that disagrees with ``config`` is a ValueError.
 
     Example::
 
@@ -39,12 +42,32 @@ class LocalWeightUpdater(WeightUpdaterBase[int]):
     """
 
     def __init__(
-        self, policy_weights: Any = None, *, convert_dtype: bool = False, allow_non_finite: bool = False
+        self,
+        policy_weights: Any = None,
+        *,
+        config: PushConfig | None = None,
+        convert_dtype: bool | None = None,
+        allow_non_finite: bool | None = None,
     ) -> None:
         super().__init__()
         self._policy_weights = policy_weights
-        self.convert_dtype = convert_dtype
-        self.allow_non_finite = allow_non_finite
+        self.config = with_keywords(
+            push_config_or_default(config, updater="LocalWeightUpdater"),
+            updater="LocalWeightUpdater",
+            convert_dtype=convert_dtype,
+            allow_non_finite=allow_non_finite,
+        )
+        self.config.check_for("in process", updater="LocalWeightUpdater")
+
+    @property
+    def convert_dtype(self) -> bool:
+        """Cast floating tensors to the model's dtype instead of rejecting them (``config.convert_dtype``)."""
+        return self.config.convert_dtype
+
+    @property
+    def allow_non_finite(self) -> bool:
+        """Push weights holding NaN or infinite values (``config.allow_non_finite``)."""
+        return self.config.allow_non_finite
 
     @classmethod
     def from_policy(cls, policy: Any) -> LocalWeightUpdater:
@@ -57,24 +80,11 @@ class LocalWeightUpdater(WeightUpdaterBase[int]):
     def _get_server_weights(self) -> WeightDict | None:
         return None if self._policy_weights is None else to_weight_dict(self._policy_weights)
 
-    def _validate(self, weights: WeightDict, worker_ids: list[int]) -> None:
-        """Refuse NaN/Inf here (as the model will hold the values, with ``convert_dtype``); names,
-        shapes and dtypes are checked by the collector as it loads."""
-        if self.allow_non_finite:
-            return
-        held = None
-        if self.convert_dtype and self.collector is not None:
-            held = narrowest_held_dtypes(weights, [self.collector.weight_metadata()])
-        raise_if_problems(non_finite_problems(weights, dtypes=held))
+    def _make_sender(self) -> InProcessSender:
+        return InProcessSender(self._target, self.config)
 
     def _sync_weights_with_worker(self, *, worker_id: int, server_weights: WeightDict, version: PushVersion) -> None:
-        collector = self.collector
-        if collector is None:
-            raise RuntimeError(
-                "this LocalWeightUpdater has no live collector: pass it as weight_updater=... to a "
-                "collector (or set collector.weight_updater) before pushing."
-            )
-        # NaN/Inf: refused (or allowed) by _validate already
-        collector.receive_weights(
-            server_weights, convert_dtype=self.convert_dtype, version=version, allow_non_finite=True
-        )
+        """Load ``server_weights`` into the collector as ``version`` (checked by the sender before)."""
+        sender = self.push_sender
+        assert isinstance(sender, InProcessSender), "_make_sender builds it"
+        sender.load(server_weights, version)

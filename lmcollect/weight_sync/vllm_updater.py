@@ -2,72 +2,23 @@
 
 from __future__ import annotations
 
-import logging
-import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
-from typing import Any, Protocol
+from typing import Any, ClassVar
 
 import torch
 
-from lmcollect.engines.protocol import EngineProtocol, WorkerRpcEngine, refuse_stale_push, worker_rpc_engine_of
-from lmcollect.engines.vllm.worker_ext import RayNode, current_ray_node
-from lmcollect.engines.weight_group import GroupPush, join_weight_group, weight_receiver_nodes
-from lmcollect.transports.process_group import PreparedPush, ProcessGroupConfig, ProcessGroupSender
-from lmcollect.weight_sync.base import WeightPushError, WeightUpdaterBase
-from lmcollect.weights.cost_model import VLLM_CPU_PUSH_COST, DeltaChooser
-from lmcollect.weights.delta import DeltaConfig, distinct_nbytes, resolve_delta
-from lmcollect.weights.lora import LoraAdapter
-from lmcollect.weights.push_config import Backend, PushConfig, push_config_or_default
-from lmcollect.weights.tensors import (
-    WeightDict,
-    non_finite_problems,
-    raise_if_problems,
-    tensor_metadata,
-    weight_problems,
+from lmcollect.engines.protocol import worker_rpc_engine_of
+from lmcollect.transports.process_group import ProcessGroupSender
+from lmcollect.weight_sync.base import WeightUpdaterBase
+from lmcollect.weight_sync.group_sender import (  # noqa: F401 - LOOPBACK, default_master_address: importable here
+    LOOPBACK,
+    ProcessGroupPushSender,
+    default_master_address,
 )
+from lmcollect.weight_sync.loader import WeightLoader
+from lmcollect.weight_sync.target import Metadata, WeightTarget
+from lmcollect.weights.push_config import PushConfig, push_config_or_default, with_keywords
+from lmcollect.weights.tensors import WeightDict
 from lmcollect.weights.version import PushVersion
-
-logger = logging.getLogger(__name__)
-
-Metadata = dict[str, tuple[torch.dtype, torch.Size]]
-Wait = Callable[[float | None], Any]
-"""``wait(timeout_s)``: the call's result once it is done (a join: None; a receive: the workers' reports)."""
-LOOPBACK = "127.0.0.1"
-CAUSE_WAIT_S = 5.0  # how long a failed push waits for the worker side's own error
-
-
-def default_master_address(trainer_node: RayNode | None, engine_node_ids: Sequence[str]) -> str:
-    """The address the engine's workers reach the trainer at when none is given.
-
-    Loopback when Ray is not running in the trainer's process (then everything is on this
-    machine) or every worker is on the trainer's Ray node; else the trainer node's IP as Ray
-    reports it, which the other nodes can reach.
-    """
-    if trainer_node is None or all(node_id == trainer_node.node_id for node_id in engine_node_ids):
-        return LOOPBACK
-    return trainer_node.ip
-
-
-def _merge_keywords(config: PushConfig, **keywords: Any) -> PushConfig:
-    """``config`` with the spec's constructor keywords that were given (not None) set in it.
-
-    A keyword that disagrees with a field ``config`` set to something else is a ValueError,
-    so neither silently wins.
-    """
-    given = {name: value for name, value in keywords.items() if value is not None}
-    defaults = PushConfig()
-    clashes = [
-        f"{name}={value!r} and config=PushConfig({name}={getattr(config, name)!r})"
-        for name, value in given.items()
-        if getattr(config, name) not in (value, getattr(defaults, name))
-    ]
-    if clashes:
-        raise ValueError(
-            f"vLLMUpdater got {'; '.join(clashes)}: give each setting once (the keyword or the config field)."
-        )
-    return replace(config, **given)
 
 
 class vLLMUpdater(WeightUpdaterBase[int]):
@@ -79,15 +30,17 @@ class vLLMUpdater(WeightUpdaterBase[int]):
     The engine may be in this process (a local ``LLMCollector``), in a ``RayLLMCollector``'s
     actor, in engine actors (``VLLMReplicas``), or a vLLM server (``VLLMServerPolicy``, through its
     development endpoints, which also pause the server's generation for the call); the updater
-    reaches it through the collector.
+    reaches it through the collector's weight loader (or a proxy of its actor's), learnt when the
+    collector registers, and pushes through a
+    :class:`~lmcollect.weight_sync.group_sender.ProcessGroupPushSender`.
 
     One push, in order:
 
     1. check the weights against what every worker accepts, and for NaN/Inf (one ValueError,
        nothing sent);
-    2. the collector's ``receive_weights(GroupPush(...))`` starts without the trainer waiting for
-       it: the engine's ``load_weights`` holds it (the collector's policy lock or the engine's
-       pause, so no turn runs) while its workers receive;
+    2. the loader's load of ``GroupPush(...)`` starts without the trainer waiting for it: the
+       engine's ``load_weights`` holds it (the collector's policy lock or the engine's pause, so
+       no turn runs) while its workers receive;
     3. send: the layout (metadata) through the store, then a few flat per-dtype buckets by broadcast
        (with ``convert_dtype``, each tensor is cast to the engine's dtype as its bucket is packed);
        with ``delta``, after the first push only the changed elements travel: each worker patches
@@ -132,25 +85,16 @@ class vLLMUpdater(WeightUpdaterBase[int]):
         config: PushConfig | None = None,
     ) -> None:
         super().__init__()
-        self.config = _merge_keywords(
+        self.config = with_keywords(
             push_config_or_default(config, updater="vLLMUpdater"),
+            updater="vLLMUpdater",
             master_address=master_address,
             master_port=master_port,
             vllm_tp_size=vllm_tp_size,
         )
         self.config.check_for("process group", updater="vLLMUpdater")
         self.model_metadata = model_metadata
-        self._chooser = (
-            DeltaChooser(self.config.cost_model or VLLM_CPU_PUSH_COST, bandwidth_gbit=self.config.link_gbit)
-            if self.config.delta == "auto"
-            else None
-        )
-        self._push_started = 0.0  # when the push being made began (timed for delta="auto")
-        self._policy: Any = None  # set by from_policy: an engine reached without a collector
-        self._sender: ProcessGroupSender | None = None
-        self._num_replicas = 1
-        self.last_push_info: list[dict[str, Any]] = []
-        self._prepared: PreparedPush | None = None  # checked (and delta-encoded) by _validate, sent by _sync
+        self._policy: Any = None  # set by from_policy: an engine reached without a collector (its loader)
 
     # ------------------------------------------------------------------ settings, read from the config
     @property
@@ -174,20 +118,28 @@ class vLLMUpdater(WeightUpdaterBase[int]):
         assert self.config.timeout_s is not None, "check_for('process group') refuses None"
         return self.config.timeout_s
 
+    # ------------------------------------------------------------------ the mechanism (a ProcessGroupPushSender)
+    sender_class: ClassVar[type[ProcessGroupPushSender]] = ProcessGroupPushSender
+    """The mechanism's class (a subclass may change how it plans or sends)."""
+
+    def _make_sender(self) -> ProcessGroupPushSender:
+        return self.sender_class(self.config, target=self._target, model_metadata=lambda: self.model_metadata)
+
     @property
-    def _delta_config(self) -> DeltaConfig | None:
-        """The delta encoding of every push (None: full pushes, or "auto", which chooses per push)."""
-        return None if self.config.delta == "auto" else resolve_delta(self.config.delta)
+    def _group_sender(self) -> ProcessGroupPushSender:
+        sender = self.push_sender
+        assert isinstance(sender, ProcessGroupPushSender), "_make_sender builds it"
+        return sender
 
-    def _bucket_size(self) -> dict[str, int]:
-        """The config's bucket size, if it sets one (else the process group's default)."""
-        size = self.config.bucket_size_bytes
-        return {} if size is None else {"bucket_size_bytes": size}
+    @property
+    def _sender(self) -> ProcessGroupSender | None:
+        """The process group's sender (None: no group formed)."""
+        return None if self._push_sender is None else self._group_sender.group
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        state.update(_sender=None, _prepared=None)  # connections and threads never travel
-        return state
+    @property
+    def last_push_info(self) -> list[dict[str, Any]]:
+        """The workers' reports of the last push (ranks, checksums with ``verify``)."""
+        return [] if self._push_sender is None else self._group_sender.last_push_info
 
     # ------------------------------------------------------------------ spec API
     @classmethod
@@ -198,7 +150,8 @@ class vLLMUpdater(WeightUpdaterBase[int]):
         if engine is None:
             return None
         updater = cls()
-        updater._policy = _BareEngine(engine)
+        updater._policy = policy
+        updater._weight_target = WeightLoader(policy, version=None)  # the engine counts its versions
         return updater
 
     @classmethod
@@ -234,64 +187,9 @@ class vLLMUpdater(WeightUpdaterBase[int]):
         this process has it. ``model_metadata`` (or the constructor's) is checked against what
         the workers accept.
         """
-        self.close()
         metadata = model_metadata if model_metadata is not None else self.model_metadata
-        self._num_replicas = self._call_num_replicas()
-        config = ProcessGroupConfig(
-            master_address=self.config.master_address or self._default_master_address(),
-            master_port=self.config.master_port or 0,
-            num_receivers=self.vllm_tp_size * self._num_replicas,
-            backend=self._choose_backend(device),
-            timeout_s=self.timeout_s,
-            convert_dtype=self.config.convert_dtype,
-            allow_non_finite=self.config.allow_non_finite,
-            digest=self.config.digest,
-            delta=self._delta_config,
-            **self._bucket_size(),
-        )
-        sender = ProcessGroupSender(config)
-        info = sender.connection_info()
-        deadline = time.monotonic() + self.timeout_s
-        joined = self._target().submit_join_weight_group(info, ranks_per_replica=self.vllm_tp_size)
-        try:
-            sender.connect()
-        except Exception as exc:  # a worker that never joins: the group times out
-            sender.close()
-            raise WeightPushError(
-                f"vLLM worker 0 did not join the weight group at {config.master_address}:{info['master_port']}: "
-                f"{self._cause(joined, exc)}. The workers must reach that address: for an engine on another "
-                "machine (e.g. a vLLM server) pass vLLMUpdater(master_address=<this machine's address as the "
-                "engine sees it>), e.g. lmcollect.engines.served.master_address_for(server_url)."
-            ) from exc
-        self._wait(joined, deadline, "join_weight_group")
-        self._sender = sender
-        if metadata is not None:
-            self.model_metadata = metadata
-            expected, aliases = sender.receiver_metadata[0]
-            problems = weight_problems(metadata, expected, aliases=aliases, convert_dtype=self.config.convert_dtype)
-            raise_if_problems(problems, where=" (model_metadata at init)")
-        logger.info(
-            "vLLMUpdater: group formed with %d worker(s) at %s, backend %s",
-            config.num_receivers,
-            config.master_address,
-            config.backend,
-        )
-
-    def _default_master_address(self) -> str:
-        trainer_node = current_ray_node()
-        if trainer_node is None:  # no Ray here: the engine is in this process or a child of it
-            return LOOPBACK
-        return default_master_address(trainer_node, self._engine_node_ids(trainer_node.node_id))
-
-    def _engine_node_ids(self, trainer_node_id: str) -> list[str]:
-        """The Ray node of every engine worker, as the workers report it."""
-        reported = self._target().policy_weight_receiver_nodes()
-        owner_node_id = trainer_node_id
-        if None in reported:
-            # a worker without Ray is a subprocess of the engine's owner: the collector's process
-            process_info = getattr(self._target(), "process_info", None)  # a Ray collector reports its actor's node
-            owner_node_id = process_info()["node_id"] if callable(process_info) else trainer_node_id
-        return [owner_node_id if node_id is None else node_id for node_id in reported]
+        self._group_sender.connect(metadata, device)
+        self.model_metadata = metadata
 
     def reset_delta_base(self) -> None:
         """Forget the last pushed weights (with ``delta``): the next push sends the full weights."""
@@ -300,194 +198,33 @@ class vLLMUpdater(WeightUpdaterBase[int]):
 
     def close(self) -> None:
         """Leave the process group (the next push forms a new one)."""
-        if self._sender is not None:
-            self._sender.close()
-        self._sender = None
-
-    # ------------------------------------------------------------------ one push
-    def _validate(self, weights: WeightDict, worker_ids: list[int]) -> None:
-        self._prepared = None
-        self._push_started = time.perf_counter()
-        if self._sender is None:
-            if not self.config.allow_non_finite:  # before the group forms (NaN/Inf as pushed stays so once cast)
-                raise_if_problems(non_finite_problems(weights))
-            first = next(iter(weights.values()), None)
-            self.init(device=None if first is None else first.device)
-        if self.model_metadata is not None:  # the trainer's contract, then what every worker accepts
-            raise_if_problems(weight_problems(tensor_metadata(weights), self.model_metadata), where=" (model_metadata)")
-        assert self._sender is not None
-        if self._chooser is not None:
-            self._choose_delta(self._sender, weights)
-        # checks (NaN/Inf too, on what travels as the engine holds it); with delta also encodes; sends nothing
-        self._prepared = self._sender.prepare(weights)
-
-    def _choose_delta(self, sender: ProcessGroupSender, weights: WeightDict) -> None:
-        """``delta="auto"``: delta pushes on (a base kept from the next push) or off (base dropped)."""
-        assert self._chooser is not None
-        use_delta = self._chooser.use_delta(distinct_nbytes(weights))
-        if use_delta != sender.uses_delta:
-            logger.info("vLLMUpdater delta='auto': %s pushes (link %s Gbit/s)", "delta" if use_delta else "full",
-                        self._chooser.link_gbit)  # fmt: skip
-        sender.use_delta(DeltaConfig() if use_delta else None)
+        if self._push_sender is not None:
+            self._group_sender.close()
 
     @property
     def uses_delta(self) -> bool:
         """Whether the next push may be a delta push (with ``delta="auto"``: what was chosen last)."""
-        if self._sender is not None:
-            return self._sender.uses_delta
-        return self._delta_config is not None
+        return self._group_sender.uses_delta
 
     def _sync_weights_with_worker(self, *, worker_id: int, server_weights: WeightDict, version: PushVersion) -> None:
-        sender = self._sender
-        assert sender is not None, "_validate forms the group"
-        deadline = time.monotonic() + self.timeout_s
-        # The engine's load: its workers receive while the trainer sends, then the prefix-cache
-        # reset and the version, in one hold of the engine (a collector's policy lock or pause).
-        received = self._target().submit_receive_weights(
-            GroupPush(timeout_s=self.timeout_s, verify=self.config.verify), version=version
-        )
-        prepared, self._prepared = self._prepared, None
-        try:
-            sender.send(prepared if prepared is not None else server_weights, version=version)
-        except Exception as exc:  # a worker died mid-broadcast: the group is broken, name it and start over
-            self.close()
-            raise WeightPushError(f"push to vLLM worker {worker_id} failed: {self._cause(received, exc)}") from exc
-        stats = self.last_push_stats = sender.last_push_stats
-        if self._chooser is not None and stats is not None:
-            self._chooser.observe(stats.kind, stats.nbytes, stats.full_nbytes, time.perf_counter() - self._push_started)
-        sent = sender.last_checksums() if self.config.verify else None  # while the workers reload
-        self.last_push_info = self._wait(received, deadline, "receive_weights")
-        if sent is not None:
-            self._check_checksums(sent)
-
-    # ------------------------------------------------------------------ LoRA adapters
-    def _adapter_metadata(self, worker_id: int) -> Metadata | None:
-        """The trainer's ``model_metadata`` when given; else None: the engine checks the adapter
-        itself before any worker changes (every replica serves the same model)."""
-        return self.model_metadata
-
-    def _send_adapter(self, *, worker_id: int, adapter: LoraAdapter, version: PushVersion) -> None:
-        """An adapter is a few MB: it goes in the engine's load call itself (``VLLMEngine`` sends it
-        to its workers, which merge it), not through the process group's broadcast."""
-        deadline = time.monotonic() + self.timeout_s
-        received = self._target().submit_receive_weights(adapter.to("cpu"), version=version)
-        self.last_push_info = self._wait(received, deadline, "receive_weights")
-
-    def _record_push_stats(self, weights: WeightDict, targets: list[int]) -> None:
-        """Kept as the sender measured them while sending (full or delta)."""
-
-    def _check_checksums(self, sent: list[int]) -> None:
-        bad = [info.get("rank") for info in self.last_push_info if info.get("checksums") != sent]
-        if bad:
-            self.close()
-            raise WeightPushError(
-                f"vLLM worker rank(s) {bad} received buckets whose checksums differ from the sent ones."
-            )
+        """One push of ``server_weights`` to the engine's workers as ``version`` (check, plan, send, wait)."""
+        sender = self._group_sender
+        sender.check(server_weights, [worker_id])
+        sent = sender.send(server_weights, [worker_id], version, sender.plan(server_weights, [worker_id]))
+        sender.wait(sent, [worker_id], version, wait=True, on_done=lambda: None)
 
     # ------------------------------------------------------------------ reaching the engine
-    # Through the registered collector (in-process or a Ray actor), else the from_policy engine:
-    # each answers policy_engine_num_replicas / policy_weight_receiver_nodes / submit_join_weight_group
-    # / submit_receive_weights (engine verbs: the engine names its workers' methods).
-    def _target(self) -> EngineTarget:
-        target = self.collector if self.collector is not None else self._policy
-        if target is None:
+    # Through the registered collector's target (its WeightLoader, or a proxy of its actor's), else
+    # the from_policy engine's loader: the engine names its workers' methods.
+    def _target(self) -> WeightTarget:
+        if self._weight_target is None and self._policy is not None:  # from_policy, after unpickling
+            self._weight_target = WeightLoader(self._policy, version=None)
+        if self._weight_target is None:
             raise RuntimeError(
                 "this vLLMUpdater has no collector: pass it as weight_updater=... to a collector whose "
                 "policy is a VLLMPolicy (or build it with vLLMUpdater.from_policy(policy))."
             )
-        return target
-
-    def _workers_version(self) -> int:
-        """The version the engine holds: the collector's, else the bare engine's."""
-        if self.collector is None and self._policy is not None:
-            return self._policy.version_index()
-        return super()._workers_version()
-
-    def _call_num_replicas(self) -> int:
-        return self._target().policy_engine_num_replicas()
-
-    def _wait(self, wait: Wait, deadline: float, what: str) -> Any:
-        try:
-            return wait(max(deadline - time.monotonic(), 0.0))
-        except Exception as exc:  # dead actor, worker error or timeout: the group cannot be trusted
-            self.close()
-            raise WeightPushError(
-                f"vLLM worker 0 ({self._target()!r}) failed {what} within timeout_s={self.timeout_s}: {exc}"
-            ) from exc
-
-    def _cause(self, wait: Wait, exc: BaseException) -> str:
-        """The worker side's error if it fails within a few seconds (it names the dead replica;
-        Ray may take a moment to report a dead actor), else ``exc``."""
-        try:
-            wait(CAUSE_WAIT_S)
-        except Exception as worker_exc:  # the informative one, unless the wait merely ran out
-            if isinstance(worker_exc, TimeoutError) or isinstance(worker_exc.__cause__, TimeoutError):
-                return str(exc)
-            return f"{worker_exc} (trainer side: {exc})"
-        return str(exc)
-
-    def _choose_backend(self, device: torch.device | str | None) -> Backend:
-        if self.config.backend != "auto":
-            return self.config.backend
-        if device is None:
-            return "nccl" if torch.cuda.is_available() else "gloo"
-        return "nccl" if torch.device(device).type == "cuda" else "gloo"
+        return super()._target()
 
 
 VLLMUpdater = vLLMUpdater
-
-
-class EngineTarget(Protocol):
-    """How the updater reaches an engine's workers: a collector (local or Ray) or a bare engine."""
-
-    def policy_engine_num_replicas(self) -> int: ...
-
-    def policy_weight_receiver_nodes(self) -> list[str | None]: ...
-
-    def submit_join_weight_group(self, connection_info: dict[str, Any], *, ranks_per_replica: int) -> Wait: ...
-
-    def submit_receive_weights(self, source: GroupPush | LoraAdapter, *, version: PushVersion | None) -> Wait: ...
-
-
-class _BareEngine:
-    """An engine reached without a collector (``from_policy``): calls run on a thread of their own.
-
-    The engine's ``load_weights`` receives, resets its prefix cache and takes the version (a
-    continuous engine between two decoding steps); a lockstep policy's generation is the caller's
-    to keep off meanwhile (no collector lock here).
-    """
-
-    def __init__(self, engine: WorkerRpcEngine) -> None:
-        self.engine = engine
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="vllm-updater")
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"engine": self.engine}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        _BareEngine.__init__(self, state["engine"])
-
-    def policy_engine_num_replicas(self) -> int:
-        return self.engine.num_replicas
-
-    def policy_weight_receiver_nodes(self) -> list[str | None]:
-        return weight_receiver_nodes(self.engine)
-
-    def submit_join_weight_group(self, connection_info: dict[str, Any], *, ranks_per_replica: int) -> Wait:
-        return self._thread.submit(
-            join_weight_group, self.engine, connection_info, ranks_per_replica=ranks_per_replica
-        ).result
-
-    def version_index(self) -> int:
-        """The version the engine holds (what a new updater counts on from)."""
-        return max(self.engine.version, 0) if isinstance(self.engine, EngineProtocol) else 0
-
-    def submit_receive_weights(self, source: GroupPush | LoraAdapter, *, version: PushVersion | None) -> Wait:
-        engine = self.engine
-        index = version.index if version is not None else self.version_index() + 1
-        if isinstance(engine, EngineProtocol):  # here, before the trainer sends to workers that would not receive
-            refuse_stale_push(index, engine.version, type(engine).__name__)
-        return self._thread.submit(engine.load_weights, source, version=index).result
-
-    def __repr__(self) -> str:
-        return f"{type(self.engine).__name__}"

@@ -2,26 +2,32 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Literal
+from dataclasses import dataclass, fields, replace
+from typing import Any, Literal
 
 from lmcollect.weights.cost_model import PushCostModel, check_auto_delta_options
 from lmcollect.weights.delta import DeltaConfig, resolve_delta
 
-Mechanism = Literal["ray", "process group"]
+Mechanism = Literal["in process", "ray", "process group"]
 Backend = Literal["auto", "gloo", "nccl"]
 
-# The options only one mechanism reads; the other refuses them when set (so none is silently ignored).
+# The options only one mechanism reads; the others refuse them when set (so none is silently ignored).
+# Each group is what that mechanism's sender adds to the options every mechanism reads.
 RAY_ONLY = ("packing", "zero_copy")
 PROCESS_GROUP_ONLY = ("verify", "digest", "backend", "master_address", "master_port", "vllm_tp_size")
+ONLY_FOR: dict[str, tuple[str, ...]] = {"ray": RAY_ONLY, "process group": PROCESS_GROUP_ONLY}
+NOT_IN_PROCESS = ("delta", "link_gbit", "cost_model", "bucket_size_bytes")
+"""What an in-process push (``LocalWeightUpdater``: a copy into the model) has no use for."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class PushConfig:
-    """How an updater pushes: ``RayRemoteWeightUpdater(config=...)`` and ``vLLMUpdater(config=...)``.
+    """How an updater pushes: ``LocalWeightUpdater(config=...)``, ``RayRemoteWeightUpdater(config=...)``,
+    ``vLLMUpdater(config=...)`` and a process group's ``ProcessGroupConfig(push=...)``.
 
-    The options both mechanisms read come first; those marked "Ray only" or "process group only"
-    are refused by the other updater when set to anything but their default.
+    The options every mechanism reads come first; those marked "Ray only" or "process group only"
+    are refused by the other mechanisms when set to anything but their default (an in-process
+    push also refuses the delta and bucket options: it copies the weights in place).
 
     Example::
 
@@ -78,11 +84,12 @@ class PushConfig:
     backend: Backend = "auto"
     """Process group only. "auto" (NCCL when the pushed weights are on CUDA, else gloo), "gloo" or "nccl"."""
     master_address: str | None = None
-    """Process group only. The address the workers reach the trainer at. None: chosen when the
-    group forms: loopback when every engine worker is on this Ray node (or Ray is not running
-    here), else this node's IP as Ray reports it."""
+    """Process group only. The address the workers reach the trainer at (rank 0). None: chosen
+    when the group forms: loopback when every engine worker is on this Ray node (or Ray is not
+    running here), else this node's IP as Ray reports it. The rendezvous store listens on every
+    interface regardless: firewall ``master_port``."""
     master_port: int | None = None
-    """Process group only. Port of the rendezvous store (None: a free one)."""
+    """Process group only. Port of the rendezvous store, on all interfaces (None: a free one)."""
     vllm_tp_size: int | None = None
     """Process group only. Tensor-parallel size of each vLLM engine replica (None: 1)."""
 
@@ -110,21 +117,46 @@ class PushConfig:
             raise ValueError(f"master_port must be an int >= 0 or None (a free one), got {self.master_port!r}.")
 
     def check_for(self, mechanism: Mechanism, *, updater: str) -> None:
-        """Refuse the options the other mechanism alone reads, when set (a ValueError naming them)."""
-        other_only = PROCESS_GROUP_ONLY if mechanism == "ray" else RAY_ONLY
+        """Refuse the options the other mechanisms alone read, when set (a ValueError naming them)."""
         defaults = {f.name: f.default for f in fields(self)}
-        set_ = [f"{name}={getattr(self, name)!r}" for name in other_only if getattr(self, name) != defaults[name]]
-        if set_:
+        for other, only in ONLY_FOR.items():
+            set_ = [f"{name}={getattr(self, name)!r}" for name in only if getattr(self, name) != defaults[name]]
+            if other != mechanism and set_:
+                raise ValueError(
+                    f"{updater} pushes through the {mechanism} mechanism, which does not read PushConfig "
+                    f"option(s) {', '.join(set_)}: remove them (they are {'Ray' if other == 'ray' else other} only)."
+                )
+        unused = [f"{name}={getattr(self, name)!r}" for name in NOT_IN_PROCESS if getattr(self, name) != defaults[name]]
+        if mechanism == "in process" and unused:
             raise ValueError(
-                f"{updater} pushes through the {mechanism} mechanism, which does not read PushConfig "
-                f"option(s) {', '.join(set_)}: remove them (they are "
-                f"{'process group' if mechanism == 'ray' else 'Ray'} only)."
+                f"{updater} copies the weights in place, in this process: PushConfig option(s) {', '.join(unused)} "
+                "are for pushes that travel (Ray, process group); remove them."
             )
         if mechanism == "process group" and self.timeout_s is None:
             raise ValueError(
                 f"{updater} needs a bound on each push: PushConfig(timeout_s=None) (no limit) is Ray only; "
                 "give timeout_s in seconds, e.g. 300."
             )
+
+
+def with_keywords(config: PushConfig, *, updater: str, **keywords: Any) -> PushConfig:
+    """``config`` with an updater's constructor keywords that were given (not None) set in it.
+
+    A keyword that disagrees with a field ``config`` set to something else is a ValueError,
+    so neither silently wins.
+    """
+    given = {name: value for name, value in keywords.items() if value is not None}
+    defaults = PushConfig()
+    clashes = [
+        f"{name}={value!r} and config=PushConfig({name}={getattr(config, name)!r})"
+        for name, value in given.items()
+        if getattr(config, name) not in (value, getattr(defaults, name))
+    ]
+    if clashes:
+        raise ValueError(
+            f"{updater} got {'; '.join(clashes)}: give each setting once (the keyword or the config field)."
+        )
+    return replace(config, **given)
 
 
 def push_config_or_default(config: PushConfig | None, *, updater: str) -> PushConfig:

@@ -20,6 +20,7 @@ from lmcollect.models import load_model_and_tokenizer
 from lmcollect.policies import TransformersPolicy
 from lmcollect.weights.buckets import WeightBuckets
 from lmcollect.weights.delta import EncodedDelta, WeightDelta
+from lmcollect.ray.object_store import ObjectStorePushSender
 from lmcollect.ray.updater import RayRemoteWeightUpdater
 from lmcollect.weight_sync import PushConfig
 from tests.factories import make_arithmetic_env, perturbed_model
@@ -82,7 +83,7 @@ def assert_holds(collector: RayLLMCollector, model: torch.nn.Module) -> None:
     assert not bad, f"{collector!r} differs from the trainer in {bad[:3]}"
 
 
-class CorruptingUpdater(RayRemoteWeightUpdater):
+class CorruptingSender(ObjectStorePushSender):
     """Flips one bit of the next delta on its way to the workers (the driver's base stays right)."""
 
     corrupt_next = False
@@ -97,6 +98,18 @@ class CorruptingUpdater(RayRemoteWeightUpdater):
             corrupt = WeightDelta(delta.base_version, delta.entries, WeightBuckets(delta.arrays.layout, buffers))
             plan.encoded = EncodedDelta(corrupt, encoded.positions, encoded.values, encoded.numel, encoded.full_nbytes)
         return plan
+
+
+class CorruptingUpdater(RayRemoteWeightUpdater):
+    sender_class = CorruptingSender
+
+    @property
+    def corrupt_next(self) -> bool:
+        return self.push_sender.corrupt_next
+
+    @corrupt_next.setter
+    def corrupt_next(self, value: bool) -> None:
+        self.push_sender.corrupt_next = value
 
 
 @pytest.fixture(scope="module")

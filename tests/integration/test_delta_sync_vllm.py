@@ -24,6 +24,7 @@ from tests.factories import perturbed_model
 from tests.integration.conftest import MAX_NEW_TOKENS, QUESTIONS, chat_batch
 
 pytest.importorskip("vllm")
+from lmcollect.weight_sync.group_sender import ProcessGroupPushSender  # noqa: E402
 from lmcollect.weight_sync.vllm_updater import vLLMUpdater  # noqa: E402
 from lmcollect.weight_sync import PushConfig  # noqa: E402
 
@@ -33,14 +34,13 @@ ATOL = 1e-4
 LR = 1e-5  # bf16: about a fifth of the elements change per AdamW step
 
 
-class CorruptingUpdater(vLLMUpdater):
+class CorruptingSender(ProcessGroupPushSender):
     """Flips one bit of the next delta on its way to the workers (the trainer's base stays right)."""
 
     corrupt_next = False
 
-    def _validate(self, weights: Any, worker_ids: list) -> None:
-        super()._validate(weights, worker_ids)
-        prepared = self._prepared
+    def plan(self, payload: Any, targets: list) -> Any:
+        prepared = super().plan(payload, targets)
         if self.corrupt_next and prepared is not None and prepared.encoded is not None:
             self.corrupt_next = False
             encoded, delta = prepared.encoded, prepared.encoded.delta
@@ -48,6 +48,19 @@ class CorruptingUpdater(vLLMUpdater):
             buffers[-1][0] ^= 1
             corrupt = WeightDelta(delta.base_version, delta.entries, WeightBuckets(delta.arrays.layout, buffers))
             prepared.encoded = EncodedDelta(corrupt, encoded.positions, encoded.values, encoded.numel, encoded.full_nbytes)
+        return prepared
+
+
+class CorruptingUpdater(vLLMUpdater):
+    sender_class = CorruptingSender
+
+    @property
+    def corrupt_next(self) -> bool:
+        return self.push_sender.corrupt_next
+
+    @corrupt_next.setter
+    def corrupt_next(self, value: bool) -> None:
+        self.push_sender.corrupt_next = value
 
 
 def adamw_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:

@@ -95,3 +95,45 @@ def test_the_spec_constructor_arguments_stay() -> None:
         ("policy_weights", None), ("remote_collectors", None), ("max_interval", 0)
     ]
     assert vllm["config"].kind is ray["config"].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+# ---------------------------------------------------------------------- one declaration per option
+def test_a_process_group_config_is_a_push_config_plus_the_group_size() -> None:
+    from lmcollect.transports.process_group import ProcessGroupConfig
+    from lmcollect.weights.delta import DeltaConfig
+
+    pushed = PushConfig(timeout_s=30, convert_dtype=True, bucket_size_bytes=256, digest=False, backend="gloo")
+    built = ProcessGroupConfig(num_receivers=2, push=pushed)
+    assert built.push == pushed and built.num_receivers == 2
+    assert (built.timeout_s, built.convert_dtype, built.bucket_size_bytes, built.digest, built.backend) == (
+        30, True, 256, False, "gloo")  # fmt: skip
+    keywords = ProcessGroupConfig(num_receivers=2, timeout_s=30, convert_dtype=True, bucket_size_bytes=256,
+                                  digest=False, backend="gloo")  # fmt: skip
+    assert keywords == built  # the documented keywords build the same config
+    defaults = ProcessGroupConfig()  # the group's defaults where PushConfig leaves a field to the mechanism
+    assert (defaults.master_address, defaults.master_port, defaults.bucket_size_bytes) == ("127.0.0.1", 0, 64 * 2**20)
+    assert (defaults.num_receivers, defaults.delta, ProcessGroupConfig(delta=DeltaConfig()).delta) == (1, None, DeltaConfig())
+    assert not {"timeout_s", "convert_dtype", "digest"} & set(ProcessGroupConfig.__dataclass_fields__)
+    with pytest.raises(ValueError, match="packing='flat'.*Ray only"):
+        ProcessGroupConfig(packing="flat")
+    with pytest.raises(TypeError, match="unknown option.*'num_recievers'"):
+        ProcessGroupConfig(num_recievers=2)
+    with pytest.raises(ValueError, match="num_receivers must be an int >= 1"):
+        ProcessGroupConfig(num_receivers=0)
+    with pytest.raises(ValueError, match="delta='auto'"):
+        ProcessGroupConfig(delta="auto")
+
+
+def test_the_local_updater_reads_a_push_config_and_its_keywords_fill_it() -> None:
+    from lmcollect.weight_sync import LocalWeightUpdater
+
+    assert LocalWeightUpdater().config == PushConfig()
+    updater = LocalWeightUpdater(config=PushConfig(convert_dtype=True), allow_non_finite=True)
+    assert (updater.convert_dtype, updater.allow_non_finite) == (True, True)
+    assert updater.config == PushConfig(convert_dtype=True, allow_non_finite=True)
+    with pytest.raises(ValueError, match="convert_dtype=False and config=PushConfig"):
+        LocalWeightUpdater(config=PushConfig(convert_dtype=True), convert_dtype=False)
+    with pytest.raises(ValueError, match="in place.*delta=True"):
+        LocalWeightUpdater(config=PushConfig(delta=True))
+    with pytest.raises(ValueError, match="zero_copy=True.*Ray only"):
+        LocalWeightUpdater(config=PushConfig(zero_copy=True))

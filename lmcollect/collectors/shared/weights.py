@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -15,10 +16,10 @@ from lmcollect.collectors.shared.trajectories import id_base
 from lmcollect.collectors.shared.versioning import PolicyVersion
 from lmcollect.engines.kv_policy import PushCost, push_costs_of
 from lmcollect.engines.protocol import engine_of
-from lmcollect.engines.weight_group import GroupPush, join_weight_group, weight_receiver_nodes
+from lmcollect.engines.weight_group import join_weight_group
 from lmcollect.weight_sync.base import resolve_updater
 from lmcollect.weight_sync.loader import Hold, LoadOptions, WeightLoader
-from lmcollect.weights.lora import LoraAdapter
+from lmcollect.weight_sync.target import WeightTarget
 from lmcollect.weights.version import PushVersion
 
 
@@ -39,6 +40,11 @@ class HoldsWeightUpdater:
 
     def _updater_policy(self) -> Any:
         """The policy an updater class is built from (``from_policy``)."""
+        raise NotImplementedError
+
+    def weight_target(self) -> WeightTarget:
+        """What a weight updater pushes into (:class:`~lmcollect.weight_sync.target.WeightTarget`):
+        the collector's weight loader, or a proxy of its actor's. An updater asks once, when it registers."""
         raise NotImplementedError
 
     @property
@@ -72,8 +78,14 @@ class WeightReceiverMixin(HoldsWeightUpdater):
         self._receiver_schemes: dict[str, Any] = {}
         self._weight_updater = None
         self._worker_idx: int | None = None
+        # weak links back to the collector: an updater holds the loader, and must not keep the
+        # collector alive (it serves the collector as long as the collector lives)
         self.weight_loader = WeightLoader(
-            self.policy, version=self._policy_version, hold=hold, models=self.get_model, on_loaded=on_loaded
+            self.policy,
+            version=self._policy_version,
+            hold=hold,
+            models=_weak_call(self.get_model),
+            on_loaded=None if on_loaded is None else _weak_call(on_loaded),
         )
         if weight_updater is not None:
             self.weight_updater = weight_updater
@@ -232,7 +244,7 @@ class WeightReceiverMixin(HoldsWeightUpdater):
     # (the workers' receive returns only once it has). Through the actor for a Ray collector.
     def policy_engine_num_replicas(self) -> int:
         """How many engine replicas the policy's engine has (1 for an in-process engine)."""
-        return self.weight_loader.worker_engine().num_replicas
+        return self.weight_loader.num_replicas()
 
     def join_policy_weight_group(self, connection_info: dict[str, Any], *, ranks_per_replica: int) -> None:
         """The policy engine's workers join a trainer's weight group (see :func:`~lmcollect.engines.weight_group.join_weight_group`)."""
@@ -240,21 +252,12 @@ class WeightReceiverMixin(HoldsWeightUpdater):
 
     def policy_weight_receiver_nodes(self) -> list[str | None]:
         """The Ray node of each of the policy engine's workers (None: outside Ray, in this collector's process)."""
-        return weight_receiver_nodes(self.weight_loader.worker_engine())
+        return self.weight_loader.receiver_nodes()
 
-    def submit_join_weight_group(
-        self, connection_info: dict[str, Any], *, ranks_per_replica: int
-    ) -> Callable[[float | None], Any]:
-        """Start :meth:`join_policy_weight_group` on a thread; returns ``wait(timeout_s)``."""
-        return self.weight_loader.run_in_thread(
-            self.join_policy_weight_group, connection_info, ranks_per_replica=ranks_per_replica
-        )
-
-    def submit_receive_weights(
-        self, source: GroupPush | LoraAdapter, *, version: PushVersion | None
-    ) -> Callable[[float | None], Any]:
-        """Start the load of a process-group push on a thread (see :meth:`WeightLoader.submit`)."""
-        return self.weight_loader.submit(source, version=version)
+    def weight_target(self) -> WeightTarget:
+        """What a weight updater pushes into: this collector's :attr:`weight_loader` (an updater
+        learns it once, when it registers with the collector)."""
+        return self.weight_loader
 
     def register_scheme_receiver(
         self, weight_recv_schemes: dict[str, Any], *, synchronize_weights: bool = True
@@ -274,6 +277,19 @@ class WeightReceiverMixin(HoldsWeightUpdater):
         if not callable(target):
             raise TypeError(f"{attr_path!r} resolves to a {type(target).__name__}, which is not callable.")
         return target(*args, **kwargs)
+
+
+def _weak_call(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` (bound to a collector) called through a weak reference to its collector."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        bound = ref()
+        if bound is None:
+            raise RuntimeError("the collector this weight loader served is gone.")
+        return bound(*args, **kwargs)
+
+    return call
 
 
 def _refuse_push_options_without_weights(given: LoadOptions) -> None:

@@ -352,8 +352,6 @@ class VLLMEngine(QueuedAndRunning, EngineBase):
             raise_if_problems(non_finite_problems(copied.tensors()), where=" by VLLMEngine.load_weights")
         return LOAD_SHARED_WEIGHTS, (layout_json, where.as_args())
 
-    checks_finite_in_copy = True  # capabilities.checks_finite_in_copy, as weight_sync/loader.py still reads it
-
     def _load_adapter(self, adapter: LoraAdapter, version: int | PushVersion) -> list[Any]:
         """A LoRA adapter: checked here, sent to every worker in the call (a few MB), merged there into
         the kept base weights of the adapted layers, which alone are reloaded (see the worker's
