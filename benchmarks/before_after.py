@@ -9,9 +9,10 @@ removed at the end); the working tree this script lives in is "after". Each roun
 once from each checkout, with that checkout's own script and package (``PYTHONPATH``), the order of
 the two alternating from round to round, so that a machine getting slower or faster in the middle
 of the run weighs on both alike. Every benchmark prints JSON as its last line; per row this script
-takes the median over rounds of the row's seconds (``median_s``, lower is better) or turns/s
-(``this.turns_per_s``, higher is better), and prints ``speed after / before`` (above 1: the change
-is faster). Rows that only one checkout prints are listed as such. The last line is JSON.
+takes the median over rounds of the row's seconds (``median_s``, lower is better), or of its own
+ratio (``value``: measured within one run against that run's baseline, so a machine that is slower
+for a while weighs on both; higher is better) and the tokens/s of what it times, and prints
+``speed after / before`` (above 1: the change is faster) with every round's number. Rows that only one checkout prints are listed as such. The last line is JSON.
 """
 
 from __future__ import annotations
@@ -51,14 +52,18 @@ def run_bench(tree: Path, bench: str, timeout_s: float) -> list[dict]:
     return json.loads(done.stdout.strip().splitlines()[-1])["rows"]
 
 
-def metric(row: dict) -> tuple[str, float] | None:
-    """(unit, number) of one benchmark row: its median seconds, else its turns/s; None if it has neither."""
+def metrics(row: dict) -> list[tuple[str, str, float]]:
+    """(name, unit, number) of one benchmark row: its median seconds; else its own ratio (``value``,
+    measured within the run against its baseline, higher is better) and the tokens/s of what it times."""
     if isinstance(row.get("median_s"), (int, float)):
-        return "s", float(row["median_s"])
+        return [("", "s", float(row["median_s"]))]
+    found = []
+    if isinstance(row.get("value"), (int, float)):
+        found.append(("", "ratio", float(row["value"])))
     this = row.get("this")
-    if isinstance(this, dict) and isinstance(this.get("turns_per_s"), (int, float)):
-        return "turns/s", float(this["turns_per_s"])
-    return None
+    if isinstance(this, dict) and isinstance(this.get("tokens_per_s"), (int, float)):
+        found.append((" [tokens/s]", "tokens/s", float(this["tokens_per_s"])))
+    return found
 
 
 def collect(trees: dict[str, Path], benches: list[str], rounds: int, timeout_s: float) -> dict:
@@ -71,11 +76,10 @@ def collect(trees: dict[str, Path], benches: list[str], rounds: int, timeout_s: 
             for side in order:
                 started = time.perf_counter()
                 for row in run_bench(trees[side], bench, timeout_s):
-                    found = metric(row)
-                    if found is not None:
-                        key = (bench, row["row"])
-                        units[key] = found[0]
-                        samples.setdefault(key, {"before": [], "after": []})[side].append(found[1])
+                    for suffix, unit, number in metrics(row):
+                        key = (bench, row["row"] + suffix)
+                        units[key] = unit
+                        samples.setdefault(key, {"before": [], "after": []})[side].append(number)
                 print(f"round {r + 1}/{rounds} {side:6} {bench}: {time.perf_counter() - started:.0f} s", flush=True)
     return {"samples": samples, "units": units}
 
@@ -89,7 +93,8 @@ def table(samples: dict, units: dict) -> list[dict]:
         before, after = statistics.median(sides["before"]), statistics.median(sides["after"])
         speed = before / after if units[key] == "s" else after / before
         rows.append({"bench": key[0], "row": key[1], "unit": units[key], "before": round(before, 4),
-                     "after": round(after, 4), "speed_after_over_before": round(speed, 3), "n": len(sides["after"])})  # fmt: skip
+                     "after": round(after, 4), "speed_after_over_before": round(speed, 3), "n": len(sides["after"]),
+                     "samples": {side: [round(x, 4) for x in xs] for side, xs in sides.items()}})  # fmt: skip
     return rows
 
 
@@ -115,8 +120,8 @@ def main() -> None:
         if "only" in row:
             print(f"{row['row'][:86]:86} only in {row['only']}")
             continue
-        print(f"{row['row'][:86]:86} {row['unit']:>7} {row['before']:9.4f} {row['after']:9.4f} "
-              f"{row['speed_after_over_before']:19.3f}")  # fmt: skip
+        print(f"{row['row'][:86]:86} {row['unit']:>8} {row['before']:9.4f} {row['after']:9.4f} "
+              f"{row['speed_after_over_before']:19.3f}   before {row['samples']['before']} after {row['samples']['after']}")  # fmt: skip
     print(json.dumps({"benchmark": "before_after", "before": args.before, "after": head.stdout.strip(), "rows": rows}))
 
 
