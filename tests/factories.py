@@ -176,6 +176,19 @@ def corrupted_delta(delta):
     return WeightDelta(delta.base_version, delta.entries, WeightBuckets(delta.arrays.layout, buffers))
 
 
+def all_stacks() -> str:
+    """Every live thread's name and stack (what a hung call was waiting on, for the failure message)."""
+    import sys
+    import threading
+    import traceback
+
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    return "\n".join(
+        f"--- {names.get(ident, ident)}\n{''.join(traceback.format_stack(frame))}"
+        for ident, frame in sys._current_frames().items()
+    )
+
+
 def run_in_thread(fn, timeout_s: float = 30.0):
     """Start ``fn`` in a thread; the returned function joins it (at most ``timeout_s``) and re-raises its error."""
     import threading
@@ -193,7 +206,7 @@ def run_in_thread(fn, timeout_s: float = 30.0):
 
     def join():
         thread.join(timeout_s)
-        assert not thread.is_alive(), "the receiver thread hung"
+        assert not thread.is_alive(), f"the receiver thread hung ({timeout_s} s); every thread's stack:\n{all_stacks()}"
         if "error" in result:
             raise result["error"]
         return result.get("value")
