@@ -9,6 +9,8 @@ This module turns a generator into lmcollect's pieces and nothing more:
   entry's ``"question"``, ``"answer"`` and ``"metadata"`` for scoring);
 * :class:`ReasoningGymReward`: a picklable ``fn(history, sample)`` that extracts the reply's answer
   (the last ``<answer>...</answer>``, else the whole reply) and returns the generator's own score;
+* :class:`ReasoningGymTask`: that score as a task, with ``attempts`` tries per question (a wrong
+  answer is told its score and may try again);
 * :func:`reasoning_gym_env`: a :class:`~lmcollect.envs.ChatEnv` of both (GRPO groups with ``repeats``);
 * the ``"reasoning-gym"`` ecosystem of :mod:`lmcollect.envs.registry`: ``make_env("reasoning-gym:leg_counting",
   batch_size=8, repeats=4)``, and ``lmcollect demo --env reasoning-gym:basic_arithmetic``
@@ -20,6 +22,7 @@ generator only writes questions and scores answers. reasoning-gym is imported on
 
 from __future__ import annotations
 
+import random
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -28,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from lmcollect.data.history import History
 from lmcollect.envs.chat_env import ChatEnv
 from lmcollect.envs.registry import register_ecosystem
-from lmcollect.envs.tasks.base import SingleTurnTask
+from lmcollect.envs.tasks.base import SingleTurnTask, TaskReply
 from lmcollect.envs.tasks.shipped import ShippedTask
 
 if TYPE_CHECKING:  # reasoning-gym is an optional extra
@@ -112,6 +115,39 @@ class ReasoningGymReward:
         return float(self.generator.score_answer(extract_answer("" if reply is None else reply.content), entry))
 
 
+@dataclass(frozen=True)
+class ReasoningGymTask:
+    """The generator's score as a task: up to ``attempts`` answers per question.
+
+    Each answer gets its score as its reward; the dialog ends at a full score (1.0) or after
+    ``attempts`` answers, and a lower score before that is told to the model ("Your answer scored
+    0.25 out of 1. Try again."), so the next prompt extends the dialog the model has seen.
+    """
+
+    reward: ReasoningGymReward
+    """Scores each answer."""
+    attempts: int = 1
+    """Answers allowed per question (1: single-turn)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 1:
+            raise ValueError(f"attempts must be an int >= 1, got {self.attempts!r}.")
+
+    @property
+    def max_turns(self) -> int:
+        return self.attempts
+
+    def start(self, sample: Mapping[str, Any], rng: random.Random) -> Mapping[str, Any]:
+        return sample
+
+    def respond(self, state: Mapping[str, Any], history: History) -> TaskReply:
+        score = self.reward(history, state)
+        num_answers = sum(m.role == "assistant" for m in history.messages)
+        if score >= 1.0 or num_answers >= self.attempts:
+            return TaskReply(reward=score, done=True)
+        return TaskReply(reward=score, done=False, env_message=f"Your answer scored {score:.2f} out of 1. Try again.")
+
+
 def reasoning_gym_env(
     generator: str | ProceduralDataset,
     *,
@@ -121,6 +157,7 @@ def reasoning_gym_env(
     seed: int = 0,
     rows: list[dict[str, Any]] | None = None,
     answer_format: str | None = ANSWER_FORMAT,
+    attempts: int = 1,
     **config: Any,
 ) -> ChatEnv:
     """A single-turn :class:`ChatEnv` on a reasoning-gym generator, scored by its ``score_answer``.
@@ -128,7 +165,8 @@ def reasoning_gym_env(
     ``generator``: a name (built with ``seed``, ``num_samples`` entries and ``config``, e.g.
     ``min_terms=2``) or a generator object (its own seed and size; ``composite`` included).
     ``rows`` replaces the generated rows (from :func:`reasoning_gym_rows`); ``seed`` also seeds the
-    prompt order; ``repeats`` answers per prompt make the GRPO groups.
+    prompt order; ``repeats`` answers per prompt make the GRPO groups; ``attempts`` answers per
+    question (see :class:`ReasoningGymTask`).
     """
     if isinstance(generator, str):
         generator = create_generator(generator, seed=seed, size=num_samples, **config)
@@ -136,8 +174,8 @@ def reasoning_gym_env(
         raise TypeError(f"reasoning_gym_env: config fields {sorted(config)} go with a generator name, not an object.")
     if rows is None:
         rows = reasoning_gym_rows(generator, min(num_samples, len(generator)), answer_format=answer_format)
-    task = SingleTurnTask(ReasoningGymReward(generator))
-    return ChatEnv(rows, task=task, batch_size=batch_size, repeats=repeats, max_turns=1, seed=seed)
+    task = ReasoningGymTask(ReasoningGymReward(generator), attempts)
+    return ChatEnv(rows, task=task, batch_size=batch_size, repeats=repeats, max_turns=attempts, seed=seed)
 
 
 @dataclass(frozen=True)
