@@ -176,3 +176,19 @@ def test_a_stateful_opening_task_under_both_collectors_with_groups_is_token_exac
     for members in groups_of(turns).values():
         openings = {non_tensor_values(t, keys.HISTORY_PROMPT)[0] for t in members if int(t[keys.STEP_COUNT]) == 0}
         assert len(openings) <= 1  # a group answers one opening
+
+
+def test_the_environments_page_stateful_example_runs_and_restores() -> None:
+    from tests.unit.test_readme import doc_block
+
+    namespace: dict = {}
+    exec(doc_block("class CountdownTask"), namespace)  # noqa: S102 - our own docs (docs/environments.md)
+    env = namespace["env"]
+    td = env.reset()
+    assert [h.messages[-1].content for h in td[keys.HISTORY_PROMPT]] == ["Count down from 3. Say the next number."] * 2
+    td = env.step(answer(env, td, ["2", "7"]))
+    assert td["next", keys.REWARD].flatten().tolist() == [1.0, 0.0]
+    assert [h.messages[-2].content for h in td["next", *keys.HISTORY_PROMPT]] == ["left=2", "left=3"]
+    restored = ChatEnv([{"prompt": "", "start": 3}], task=namespace["CountdownTask"](), batch_size=2, repeats=2, max_turns=5)
+    restored.load_state_dict(env.state_dict())
+    assert [restored._states[i]["left"] for i in range(2)] == [2, 3]  # replayed to where the dialogs were
