@@ -87,6 +87,12 @@ class ChatEnv(RefusesWhenClosed):
     :meth:`set_seed`), and with ``seed=None`` (the default) a random one, so the order differs from
     run to run. To keep the list's order, pass ``PromptDataset(rows, shuffle=False)``.
 
+    Outside environments: a task's reply may append several role-tagged messages
+    (``TaskReply.messages``), an :class:`~lmcollect.envs.tasks.base.OpeningTask` writes each
+    dialog's first prompt, and a :class:`~lmcollect.envs.tasks.base.StatefulTask` (whose step
+    changes its state) is stepped once per turn, ended on reset and close, and replayed on restore
+    (see docs/environments.md).
+
     Rewards: without ``task`` or ``reward_fn`` every reward is 0.0 (logged once as a warning); pass
     ``reward_fn`` (e.g. :class:`~lmcollect.envs.MathAnswerReward`) or ``task``, or
     ``task=SingleTurnTask()`` to collect unscored turns on purpose.
