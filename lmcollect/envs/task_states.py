@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from lmcollect.data.history import History, Message
@@ -32,6 +32,12 @@ class TaskStates:
 
     def __getitem__(self, i: int) -> Any:
         return self._states[i]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._states)
+
+    def __len__(self) -> int:
+        return len(self._states)
 
     def start(self, i: int, sample: Mapping[str, Any], rng: random.Random) -> None:
         """End element ``i``'s dialog (stateful tasks) and start a new one on ``sample``."""
