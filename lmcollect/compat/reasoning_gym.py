@@ -160,7 +160,7 @@ def reasoning_gym_env(
     attempts: int = 1,
     **config: Any,
 ) -> ChatEnv:
-    """A single-turn :class:`ChatEnv` on a reasoning-gym generator, scored by its ``score_answer``.
+    """A :class:`ChatEnv` on a reasoning-gym generator (one answer per question, or ``attempts``), scored by its ``score_answer``.
 
     ``generator``: a name (built with ``seed``, ``num_samples`` entries and ``config``, e.g.
     ``min_terms=2``) or a generator object (its own seed and size; ``composite`` included).

@@ -171,8 +171,8 @@ def test_a_stateful_opening_task_under_both_collectors_with_groups_is_token_exac
     turns = collect_turns(kind, lambda: counting_env(batch_size=4, repeats=2), counting_player, 24)
     assert check_prompts_extend_full_tokens(turns) >= 8
     for dialog in dialogs_of(turns):
-        if bool(dialog[-1][keys.DONE]):
-            assert float(dialog[-1][keys.REWARD]) == 1.0  # the player counts right: every finished dialog wins
+        if bool(dialog[-1][keys.NEXT_DONE]):
+            assert float(dialog[-1][keys.NEXT_REWARD]) == 1.0  # the player counts right: every finished dialog wins
     for members in groups_of(turns).values():
         openings = {non_tensor_values(t, keys.HISTORY_PROMPT)[0] for t in members if int(t[keys.STEP_COUNT]) == 0}
         assert len(openings) <= 1  # a group answers one opening

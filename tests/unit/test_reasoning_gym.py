@@ -105,6 +105,6 @@ def test_under_both_collectors_with_groups_each_turn_extends_the_previous_tokens
     )
     assert check_prompts_extend_full_tokens(turns) >= 4
     for dialog in dialogs_of(turns):
-        assert [float(t[keys.REWARD]) for t in dialog] == [0.0, 1.0][: len(dialog)]
+        assert [float(t[keys.NEXT_REWARD]) for t in dialog] == [0.0, 1.0][: len(dialog)]
     dialogs_per_group = [len({int(t[keys.TRAJ_IDS]) for t in g}) for g in groups_of(turns).values()]
     assert max(dialogs_per_group) == 2 and min(dialogs_per_group) >= 1  # GRPO groups of 2 answers per question

@@ -55,7 +55,7 @@ def test_trl_reward_funcs_under_the_continuous_collector() -> None:
     answers = {row["prompt"]: row["answer"] for row in rows}
     env = lambda: ChatEnv(rows, reward_fn=TRLRewardFuncs(accuracy_reward), batch_size=4, repeats=2, seed=0)  # noqa: E731
     turns = collect_turns("continuous", env, lambda h: answers[h.last("user").content], 8)
-    assert [float(t[keys.REWARD]) for t in turns] == [1.0] * len(turns)
+    assert [float(t[keys.NEXT_REWARD]) for t in turns] == [1.0] * len(turns)
 
 
 math_verify_needed = pytest.mark.skipif(
@@ -97,4 +97,4 @@ def test_math_verify_scores_in_worker_threads_without_signal_alarms() -> None:
     answers = {row["prompt"]: f"The answer is $\\boxed{{{row['answer']}}}$." for row in rows}
     env = lambda: ChatEnv(rows, reward_fn=MathVerifyReward(), batch_size=4, repeats=2, seed=0)  # noqa: E731
     turns = collect_turns("continuous", env, lambda h: answers[h.last("user").content], 8)  # scored in worker threads
-    assert [float(t[keys.REWARD]) for t in turns] == [1.0] * len(turns)
+    assert [float(t[keys.NEXT_REWARD]) for t in turns] == [1.0] * len(turns)
