@@ -43,6 +43,9 @@ def rows_from_hf(dataset: Dataset, *, columns: Mapping[str, str] | None = None) 
 def as_hf_dataset(source: Any) -> Dataset:
     """``source`` if it is a ``datasets.Dataset``; local dataset files (a path, a list of paths or a
     ``data_files`` mapping) read with :func:`load_hf_files` otherwise."""
+    datasets = _datasets()
+    if isinstance(source, (datasets.Dataset, datasets.DatasetDict)):  # a DatasetDict is refused by rows_from_hf
+        return source
     if isinstance(source, (str, os.PathLike)):
         return load_hf_files(os.fspath(source))
     is_paths = isinstance(source, (list, tuple)) and source and all(isinstance(p, (str, os.PathLike)) for p in source)
