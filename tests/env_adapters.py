@@ -11,6 +11,8 @@ from lmcollect.collectors import ContinuousLLMCollector, LLMCollector
 from lmcollect.data import History, keys
 from lmcollect.data.turns import flatten_turns
 from lmcollect.policies import EnginePolicy, SamplingConfig
+from lmcollect.envs import make_env
+from lmcollect.testing import ScriptedPolicy
 from lmcollect.testing.scripted_engine import ByteTokenizer, ScriptedEngine, chat_script
 
 SAMPLING = SamplingConfig(max_new_tokens=48)
@@ -59,3 +61,34 @@ def groups_of(turns: list) -> dict[int, list]:
     for turn in turns:
         groups[int(turn[keys.GROUP_ID])].append(turn)
     return groups
+
+
+# ---- env and policy factories a Ray collector's actor builds (pickled by name: they live in an importable module)
+def make_reasoning_gym_env():
+    return make_env("reasoning-gym:leg_counting", batch_size=4, repeats=2, num_samples=16, seed=0, attempts=2)
+
+
+def make_second_time_player() -> ScriptedPolicy:
+    """Wrong once, then right (every dialog two turns), answers from the same seeded generator."""
+    from lmcollect.compat.reasoning_gym import create_generator, reasoning_gym_rows
+
+    answers = {r["question"]: r["answer"] for r in reasoning_gym_rows(create_generator("leg_counting", seed=0, size=16))}
+
+    def player(history: History) -> str:
+        question = next(m.content for m in history.messages if m.role == "user")
+        tried = any(m.role == "assistant" for m in history.messages)
+        return f"<answer>{answers[question]}</answer>" if tried else "<answer>none</answer>"
+
+    return ScriptedPolicy(player)
+
+
+def make_counting_env():
+    from tests.unit.test_env_dialogs import counting_env
+
+    return counting_env(batch_size=4, repeats=2)
+
+
+def make_counter() -> ScriptedPolicy:
+    from tests.unit.test_env_dialogs import counting_player
+
+    return ScriptedPolicy(counting_player)
