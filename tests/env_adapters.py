@@ -1,0 +1,94 @@
+"""Dialogs of an env collected by both collectors over a scripted engine, and the token checks every env adapter passes."""
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+from tensordict import TensorDictBase
+
+from lmcollect.collectors import ContinuousLLMCollector, LLMCollector
+from lmcollect.data import History, keys
+from lmcollect.data.turns import flatten_turns
+from lmcollect.policies import EnginePolicy, SamplingConfig
+from lmcollect.envs import make_env
+from lmcollect.testing import ScriptedPolicy
+from lmcollect.testing.scripted_engine import ByteTokenizer, ScriptedEngine, chat_script
+
+SAMPLING = SamplingConfig(max_new_tokens=48)
+
+
+def collect_turns(kind: str, make_env: Callable[[], object], player: Callable[[History], str], num_turns: int) -> list:
+    """``num_turns`` turns (whole dialogs) of the env ``make_env()`` answered by ``player``, by the
+    lockstep (``kind="lockstep"``) or the continuous collector."""
+    engine = ScriptedEngine(script=chat_script(player))
+    if kind == "lockstep":
+        policy = EnginePolicy(engine, tokenizer=ByteTokenizer(), sampling=SAMPLING)
+        collector = LLMCollector(make_env(), policy=policy, dialog_turns_per_batch=num_turns, flatten_data=True)
+    else:
+        collector = ContinuousLLMCollector(
+            [make_env()], engine=engine, tokenizer=ByteTokenizer(), sampling=SAMPLING, dialog_turns_per_batch=num_turns
+        )
+    with collector:
+        return flatten_turns(collector.next())
+
+
+def dialogs_of(turns: list) -> list[list[TensorDictBase]]:
+    """The turns grouped by trajectory, each dialog in turn order."""
+    dialogs: dict[int, list[TensorDictBase]] = defaultdict(list)
+    for turn in turns:
+        dialogs[int(turn[keys.TRAJ_IDS])].append(turn)
+    return [sorted(d, key=lambda t: int(t[keys.STEP_COUNT])) for d in dialogs.values()]
+
+
+def check_prompts_extend_full_tokens(turns: list) -> int:
+    """Each turn's prompt tokens start with the previous turn's full tokens (nothing re-tokenised);
+    returns how many turns followed another."""
+    num_checked = 0
+    for dialog in dialogs_of(turns):
+        for before, after in zip(dialog, dialog[1:]):
+            full, prompt = before[keys.TOKENS_FULL], after[keys.TOKENS_PROMPT]
+            assert prompt.numel() > full.numel() and torch.equal(prompt[: full.numel()], full), (
+                "a prompt does not start with the previous turn's full tokens"
+            )
+            num_checked += 1
+    return num_checked
+
+
+def groups_of(turns: list) -> dict[int, list]:
+    """Turns by GRPO group id."""
+    groups: dict[int, list] = defaultdict(list)
+    for turn in turns:
+        groups[int(turn[keys.GROUP_ID])].append(turn)
+    return groups
+
+
+# ---- env and policy factories a Ray collector's actor builds (pickled by name: they live in an importable module)
+def make_reasoning_gym_env():
+    return make_env("reasoning-gym:leg_counting", batch_size=4, repeats=2, num_samples=16, seed=0, attempts=2)
+
+
+def make_second_time_player() -> ScriptedPolicy:
+    """Wrong once, then right (every dialog two turns), answers from the same seeded generator."""
+    from lmcollect.compat.reasoning_gym import create_generator, reasoning_gym_rows
+
+    answers = {r["question"]: r["answer"] for r in reasoning_gym_rows(create_generator("leg_counting", seed=0, size=16))}
+
+    def player(history: History) -> str:
+        question = next(m.content for m in history.messages if m.role == "user")
+        tried = any(m.role == "assistant" for m in history.messages)
+        return f"<answer>{answers[question]}</answer>" if tried else "<answer>none</answer>"
+
+    return ScriptedPolicy(player)
+
+
+def make_counting_env():
+    from tests.unit.test_env_dialogs import counting_env
+
+    return counting_env(batch_size=4, repeats=2)
+
+
+def make_counter() -> ScriptedPolicy:
+    from tests.unit.test_env_dialogs import counting_player
+
+    return ScriptedPolicy(counting_player)
