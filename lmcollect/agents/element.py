@@ -6,21 +6,22 @@ import asyncio
 import concurrent.futures
 import json
 import logging
-import uuid
 from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
 
-from lmcollect.agents.openai_format import (
-    ChatRequest,
-    RequestError,
-    completion_json,
-    cut_at_stops,
-    history_of,
-    reply_key,
+from lmcollect.agents.openai_format import CallReply, ChatRequest, RequestError, cut_at_stop, history_of, reply_key
+from lmcollect.agents.runs import (
+    AgentCall,
+    AgentRun,
+    DialogEndedError,
+    Event,
+    RunEnded,
+    StreamCut,
+    answer_call,
+    refuse_call,
 )
-from lmcollect.agents.runs import AgentCall, AgentRun, DialogEndedError, Event, RunEnded, answer_call, refuse_call
 from lmcollect.agents.tool_parsers import ParsedReply
 from lmcollect.data import keys
 from lmcollect.data.history import History
@@ -134,24 +135,21 @@ class AgentEnvElement:
             raise RuntimeError(f"element {self.index} of the AgentEnv has no call to answer; reset it first.")
         self._call = None
         text = str(non_tensor_values(turn, keys.TEXT_RESPONSE)[0])
-        content, stopped = cut_at_stops(text, request.stop)
+        content, stop = cut_at_stop(text, request.stop)
         num_tokens = turn.get(keys.TOKENS_RESPONSE).numel()
         budget = int(turn.get(keys.SAMPLING_MAX_NEW_TOKENS))
         reply = self._parse(content, run) if request.parse_tool_calls else ParsedReply(content=content)
         run.replies[reply_key(reply.content, reply.tool_calls)] = text
         self.parent.count(calls=1, tool_calls=len(reply.tool_calls), tool_parse_errors=int(bool(reply.error)))
         self._parse_error = reply.error
-        answer_call(
-            call,
-            completion_json(
-                completion_id=f"chatcmpl-{uuid.uuid4().hex}",
-                model=self.parent.config.model_name,
-                reply=reply,
-                finish_reason="stop" if stopped or num_tokens < budget else "length",
-                prompt_tokens=turn.get(keys.TOKENS_PROMPT).numel(),
-                completion_tokens=num_tokens,
-            ),
+        answer = CallReply(
+            reply=reply,
+            finish_reason="stop" if stop is not None or num_tokens < budget else "length",
+            stop=stop,
+            prompt_tokens=turn.get(keys.TOKENS_PROMPT).numel(),
+            completion_tokens=num_tokens,
         )
+        answer_call(call, answer)
         return run
 
     def _parse(self, content: str, run: AgentRun) -> ParsedReply:
@@ -174,6 +172,14 @@ class AgentEnvElement:
                 return self._take_call(event, reward=run.take_reward(), parse_error=parse_error)
             return self._truncate(event, turn, parse_error)
         full = non_tensor_values(turn, keys.HISTORY_FULL)[0]
+        if isinstance(event, StreamCut):  # the client left a streamed reply: the dialog ends at it, cut
+            self.parent.count(streams_cut=1)
+            logger.info("%s: %s; its dialog ends at this turn, truncated", run.dialog, event.reason)
+            self.end("its client left a streamed reply")
+            reward = run.take_reward()
+            return self._output(
+                full, reward=reward, flags=(True, False, True), parse_error=parse_error, error=event.reason
+            )
         if event.result is not None:
             self.parent.run_finished()
             self.end("the agent returned")

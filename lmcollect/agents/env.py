@@ -51,6 +51,8 @@ class AgentStats:
     """Tool calls read from the replies."""
     tool_parse_errors: int = 0
     """Replies whose tool calls were malformed (returned as plain text)."""
+    streams_cut: int = 0
+    """Runs whose client left a streamed reply before its last event (their dialogs end there, truncated)."""
     failures_in_a_row: int = 0
     """Runs failed since the last one that returned a reward."""
 
@@ -124,15 +126,19 @@ class AgentEnv(ClosesOnExit, RefusesWhenClosed):
 
     @property
     def server(self) -> AgentServer:
-        """The endpoint the runs call (started on first use)."""
+        """The endpoint the runs call (listening from first use)."""
+        server = self._endpoint()
+        server.start()
+        return server
+
+    def _endpoint(self) -> AgentServer:
+        """The endpoint, created on first use (not yet listening)."""
         with self._lock:
             if self._server is None:
                 self._server = AgentServer(
                     host=self.config.host, port=self.config.port, model_name=self.config.model_name
                 )
-            server = self._server
-        server.start()
-        return server
+            return self._server
 
     def split_elements(self) -> list[AgentEnvElement]:
         """Each element as a batch-1 env (the continuous collector runs one per slot)."""
@@ -146,7 +152,8 @@ class AgentEnv(ClosesOnExit, RefusesWhenClosed):
 
     def start_run(self, element: int, draw: Draw) -> AgentRun:
         """Start the agent on ``draw``'s row with a new key."""
-        server = self.server
+        in_process = self.config.transport == "in_process"
+        server = self._endpoint() if in_process else self.server  # in-process: no listener until base_url is read
         with self._lock:
             self._check_open()  # a close from now on ends this run too (it is live)
             number = self._num_runs
@@ -161,9 +168,8 @@ class AgentEnv(ClosesOnExit, RefusesWhenClosed):
                 self._check_open()
             self._live_runs.add(run)
         server.register(run)
-        run.start(
-            self.agent, AgentContext(run, base_url=server.base_url, model=server.model_name), dict(draw.sample), loop
-        )
+        context = AgentContext(run, server=server, model=server.model_name, in_process=in_process)
+        run.start(self.agent, context, dict(draw.sample), loop)
         return run
 
     def end_run(self, run: AgentRun, reason: str) -> None:
