@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import functools
 import importlib
 from collections.abc import AsyncIterator, Iterator
@@ -85,6 +84,12 @@ class _Exchange:
             await self.messages.put(("body", message.get("body", b""), message.get("more_body", False)))
 
 
+def _observe(task: Any) -> None:
+    """Read a finished app call's error (already answered as a 500, or a client that left): none is left unread."""
+    if not task.cancelled():
+        task.exception()
+
+
 def _last(message: tuple[Any, ...]) -> bool:
     return message is _END or not message[2]
 
@@ -102,6 +107,7 @@ class _InProcessTransport:
     def handle_request(self, request: Any) -> Any:
         exchange = _Exchange(self.app, request, request.read())
         task = asyncio.run_coroutine_threadsafe(exchange.run(), self.loop)
+        task.add_done_callback(_observe)
         status, headers, first = self._wait(exchange.head())
         body = self.body_class(self, exchange, task, first)
         return self.http.Response(status, headers=headers, stream=body, request=request)
@@ -142,8 +148,7 @@ class _SyncBody:
         if self.read_all or self.transport.loop.is_closed():
             return
         self.transport.loop.call_soon_threadsafe(self.exchange.close)
-        with contextlib.suppress(Exception, concurrent.futures.CancelledError):  # the app's own error was answered
-            self.task.result(timeout=10)
+        concurrent.futures.wait([self.task], timeout=10)  # the app has recorded the client's leaving
 
 
 class _AsyncInProcessTransport:
@@ -158,6 +163,7 @@ class _AsyncInProcessTransport:
     async def handle_async_request(self, request: Any) -> Any:
         exchange = _Exchange(self.app, request, await request.aread())
         task = asyncio.ensure_future(exchange.run())
+        task.add_done_callback(_observe)
         status, headers, first = await exchange.head()
         body = self.body_class(exchange, task, first)
         return self.http.Response(status, headers=headers, stream=body, request=request)
@@ -182,8 +188,7 @@ class _AsyncBody:
         if self.read_all:
             return
         self.exchange.close()
-        with contextlib.suppress(Exception, asyncio.CancelledError):  # the app's own error was answered
-            await self.task
+        await asyncio.wait({self.task})  # the app has recorded the client's leaving when this returns
 
 
 @functools.cache
