@@ -51,6 +51,7 @@ def parse_messages_request(body: Any) -> ChatRequest:
     check_messages(messages)
     tools = chat_tools(_tools_of(body.get("tools")))
     choice = body.get("tool_choice")
+    temperature, top_p = sampling_fields(body)
     return ChatRequest(
         messages=tuple(messages),
         tools=tools,
@@ -58,7 +59,8 @@ def parse_messages_request(body: Any) -> ChatRequest:
         max_tokens=token_budget(body.get("max_tokens"), "max_tokens"),
         stop=stop_strings(body.get("stop_sequences")),
         stream=stream_flag(body),
-        **sampling_fields(body),
+        temperature=temperature,
+        top_p=top_p,
     )
 
 

@@ -99,12 +99,14 @@ def parse_chat_request(body: Any) -> ChatRequest:
         raise RequestError(
             "stream_options must be an object such as {'include_usage': true}, and only with stream=True."
         )
+    temperature, top_p = sampling_fields(body)
     return ChatRequest(
         messages=tuple(messages),
         tools=tools,
         parse_tool_calls=tools is not None and body.get("tool_choice") != "none",
         max_tokens=_max_tokens(body),
-        **sampling_fields(body),
+        temperature=temperature,
+        top_p=top_p,
         stop=stop_strings(body.get("stop")),
         stream=stream,
         include_usage=bool(options and options.get("include_usage")),
@@ -190,14 +192,12 @@ def token_budget(value: Any, name: str) -> int | None:
     return value
 
 
-def sampling_fields(body: Mapping[str, Any]) -> dict[str, float | None]:
+def sampling_fields(body: Mapping[str, Any]) -> tuple[float | None, float | None]:
     """The body's ``temperature`` and ``top_p``, checked (every API names them alike)."""
-    return {
-        "temperature": number_field(
-            body, "temperature", lambda v: v == 0 or v >= MIN_TEMPERATURE, f"0 (greedy) or >= {MIN_TEMPERATURE}"
-        ),
-        "top_p": number_field(body, "top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
-    }
+    temperature = number_field(
+        body, "temperature", lambda v: v == 0 or v >= MIN_TEMPERATURE, f"0 (greedy) or >= {MIN_TEMPERATURE}"
+    )
+    return temperature, number_field(body, "top_p", lambda v: 0 < v <= 1, "in (0, 1]")
 
 
 def number_field(body: Mapping[str, Any], name: str, ok: Any, rule: str) -> float | None:

@@ -45,6 +45,7 @@ def parse_responses_request(body: Any) -> ChatRequest:
     messages = _messages_of(body.get("input"), body.get("instructions"))
     check_messages(messages)
     tools = chat_tools(_tools_of(body.get("tools")))
+    temperature, top_p = sampling_fields(body)
     return ChatRequest(
         messages=tuple(messages),
         tools=tools,
@@ -52,7 +53,8 @@ def parse_responses_request(body: Any) -> ChatRequest:
         max_tokens=token_budget(body.get("max_output_tokens"), "max_output_tokens"),
         stop=(),
         stream=stream_flag(body),
-        **sampling_fields(body),
+        temperature=temperature,
+        top_p=top_p,
     )
 
 
