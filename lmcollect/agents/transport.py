@@ -55,6 +55,17 @@ class _Exchange:
             if not self.closed.is_set():
                 await self.messages.put(_END)
 
+    async def start(self) -> tuple[asyncio.Task, tuple[int, list[tuple[bytes, bytes]], tuple[Any, ...]]]:
+        """Run the app (a task on this loop) until the response's head: the task, and :meth:`head`'s answer."""
+        task = asyncio.ensure_future(self.run())
+        task.add_done_callback(_observe)
+        return task, await self.head()
+
+    async def close_and_wait(self, task: asyncio.Task) -> None:
+        """:meth:`close`, then wait for the app to end (it has recorded the client's leaving then)."""
+        self.close()
+        await asyncio.wait({task}, timeout=10)
+
     async def head(self) -> tuple[int, list[tuple[bytes, bytes]], tuple[Any, ...]]:
         """The response's status, headers and first body message (one hop for a whole JSON reply)."""
         start = await self.messages.get()
@@ -106,9 +117,7 @@ class _InProcessTransport:
 
     def handle_request(self, request: Any) -> Any:
         exchange = _Exchange(self.app, request, request.read())
-        task = asyncio.run_coroutine_threadsafe(exchange.run(), self.loop)
-        task.add_done_callback(_observe)
-        status, headers, first = self._wait(exchange.head())
+        task, (status, headers, first) = self._wait(exchange.start())  # one hop to the loop and back
         body = self.body_class(self, exchange, task, first)
         return self.http.Response(status, headers=headers, stream=body, request=request)
 
@@ -147,8 +156,7 @@ class _SyncBody:
         has recorded it when this returns."""
         if self.read_all or self.transport.loop.is_closed():
             return
-        self.transport.loop.call_soon_threadsafe(self.exchange.close)
-        concurrent.futures.wait([self.task], timeout=10)  # the app has recorded the client's leaving
+        self.transport._wait(self.exchange.close_and_wait(self.task))
 
 
 class _AsyncInProcessTransport:
@@ -162,15 +170,13 @@ class _AsyncInProcessTransport:
 
     async def handle_async_request(self, request: Any) -> Any:
         exchange = _Exchange(self.app, request, await request.aread())
-        task = asyncio.ensure_future(exchange.run())
-        task.add_done_callback(_observe)
-        status, headers, first = await exchange.head()
+        task, (status, headers, first) = await exchange.start()
         body = self.body_class(exchange, task, first)
         return self.http.Response(status, headers=headers, stream=body, request=request)
 
 
 class _AsyncBody:
-    def __init__(self, exchange: _Exchange, task: asyncio.Future, first: tuple[Any, ...]) -> None:
+    def __init__(self, exchange: _Exchange, task: asyncio.Task, first: tuple[Any, ...]) -> None:
         self.exchange, self.task, self.first = exchange, task, first
         self.read_all = False
 
@@ -187,8 +193,7 @@ class _AsyncBody:
     async def aclose(self) -> None:
         if self.read_all:
             return
-        self.exchange.close()
-        await asyncio.wait({self.task})  # the app has recorded the client's leaving when this returns
+        await self.exchange.close_and_wait(self.task)
 
 
 @functools.cache
