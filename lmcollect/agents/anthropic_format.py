@@ -139,9 +139,10 @@ def _tools_of(tools: Any) -> list[dict[str, Any]] | None:
             raise RequestError(
                 f"tools[{k}]: only custom tools with a name and input_schema are supported, got {kind!r:.50}."
             )
-        function = {"name": tool["name"], "parameters": tool.get("input_schema", {"type": "object"})}
+        function = {"name": tool["name"]}  # the key order of OpenAI's form: the template renders the same text
         if tool.get("description"):
             function["description"] = tool["description"]
+        function["parameters"] = tool.get("input_schema", {"type": "object"})
         converted.append({"type": "function", "function": function})
     return converted
 

@@ -297,3 +297,88 @@ def test_async_agents_share_the_loop_with_in_process_calls() -> None:
     env.close()
     assert env.stats.runs_failed == 0 and all(float(t[keys.NEXT_REWARD]) in (0.0, 1.0) for t in turns)
     assert sum(float(t[keys.NEXT_REWARD]) for t in turns) >= 4
+
+
+# ---------------------------------------------------------------------- each API's form, without a server
+def test_responses_input_items_become_one_chat_conversation() -> None:
+    from lmcollect.agents.responses_format import parse_responses_request
+
+    request = parse_responses_request({
+        "instructions": "be brief",
+        "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "add 1 2"}]},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "on it"}]},
+            {"type": "function_call", "call_id": "c1", "name": "add", "arguments": '{"a": 1}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "3"},
+        ],
+        "tools": RESPONSES_TOOLS, "max_output_tokens": 7, "tool_choice": "none", "stream": True,
+    })
+    assert [dict(m) for m in request.messages] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "add 1 2"},
+        {"role": "assistant", "content": "on it",
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "3"},
+    ]
+    assert request.tools == tuple(TOOLS) and request.max_tokens == 7 and request.stream
+    assert not request.parse_tool_calls  # tool_choice="none"
+
+
+def test_messages_blocks_become_one_chat_conversation() -> None:
+    from lmcollect.agents.anthropic_format import parse_messages_request
+
+    request = parse_messages_request({
+        "system": [{"type": "text", "text": "be brief"}],
+        "messages": [
+            {"role": "user", "content": "add 1 2"},
+            {"role": "assistant", "content": [{"type": "text", "text": "on it"},
+                                              {"type": "tool_use", "id": "c1", "name": "add", "input": {"a": 1}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": [{"type": "text", "text": "3"}]},
+                                         {"type": "text", "text": "and now?"}]},
+        ],
+        "tools": MESSAGES_TOOLS, "max_tokens": 9, "stop_sequences": ["END"], "tool_choice": {"type": "none"},
+    })
+    assert [dict(m) for m in request.messages] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "add 1 2"},
+        {"role": "assistant", "content": "on it",
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "3"},
+        {"role": "user", "content": "and now?"},
+    ]
+    assert request.tools == tuple(TOOLS) and request.max_tokens == 9 and request.stop == ("END",)
+    assert not request.parse_tool_calls and not request.stream
+
+
+def test_one_reply_in_every_form() -> None:
+    from lmcollect.agents.anthropic_format import message_events, message_json
+    from lmcollect.agents.openai_format import CallReply, completion_chunks, completion_json, parse_chat_request
+    from lmcollect.agents.responses_format import response_events, response_json
+    from lmcollect.agents.tool_parsers import ParsedReply, ToolCall
+
+    stopped = CallReply(reply=ParsedReply(content="x" * 100), finish_reason="stop", stop="END", prompt_tokens=3,
+                        completion_tokens=5)
+    message = message_json(stopped, message_id="m", model="p")
+    assert (message["stop_reason"], message["stop_sequence"], message["usage"]) == ("stop_sequence", "END",
+                                                                                   {"input_tokens": 3, "output_tokens": 5})
+    cut = CallReply(reply=ParsedReply(content="abc"), finish_reason="length", stop=None, prompt_tokens=3, completion_tokens=5)
+    request = parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "stream": True,
+                                  "stream_options": {"include_usage": True}})
+    assert completion_json(cut, completion_id="c", model="p")["choices"][0]["finish_reason"] == "length"
+    assert message_json(cut, message_id="m", model="p")["stop_reason"] == "max_tokens"
+    response = response_json(cut, request, response_id="r", model="p")
+    assert response["status"] == "incomplete" and response["incomplete_details"] == {"reason": "max_output_tokens"}
+    calls = CallReply(reply=ParsedReply(content=None, tool_calls=(ToolCall("c1", "add", '{"a": 1}'),)),
+                      finish_reason="stop", stop=None, prompt_tokens=3, completion_tokens=5)
+    chunks = [json.loads(e.decode().removeprefix("data: ")) for e in completion_chunks(calls, request, completion_id="c", model="p")[:-1]]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "tool_calls" and chunks[-1]["usage"]["total_tokens"] == 8
+    text_chunks = completion_chunks(stopped, request, completion_id="c", model="p")
+    text = "".join(json.loads(e.decode()[6:])["choices"][0]["delta"].get("content", "")
+                   for e in text_chunks[:-2])
+    assert text == "x" * 100 and len(text_chunks) == 6  # role, 64 + 36 characters, finish, usage, [DONE]
+    events = [e.decode().split("\n") for e in response_events(calls, request, response_id="r", model="p")]
+    assert [json.loads(lines[1][6:])["sequence_number"] for lines in events] == list(range(len(events)))
+    assert events[-1][0] == "event: response.completed" and "function_call_arguments.done" in events[-3][0]
+    names = [e.decode().split("\n")[0] for e in message_events(calls, message_id="m", model="p")]
+    assert names == ["event: message_start", "event: content_block_start", "event: content_block_delta",
+                     "event: content_block_stop", "event: message_delta", "event: message_stop"]
