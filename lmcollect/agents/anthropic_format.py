@@ -107,7 +107,8 @@ def _chat_messages(message: Any, i: int) -> list[dict[str, Any]]:
                 f"{where}: type {kind!r:.50} is not supported in a {role} message (text, tool_use, tool_result)."
             )
     if role == "assistant":
-        return [{"role": "assistant", "content": "".join(texts) or None, **({"tool_calls": calls} if calls else {})}]
+        text = "".join(texts) or (None if calls else "")  # an empty reply echoed back is still a reply
+        return [{"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}]
     return results + ([{"role": "user", "content": "".join(texts)}] if texts or not results else [])
 
 
@@ -149,8 +150,12 @@ def _tools_of(tools: Any) -> list[dict[str, Any]] | None:
 
 # ---------------------------------------------------------------------- the reply
 def content_blocks(answer: CallReply) -> list[dict[str, Any]]:
-    """The reply's content: a ``text`` block (if any text), then a ``tool_use`` block per call."""
-    blocks: list[dict[str, Any]] = [{"type": "text", "text": answer.reply.content}] if answer.reply.content else []
+    """The reply's content: a ``text`` block (if any text, or no call: an empty reply has one), then a
+    ``tool_use`` block per call."""
+    reply = answer.reply
+    blocks: list[dict[str, Any]] = (
+        [{"type": "text", "text": reply.content or ""}] if reply.content or not reply.tool_calls else []
+    )
     for call in answer.reply.tool_calls:
         blocks.append({"type": "tool_use", "id": call.id, "name": call.name, "input": _input_of(call.arguments)})
     return blocks

@@ -126,10 +126,10 @@ def _tools_of(tools: Any) -> list[dict[str, Any]] | None:
 
 # ---------------------------------------------------------------------- the reply
 def output_items(answer: CallReply, response_id: str) -> list[dict[str, Any]]:
-    """The reply's output items: a ``message`` with its text (if any), then a ``function_call`` per call."""
+    """The reply's output items: a ``message`` with its text (if any, or no call), then a ``function_call`` per call."""
     items: list[dict[str, Any]] = []
-    if answer.reply.content:
-        part = {"type": "output_text", "text": answer.reply.content, "annotations": [], "logprobs": []}
+    if answer.reply.content or not answer.reply.tool_calls:  # an empty reply is an empty message
+        part = {"type": "output_text", "text": answer.reply.content or "", "annotations": [], "logprobs": []}
         items.append(
             {
                 "type": "message",

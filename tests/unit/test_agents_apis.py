@@ -382,3 +382,57 @@ def test_one_reply_in_every_form() -> None:
     names = [e.decode().split("\n")[0] for e in message_events(calls, message_id="m", model="p")]
     assert names == ["event: message_start", "event: content_block_start", "event: content_block_delta",
                      "event: content_block_stop", "event: message_delta", "event: message_stop"]
+
+
+# ---------------------------------------------------------------------- a real chat template: the tiny model
+def two_calls(api: str):
+    """Two calls through ``api``, the first reply echoed back as the client returned it, then a user message."""
+
+    def agent(ctx, row):
+        history: list = [{"role": "user", "content": row["prompt"]}]
+        for budget in (6, 5):
+            if api == "chat-stream":
+                chunks = ctx.openai().chat.completions.create(model=ctx.model, messages=history, max_tokens=budget,
+                                                              stream=True, stream_options={"include_usage": True})
+                history.append(chat_reply(chunks, True))
+            elif api == "responses":
+                response = ctx.openai().responses.create(model=ctx.model, input=history, max_output_tokens=budget)
+                history += [item.model_dump(exclude_none=True) for item in response.output]
+            else:
+                with ctx.anthropic().messages.stream(model=ctx.model, max_tokens=budget, messages=history) as events:
+                    history += messages_turns(events.get_final_message())[0]
+            history.append({"role": "user", "content": "and then?"})
+        return 0.0
+
+    return agent
+
+
+@pytest.mark.parametrize(("api", "transport"), [("chat-stream", "http"), ("responses", "in_process"),
+                                                ("messages-stream", "in_process")])
+def test_token_exact_prompts_across_calls_with_the_tiny_model_on_every_api(
+    api, transport, server, tiny_model_and_tokenizer
+) -> None:
+    from lmcollect.collectors import ContinuousLLMCollector
+    from lmcollect.data.turns import flatten_turns
+    from lmcollect.engines import TransformersEngine
+    from lmcollect.policies import SamplingConfig
+
+    model, tokenizer = tiny_model_and_tokenizer
+    rows_ = [{"prompt": f"What is {i} + 1?"} for i in range(4)]
+    env = AgentEnv(rows_, two_calls(api), batch_size=2, seed=0, server=server, transport=transport)
+    with TransformersEngine(model, tokenizer) as engine:
+        collector = ContinuousLLMCollector([env], engine=engine, tokenizer=tokenizer, track_policy_version=True,
+                                           sampling=SamplingConfig(max_new_tokens=16, temperature=1.0),
+                                           dialog_turns_per_batch=4)
+        with collector:
+            turns = flatten_turns(collector.next())
+            mismatches = collector.num_prefix_mismatches
+    pairs = [steps for steps in dialogs_of(turns).values() if len(steps) == 2]
+    assert pairs and env.stats.runs_failed == 0
+    for first, second in pairs:
+        assert int(first[keys.SAMPLING_MAX_NEW_TOKENS]) == 6 and second[keys.TOKENS_RESPONSE].numel() <= 5
+        assert torch.equal(second[keys.TOKENS_PROMPT][: first[keys.TOKENS_FULL].numel()], first[keys.TOKENS_FULL])
+        retokenized = tokenizer(text(second, keys.TEXT_PROMPT), add_special_tokens=False)["input_ids"]
+        assert bool(second[keys.PREFIX_MISMATCH]) == (retokenized != second[keys.TOKENS_PROMPT].tolist())
+        assert second[keys.LOG_PROBS_RESPONSE].numel() == second[keys.TOKENS_RESPONSE].numel()
+    assert mismatches == sum(bool(t[keys.PREFIX_MISMATCH]) for t in turns)
