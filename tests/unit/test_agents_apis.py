@@ -52,7 +52,7 @@ def chat_reply(completion_or_chunks, stream: bool) -> dict:
                 call["function"]["name"] += delta.function.name or ""
                 call["function"]["arguments"] += delta.function.arguments or ""
     assert usage is not None and usage.completion_tokens > 0  # stream_options.include_usage
-    return {"role": "assistant", "content": content or None, **({"tool_calls": list(calls.values())} if calls else {})}
+    return {"role": "assistant", "content": content, **({"tool_calls": list(calls.values())} if calls else {})}
 
 
 def chat_step(client, ctx, messages, stream):
