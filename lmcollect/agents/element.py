@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 TOOL_PARSE_ERROR = ("agent", "tool_parse_error")
 """str: why the tool calls of this step's reply could not be read ("" if they could or there were none)."""
 AGENT_ERROR = ("agent", "error")
-"""str: the failure that ended the run at this step (``on_agent_error="keep"``), else ""."""
+"""str: the failure that ended the run at this step (``on_agent_error="keep"``), or how its client
+left a streamed reply (the dialog ends there, truncated), else ""."""
 AGENT_METADATA = ("agent", "metadata")
 """str: JSON of the metadata the agent returned (at its last step), else "{}"."""
 
