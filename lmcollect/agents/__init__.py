@@ -6,7 +6,7 @@ its runs call: chat completions (:mod:`~lmcollect.agents.openai_format`), the Re
 (:mod:`~lmcollect.agents.responses_format`) and Anthropic Messages
 (:mod:`~lmcollect.agents.anthropic_format`), streamed or not; :mod:`~lmcollect.agents.tool_parsers`
 reads tool calls out of the model's text. Needs ``pip install 'lmcollect[agents]'`` (fastapi,
-uvicorn, openai; ``anthropic`` for Anthropic clients).
+uvicorn, openai, anthropic).
 """
 
 from lmcollect.agents.config import AgentEnvConfig

@@ -335,7 +335,7 @@ class AgentContext:
         )
 
     def anthropic(self, **kwargs: Any) -> Any:
-        """An ``anthropic.Anthropic`` client for this run (``pip install anthropic``): its
+        """An ``anthropic.Anthropic`` client for this run (in the ``agents`` extra): its
         ``messages.create`` reaches ``/v1/messages``."""
         import anthropic
 
