@@ -215,7 +215,8 @@ def assert_cut(env, turns) -> None:
     assert bool(turn["next", keys.DONE]) and bool(turn["next", keys.TRUNCATED]) and not bool(turn["next", keys.TERMINATED])
     assert "the client left" in text(turn, ("next", *AGENT_ERROR))
     assert turn[keys.TOKENS_RESPONSE].numel() > 0 and turn[keys.LOG_PROBS_RESPONSE].numel() == turn[keys.TOKENS_RESPONSE].numel()
-    assert env.stats.streams_cut == 1 and env.stats.runs_failed == 0 and env.stats.runs_finished == 0
+    # (the next run in the slot may have been cut too before the collector closed)
+    assert env.stats.streams_cut >= 1 and env.stats.runs_failed == 0 and env.stats.runs_finished == 0
 
 
 @pytest.mark.parametrize("agent", [leaving_agent, async_leaving_agent], ids=["sync-openai", "async-anthropic"])
