@@ -279,7 +279,7 @@ async def _answer_of(request: Any, run: AgentRun, reply: Future, parsed: ChatReq
         try:
             await asyncio.wait({future, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            left = gone.done() and not gone.cancelled()
+            left = gone.done() and not gone.cancelled() and gone.exception() is None
             gone.cancel()
         if left:
             run.cut_stream("the client left before its streamed reply began")
