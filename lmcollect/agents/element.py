@@ -59,6 +59,7 @@ class AgentEnvElement:
         self._run: AgentRun | None = None
         self._draw: Draw | None = None
         self._call: AgentCall | None = None  # the call whose reply the collector generates now
+        self._answered: AgentCall | None = None  # the call answered last (its client may have left its stream)
         self._request: ChatRequest | None = None
         self._last: TensorDictBase | None = None
         self._parse_error = ""  # of the reply handed out last (recorded in the step's output)
@@ -134,7 +135,7 @@ class AgentEnvElement:
         run, call, request = self._run, self._call, self._request
         if run is None or call is None or request is None:
             raise RuntimeError(f"element {self.index} of the AgentEnv has no call to answer; reset it first.")
-        self._call = None
+        self._call, self._answered = None, call
         text = str(non_tensor_values(turn, keys.TEXT_RESPONSE)[0])
         content, stop = cut_at_stop(text, request.stop)
         num_tokens = turn.get(keys.TOKENS_RESPONSE).numel()
@@ -168,19 +169,16 @@ class AgentEnvElement:
         run = self._run
         assert run is not None, "a step follows a reset"
         parse_error = self._parse_error
+        cut = run.cut_reason(self._answered)
+        if cut is None and isinstance(event, StreamCut):
+            cut = event.reason
+        if cut is not None:
+            return self._end_cut(event, turn, cut, parse_error)
         if isinstance(event, AgentCall):
             if run.num_calls < self.parent.config.max_calls:
                 return self._take_call(event, reward=run.take_reward(), parse_error=parse_error)
             return self._truncate(event, turn, parse_error)
         full = non_tensor_values(turn, keys.HISTORY_FULL)[0]
-        if isinstance(event, StreamCut):  # the client left a streamed reply: the dialog ends at it, cut
-            self.parent.count(streams_cut=1)
-            logger.info("%s: %s; its dialog ends at this turn, truncated", run.dialog, event.reason)
-            self.end("its client left a streamed reply")
-            reward = run.take_reward()
-            return self._output(
-                full, reward=reward, flags=(True, False, True), parse_error=parse_error, error=event.reason
-            )
         if event.result is not None:
             self.parent.run_finished()
             self.end("the agent returned")
@@ -204,6 +202,21 @@ class AgentEnvElement:
         self.end("the agent failed")
         reward = run.take_reward() + self.parent.config.failure_reward
         return self._output(full, reward=reward, flags=(True, True, False), parse_error=parse_error, error=error)
+
+    def _end_cut(self, event: Event, turn: TensorDictBase, reason: str, parse_error: str) -> TensorDictBase:
+        """The client left the streamed reply of this turn: the dialog ends here, truncated, the reason
+        recorded (whatever the run did next: a call it made is refused, its end is not used)."""
+        run = self._run
+        assert run is not None, "a step follows a reset"
+        if isinstance(event, AgentCall):
+            refuse_call(event, DialogEndedError(f"{run.dialog} has ended (its client left a streamed reply)."))
+        self.parent.count(streams_cut=1)
+        logger.info("%s: %s; its dialog ends at this turn, truncated", run.dialog, reason)
+        self.end("its client left a streamed reply")
+        full = non_tensor_values(turn, keys.HISTORY_FULL)[0]
+        return self._output(
+            full, reward=run.take_reward(), flags=(True, False, True), parse_error=parse_error, error=reason
+        )
 
     def _truncate(self, call: AgentCall, turn: TensorDictBase, parse_error: str) -> TensorDictBase:
         run = self._run

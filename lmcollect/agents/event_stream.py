@@ -7,21 +7,23 @@ from typing import TYPE_CHECKING, Any
 from starlette.responses import StreamingResponse
 
 if TYPE_CHECKING:  # the run is only told about a cut
-    from lmcollect.agents.runs import AgentRun
+    from lmcollect.agents.runs import AgentCall, AgentRun
 
 
 class EventStream(StreamingResponse):
     """Sends ``events`` (the whole reply exists: it was generated before the first event) and tells
-    ``run`` if the client left before the last one was handed over (:meth:`AgentRun.cut_stream`).
+    ``run`` if the client left before the last one of ``call``'s reply was handed over
+    (:meth:`AgentRun.cut_stream`).
 
     A client that leaves shows as a send that fails (the in-process transport raises ``OSError``
     once its reader closed the response) or as the task being cancelled.
     """
 
-    def __init__(self, events: list[bytes], run: AgentRun) -> None:
+    def __init__(self, events: list[bytes], run: AgentRun, call: AgentCall) -> None:
         super().__init__(iter(()), media_type="text/event-stream", headers={"cache-control": "no-cache"})
         self.events = events
         self.run = run
+        self.call = call
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         sent = 0
@@ -35,4 +37,6 @@ class EventStream(StreamingResponse):
             pass
         finally:
             if sent < len(self.events):
-                self.run.cut_stream(f"the client left its streamed reply after {sent} of {len(self.events)} events")
+                self.run.cut_stream(
+                    self.call, f"the client left its streamed reply after {sent} of {len(self.events)} events"
+                )

@@ -36,7 +36,7 @@ class DialogEndedError(RuntimeError):
     """A call reached a run whose dialog had ended (HTTP 409)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared (and hashed) as itself: a run remembers which of its calls were cut
 class AgentCall:
     """One model call of a run, waiting for its reply (a :class:`CallReply`, or an error)."""
 
@@ -91,7 +91,8 @@ class RunEnded:
 
 @dataclass(frozen=True)
 class StreamCut:
-    """The client of a streamed reply went away before its last event: the dialog ends at that turn, cut."""
+    """The client of a streamed reply went away before its last event: the dialog ends at that turn, cut
+    (an event, so that a reader waiting for the run's next one wakes up)."""
 
     reason: str
 
@@ -135,17 +136,18 @@ class AgentRun:
         self._ended: str | None = None  # why the dialog ended (then calls are refused)
         self._reward = 0.0
         self._task: Future | None = None  # the async agent's task (cancelled if the dialog gives up on it)
+        self._cuts: dict[AgentCall, str] = {}  # calls whose client left their streamed reply -> how
 
     # ------------------------------------------------------------------ the agent's side (any thread)
-    def post_call(self, request: ChatRequest) -> Future:
-        """Queue a call; its future resolves with the reply (or :class:`DialogEndedError`)."""
+    def post_call(self, request: ChatRequest) -> AgentCall:
+        """Queue a call; its ``reply`` future resolves with the reply (or :class:`DialogEndedError`)."""
         call = AgentCall(request)
         call.reply.set_running_or_notify_cancel()  # nobody may cancel it: the env or end() answers it
         with self._lock:
             if self._ended is not None:
                 raise DialogEndedError(f"{self.dialog} has ended ({self._ended}); this call was not recorded.")
             self._post(call)
-        return call.reply
+        return call
 
     def add_reward(self, value: float) -> None:
         """Add to the reward of the turn of the latest reply (before any reply: of the first turn)."""
@@ -157,11 +159,17 @@ class AgentRun:
         with self._lock:
             self._post(RunEnded(result, error))
 
-    def cut_stream(self, reason: str) -> None:
-        """The client of this run's streamed reply left before its last event (the endpoint saw it go)."""
+    def cut_stream(self, call: AgentCall, reason: str) -> None:
+        """The client of ``call``'s streamed reply left before its last event (the endpoint saw it go)."""
         with self._lock:
             if self._ended is None:
+                self._cuts[call] = reason
                 self._post(StreamCut(reason))
+
+    def cut_reason(self, call: AgentCall | None) -> str | None:
+        """Why ``call``'s client left its streamed reply (None: it did not, as far as the endpoint saw)."""
+        with self._lock:
+            return None if call is None else self._cuts.get(call)
 
     # ------------------------------------------------------------------ the env's side
     def next_event(self) -> Future:

@@ -20,13 +20,12 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
-from concurrent.futures import Future
 from typing import Any
 
 from lmcollect.agents.anthropic_format import MessagesApi
-from lmcollect.agents.openai_format import ApiFormat, CallReply, ChatCompletionsApi, ChatRequest, RequestError
+from lmcollect.agents.openai_format import ApiFormat, CallReply, ChatCompletionsApi, RequestError
 from lmcollect.agents.responses_format import ResponsesApi
-from lmcollect.agents.runs import AgentRun, DialogEndedError
+from lmcollect.agents.runs import AgentCall, AgentRun, DialogEndedError
 from lmcollect.plumbing import ClosesOnExit, LoopThread
 
 logger = logging.getLogger(__name__)
@@ -255,25 +254,25 @@ def _route(server: AgentServer, api: ApiFormat) -> Any:
             raise RequestError(f"the request body is not readable JSON: {type(exc).__name__}: {exc!s:.200}") from None
         parsed = api.parse(body)
         try:
-            reply = run.post_call(parsed)
+            call = run.post_call(parsed)
         except DialogEndedError as exc:
             raise RequestError(str(exc), status=409, kind="dialog_ended") from exc
         server.num_calls += 1
-        answer = await _answer_of(request, run, reply, parsed)
+        answer = await _answer_of(request, run, call)
         if answer is None:  # the client left while its streamed reply was generated (recorded as cut)
             return Response(status_code=499)
         if not parsed.stream:
             return JSONResponse(api.reply_json(answer, parsed, server.model_name))
-        return EventStream(api.reply_events(answer, parsed, server.model_name), run)
+        return EventStream(api.reply_events(answer, parsed, server.model_name), run, call)
 
     return model_call
 
 
-async def _answer_of(request: Any, run: AgentRun, reply: Future, parsed: ChatRequest) -> CallReply | None:
+async def _answer_of(request: Any, run: AgentRun, call: AgentCall) -> CallReply | None:
     """The call's reply; for a streamed call, None if the client left before it came (the run is told)."""
-    future = asyncio.wrap_future(reply)
+    future = asyncio.wrap_future(call.reply)
     try:
-        if not parsed.stream:
+        if not call.request.stream:
             return await future
         gone = asyncio.ensure_future(_client_gone(request))
         try:
@@ -282,11 +281,13 @@ async def _answer_of(request: Any, run: AgentRun, reply: Future, parsed: ChatReq
             left = gone.done() and not gone.cancelled() and gone.exception() is None
             gone.cancel()
         if left:
-            run.cut_stream("the client left before its streamed reply began")
+            run.cut_stream(call, "the client left before its streamed reply began")
             return None
         return await future
     except DialogEndedError as exc:
         raise RequestError(str(exc), status=409, kind="dialog_ended") from exc
+    finally:
+        future.cancel()  # if the request was cancelled (its client's agent ended): no answer left unread
 
 
 async def _client_gone(request: Any) -> None:

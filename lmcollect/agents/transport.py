@@ -49,17 +49,29 @@ class _Exchange:
         self._body_sent = False
 
     async def run(self) -> None:
+        """Call the app, then tell the reader it returned (unless the reader left: cancelled, or closed
+        with its loop, when nothing may be awaited)."""
         try:
             await self.app(self.scope, self._receive, self._send)
-        finally:
-            if not self.closed.is_set():
-                await self.messages.put(_END)
+        except Exception:  # designed: the app's error still ends the reader's wait (Starlette sent a 500)
+            await self._end()
+            raise
+        await self._end()
+
+    async def _end(self) -> None:
+        if not self.closed.is_set():
+            await self.messages.put(_END)
 
     async def start(self) -> tuple[asyncio.Task, tuple[int, list[tuple[bytes, bytes]], tuple[Any, ...]]]:
         """Run the app (a task on this loop) until the response's head: the task, and :meth:`head`'s answer."""
         task = asyncio.ensure_future(self.run())
         task.add_done_callback(_observe)
-        return task, await self.head()
+        try:
+            return task, await self.head()
+        except (asyncio.CancelledError, Exception):  # designed: the reader was cancelled (its agent ended)
+            self.close()  # (not on GeneratorExit: a coroutine closed with its loop may not touch it)
+            task.cancel()
+            raise
 
     async def close_and_wait(self, task: asyncio.Task) -> None:
         """:meth:`close`, then wait for the app to end (it has recorded the client's leaving then)."""
