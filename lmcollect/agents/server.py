@@ -286,8 +286,6 @@ async def _answer_of(request: Any, run: AgentRun, call: AgentCall) -> CallReply 
         return await future
     except DialogEndedError as exc:
         raise RequestError(str(exc), status=409, kind="dialog_ended") from exc
-    finally:
-        future.cancel()  # if the request was cancelled (its client's agent ended): no answer left unread
 
 
 async def _client_gone(request: Any) -> None:
