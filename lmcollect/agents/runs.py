@@ -157,7 +157,8 @@ class AgentRun:
 
     def finish(self, result: AgentResult | None = None, error: BaseException | None = None) -> None:
         with self._lock:
-            self._post(RunEnded(result, error))
+            if self._ended is None:  # after the dialog's end (e.g. an agent cancelled by a close) it means nothing
+                self._post(RunEnded(result, error))
 
     def cut_stream(self, call: AgentCall, reason: str) -> None:
         """The client of ``call``'s streamed reply left before its last event (the endpoint saw it go)."""
