@@ -196,7 +196,7 @@ def message_events(answer: CallReply, *, message_id: str, model: str) -> list[by
     final = message_json(answer, message_id=message_id, model=model)
     opening = {**final, "content": [], "stop_reason": None, "stop_sequence": None}
     opening["usage"] = {"input_tokens": answer.prompt_tokens, "output_tokens": 0}
-    events = [{"type": "message_start", "message": opening}]
+    events: list[dict[str, Any]] = [{"type": "message_start", "message": opening}]
     for index, block in enumerate(final["content"]):
         if block["type"] == "text":
             start, deltas = {**block, "text": ""}, [{"type": "text_delta", "text": p} for p in pieces(block["text"])]

@@ -73,6 +73,7 @@ class AgentEnvElement:
         event = _wait(self._run.next_event(), self.parent.config.agent_timeout_s, self._run.dialog)
         if isinstance(event, AgentCall):
             return lazy_stack([self._take_call(event, reward=None)])
+        assert isinstance(event, RunEnded), "a run's first event is a call or its end (no reply to cut yet)"
         self._fail(event, where="before its first model call")
         raise AssertionError("_fail raises")  # for the type checker
 
@@ -170,8 +171,8 @@ class AgentEnvElement:
         assert run is not None, "a step follows a reset"
         parse_error = self._parse_error
         cut = run.cut_reason(self._answered)
-        if cut is None and isinstance(event, StreamCut):
-            cut = event.reason
+        if isinstance(event, StreamCut):
+            return self._end_cut(event, turn, cut or event.reason, parse_error)
         if cut is not None:
             return self._end_cut(event, turn, cut, parse_error)
         if isinstance(event, AgentCall):
