@@ -43,7 +43,9 @@ samples of the modes alternate, medians reported):
   latency, append ``RESULT: <turn>``, call again; :class:`ToolTurnsAgent`), collected through
   ``AgentEnv``'s OpenAI-compatible endpoint by ``ContinuousLLMCollector``, against ``continuous``
   (the same logic as a ``ChatEnv`` task) on the same engine, slots and rows; ``agent-sync`` runs a
-  plain function with ``openai.OpenAI`` in a thread per run instead.
+  plain function with ``openai.OpenAI`` in a thread per run instead. ``agent-inproc`` and
+  ``agent-sync-inproc`` are the same agents with ``AgentEnvConfig(transport="in_process")``: their
+  clients call the endpoint's app in the collector's process, without a socket.
 
 Each sample takes one batch of turns to warm up, then times ``num_batches`` batches: turns/s,
 generated tokens/s, response lengths (mean/p50/p90: the work is the same), engine busy share
@@ -100,6 +102,7 @@ TARGET_PUSH_RECOMPUTE = 0.80  # continuous with a push per batch / continuous wi
 TARGET_PUSH_KEEP = 0.95  # the same, kv_policy="keep"
 TARGET_PUSH_VS_SYNC = 1.6  # continuous with a push per batch / lockstep LLMCollector with the same pushes
 TARGET_AGENT = 0.85  # an agent program through the OpenAI-compatible endpoint / the same logic as a ChatEnv task
+TARGET_AGENT_IN_PROCESS = 0.95  # the same through the in-process transport (issue 52)
 GROUP_SIZE = 4  # dialogs per row in the GRPO modes
 MEAN_TURNS = 4  # tool_calc_dataset's dialogs: 3-5 turns
 SAMPLE_PREFIX = "AGENTIC_SAMPLE "
@@ -466,8 +469,10 @@ def run_sample(backend: str, mode: str, slots: int, w: Workload) -> Sample:
     elif mode.startswith("agent"):  # one AgentEnv, an element (a run at a time) per slot, the same row order
         from lmcollect.agents import AgentEnv
 
-        agent = (SyncToolTurnsAgent if mode == "agent-sync" else ToolTurnsAgent)(w.max_latency_s)
-        envs, per_batch = [AgentEnv(rows, agent, batch_size=slots, seed=w.seed, max_calls=MAX_TURNS)], w.turns_per_batch
+        agent = (SyncToolTurnsAgent if mode.startswith("agent-sync") else ToolTurnsAgent)(w.max_latency_s)
+        transport = "in_process" if mode.endswith("-inproc") else "http"
+        env = AgentEnv(rows, agent, batch_size=slots, seed=w.seed, max_calls=MAX_TURNS, transport=transport)
+        envs, per_batch = [env], w.turns_per_batch
     else:
         envs, per_batch = [make_env(rows, 1, w) for _ in range(slots)], w.turns_per_batch
     reference = push_reference(engine, weights, slots, w) if lagged and backend == "vllm" else (0.0, 0.0)
@@ -845,15 +850,20 @@ def transformers_rows(w: Workload, reps: int, *, more_slots: int) -> list[dict]:
 def agent_rows(w: Workload, reps: int, *, slots: int, backend: str = "vllm") -> list[dict]:
     """An agent program through the endpoint vs the same logic as a ChatEnv task (same engine, slots, rows)."""
     label = "vLLM" if backend == "vllm" else "transformers"
-    configs = [(backend, "continuous", slots), (backend, "agent", slots), (backend, "agent-sync", slots)]
+    modes = ["continuous", "agent", "agent-sync", "agent-inproc", "agent-sync-inproc"]
+    configs = [(backend, mode, slots) for mode in modes]
     s = alternate(configs, w, reps)
-    chat_env, agent, agent_sync = (s[c] for c in configs)
+    chat_env, agent, agent_sync, agent_inproc, agent_sync_inproc = (s[c] for c in configs)
     versus = f"the same dialogs as a ChatEnv task, ContinuousLLMCollector ({slots} slots)"
     return [
         ratio_row(f"{label}: async openai agent through the endpoint vs ChatEnv task, {slots} slots", agent,
                   chat_env, w, TARGET_AGENT, versus),
         ratio_row(f"{label}: sync openai agent (a thread per run) through the endpoint vs ChatEnv task, {slots} slots",
                   agent_sync, chat_env, w, TARGET_AGENT, versus),
+        ratio_row(f"{label}: async openai agent, in-process transport, vs ChatEnv task, {slots} slots",
+                  agent_inproc, chat_env, w, TARGET_AGENT_IN_PROCESS, versus),
+        ratio_row(f"{label}: sync openai agent (a thread per run), in-process transport, vs ChatEnv task, {slots} slots",
+                  agent_sync_inproc, chat_env, w, TARGET_AGENT_IN_PROCESS, versus),
     ]
 
 

@@ -6,21 +6,22 @@ import asyncio
 import concurrent.futures
 import json
 import logging
-import uuid
 from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
 
-from lmcollect.agents.openai_format import (
-    ChatRequest,
-    RequestError,
-    completion_json,
-    cut_at_stops,
-    history_of,
-    reply_key,
+from lmcollect.agents.openai_format import CallReply, ChatRequest, RequestError, cut_at_stop, history_of, reply_key
+from lmcollect.agents.runs import (
+    AgentCall,
+    AgentRun,
+    DialogEndedError,
+    Event,
+    RunEnded,
+    StreamCut,
+    answer_call,
+    refuse_call,
 )
-from lmcollect.agents.runs import AgentCall, AgentRun, DialogEndedError, Event, RunEnded, answer_call, refuse_call
 from lmcollect.agents.tool_parsers import ParsedReply
 from lmcollect.data import keys
 from lmcollect.data.history import History
@@ -38,7 +39,8 @@ logger = logging.getLogger(__name__)
 TOOL_PARSE_ERROR = ("agent", "tool_parse_error")
 """str: why the tool calls of this step's reply could not be read ("" if they could or there were none)."""
 AGENT_ERROR = ("agent", "error")
-"""str: the failure that ended the run at this step (``on_agent_error="keep"``), else ""."""
+"""str: the failure that ended the run at this step (``on_agent_error="keep"``), or how its client
+left a streamed reply (the dialog ends there, truncated), else ""."""
 AGENT_METADATA = ("agent", "metadata")
 """str: JSON of the metadata the agent returned (at its last step), else "{}"."""
 
@@ -57,6 +59,7 @@ class AgentEnvElement:
         self._run: AgentRun | None = None
         self._draw: Draw | None = None
         self._call: AgentCall | None = None  # the call whose reply the collector generates now
+        self._answered: AgentCall | None = None  # the call answered last (its client may have left its stream)
         self._request: ChatRequest | None = None
         self._last: TensorDictBase | None = None
         self._parse_error = ""  # of the reply handed out last (recorded in the step's output)
@@ -70,6 +73,7 @@ class AgentEnvElement:
         event = _wait(self._run.next_event(), self.parent.config.agent_timeout_s, self._run.dialog)
         if isinstance(event, AgentCall):
             return lazy_stack([self._take_call(event, reward=None)])
+        assert isinstance(event, RunEnded), "a run's first event is a call or its end (no reply to cut yet)"
         self._fail(event, where="before its first model call")
         raise AssertionError("_fail raises")  # for the type checker
 
@@ -132,26 +136,23 @@ class AgentEnvElement:
         run, call, request = self._run, self._call, self._request
         if run is None or call is None or request is None:
             raise RuntimeError(f"element {self.index} of the AgentEnv has no call to answer; reset it first.")
-        self._call = None
+        self._call, self._answered = None, call
         text = str(non_tensor_values(turn, keys.TEXT_RESPONSE)[0])
-        content, stopped = cut_at_stops(text, request.stop)
+        content, stop = cut_at_stop(text, request.stop)
         num_tokens = turn.get(keys.TOKENS_RESPONSE).numel()
         budget = int(turn.get(keys.SAMPLING_MAX_NEW_TOKENS))
         reply = self._parse(content, run) if request.parse_tool_calls else ParsedReply(content=content)
         run.replies[reply_key(reply.content, reply.tool_calls)] = text
         self.parent.count(calls=1, tool_calls=len(reply.tool_calls), tool_parse_errors=int(bool(reply.error)))
         self._parse_error = reply.error
-        answer_call(
-            call,
-            completion_json(
-                completion_id=f"chatcmpl-{uuid.uuid4().hex}",
-                model=self.parent.config.model_name,
-                reply=reply,
-                finish_reason="stop" if stopped or num_tokens < budget else "length",
-                prompt_tokens=turn.get(keys.TOKENS_PROMPT).numel(),
-                completion_tokens=num_tokens,
-            ),
+        answer = CallReply(
+            reply=reply,
+            finish_reason="stop" if stop is not None or num_tokens < budget else "length",
+            stop=stop,
+            prompt_tokens=turn.get(keys.TOKENS_PROMPT).numel(),
+            completion_tokens=num_tokens,
         )
+        answer_call(call, answer)
         return run
 
     def _parse(self, content: str, run: AgentRun) -> ParsedReply:
@@ -169,6 +170,11 @@ class AgentEnvElement:
         run = self._run
         assert run is not None, "a step follows a reset"
         parse_error = self._parse_error
+        cut = run.cut_reason(self._answered)
+        if isinstance(event, StreamCut):
+            return self._end_cut(event, turn, cut or event.reason, parse_error)
+        if cut is not None:
+            return self._end_cut(event, turn, cut, parse_error)
         if isinstance(event, AgentCall):
             if run.num_calls < self.parent.config.max_calls:
                 return self._take_call(event, reward=run.take_reward(), parse_error=parse_error)
@@ -197,6 +203,21 @@ class AgentEnvElement:
         self.end("the agent failed")
         reward = run.take_reward() + self.parent.config.failure_reward
         return self._output(full, reward=reward, flags=(True, True, False), parse_error=parse_error, error=error)
+
+    def _end_cut(self, event: Event, turn: TensorDictBase, reason: str, parse_error: str) -> TensorDictBase:
+        """The client left the streamed reply of this turn: the dialog ends here, truncated, the reason
+        recorded (whatever the run did next: a call it made is refused, its end is not used)."""
+        run = self._run
+        assert run is not None, "a step follows a reset"
+        if isinstance(event, AgentCall):
+            refuse_call(event, DialogEndedError(f"{run.dialog} has ended (its client left a streamed reply)."))
+        self.parent.count(streams_cut=1)
+        logger.info("%s: %s; its dialog ends at this turn, truncated", run.dialog, reason)
+        self.end("its client left a streamed reply")
+        full = non_tensor_values(turn, keys.HISTORY_FULL)[0]
+        return self._output(
+            full, reward=run.take_reward(), flags=(True, False, True), parse_error=parse_error, error=reason
+        )
 
     def _truncate(self, call: AgentCall, turn: TensorDictBase, parse_error: str) -> TensorDictBase:
         run = self._run

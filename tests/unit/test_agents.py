@@ -303,13 +303,14 @@ def test_max_calls_truncates_and_per_turn_rewards_land_on_their_turns(server) ->
     assert env.stats.runs_truncated == 1
 
 
-def test_the_endpoint_refuses_unknown_keys_ended_dialogs_and_streaming(server) -> None:
+def test_the_endpoint_refuses_unknown_keys_ended_dialogs_and_bad_stream_options(server) -> None:
     run = AgentRun(key="live-key", dialog="agent run 99", prompt_id=0)
     server.register(run)
     client = openai.OpenAI(base_url=server.base_url, api_key="live-key", max_retries=0)
     assert [m.id for m in client.models.list()] == [server.model_name]
-    with pytest.raises(openai.BadRequestError, match="stream=False"):
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
+    with pytest.raises(openai.BadRequestError, match="stream_options .* only with stream=True"):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                       stream_options={"include_usage": True})
     with pytest.raises(openai.AuthenticationError, match="unknown API key"):
         openai.OpenAI(base_url=server.base_url, api_key="guess", max_retries=0).models.list()
     server.retire(run)
