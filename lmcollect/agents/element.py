@@ -92,12 +92,9 @@ class AgentEnvElement:
 
     async def astep_turn(self, turn: TensorDictBase) -> TensorDictBase:
         run = self._answer(turn)
-        future = asyncio.wrap_future(run.next_event())
-        try:
-            event = await asyncio.wait_for(future, self.parent.config.agent_timeout_s)
-        except TimeoutError:
-            event = RunEnded(error=_timeout(run.dialog, self.parent.config.agent_timeout_s))
-        return self._next_of(event, turn)
+        future = run.next_event()
+        await asyncio.wait({asyncio.wrap_future(future)}, timeout=self.parent.config.agent_timeout_s)
+        return self._next_of(_taken(future, self.parent.config.agent_timeout_s, run.dialog), turn)
 
     def last_output(self) -> TensorDictBase:
         """The element's latest output (batch size ()), for a batched reset that leaves it as it is."""
@@ -295,11 +292,17 @@ class AgentEnvElement:
 
 def _wait(future: concurrent.futures.Future, timeout_s: float, dialog: str) -> Event:
     """The run's next event, or its failure after ``timeout_s`` (blocking: a reset runs in a thread)."""
-    try:
-        return future.result(timeout_s)
-    except concurrent.futures.TimeoutError:
-        future.cancel()  # the run queues its event instead
+    concurrent.futures.wait([future], timeout_s)
+    return _taken(future, timeout_s, dialog)
+
+
+def _taken(future: concurrent.futures.Future, timeout_s: float, dialog: str) -> Event:
+    """The event of ``future`` if it came, else the run's failure after ``timeout_s``. Cancelling
+    makes the run queue a later event instead; an event that came between the wait's end and the
+    cancel is taken (never lost: its call would wait for a reply forever)."""
+    if future.cancel():
         return RunEnded(error=_timeout(dialog, timeout_s))
+    return future.result()
 
 
 def _timeout(dialog: str, timeout_s: float) -> TimeoutError:
