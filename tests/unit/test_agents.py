@@ -392,3 +392,22 @@ def test_env_config_and_closed_errors_name_the_env():
         chat.reset()
     with pytest.raises(RuntimeError, match=r"^this AgentEnv is closed; build a new one\.$"):
         agents.reset()
+
+
+def test_an_event_that_comes_as_a_wait_times_out_is_taken_never_lost() -> None:
+    """A call posted just as the element's wait ended must reach the element (else its HTTP request
+    waits for a reply forever); one posted after is queued for the next read."""
+    from lmcollect.agents.element import _taken
+    from lmcollect.agents.openai_format import ChatCompletionsApi
+    from lmcollect.agents.runs import AgentCall, AgentRun, RunEnded
+
+    request = ChatCompletionsApi().parse({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    run = AgentRun(key="k", dialog="agent run 0", prompt_id=0)
+    waiting = run.next_event()
+    call = run.post_call(request)  # lands in the future the wait gave up on
+    assert _taken(waiting, 2.0, run.dialog) is call
+    late = run.next_event()
+    timed_out = _taken(late, 2.0, run.dialog)  # nothing came: the run's failure, the future cancelled
+    assert isinstance(timed_out, RunEnded) and "agent_timeout_s=2.0" in str(timed_out.error)
+    second = run.post_call(request)
+    assert isinstance(second, AgentCall) and run.next_event().result(timeout=1) is second  # queued, not lost
