@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from lmcollect.data.history import History
 from lmcollect.envs.chat_env import ChatEnv
-from lmcollect.envs.registry import register_ecosystem
+from lmcollect.envs.registry import register_ecosystem, settings_text
 from lmcollect.envs.tasks.base import SingleTurnTask, TaskReply
 from lmcollect.envs.tasks.shipped import ShippedTask
 
@@ -201,10 +201,11 @@ class _TaskMaker:
 
 def reasoning_gym_task(name: str, **config: Any) -> ShippedTask:
     """The generator ``name`` as the commands run an env (``lmcollect demo --env reasoning-gym:<name>``):
-    rows made with the run's seed, replies scored by its ``score_answer``, one turn per dialog."""
+    rows made with the run's seed, replies scored by its ``score_answer``, one turn per dialog.
+    ``config``: the generator's fields (``--env 'reasoning-gym:basic_arithmetic?max_terms=2'``)."""
     scorer = create_generator(name, seed=0, size=1, **config)
     return ShippedTask(
-        name=f"{ECOSYSTEM}:{name}",
+        name=f"{ECOSYSTEM}:{name}{settings_text(config)}",  # the name rebuilds it (in a collector actor)
         description=f"reasoning-gym's {name} generator, scored by its own score_answer",
         make_rows=_RowMaker(name, dict(config)),
         make_task=_TaskMaker(scorer),

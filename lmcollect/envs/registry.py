@@ -22,6 +22,8 @@ commands run (``lmcollect demo --env reasoning-gym:basic_arithmetic``; :func:`na
 
 :func:`make_env` builds a named env with keyword arguments (``make_env("lmcollect:comparison",
 batch_size=8, repeats=4)``); an unknown name raises a ValueError listing the registered names.
+A name may carry the env's own settings after ``?`` (``"reasoning-gym:basic_arithmetic?max_terms=2&max_digits=1"``:
+the generator's config fields), so that a command line or a TOML config can set them too.
 The adapters shipped with lmcollect (``lmcollect.compat``) register themselves on first use.
 To add an environment library, write one module that calls :func:`register_ecosystem` (and, for
 a few fixed names, :func:`register_env`) and import it before naming its envs.
@@ -30,6 +32,7 @@ a few fixed names, :func:`register_env`) and import it before naming its envs.
 from __future__ import annotations
 
 import importlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -63,7 +66,7 @@ class Ecosystem:
     """Its env -> an lmcollect env."""
     build: Callable[..., Any] | None = None
     """``build(name, **kwargs)``: its env called ``name`` (the part after the colon), as an lmcollect env."""
-    task: Callable[[str], ShippedTask] | None = None
+    task: Callable[..., ShippedTask] | None = None
     """``task(name)``: its env called ``name`` as prompt rows and a scoring task (what the commands run)."""
 
 
@@ -88,7 +91,7 @@ def register_ecosystem(
     recognizes: Callable[[object], bool] | None = None,
     wrap: Callable[[Any], Any] | None = None,
     build: Callable[..., Any] | None = None,
-    task: Callable[[str], ShippedTask] | None = None,
+    task: Callable[..., ShippedTask] | None = None,
 ) -> None:
     """Register an outside library: how to recognize and wrap its env objects, and/or how to build
     any of its envs by name (``build(name, **kwargs)``, or ``task(name)``: a
@@ -113,14 +116,15 @@ def registered_envs() -> list[str]:
 def make_env(name: str, **kwargs: Any) -> Any:
     """The env registered as ``name`` (``"ecosystem:name"``), built with ``kwargs``."""
     _load_builtin_adapters()
+    name, settings = split_settings(name)
     ecosystem, short = _split(name)
     if name in _FACTORIES:
-        return _FACTORIES[name](**kwargs)
+        return _FACTORIES[name](**settings, **kwargs)
     registered = _ECOSYSTEMS.get(ecosystem)
     if registered is not None and registered.build is not None:
-        return registered.build(short, **kwargs)
+        return registered.build(short, **settings, **kwargs)
     if registered is not None and registered.task is not None:
-        return shipped_task_env(registered.task(short), **kwargs)
+        return shipped_task_env(registered.task(short, **settings), **kwargs)
     raise ValueError(
         f"unknown env {name!r}; registered: {', '.join(registered_envs())}. To add one, {_HOW_TO_REGISTER}."
     )
@@ -132,8 +136,12 @@ def named_task(name: str) -> ShippedTask:
     ecosystem registered with ``task`` (``"reasoning-gym:basic_arithmetic"``)."""
     if isinstance(name, str) and ":" not in name:
         return get_shipped_task(name)
+    full = name
+    name, settings = split_settings(name)
     ecosystem, short = _split(name)
     if ecosystem == SHIPPED_ECOSYSTEM:
+        if settings:
+            raise ValueError(f"{full!r}: lmcollect's shipped tasks take no settings; drop the '?...' part.")
         return get_shipped_task(short)
     _load_builtin_adapters()
     registered = _ECOSYSTEMS.get(ecosystem)
@@ -143,7 +151,7 @@ def named_task(name: str) -> ShippedTask:
             f"{name!r} names no env that runs as prompts and a scoring task; such ecosystems: "
             f"{', '.join(with_tasks)}. Other envs run through the Python API (make_env, as_env)."
         )
-    return registered.task(short)
+    return registered.task(short, **settings)
 
 
 def as_env(env: Any) -> Any:
@@ -178,6 +186,34 @@ def _split(name: str) -> tuple[str, str]:
             f"registered: {', '.join(sorted(_FACTORIES))}."
         )
     return ecosystem, short
+
+
+def split_settings(name: str) -> tuple[str, dict[str, Any]]:
+    """``"ecosystem:name?key=value&..."`` as the name and its settings (values read as JSON where they
+    parse: ``max_digits=1`` is an int, ``operators=["+"]`` a list, anything else a string)."""
+    base, question, query = name.partition("?") if isinstance(name, str) else (name, "", "")
+    if not question:
+        return base, {}
+    pairs = [part.partition("=") for part in query.split("&")]
+    if any(not key or not equals for key, equals, _ in pairs):
+        raise ValueError(
+            f"env settings come after '?' as key=value pairs joined by '&' "
+            f"(e.g. 'reasoning-gym:basic_arithmetic?max_terms=2&max_digits=1'), got {name!r}."
+        )
+    return base, {key: _setting(value) for key, _, value in pairs}
+
+
+def settings_text(settings: dict[str, Any]) -> str:
+    """``settings`` as a name's ``?key=value&...`` part (``""`` for none): :func:`split_settings` reads it back."""
+    parts = [f"{key}={value if isinstance(value, str) else json.dumps(value)}" for key, value in settings.items()]
+    return "?" + "&".join(parts) if parts else ""
+
+
+def _setting(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def _load_builtin_adapters() -> None:

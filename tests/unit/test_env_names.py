@@ -1,6 +1,7 @@
 """One way to name an environment: 'ecosystem:name' in make_env, named_task, --env and TOML configs."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -8,8 +9,8 @@ import pytest
 from lmcollect.cli.builders import EnvFactory, resolve_task
 from lmcollect.cli.configs import CollectConfig, DemoConfig, UsageError, read_config_file
 from lmcollect.cli.main import main
-from lmcollect.envs import ChatEnv, get_shipped_task, named_task, register_ecosystem, registered_envs
-from lmcollect.envs.registry import _ECOSYSTEMS
+from lmcollect.envs import ChatEnv, get_shipped_task, make_env, named_task, register_ecosystem, registered_envs
+from lmcollect.envs.registry import _ECOSYSTEMS, split_settings
 from lmcollect.envs.tasks.shipped import ShippedTask
 
 
@@ -62,3 +63,25 @@ def test_an_ecosystem_registered_with_task_runs_in_the_commands_by_its_env_name(
         assert "test-eco:*" in registered_envs()
     finally:
         _ECOSYSTEMS.pop("test-eco", None)
+
+
+def test_a_name_carries_the_envs_settings_after_a_question_mark() -> None:
+    """'ecosystem:name?key=value&...': values read as JSON where they parse ('+' stays a plus); the
+    task's name keeps them, so a collector actor that rebuilds it by name gets the same generator."""
+    name = 'reasoning-gym:basic_arithmetic?min_terms=2&max_terms=2&max_digits=1&operators=["+"]'
+    assert split_settings(name) == (
+        "reasoning-gym:basic_arithmetic", {"min_terms": 2, "max_terms": 2, "max_digits": 1, "operators": ["+"]}
+    )
+    task = named_task(name)
+    assert split_settings(task.name) == split_settings(name)
+    rows = task.make_rows(16, seed=0)
+    terms = [re.findall(r"-?\d+", row["question"]) for row in rows]
+    assert all(len(t) == 2 and all(len(x.lstrip("-")) == 1 for x in t) for t in terms)  # two one-digit terms
+    assert all(row["question"].count("+") == 1 for row in rows)  # and '+' between them
+    env = make_env(name, batch_size=2, num_samples=8, seed=0)
+    env.reset()
+    assert all(len(re.findall(r"-?\d+", sample["question"])) == 2 for sample in env.current_samples)
+    with pytest.raises(ValueError, match="key=value pairs joined by '&'"):
+        named_task("reasoning-gym:basic_arithmetic?max_terms")
+    with pytest.raises(ValueError, match="shipped tasks take no settings"):
+        named_task("lmcollect:arithmetic?max_terms=2")
