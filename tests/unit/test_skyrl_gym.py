@@ -83,7 +83,7 @@ def test_multi_turn_observations_are_the_next_prompts_messages() -> None:
 def test_refusals_name_the_fix() -> None:
     with pytest.raises(ValueError, match="pass rows="):
         make_env("skyrl-gym:gsm8k")
-    with pytest.raises(ValueError, match="skyrl-gym has no env 'nope'; registered: .*gsm8k"):
+    with pytest.raises(ValueError, match=r"skyrl-gym has no env 'nope'; registered: .*gsm8k"):
         make_env("skyrl-gym:nope", rows=gsm8k_rows(1))
     env = skyrl_gym_env("lmcollect_test_rewriting", rows=gsm8k_rows(1))
     try:
