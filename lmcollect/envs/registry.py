@@ -45,6 +45,7 @@ _BUILTIN_ADAPTERS = (
     "lmcollect.compat.torchrl",
     "lmcollect.compat.reasoning_gym",
     "lmcollect.compat.skyrl_gym",
+    "lmcollect.compat.openenv",
 )  # same layer; imported on first use: they register themselves
 _HOW_TO_REGISTER = (
     "register one with lmcollect.envs.register_env('ecosystem:name', factory), or pass an env object or "
