@@ -46,6 +46,7 @@ _BUILTIN_ADAPTERS = (
     "lmcollect.compat.reasoning_gym",
     "lmcollect.compat.skyrl_gym",
     "lmcollect.compat.openenv",
+    "lmcollect.compat.verifiers",
 )  # same layer; imported on first use: they register themselves
 _HOW_TO_REGISTER = (
     "register one with lmcollect.envs.register_env('ecosystem:name', factory), or pass an env object or "
