@@ -101,3 +101,16 @@ def make_counter() -> ScriptedPolicy:
     from tests.unit.test_env_dialogs import counting_player
 
     return ScriptedPolicy(counting_player)
+
+
+def make_skyrl_gym_env():
+    """skyrl-gym's gsm8k_multi_turn on the rows of tests/unit/test_skyrl_gym.py, by its 'skyrl-gym:<id>' name."""
+    from tests.unit.test_skyrl_gym import gsm8k_rows
+
+    return make_env("skyrl-gym:gsm8k_multi_turn", rows=gsm8k_rows(8), batch_size=4, repeats=2, max_turns=3)
+
+
+def make_skyrl_gym_player() -> ScriptedPolicy:
+    from tests.unit.test_skyrl_gym import second_time_player
+
+    return ScriptedPolicy(second_time_player)
