@@ -33,14 +33,16 @@ import logging
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from lmcollect.agents.tool_parsers import HermesToolParser, ToolCall
 from lmcollect.data.history import History, Message
 from lmcollect.envs.chat_env import ChatEnv
 from lmcollect.envs.datasets import PromptDataset
 from lmcollect.envs.registry import register_ecosystem
 from lmcollect.envs.tasks.base import TaskReply
+
+if TYPE_CHECKING:  # the agents package (its endpoint's modules) loads when a tool call is read, not with the registry
+    from lmcollect.agents.tool_parsers import ToolCall
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +208,8 @@ class OpenEnvTask:
         reply = history.last("assistant")
         text = "" if reply is None else reply.content
         if self.tools:
+            from lmcollect.agents.tool_parsers import HermesToolParser
+
             parsed = HermesToolParser().parse(text, call_id=_call_id)
             if parsed.tool_calls:
                 return self._call_tools(state, parsed.tool_calls)
