@@ -58,8 +58,12 @@ def _openenv() -> Any:
 
 
 def observation_text(observation: Any) -> str:
-    """The default ``text_of``: an observation's own fields (not done/reward/metadata) as text, one ``key: value`` a line."""
-    fields = observation.model_dump(exclude={"done", "reward", "metadata"})
+    """The default ``text_of``: an observation's own fields (not done/reward/metadata; a model's or a dict's) as text:
+    a single field's value, else one ``key: value`` a line."""
+    if isinstance(observation, Mapping):  # GenericEnvClient's observations are dicts
+        fields = {k: v for k, v in observation.items() if k not in ("done", "reward", "metadata")}
+    else:
+        fields = observation.model_dump(exclude={"done", "reward", "metadata"})
     if len(fields) == 1:
         return str(next(iter(fields.values())))
     return "\n".join(f"{key}: {value}" for key, value in fields.items())
@@ -192,8 +196,13 @@ class OpenEnvTask:
             if self.tools:
                 listed, _, _ = session.step(_openenv().ListToolsAction())
                 session.tools = [tool_schema(tool) for tool in listed.tools]
-        except BaseException:
+        except BaseException as exc:
             session.close()
+            if not session.in_process and "CAPACITY_REACHED" in str(exc):
+                raise ConnectionError(
+                    f"OpenEnv: the server refused another session ({exc}); a ChatEnv holds batch_size sessions at "
+                    "once: raise the server's max_concurrent_envs (create_app) or lower batch_size."
+                ) from exc
             raise
         return session
 

@@ -83,6 +83,10 @@ def test_a_loopback_server_through_its_websocket_client(kind: str, caplog: pytes
                 max_sessions=4,
             ).close()
         assert "the server allows 4 sessions but this env keeps 8 dialogs in flight" in caplog.text
+        crowded = make_env(f"openenv:{url}", client=GenericEnvClient, action_of=guess_action, batch_size=5)
+        with pytest.raises(RuntimeError, match="refused another session.*raise the server's max_concurrent_envs"):
+            crowded.reset()
+        crowded.close()
 
         def make() -> ChatEnv:
             return make_env(
