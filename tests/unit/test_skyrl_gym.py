@@ -4,6 +4,7 @@ from __future__ import annotations
 import pickle
 
 import pytest
+import torch
 
 from lmcollect.data import History, keys
 from lmcollect.envs import ChatEnv, make_env
@@ -107,3 +108,22 @@ def test_under_both_collectors_with_groups_each_turn_extends_the_previous_tokens
         assert [float(t[keys.NEXT_REWARD]) for t in dialog] == pytest.approx([0.2 / 3, 1.0][: len(dialog)])
     dialogs_per_group = [len({int(t[keys.TRAJ_IDS]) for t in g}) for g in groups_of(turns).values()]
     assert max(dialogs_per_group) == 2  # GRPO groups of 2 dialogs per row
+
+
+def test_a_restore_replays_each_skyrl_gym_env_to_where_it_was() -> None:
+    """gsm8k_multi_turn counts its turns (the last one asks for only the answer): a restored env must have counted the same."""
+    make = lambda: skyrl_gym_env("gsm8k_multi_turn", rows=gsm8k_rows(2), batch_size=2, max_turns=3)  # noqa: E731
+    env, restored = make(), make()
+    try:
+        td = env.reset()
+        for _ in range(2):  # two wrong answers: the third prompt is the "final answer" one
+            td[keys.HISTORY_FULL] = [p.append("assistant", "Maybe #### -1") for p in td[keys.HISTORY_PROMPT]]
+            td = env.step(td)["next"].exclude(keys.REWARD, keys.DONE, keys.TERMINATED, keys.TRUNCATED)
+        restored.load_state_dict(env.state_dict())
+        assert [restored._states[i].env.turns for i in range(2)] == [2, 2]  # replayed through fresh skyrl-gym envs
+        want = env.step(td.clone().set(keys.HISTORY_FULL, [p.append("assistant", "#### 0") for p in td[keys.HISTORY_PROMPT]]))
+        got = restored.step(td.clone().set(keys.HISTORY_FULL, [p.append("assistant", "#### 0") for p in td[keys.HISTORY_PROMPT]]))
+        assert torch.equal(got["next", keys.DONE], want["next", keys.DONE]) and bool(want["next", keys.DONE].all())
+    finally:
+        env.close()
+        restored.close()
