@@ -21,6 +21,9 @@ from tests.faults.table import TABLE_DIR_ENV, read_table
 
 # tests/with_torchrl needs torchrl itself, which lives in its own venv (`make test-torchrl`)
 collect_ignore = [] if importlib.util.find_spec("torchrl") else ["with_torchrl"]
+# tests/with_envs needs openenv and verifiers, which need mcp<2 (vLLM needs mcp>=2): their own venv (`make test-envs`)
+if not (importlib.util.find_spec("openenv") and importlib.util.find_spec("verifiers")):
+    collect_ignore.append("with_envs")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -1,4 +1,5 @@
 """Dialogs of an env collected by both collectors over a scripted engine, and the token checks every env adapter passes."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -18,16 +19,22 @@ from lmcollect.testing.scripted_engine import ByteTokenizer, ScriptedEngine, cha
 SAMPLING = SamplingConfig(max_new_tokens=48)
 
 
-def collect_turns(kind: str, make_env: Callable[[], object], player: Callable[[History], str], num_turns: int) -> list:
+def collect_turns(
+    kind: str,
+    make_env: Callable[[], object],
+    player: Callable[[History], str],
+    num_turns: int,
+    sampling: SamplingConfig = SAMPLING,
+) -> list:
     """``num_turns`` turns (whole dialogs) of the env ``make_env()`` answered by ``player``, by the
     lockstep (``kind="lockstep"``) or the continuous collector."""
     engine = ScriptedEngine(script=chat_script(player))
     if kind == "lockstep":
-        policy = EnginePolicy(engine, tokenizer=ByteTokenizer(), sampling=SAMPLING)
+        policy = EnginePolicy(engine, tokenizer=ByteTokenizer(), sampling=sampling)
         collector = LLMCollector(make_env(), policy=policy, dialog_turns_per_batch=num_turns, flatten_data=True)
     else:
         collector = ContinuousLLMCollector(
-            [make_env()], engine=engine, tokenizer=ByteTokenizer(), sampling=SAMPLING, dialog_turns_per_batch=num_turns
+            [make_env()], engine=engine, tokenizer=ByteTokenizer(), sampling=sampling, dialog_turns_per_batch=num_turns
         )
     with collector:
         return flatten_turns(collector.next())
@@ -72,7 +79,9 @@ def make_second_time_player() -> ScriptedPolicy:
     """Wrong once, then right (every dialog two turns), answers from the same seeded generator."""
     from lmcollect.compat.reasoning_gym import create_generator, reasoning_gym_rows
 
-    answers = {r["question"]: r["answer"] for r in reasoning_gym_rows(create_generator("leg_counting", seed=0, size=16))}
+    answers = {
+        r["question"]: r["answer"] for r in reasoning_gym_rows(create_generator("leg_counting", seed=0, size=16))
+    }
 
     def player(history: History) -> str:
         question = next(m.content for m in history.messages if m.role == "user")
@@ -92,3 +101,16 @@ def make_counter() -> ScriptedPolicy:
     from tests.unit.test_env_dialogs import counting_player
 
     return ScriptedPolicy(counting_player)
+
+
+def make_skyrl_gym_env():
+    """skyrl-gym's gsm8k_multi_turn on the rows of tests/unit/test_skyrl_gym.py, by its 'skyrl-gym:<id>' name."""
+    from tests.unit.test_skyrl_gym import gsm8k_rows
+
+    return make_env("skyrl-gym:gsm8k_multi_turn", rows=gsm8k_rows(8), batch_size=4, repeats=2, max_turns=3)
+
+
+def make_skyrl_gym_player() -> ScriptedPolicy:
+    from tests.unit.test_skyrl_gym import second_time_player
+
+    return ScriptedPolicy(second_time_player)

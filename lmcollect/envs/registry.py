@@ -47,6 +47,9 @@ SHIPPED_ECOSYSTEM = "lmcollect"
 _BUILTIN_ADAPTERS = (
     "lmcollect.compat.torchrl",
     "lmcollect.compat.reasoning_gym",
+    "lmcollect.compat.skyrl_gym",
+    "lmcollect.compat.openenv",
+    "lmcollect.compat.verifiers",
 )  # same layer; imported on first use: they register themselves
 _HOW_TO_REGISTER = (
     "register one with lmcollect.envs.register_env('ecosystem:name', factory), or pass an env object or "

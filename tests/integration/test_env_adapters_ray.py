@@ -1,4 +1,4 @@
-"""Outside environments in a Ray collector: a reasoning-gym env named 'ecosystem:name' and a stateful task, built inside the actor."""
+"""Outside environments in a Ray collector: reasoning-gym and skyrl-gym envs named 'ecosystem:name' and a stateful task, built inside the actor."""
 from __future__ import annotations
 
 import pytest
@@ -12,13 +12,23 @@ from tests.env_adapters import (
     make_counting_env,
     make_reasoning_gym_env,
     make_second_time_player,
+    make_skyrl_gym_env,
+    make_skyrl_gym_player,
 )
 
 pytestmark = pytest.mark.integration
-pytest.importorskip("reasoning_gym")  # the optional extra; make test installs it
+pytest.importorskip("reasoning_gym")  # the optional extras; make test installs them
+pytest.importorskip("skyrl_gym")
 
 
-@pytest.mark.parametrize("make_env_, make_policy", [(make_reasoning_gym_env, make_second_time_player), (make_counting_env, make_counter)])
+@pytest.mark.parametrize(
+    "make_env_, make_policy",
+    [
+        (make_reasoning_gym_env, make_second_time_player),
+        (make_skyrl_gym_env, make_skyrl_gym_player),
+        (make_counting_env, make_counter),
+    ],
+)
 def test_a_ray_collector_builds_the_env_in_its_actor_and_keeps_turns_token_exact(ray_cluster, make_env_, make_policy) -> None:
     from lmcollect.ray.collector import RayLLMCollector
 
