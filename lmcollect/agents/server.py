@@ -282,10 +282,17 @@ async def _answer_of(request: Any, run: AgentRun, call: AgentCall) -> CallReply 
             gone.cancel()
         if left:
             run.cut_stream(call, "the client left before its streamed reply began")
+            future.add_done_callback(_read_outcome)  # its reply (or refusal) comes to nobody now
             return None
         return await future
     except DialogEndedError as exc:
         raise RequestError(str(exc), status=409, kind="dialog_ended") from exc
+
+
+def _read_outcome(future: asyncio.Future) -> None:
+    """Read a reply nobody waits for any more (no "exception was never retrieved" at exit)."""
+    if not future.cancelled():
+        future.exception()
 
 
 async def _client_gone(request: Any) -> None:

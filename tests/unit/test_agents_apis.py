@@ -425,10 +425,10 @@ def test_token_exact_prompts_across_calls_with_the_tiny_model_on_every_api(
     with TransformersEngine(model, tokenizer) as engine:
         collector = ContinuousLLMCollector([env], engine=engine, tokenizer=tokenizer, track_policy_version=True,
                                            sampling=SamplingConfig(max_new_tokens=16, temperature=1.0),
-                                           dialog_turns_per_batch=4)
+                                           dialog_turns_per_batch=4, total_dialog_turns=4)  # none in flight after
         with collector:
             turns = flatten_turns(collector.next())
-            mismatches = collector.num_prefix_mismatches
+            mismatches = collector.num_prefix_mismatches  # counted as turns start: all of them are in the batch
     pairs = [steps for steps in dialogs_of(turns).values() if len(steps) == 2]
     assert pairs and env.stats.runs_failed == 0
     for first, second in pairs:
