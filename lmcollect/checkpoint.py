@@ -112,10 +112,14 @@ def _manifest_files(manifest: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _remove_other_saves(folder: Path, keep: set[str]) -> None:
-    """Files of earlier (or crashed) saves: the state files the manifest no longer names."""
-    for path in folder.glob("*.safetensors"):
+    """Files of earlier (or crashed) saves: the state files the manifest no longer names, and the
+    ``.tmp`` files a save killed mid-write left (a state file's or the manifest's; found by the chaos
+    harness, benchmarks/chaos.py: they stayed in the folder forever)."""
+    for path in [*folder.glob("*.safetensors"), *folder.glob("*.safetensors.tmp")]:
         if path.name not in keep and (path.name.startswith("collector-") or path.name.startswith("replay_buffer")):
             path.unlink(missing_ok=True)
+    for path in folder.glob(f"{MANIFEST}.*.tmp"):
+        path.unlink(missing_ok=True)
 
 
 def _checked_file(folder: Path, entry: Any) -> Path:
