@@ -1,0 +1,547 @@
+"""Chaos: SIGKILL a collection run at random moments (from a seed), resume it from its checkpoint, and check
+that the interrupted run yields exactly what the uninterrupted one does.
+
+Run: ``python benchmarks/chaos.py --kills 200`` (the long form) or ``--quick`` (>= 20 kills, the
+suite's short form: tests/faults/test_chaos_short.py). Prints a table and ends with one JSON line.
+
+Each episode runs one scenario of :mod:`benchmarks.chaos_driver` (``lockstep``: ``LLMCollector``
+over the scripted engine; ``continuous``: ``ContinuousLLMCollector`` over it; ``tiny``: the lockstep
+collector over the tiny HF model sampling at temperature 1, long form only) as a child process in
+its own session, with GRPO groups, a replay buffer, a full push per batch and a checkpoint every
+``ckpt_every`` batches. The harness kills it as planned (``driver``: SIGKILL after a random delay
+once it has restored; ``restore``: SIGKILL while it starts and loads the checkpoint; ``save:*``:
+the driver kills itself inside ``save_checkpoint``), restarts it the way docs/checkpoints.md says
+(build the same setup, ``load_checkpoint``), and goes on until the planned batches are done.
+
+Checks after every episode: the batches kept (each run's batches up to where the next run resumed)
+are exactly batches 0..N-1, once each; lockstep runs equal the uninterrupted reference turn for turn
+(ids, prompt draws, tokens, log-probs, versions) and in the buffer's samples; continuous runs (whose
+turn order depends on timing) yield each (group, dialog, step) at most once, whole groups only, every
+group admitted either yielded or left over at the end, tokens equal to the reference's for the same
+prompt draw and step, and each token's log-prob that of its recorded version's weights; weights after
+each restore equal the trainer's last push; nothing is left behind (processes of the run's session,
+``/dev/shm/lmcollect-*`` files, files in the run's TMPDIR, stray files in the checkpoint folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SAVE_POINTS = ("collector", "buffer", "delay")
+
+
+@dataclass(kw_only=True)
+class ChaosConfig:
+    kills: int = 200
+    """Kills to plan in all (a planned kill that lands after the run ended is reported as missed)."""
+    seed: int = 0
+    """Seeds the plan: scenarios, kill kinds and moments."""
+    num_batches: int = 12
+    """Batches each episode collects to the end."""
+    ckpt_every: int = 2
+    """A checkpoint every this many batches (the interval the overhead is reported at)."""
+    kills_per_episode: int = 4
+    """Kills planned in one episode before it is let run to the end."""
+    scenarios: tuple[str, ...] = ("lockstep", "continuous", "tiny")
+    """Scenarios drawn for the episodes (``tiny`` needs the tiny model: built locally, no download)."""
+    run_timeout_s: float = 120.0
+    """Bound of one driver process (a run that exceeds it is killed and reported)."""
+
+    def __post_init__(self) -> None:
+        if self.kills < 1 or self.kills_per_episode < 1:
+            raise ValueError(f"kills and kills_per_episode must be >= 1, got {self.kills}, {self.kills_per_episode}.")
+        if self.num_batches < 2 * self.ckpt_every:
+            raise ValueError(f"num_batches={self.num_batches} must hold two checkpoints; use >= {2 * self.ckpt_every}.")
+        unknown = set(self.scenarios) - {"lockstep", "continuous", "tiny"}
+        if unknown:
+            raise ValueError(f"unknown scenarios {sorted(unknown)}; use lockstep, continuous, tiny.")
+
+
+@dataclass
+class Report:
+    kills: list[dict[str, Any]] = field(default_factory=list)
+    missed: int = 0
+    lost: int = 0
+    duplicated: int = 0
+    token_diffs: int = 0
+    weight_mismatches: int = 0
+    leftovers: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    save_s: float = 0.0
+    collect_s: float = 0.0
+    episodes: int = 0
+
+
+# ---------------------------------------------------------------------- the plan
+def plan_episodes(config: ChaosConfig) -> list[dict[str, Any]]:
+    """Episodes (scenario and kills) drawn from ``config.seed``: the same seed, the same plan."""
+    rng = random.Random(config.seed)
+    episodes, left = [], config.kills
+    while left > 0:
+        count = min(left, config.kills_per_episode)
+        kills = [_plan_kill(rng) for _ in range(count)]
+        episodes.append({"scenario": rng.choice(config.scenarios), "kills": kills})
+        left -= count
+    return episodes
+
+
+def _plan_kill(rng: random.Random) -> dict[str, Any]:
+    roll = rng.random()
+    if roll < 0.5:
+        return {"kind": "driver", "fraction": rng.random()}
+    if roll < 0.6:
+        return {"kind": "restore", "fraction": rng.random()}
+    point = rng.choice(SAVE_POINTS)
+    return {"kind": f"save:{point}", "point": point, "nth": rng.randint(1, 2), "fraction": rng.random()}
+
+
+# ---------------------------------------------------------------------- one driver process
+class Run:
+    """One driver process in its own session (so its leftovers can be found), logging to ``workdir``."""
+
+    def __init__(self, workdir: Path, config: dict[str, Any], timeout_s: float) -> None:
+        (workdir / "config.json").write_text(json.dumps(config))
+        self.tmpdir = workdir / "tmp"
+        self.tmpdir.mkdir(exist_ok=True)
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TMPDIR": str(self.tmpdir)}
+        self.stderr = (workdir / "stderr.txt").open("ab")
+        self.started = time.monotonic()
+        self.deadline = self.started + timeout_s
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.chaos_driver", str(workdir / "config.json")],
+            cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=self.stderr, start_new_session=True,
+        )
+        with (workdir / "sessions.txt").open("a") as out:  # the session id is the leader's pid
+            out.write(f"{self.proc.pid}\n")
+
+    def kill(self) -> float:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        return time.monotonic()
+
+    def wait(self) -> int:
+        try:
+            return self.proc.wait(timeout=max(0.1, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+            return -999
+        finally:
+            self.stderr.close()
+
+
+def read_log(path: Path) -> list[dict[str, Any]]:
+    """The driver's events (a last line torn by a kill is dropped)."""
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return events
+
+
+def wait_for_start(log: Path, run: Run, num_starts: int) -> bool:
+    """Wait (bounded by the run's deadline) for the run's ``start`` event; False if it exited first."""
+    while time.monotonic() < run.deadline:
+        if sum(e["event"] == "start" for e in read_log(log)) > num_starts:
+            return True
+        if run.proc.poll() is not None:
+            return False
+        time.sleep(0.005)
+    return False
+
+
+# ---------------------------------------------------------------------- one episode
+def run_reference(root: Path, scenario: str, config: ChaosConfig, model_dir: str | None) -> list[dict[str, Any]]:
+    """The uninterrupted run of ``scenario``: its events are what every interrupted run must yield."""
+    workdir = root / f"reference-{scenario}"
+    workdir.mkdir()
+    run = Run(workdir, _driver_config(workdir, scenario, config, model_dir, None), config.run_timeout_s)
+    rc = run.wait()
+    events = read_log(workdir / "log.jsonl")
+    if rc != 0 or events[-1]["event"] != "done":
+        raise RuntimeError(f"the reference run of {scenario} failed (exit {rc}): {_tail(workdir)}")
+    return events
+
+
+def _driver_config(
+    workdir: Path, scenario: str, config: ChaosConfig, model_dir: str | None, save_kill: dict[str, Any] | None
+) -> dict[str, Any]:
+    return {
+        "scenario": scenario,
+        "workdir": str(workdir),
+        "num_batches": config.num_batches,
+        "ckpt_every": config.ckpt_every,
+        "model_dir": model_dir,
+        "save_kill": save_kill,
+    }
+
+
+def run_episode(
+    workdir: Path, episode: dict[str, Any], config: ChaosConfig, reference: list[dict[str, Any]], report: Report,
+    model_dir: str | None,
+) -> None:
+    """Run the episode's planned kills, each followed by a restart, then a run to the end; check it all."""
+    workdir.mkdir()
+    scenario = episode["scenario"]
+    episode_run = EpisodeRuns(workdir, scenario, config, model_dir, _reference_timing(reference), report)
+    shm_before = _shm_files()
+    for kill in [*episode["kills"], None]:
+        episode_run.run_once(kill)
+    _check_episode(workdir, scenario, read_log(workdir / "log.jsonl"), reference, report, shm_before)
+    report.episodes += 1
+
+
+class EpisodeRuns:
+    """The runs of one episode: start (resuming), kill as planned, and time each kill's recovery (from
+    the kill to the next run's ``start`` event: a process start and ``load_checkpoint``)."""
+
+    def __init__(
+        self, workdir: Path, scenario: str, config: ChaosConfig, model_dir: str | None, timing: dict[str, float],
+        report: Report,
+    ) -> None:
+        self.workdir, self.scenario, self.config, self.model_dir = workdir, scenario, config, model_dir
+        self.timing, self.report, self.log = timing, report, workdir / "log.jsonl"
+        self.awaiting: list[tuple[dict[str, Any], float]] = []  # kills whose recovery is not timed yet
+
+    def run_once(self, kill: dict[str, Any] | None) -> None:
+        num_starts = sum(e["event"] == "start" for e in read_log(self.log))
+        save_kill = None
+        if kill is not None and kill["kind"].startswith("save:"):
+            save_kill = {"nth": kill["nth"], "point": kill["point"], "delay_s": kill["fraction"] * self.timing["save_s"]}
+        config = _driver_config(self.workdir, self.scenario, self.config, self.model_dir, save_kill)
+        run = Run(self.workdir, config, self.config.run_timeout_s)
+        if kill is not None and kill["kind"] == "restore":
+            time.sleep(kill["fraction"] * self.timing["startup_s"])
+            if run.proc.poll() is None:
+                self._killed(run, kill)
+                return
+        started = wait_for_start(self.log, run, num_starts)
+        if started:
+            self._recovered(num_starts)
+        if kill is not None and kill["kind"] == "driver" and started:
+            self._kill_later(run, kill)
+            return
+        self._finish(run, kill, save_kill)
+
+    def _kill_later(self, run: Run, kill: dict[str, Any]) -> None:
+        start_batch = [e for e in read_log(self.log) if e["event"] == "start"][-1]["batch"]
+        left = (self.config.num_batches - start_batch) / self.config.num_batches
+        time.sleep(kill["fraction"] * left * self.timing["run_s"])
+        if run.proc.poll() is None:
+            self._killed(run, kill)
+        else:
+            self._finish(run, kill, None)
+
+    def _finish(self, run: Run, kill: dict[str, Any] | None, save_kill: dict[str, Any] | None) -> None:
+        rc = run.wait()
+        if rc == -signal.SIGKILL and kill is not None and save_kill is not None:
+            last_ckpt = max([e["batch"] for e in read_log(self.log) if e["event"] == "ckpt"], default=0)
+            self._note_kill(kill, time.monotonic(), expect_start=last_ckpt if kill["point"] != "delay" else None)
+            return
+        if kill is not None:
+            self.report.missed += 1
+        if rc != 0:
+            self.report.problems.append(f"{self.workdir.name}: the driver exited with {rc}: {_tail(self.workdir)}")
+
+    def _killed(self, run: Run, kill: dict[str, Any]) -> None:
+        killed_at = run.kill()
+        run.wait()
+        self._note_kill(kill, killed_at)
+
+    def _note_kill(self, kill: dict[str, Any], killed_at: float, expect_start: int | None = None) -> None:
+        record = {"kind": kill["kind"], "scenario": self.scenario, "expect_start": expect_start}
+        self.report.kills.append(record)
+        self.awaiting.append((record, killed_at))
+
+    def _recovered(self, num_starts: int) -> None:
+        """This run restored: time every kill since the last restore, and check a torn save was not loaded."""
+        now = time.monotonic()
+        start = [e for e in read_log(self.log) if e["event"] == "start"][num_starts]
+        for record, killed_at in self.awaiting:
+            record["recovery_s"], record["restore_s"] = now - killed_at, start["restore_s"]
+            expected = record.pop("expect_start")
+            if expected is not None and start["batch"] != expected:
+                self.report.problems.append(
+                    f"{self.workdir.name}: a kill inside a save ({record['kind']}) resumed at batch {start['batch']}, "
+                    f"not at the last complete checkpoint's {expected}"
+                )
+        self.awaiting.clear()
+
+
+def _reference_timing(events: list[dict[str, Any]]) -> dict[str, float]:
+    batches = [e for e in events if e["event"] == "batch"]
+    saves = [e["save_s"] for e in events if e["event"] == "ckpt"]
+    return {
+        "run_s": sum(e["collect_s"] for e in batches) + sum(saves),
+        "save_s": statistics.median(saves),
+        "startup_s": 2.0,
+    }
+
+
+def _tail(workdir: Path) -> str:
+    path = workdir / "stderr.txt"
+    return path.read_text(errors="replace")[-1500:] if path.exists() else ""
+
+
+# ---------------------------------------------------------------------- the checks
+def kept_batches(events: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Each run's batches up to where the next run resumed (what a trainer that restarts keeps)."""
+    runs: list[list[dict[str, Any]]] = []
+    starts: list[int] = []
+    for event in events:
+        if event["event"] == "start":
+            runs.append([])
+            starts.append(event["batch"])
+        elif event["event"] == "batch" and runs:
+            runs[-1].append(event)
+    kept, problems = [], []
+    for i, batches in enumerate(runs):
+        end = starts[i + 1] if i + 1 < len(runs) else None
+        kept.extend(b for b in batches if end is None or b["batch"] < end)
+    indices = [b["batch"] for b in kept]
+    if indices != list(range(len(indices))):
+        problems.append(f"the batches kept are {indices}, not 0..{len(indices) - 1} once each")
+    return kept, problems
+
+
+def _check_episode(
+    workdir: Path, scenario: str, events: list[dict[str, Any]], reference: list[dict[str, Any]], report: Report,
+    shm_before: set[str],
+) -> None:
+    kept, problems = kept_batches(events)
+    report.problems.extend(f"{workdir.name}: {p}" for p in problems)
+    expected = [e for e in reference if e["event"] == "batch"]
+    if len(kept) != len(expected):
+        report.problems.append(f"{workdir.name}: {len(kept)} batches kept, the reference has {len(expected)}")
+    if scenario == "continuous":
+        _check_continuous(kept, expected, report, workdir.name)
+    else:
+        _check_exact(kept, expected, report, workdir.name)
+    report.weight_mismatches += sum(1 for e in events if e["event"] == "start" and not e["weights_ok"])
+    report.leftovers.extend(_leftovers(workdir, shm_before))
+
+
+def turn_key(turn: dict[str, Any]) -> tuple[int, int, int]:
+    return turn["group"], turn["traj"], turn["step"]
+
+
+def _check_exact(kept: list[dict[str, Any]], expected: list[dict[str, Any]], report: Report, name: str) -> None:
+    """Lockstep: turn for turn the reference's, and the buffer's samples too."""
+    got = [t for b in kept for t in b["turns"]]
+    want = [t for b in expected for t in b["turns"]]
+    _count_pairs(got, want, report)
+    by_key = {turn_key(t): t for t in want}
+    diffs = [(t, by_key[turn_key(t)]) for t in got if turn_key(t) in by_key and t != by_key[turn_key(t)]]
+    report.token_diffs += len(diffs)
+    if diffs:
+        report.problems.append(f"{name}: {len(diffs)} turns differ from the reference's, e.g. {diffs[0]}")
+    samples = [a["batch"] for a, b in zip(kept, expected, strict=False) if a["sample"] != b["sample"]]
+    report.token_diffs += len(samples)
+    if samples:
+        report.problems.append(f"{name}: the buffer's samples differ from the reference's after batches {samples}")
+
+
+def _count_pairs(got: list[dict[str, Any]], want: list[dict[str, Any]], report: Report) -> None:
+    counts = Counter(turn_key(t) for t in got)
+    report.duplicated += sum(n - 1 for n in counts.values() if n > 1)
+    report.lost += sum(1 for t in want if turn_key(t) not in counts)
+
+
+def _check_continuous(
+    kept: list[dict[str, Any]], expected: list[dict[str, Any]], report: Report, name: str, group_size: int = 2
+) -> None:
+    """Continuous: timing decides which groups fill which batch, so: every (group, dialog, step) at most
+    once, whole groups, tokens as the reference's for the same prompt draw and step, log-probs that of
+    each token's version (a push of version v sets the scripted weights' tag to v: log-prob -v)."""
+    got = [t for b in kept for t in b["turns"]]
+    counts = Counter(turn_key(t) for t in got)
+    report.duplicated += sum(n - 1 for n in counts.values() if n > 1)
+    report.problems.extend(f"{name}: {p}" for p in whole_group_problems(got))
+    def draw(turn: dict[str, Any]) -> tuple[int, int, int]:  # a group's slots are one env's elements
+        return turn["env"] // group_size, turn["prompt"], turn["step"]
+
+    tokens = {draw(t): t["tokens"] for b in expected for t in b["turns"]}
+    for turn in got:
+        want = tokens.get(draw(turn))
+        wrong_log_probs = turn["log_probs"] != [-float(v) for v in turn["versions"]]
+        stale = turn["policy_version"] > min(turn["versions"])
+        if (want is not None and want != turn["tokens"]) or wrong_log_probs or stale:
+            report.token_diffs += 1
+            report.problems.append(f"{name}: turn {turn} differs (reference tokens {want})")
+    report.lost += len(_missing_groups(got))
+
+
+def whole_group_problems(turns: list[dict[str, Any]], group_size: int = 2) -> list[str]:
+    """Every group: ``group_size`` dialogs of one prompt draw, each with steps 0..n-1 and the last done."""
+    groups: dict[int, dict[int, list[dict[str, Any]]]] = {}
+    for turn in turns:
+        groups.setdefault(turn["group"], {}).setdefault(turn["traj"], []).append(turn)
+    problems = []
+    for group, dialogs in groups.items():
+        prompts = {t["prompt"] for d in dialogs.values() for t in d}
+        if len(dialogs) != group_size or len(prompts) != 1:
+            problems.append(f"group {group} has {len(dialogs)} dialogs over prompts {sorted(prompts)}")
+        for traj, dialog in dialogs.items():
+            steps = sorted(t["step"] for t in dialog)
+            if steps != list(range(len(steps))) or not max(dialog, key=lambda t: t["step"])["done"]:
+                problems.append(f"group {group}: dialog {traj} is split (steps {steps})")
+    return problems
+
+
+def _missing_groups(turns: list[dict[str, Any]]) -> list[int]:
+    """Group ids below the highest one yielded that were never yielded: groups admitted and lost.
+    (Groups finish out of order, so a few still under way at the end are allowed: the last slots' worth.)"""
+    seen = {t["group"] for t in turns}
+    if not seen:
+        return []
+    gaps = sorted(set(range(max(seen))) - seen)
+    return gaps[:-2] if len(gaps) > 2 else []
+
+
+def _shm_files() -> set[str]:
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.glob("lmcollect-*")} if shm.is_dir() else set()
+
+
+def _leftovers(workdir: Path, shm_before: set[str]) -> list[str]:
+    found = [f"/dev/shm/{name}" for name in sorted(_shm_files() - shm_before)]
+    found += [f"{workdir.name}: {p.name} in TMPDIR" for p in (workdir / "tmp").iterdir()]
+    found += [f"{workdir.name}: process {pid} of a killed run" for pid in _session_processes(workdir)]
+    found += [f"{workdir.name}: ckpt/{name}" for name in stray_checkpoint_files(workdir / "ckpt")]
+    return found
+
+
+def _session_processes(workdir: Path) -> list[int]:
+    """Processes still in a session the harness started (each run is its own session, led by its pid)."""
+    path = workdir / "sessions.txt"
+    sessions = {int(line) for line in path.read_text().split()} if path.exists() else set()
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) in sessions:  # field 6 of stat: the session id
+            alive.append(int(stat.parent.name))
+    return alive
+
+
+def stray_checkpoint_files(folder: Path) -> list[str]:
+    """Files in a checkpoint folder that its manifest does not name (a crashed save's remains)."""
+    if not folder.is_dir():
+        return []
+    manifest = json.loads((folder / "manifest.json").read_text())
+    named = {e["file"] for e in manifest["collectors"]} | (
+        {manifest["replay_buffer"]["file"]} if manifest.get("replay_buffer") else set()
+    )
+    return sorted(p.name for p in folder.iterdir() if p.name not in named | {"manifest.json", ".save.lock"})
+
+
+# ---------------------------------------------------------------------- the whole run and its table
+def run_chaos(config: ChaosConfig, root: Path | None = None) -> dict[str, Any]:
+    episodes = plan_episodes(config)
+    scenarios = sorted({e["scenario"] for e in episodes})
+    model_dir = _tiny_model_dir(root or Path(tempfile.gettempdir())) if "tiny" in scenarios else None
+    report = Report()
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="lmcollect-chaos-", dir=root) as tmp:
+        references = {s: run_reference(Path(tmp), s, config, model_dir) for s in scenarios}
+        for i, episode in enumerate(episodes):
+            workdir = Path(tmp) / f"episode-{i:03d}-{episode['scenario']}"
+            run_episode(workdir, episode, config, references[episode["scenario"]], report, model_dir)
+        for events in references.values():
+            report.save_s += sum(e["save_s"] for e in events if e["event"] == "ckpt")
+            report.collect_s += sum(e["collect_s"] for e in events if e["event"] == "batch")
+    return summarize(report, config, time.monotonic() - started)
+
+
+def _tiny_model_dir(root: Path) -> str:
+    from lmcollect.models import ModelSpec, get_model_path
+
+    return str(get_model_path(ModelSpec(size="tiny"), cache_dir=root / "lmcollect-chaos-models"))
+
+
+def summarize(report: Report, config: ChaosConfig, wall_s: float) -> dict[str, Any]:
+    by_kind: dict[str, list[float]] = {}
+    for kill in report.kills:
+        by_kind.setdefault(kill["kind"], []).append(kill.get("recovery_s", float("nan")))
+    kinds = {
+        kind: {
+            "kills": len(times),
+            "recovery_median_s": statistics.median([t for t in times if t == t] or [float("nan")]),
+            "recovery_max_s": max([t for t in times if t == t] or [float("nan")]),
+        }
+        for kind, times in sorted(by_kind.items())
+    }
+    return {
+        "config": asdict(config),
+        "kills": len(report.kills),
+        "missed": report.missed,
+        "episodes": report.episodes,
+        "kinds": kinds,
+        "checkpoint_overhead": report.save_s / report.collect_s if report.collect_s else None,
+        "lost": report.lost,
+        "duplicated": report.duplicated,
+        "token_diffs": report.token_diffs,
+        "weight_mismatches": report.weight_mismatches,
+        "leftovers": report.leftovers,
+        "problems": report.problems,
+        "wall_s": wall_s,
+    }
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    lines = ["| kill kind | kills | recovery median (s) | recovery max (s) |", "|---|---|---|---|"]
+    for kind, row in summary["kinds"].items():
+        lines.append(f"| {kind} | {row['kills']} | {row['recovery_median_s']:.2f} | {row['recovery_max_s']:.2f} |")
+    overhead = summary["checkpoint_overhead"]
+    lines += [
+        "",
+        f"kills {summary['kills']} (planned kills that landed after the run ended: {summary['missed']}), "
+        f"episodes {summary['episodes']}, wall {summary['wall_s']:.0f} s",
+        f"checkpoint overhead (save time / collection time, a checkpoint every "
+        f"{summary['config']['ckpt_every']} batches): {overhead:.1%}" if overhead is not None else "",
+        f"pairs lost {summary['lost']}, duplicated {summary['duplicated']}, token diffs {summary['token_diffs']}, "
+        f"weights wrong after a restore {summary['weight_mismatches']}, leftovers {len(summary['leftovers'])}",
+    ]
+    lines += [f"problem: {p}" for p in summary["problems"]] + [f"leftover: {x}" for x in summary["leftovers"]]
+    return "\n".join(lines)
+
+
+def quick_config(seed: int = 0) -> ChaosConfig:
+    """The suite's short form: >= 20 kills on the scripted engine, under two minutes."""
+    return ChaosConfig(kills=20, seed=seed, num_batches=8, ckpt_every=2, kills_per_episode=5,
+                       scenarios=("lockstep", "continuous"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kills", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="the short form: 20 kills, scripted engine only")
+    args = parser.parse_args(argv)
+    config = quick_config(args.seed) if args.quick else ChaosConfig(kills=args.kills, seed=args.seed)
+    summary = run_chaos(config)
+    print(format_table(summary))
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
