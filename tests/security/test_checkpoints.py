@@ -58,7 +58,8 @@ def test_a_save_that_crashes_midway_leaves_the_earlier_checkpoint_whole(tmp_path
 def test_the_tmp_files_of_saves_killed_mid_write_are_removed_by_the_next_save(tmp_path: Path, monkeypatch) -> None:
     """Found by the chaos harness (benchmarks/chaos.py, a SIGKILL inside save_checkpoint): a save killed while
     writing a state file leaves ``<file>.safetensors.tmp``, one killed before the manifest's replace leaves
-    ``manifest.json.<id>.tmp``; later saves removed neither, so they piled up in the folder."""
+    ``manifest.json.<id>.tmp``, and safetensors' Rust writer its ``.tmpXXXXXX``; later saves removed none
+    of them, so they piled up in the folder."""
     import safetensors.torch
 
     from lmcollect import checkpoint
@@ -87,6 +88,7 @@ def test_the_tmp_files_of_saves_killed_mid_write_are_removed_by_the_next_save(tm
             save_checkpoint(tmp_path, [collector], replay_buffer=buffer)
     left = sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp"))
     assert any(name.startswith("manifest.json.") for name in left) and any(".safetensors." in n for n in left)
+    (tmp_path / ".tmpAb12Cd").write_bytes(b"\0" * 64)  # safetensors' own temp file (Rust), of a write killed midway
     save_checkpoint(tmp_path, [collector], replay_buffer=buffer)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     named = {e["file"] for e in manifest["collectors"]} | {manifest["replay_buffer"]["file"]}
