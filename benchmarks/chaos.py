@@ -28,12 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import random
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -60,6 +62,9 @@ class ChaosConfig:
     """Scenarios drawn for the episodes (``tiny`` needs the tiny model: built locally, no download)."""
     run_timeout_s: float = 120.0
     """Bound of one driver process (a run that exceeds it is killed and reported)."""
+    fork_server: bool = False
+    """Fork each run from a process that imported torch and lmcollect once (the short form: restarts
+    cost a fork, not an import); False: a fresh interpreter per run (recovery times as a user's)."""
 
     def __post_init__(self) -> None:
         if self.kills < 1 or self.kills_per_episode < 1:
@@ -110,21 +115,85 @@ def _plan_kill(rng: random.Random) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- one driver process
-class Run:
-    """One driver process in its own session (so its leftovers can be found), logging to ``workdir``."""
+class ForkServer:
+    """``chaos_driver --serve``: each run is a fork of one process that imported torch and lmcollect once."""
 
-    def __init__(self, workdir: Path, config: dict[str, Any], timeout_s: float) -> None:
-        (workdir / "config.json").write_text(json.dumps(config))
-        self.tmpdir = workdir / "tmp"
-        self.tmpdir.mkdir(exist_ok=True)
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TMPDIR": str(self.tmpdir)}
-        self.stderr = (workdir / "stderr.txt").open("ab")
-        self.started = time.monotonic()
-        self.deadline = self.started + timeout_s
+    def __init__(self, timeout_s: float = 120.0) -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.chaos_driver", str(workdir / "config.json")],
-            cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=self.stderr, start_new_session=True,
+            [sys.executable, "-m", "benchmarks.chaos_driver", "--serve"],
+            cwd=REPO_ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
         )
+        self.messages: queue.Queue[dict[str, Any]] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True, name="chaos-fork-server").start()
+        self.next_message(timeout_s)  # {"ready": true}
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.messages.put(json.loads(line))
+
+    def next_message(self, timeout_s: float) -> dict[str, Any]:
+        try:
+            return self.messages.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"the chaos fork server said nothing within {timeout_s} s") from None
+
+    def fork(self, config_path: Path) -> ServedChild:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{config_path}\n")
+        self.proc.stdin.flush()
+        return ServedChild(self, self.next_message(30.0)["pid"])
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+class ServedChild:
+    """A forked run, with the few ``Popen`` methods the harness uses (its exit comes from the server)."""
+
+    def __init__(self, server: ForkServer, pid: int) -> None:
+        self.server, self.pid = server, pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not self.server.messages.empty():
+            self.returncode = self.server.next_message(1.0)["returncode"]
+        return self.returncode
+
+    def wait(self, timeout: float) -> int:
+        if self.returncode is None:
+            try:
+                self.returncode = self.server.next_message(timeout)["returncode"]
+            except TimeoutError:
+                raise subprocess.TimeoutExpired("chaos_driver (forked)", timeout) from None
+        return self.returncode
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+
+
+class Run:
+    """One driver process in its own session (so its leftovers can be found), logging to ``workdir``:
+    a fresh interpreter, or a fork of ``server``."""
+
+    def __init__(self, workdir: Path, config: dict[str, Any], timeout_s: float, server: ForkServer | None) -> None:
+        (workdir / "config.json").write_text(json.dumps(config))
+        (workdir / "tmp").mkdir(exist_ok=True)
+        self.launched = time.monotonic()
+        self.deadline = self.launched + timeout_s
+        self.proc: subprocess.Popen[bytes] | ServedChild
+        if server is not None:
+            self.proc = server.fork(workdir / "config.json")
+        else:
+            env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TMPDIR": str(workdir / "tmp")}
+            with (workdir / "stderr.txt").open("ab") as stderr:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "benchmarks.chaos_driver", str(workdir / "config.json")],
+                    cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True,
+                )
         with (workdir / "sessions.txt").open("a") as out:  # the session id is the leader's pid
             out.write(f"{self.proc.pid}\n")
 
@@ -139,8 +208,6 @@ class Run:
             self.proc.kill()
             self.proc.wait(timeout=30)
             return -999
-        finally:
-            self.stderr.close()
 
 
 def read_log(path: Path) -> list[dict[str, Any]]:
@@ -168,11 +235,13 @@ def wait_for_start(log: Path, run: Run, num_starts: int) -> bool:
 
 
 # ---------------------------------------------------------------------- one episode
-def run_reference(root: Path, scenario: str, config: ChaosConfig, model_dir: str | None) -> list[dict[str, Any]]:
+def run_reference(
+    root: Path, scenario: str, config: ChaosConfig, model_dir: str | None, server: ForkServer | None
+) -> list[dict[str, Any]]:
     """The uninterrupted run of ``scenario``: its events are what every interrupted run must yield."""
     workdir = root / f"reference-{scenario}"
     workdir.mkdir()
-    run = Run(workdir, _driver_config(workdir, scenario, config, model_dir, None), config.run_timeout_s)
+    run = Run(workdir, _driver_config(workdir, scenario, config, model_dir, None), config.run_timeout_s, server)
     rc = run.wait()
     events = read_log(workdir / "log.jsonl")
     if rc != 0 or events[-1]["event"] != "done":
@@ -195,12 +264,12 @@ def _driver_config(
 
 def run_episode(
     workdir: Path, episode: dict[str, Any], config: ChaosConfig, reference: list[dict[str, Any]], report: Report,
-    model_dir: str | None,
+    model_dir: str | None, server: ForkServer | None = None,
 ) -> None:
     """Run the episode's planned kills, each followed by a restart, then a run to the end; check it all."""
     workdir.mkdir()
     scenario = episode["scenario"]
-    episode_run = EpisodeRuns(workdir, scenario, config, model_dir, _reference_timing(reference), report)
+    episode_run = EpisodeRuns(workdir, scenario, config, model_dir, _reference_timing(reference), report, server)
     shm_before = _shm_files()
     for kill in [*episode["kills"], None]:
         episode_run.run_once(kill)
@@ -214,11 +283,13 @@ class EpisodeRuns:
 
     def __init__(
         self, workdir: Path, scenario: str, config: ChaosConfig, model_dir: str | None, timing: dict[str, float],
-        report: Report,
+        report: Report, server: ForkServer | None,
     ) -> None:
         self.workdir, self.scenario, self.config, self.model_dir = workdir, scenario, config, model_dir
+        self.server = server
         self.timing, self.report, self.log = timing, report, workdir / "log.jsonl"
         self.awaiting: list[tuple[dict[str, Any], float]] = []  # kills whose recovery is not timed yet
+        self.startup_s = 0.3 if server is not None else 2.5  # launch to restored: measured on each restore
 
     def run_once(self, kill: dict[str, Any] | None) -> None:
         num_starts = sum(e["event"] == "start" for e in read_log(self.log))
@@ -226,15 +297,16 @@ class EpisodeRuns:
         if kill is not None and kill["kind"].startswith("save:"):
             save_kill = {"nth": kill["nth"], "point": kill["point"], "delay_s": kill["fraction"] * self.timing["save_s"]}
         config = _driver_config(self.workdir, self.scenario, self.config, self.model_dir, save_kill)
-        run = Run(self.workdir, config, self.config.run_timeout_s)
+        run = Run(self.workdir, config, self.config.run_timeout_s, self.server)
         if kill is not None and kill["kind"] == "restore":
-            time.sleep(kill["fraction"] * self.timing["startup_s"])
+            time.sleep(kill["fraction"] * self.startup_s)
             if run.proc.poll() is None:
                 self._killed(run, kill)
                 return
         started = wait_for_start(self.log, run, num_starts)
         if started:
             self._recovered(num_starts)
+            self.startup_s = time.monotonic() - run.launched
         if kill is not None and kill["kind"] == "driver" and started:
             self._kill_later(run, kill)
             return
@@ -291,7 +363,6 @@ def _reference_timing(events: list[dict[str, Any]]) -> dict[str, float]:
     return {
         "run_s": sum(e["collect_s"] for e in batches) + sum(saves),
         "save_s": statistics.median(saves),
-        "startup_s": 2.0,
     }
 
 
@@ -461,14 +532,19 @@ def run_chaos(config: ChaosConfig, root: Path | None = None) -> dict[str, Any]:
     model_dir = _tiny_model_dir(root or Path(tempfile.gettempdir())) if "tiny" in scenarios else None
     report = Report()
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="lmcollect-chaos-", dir=root) as tmp:
-        references = {s: run_reference(Path(tmp), s, config, model_dir) for s in scenarios}
-        for i, episode in enumerate(episodes):
-            workdir = Path(tmp) / f"episode-{i:03d}-{episode['scenario']}"
-            run_episode(workdir, episode, config, references[episode["scenario"]], report, model_dir)
-        for events in references.values():
-            report.save_s += sum(e["save_s"] for e in events if e["event"] == "ckpt")
-            report.collect_s += sum(e["collect_s"] for e in events if e["event"] == "batch")
+    server = ForkServer() if config.fork_server else None
+    try:
+        with tempfile.TemporaryDirectory(prefix="lmcollect-chaos-", dir=root) as tmp:
+            references = {s: run_reference(Path(tmp), s, config, model_dir, server) for s in scenarios}
+            for i, episode in enumerate(episodes):
+                workdir = Path(tmp) / f"episode-{i:03d}-{episode['scenario']}"
+                run_episode(workdir, episode, config, references[episode["scenario"]], report, model_dir, server)
+            for events in references.values():
+                report.save_s += sum(e["save_s"] for e in events if e["event"] == "ckpt")
+                report.collect_s += sum(e["collect_s"] for e in events if e["event"] == "batch")
+    finally:
+        if server is not None:
+            server.close()
     return summarize(report, config, time.monotonic() - started)
 
 
@@ -528,7 +604,7 @@ def format_table(summary: dict[str, Any]) -> str:
 def quick_config(seed: int = 0) -> ChaosConfig:
     """The suite's short form: >= 20 kills on the scripted engine, under two minutes."""
     return ChaosConfig(kills=20, seed=seed, num_batches=8, ckpt_every=2, kills_per_episode=5,
-                       scenarios=("lockstep", "continuous"))
+                       scenarios=("lockstep", "continuous"), fork_server=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,6 +1,8 @@
 """The process the chaos harness kills: one training-shaped collection run that resumes from its checkpoint.
 
-Run by ``benchmarks/chaos.py`` as ``python -m benchmarks.chaos_driver CONFIG.json``. It builds a
+Run by ``benchmarks/chaos.py`` as ``python -m benchmarks.chaos_driver CONFIG.json`` (a fresh
+interpreter per run), or forked from ``python -m benchmarks.chaos_driver --serve`` (a fork server
+that imports torch and lmcollect once: the short form's restarts then cost a fork, not an import). It builds a
 collection setup (a scenario: lockstep or continuous collector, GRPO groups, a replay buffer),
 restores ``<workdir>/ckpt`` if a checkpoint is there (the recipe of docs/checkpoints.md: build the
 same setup, ``load_checkpoint``), then for each batch: collect, write it to the buffer, sample the
@@ -26,8 +28,10 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -235,5 +239,45 @@ def _checkpoint(config: dict[str, Any], batch: int, collector: Any, buffer: Repl
     log.write(event="ckpt", batch=batch, save_s=time.monotonic() - start)
 
 
+def run_child(config_path: str) -> None:
+    """In a forked child: a session of its own, stderr to the run's file, TMPDIR the run's; run; exit."""
+    code = 1
+    try:
+        os.setsid()
+        config = json.loads(Path(config_path).read_text())
+        stderr = os.open(Path(config["workdir"]) / "stderr.txt", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(stderr, 2)
+        os.environ["TMPDIR"] = str(Path(config["workdir"]) / "tmp")
+        tempfile.tempdir = None
+        run(config)
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def serve() -> None:
+    """A fork server: import everything once, then for each config path read on stdin fork a child that
+    runs it (a new process holding nothing of the earlier runs but the imported modules: what it
+    knows of them comes from the checkpoint), print ``{"pid": ...}``, wait for it, print its exit."""
+    import lmcollect.collectors  # noqa: F401  (imported once, before the forks)
+    import lmcollect.envs  # noqa: F401
+    import lmcollect.policies  # noqa: F401
+    import lmcollect.testing  # noqa: F401
+
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        pid = os.fork()
+        if pid == 0:
+            run_child(line.strip())
+        print(json.dumps({"pid": pid}), flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)}), flush=True)
+
+
 if __name__ == "__main__":
-    run(json.loads(Path(sys.argv[1]).read_text()))
+    if sys.argv[1] == "--serve":
+        serve()
+    else:
+        run(json.loads(Path(sys.argv[1]).read_text()))
