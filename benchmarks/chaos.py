@@ -38,6 +38,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,8 @@ class ChaosConfig:
     """Kills planned in one episode before it is let run to the end."""
     scenarios: tuple[str, ...] = ("lockstep", "continuous", "tiny")
     """Scenarios drawn for the episodes (``tiny`` needs the tiny model: built locally, no download)."""
+    tiny_share: float = 0.1
+    """The share of episodes on the tiny model (each of its restarts loads the model: ~10 s here)."""
     run_timeout_s: float = 120.0
     """Bound of one driver process (a run that exceeds it is killed and reported)."""
     fork_server: bool = False
@@ -86,22 +89,21 @@ class Report:
     weight_mismatches: int = 0
     leftovers: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
-    save_s: float = 0.0
-    collect_s: float = 0.0
+    overhead: dict[str, float] = field(default_factory=dict)
+    """Per scenario: the reference run's checkpoint time / collection time."""
     episodes: int = 0
 
 
 # ---------------------------------------------------------------------- the plan
-def plan_episodes(config: ChaosConfig) -> list[dict[str, Any]]:
-    """Episodes (scenario and kills) drawn from ``config.seed``: the same seed, the same plan."""
+def plan_episodes(config: ChaosConfig) -> Iterator[dict[str, Any]]:
+    """Episodes (scenario and kills) drawn from ``config.seed``, for as long as the caller asks (a
+    planned kill can land after its run ended: the harness asks for episodes until ``kills`` landed)."""
     rng = random.Random(config.seed)
-    episodes, left = [], config.kills
-    while left > 0:
-        count = min(left, config.kills_per_episode)
-        kills = [_plan_kill(rng) for _ in range(count)]
-        episodes.append({"scenario": rng.choice(config.scenarios), "kills": kills})
-        left -= count
-    return episodes
+    while True:
+        kills = [_plan_kill(rng) for _ in range(config.kills_per_episode)]
+        others = [s for s in config.scenarios if s != "tiny"]
+        tiny = "tiny" in config.scenarios and (not others or rng.random() < config.tiny_share)
+        yield {"scenario": "tiny" if tiny else rng.choice(others), "kills": kills}
 
 
 def _plan_kill(rng: random.Random) -> dict[str, Any]:
@@ -527,8 +529,7 @@ def stray_checkpoint_files(folder: Path) -> list[str]:
 
 # ---------------------------------------------------------------------- the whole run and its table
 def run_chaos(config: ChaosConfig, root: Path | None = None) -> dict[str, Any]:
-    episodes = plan_episodes(config)
-    scenarios = sorted({e["scenario"] for e in episodes})
+    scenarios = sorted(set(config.scenarios))
     model_dir = _tiny_model_dir(root or Path(tempfile.gettempdir())) if "tiny" in scenarios else None
     report = Report()
     started = time.monotonic()
@@ -536,12 +537,14 @@ def run_chaos(config: ChaosConfig, root: Path | None = None) -> dict[str, Any]:
     try:
         with tempfile.TemporaryDirectory(prefix="lmcollect-chaos-", dir=root) as tmp:
             references = {s: run_reference(Path(tmp), s, config, model_dir, server) for s in scenarios}
-            for i, episode in enumerate(episodes):
+            for i, episode in enumerate(plan_episodes(config)):
+                if len(report.kills) >= config.kills:
+                    break
                 workdir = Path(tmp) / f"episode-{i:03d}-{episode['scenario']}"
                 run_episode(workdir, episode, config, references[episode["scenario"]], report, model_dir, server)
-            for events in references.values():
-                report.save_s += sum(e["save_s"] for e in events if e["event"] == "ckpt")
-                report.collect_s += sum(e["collect_s"] for e in events if e["event"] == "batch")
+            for scenario, events in references.items():
+                save_s = sum(e["save_s"] for e in events if e["event"] == "ckpt")
+                report.overhead[scenario] = save_s / sum(e["collect_s"] for e in events if e["event"] == "batch")
     finally:
         if server is not None:
             server.close()
@@ -572,7 +575,7 @@ def summarize(report: Report, config: ChaosConfig, wall_s: float) -> dict[str, A
         "missed": report.missed,
         "episodes": report.episodes,
         "kinds": kinds,
-        "checkpoint_overhead": report.save_s / report.collect_s if report.collect_s else None,
+        "checkpoint_overhead": report.overhead,
         "lost": report.lost,
         "duplicated": report.duplicated,
         "token_diffs": report.token_diffs,
@@ -587,13 +590,13 @@ def format_table(summary: dict[str, Any]) -> str:
     lines = ["| kill kind | kills | recovery median (s) | recovery max (s) |", "|---|---|---|---|"]
     for kind, row in summary["kinds"].items():
         lines.append(f"| {kind} | {row['kills']} | {row['recovery_median_s']:.2f} | {row['recovery_max_s']:.2f} |")
-    overhead = summary["checkpoint_overhead"]
+    overhead = ", ".join(f"{name} {share:.1%}" for name, share in summary["checkpoint_overhead"].items())
     lines += [
         "",
         f"kills {summary['kills']} (planned kills that landed after the run ended: {summary['missed']}), "
         f"episodes {summary['episodes']}, wall {summary['wall_s']:.0f} s",
         f"checkpoint overhead (save time / collection time, a checkpoint every "
-        f"{summary['config']['ckpt_every']} batches): {overhead:.1%}" if overhead is not None else "",
+        f"{summary['config']['ckpt_every']} batches): {overhead}",
         f"pairs lost {summary['lost']}, duplicated {summary['duplicated']}, token diffs {summary['token_diffs']}, "
         f"weights wrong after a restore {summary['weight_mismatches']}, leftovers {len(summary['leftovers'])}",
     ]

@@ -51,9 +51,9 @@ def trainer_weights(scenario: str, version: int, model: Any = None) -> dict[str,
     if scenario != "tiny":
         return {"tag": torch.tensor([float(version)])}
     generator = torch.Generator().manual_seed(1000 + version)
-    return {
-        name: tensor + torch.randn(tensor.shape, generator=generator).to(tensor.dtype) * 0.02
-        for name, tensor in model.state_dict().items()
+    return {  # named_parameters: each tied tensor once (a push of both names would set it twice)
+        name: tensor.detach() + torch.randn(tensor.shape, generator=generator).to(tensor.dtype) * 0.02
+        for name, tensor in model.named_parameters()
     }
 
 
