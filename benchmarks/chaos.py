@@ -124,7 +124,12 @@ class ForkServer:
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "benchmarks.chaos_driver", "--serve"],
-            cwd=REPO_ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+            cwd=REPO_ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
         )
         self.messages: queue.Queue[dict[str, Any]] = queue.Queue()
         threading.Thread(target=self._read, daemon=True, name="chaos-fork-server").start()
@@ -194,7 +199,11 @@ class Run:
             with (workdir / "stderr.txt").open("ab") as stderr:
                 self.proc = subprocess.Popen(
                     [sys.executable, "-m", "benchmarks.chaos_driver", str(workdir / "config.json")],
-                    cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True,
+                    cwd=REPO_ROOT,
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=stderr,
+                    start_new_session=True,
                 )
         with (workdir / "sessions.txt").open("a") as out:  # the session id is the leader's pid
             out.write(f"{self.proc.pid}\n")
@@ -265,8 +274,13 @@ def _driver_config(
 
 
 def run_episode(
-    workdir: Path, episode: dict[str, Any], config: ChaosConfig, reference: list[dict[str, Any]], report: Report,
-    model_dir: str | None, server: ForkServer | None = None,
+    workdir: Path,
+    episode: dict[str, Any],
+    config: ChaosConfig,
+    reference: list[dict[str, Any]],
+    report: Report,
+    model_dir: str | None,
+    server: ForkServer | None = None,
 ) -> None:
     """Run the episode's planned kills, each followed by a restart, then a run to the end; check it all."""
     workdir.mkdir()
@@ -284,8 +298,14 @@ class EpisodeRuns:
     the kill to the next run's ``start`` event: a process start and ``load_checkpoint``)."""
 
     def __init__(
-        self, workdir: Path, scenario: str, config: ChaosConfig, model_dir: str | None, timing: dict[str, float],
-        report: Report, server: ForkServer | None,
+        self,
+        workdir: Path,
+        scenario: str,
+        config: ChaosConfig,
+        model_dir: str | None,
+        timing: dict[str, float],
+        report: Report,
+        server: ForkServer | None,
     ) -> None:
         self.workdir, self.scenario, self.config, self.model_dir = workdir, scenario, config, model_dir
         self.server = server
@@ -297,7 +317,11 @@ class EpisodeRuns:
         num_starts = sum(e["event"] == "start" for e in read_log(self.log))
         save_kill = None
         if kill is not None and kill["kind"].startswith("save:"):
-            save_kill = {"nth": kill["nth"], "point": kill["point"], "delay_s": kill["fraction"] * self.timing["save_s"]}
+            save_kill = {
+                "nth": kill["nth"],
+                "point": kill["point"],
+                "delay_s": kill["fraction"] * self.timing["save_s"],
+            }
         config = _driver_config(self.workdir, self.scenario, self.config, self.model_dir, save_kill)
         run = Run(self.workdir, config, self.config.run_timeout_s, self.server)
         if kill is not None and kill["kind"] == "restore":
@@ -395,7 +419,11 @@ def kept_batches(events: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], li
 
 
 def _check_episode(
-    workdir: Path, scenario: str, events: list[dict[str, Any]], reference: list[dict[str, Any]], report: Report,
+    workdir: Path,
+    scenario: str,
+    events: list[dict[str, Any]],
+    reference: list[dict[str, Any]],
+    report: Report,
     shm_before: set[str],
 ) -> None:
     kept, problems = kept_batches(events)
@@ -447,6 +475,7 @@ def _check_continuous(
     counts = Counter(turn_key(t) for t in got)
     report.duplicated += sum(n - 1 for n in counts.values() if n > 1)
     report.problems.extend(f"{name}: {p}" for p in whole_group_problems(got))
+
     def draw(turn: dict[str, Any]) -> tuple[int, int, int]:  # a group's slots are one env's elements
         return turn["env"] // group_size, turn["prompt"], turn["step"]
 
@@ -606,8 +635,15 @@ def format_table(summary: dict[str, Any]) -> str:
 
 def quick_config(seed: int = 0) -> ChaosConfig:
     """The suite's short form: >= 20 kills on the scripted engine, under two minutes."""
-    return ChaosConfig(kills=20, seed=seed, num_batches=8, ckpt_every=2, kills_per_episode=5,
-                       scenarios=("lockstep", "continuous"), fork_server=True)
+    return ChaosConfig(
+        kills=20,
+        seed=seed,
+        num_batches=8,
+        ckpt_every=2,
+        kills_per_episode=5,
+        scenarios=("lockstep", "continuous"),
+        fork_server=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -94,8 +94,7 @@ def _continuous(rows: Any, task: Any, player: Any) -> Any:
     from lmcollect.testing.scripted_engine import ByteTokenizer, ScriptedEngine, chat_script
 
     envs = [
-        ChatEnv(rows, task=task, batch_size=GROUP_SIZE, repeats=GROUP_SIZE, max_turns=5, seed=seed)
-        for seed in range(2)
+        ChatEnv(rows, task=task, batch_size=GROUP_SIZE, repeats=GROUP_SIZE, max_turns=5, seed=seed) for seed in range(2)
     ]
     engine = ScriptedEngine(script=chat_script(player), token_delay_s=0.0005)
     collector = ContinuousLLMCollector(
@@ -261,10 +260,10 @@ def serve() -> None:
     """A fork server: import everything once, then for each config path read on stdin fork a child that
     runs it (a new process holding nothing of the earlier runs but the imported modules: what it
     knows of them comes from the checkpoint), print ``{"pid": ...}``, wait for it, print its exit."""
-    import lmcollect.collectors  # noqa: F401  (imported once, before the forks)
-    import lmcollect.envs  # noqa: F401
-    import lmcollect.policies  # noqa: F401
-    import lmcollect.testing  # noqa: F401
+    import lmcollect.collectors  # imported once, before the forks
+    import lmcollect.envs
+    import lmcollect.policies
+    import lmcollect.testing
 
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:

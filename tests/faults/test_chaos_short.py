@@ -3,6 +3,7 @@ each run resumed from its last checkpoint, and the interrupted runs yield what t
 
 Also the harness's own checks, fed runs that went wrong: a checker that cannot fail would pass anything.
 """
+
 from __future__ import annotations
 
 import json
