@@ -59,10 +59,12 @@ class ChaosConfig:
     """A checkpoint every this many batches (the interval the overhead is reported at)."""
     kills_per_episode: int = 4
     """Kills planned in one episode before it is let run to the end."""
-    scenarios: tuple[str, ...] = ("lockstep", "continuous", "tiny")
+    scenarios: tuple[str, ...] = ("lockstep", "continuous", "tiny", "ray")
     """Scenarios drawn for the episodes (``tiny`` needs the tiny model: built locally, no download)."""
     tiny_share: float = 0.1
     """The share of episodes on the tiny model (each of its restarts loads the model: ~10 s here)."""
+    ray_share: float = 0.1
+    """The share of episodes through Ray actors (each restart starts a local Ray cluster: ~30 s here)."""
     run_timeout_s: float = 120.0
     """Bound of one driver process (a run that exceeds it is killed and reported)."""
     fork_server: bool = False
@@ -74,9 +76,9 @@ class ChaosConfig:
             raise ValueError(f"kills and kills_per_episode must be >= 1, got {self.kills}, {self.kills_per_episode}.")
         if self.num_batches < 2 * self.ckpt_every:
             raise ValueError(f"num_batches={self.num_batches} must hold two checkpoints; use >= {2 * self.ckpt_every}.")
-        unknown = set(self.scenarios) - {"lockstep", "continuous", "tiny"}
+        unknown = set(self.scenarios) - {"lockstep", "continuous", "tiny", "ray"}
         if unknown:
-            raise ValueError(f"unknown scenarios {sorted(unknown)}; use lockstep, continuous, tiny.")
+            raise ValueError(f"unknown scenarios {sorted(unknown)}; use lockstep, continuous, tiny, ray.")
 
 
 @dataclass
@@ -100,14 +102,31 @@ def plan_episodes(config: ChaosConfig) -> Iterator[dict[str, Any]]:
     planned kill can land after its run ended: the harness asks for episodes until ``kills`` landed)."""
     rng = random.Random(config.seed)
     while True:
-        kills = [_plan_kill(rng) for _ in range(config.kills_per_episode)]
-        others = [s for s in config.scenarios if s != "tiny"]
-        tiny = "tiny" in config.scenarios and (not others or rng.random() < config.tiny_share)
-        yield {"scenario": "tiny" if tiny else rng.choice(others), "kills": kills}
+        yield {
+            "scenario": (scenario := _plan_scenario(rng, config)),
+            "kills": [_plan_kill(rng, scenario) for _ in range(config.kills_per_episode)],
+        }
 
 
-def _plan_kill(rng: random.Random) -> dict[str, Any]:
+def _plan_scenario(rng: random.Random, config: ChaosConfig) -> str:
+    """``tiny`` and ``ray`` in their shares of the episodes (each restart costs them ~10 s and ~30 s
+    here), the others alike in the rest."""
     roll = rng.random()
+    for name, share in (("tiny", config.tiny_share), ("ray", config.ray_share)):
+        if name in config.scenarios:
+            if roll < share:
+                return name
+            roll -= share
+    others = [s for s in config.scenarios if s not in ("tiny", "ray")]
+    return rng.choice(others) if others else rng.choice(config.scenarios)
+
+
+def _plan_kill(rng: random.Random, scenario: str) -> dict[str, Any]:
+    roll = rng.random()
+    if scenario == "ray" and roll < 0.7:  # the ray scenario's own kinds: its two actors
+        return {"kind": rng.choice(["actor:collector", "actor:buffer"]), "fraction": rng.random()}
+    if scenario == "ray":  # (a SIGKILLed driver leaves Ray's own agents behind: not drawn here)
+        roll = 0.6 + rng.random() * 0.4
     if roll < 0.5:
         return {"kind": "driver", "fraction": rng.random()}
     if roll < 0.6:
@@ -336,6 +355,9 @@ class EpisodeRuns:
         if kill is not None and kill["kind"] == "driver" and started:
             self._kill_later(run, kill)
             return
+        if kill is not None and kill["kind"].startswith("actor:") and started:
+            self._kill_actor_later(run, kill)
+            return
         self._finish(run, kill, save_kill)
 
     def _kill_later(self, run: Run, kill: dict[str, Any]) -> None:
@@ -346,6 +368,30 @@ class EpisodeRuns:
             self._killed(run, kill)
         else:
             self._finish(run, kill, None)
+
+    def _kill_actor_later(self, run: Run, kill: dict[str, Any]) -> None:
+        """SIGKILL the collector's or the buffer's actor process; the driver's next call into it must
+        fail within its bound (``call_timeout_s``), and the driver exit: the time to that exit is kept."""
+        start = [e for e in read_log(self.log) if e["event"] == "start"][-1]
+        left = (self.config.num_batches - start["batch"]) / self.config.num_batches
+        time.sleep(kill["fraction"] * left * self.timing["run_s"])
+        if run.proc.poll() is not None:
+            self._finish(run, kill, None)
+            return
+        try:
+            os.kill(start["pids"][kill["kind"].split(":")[1]], signal.SIGKILL)
+        except ProcessLookupError:  # the driver is shutting its actors down: the run is at its end
+            self._finish(run, kill, None)
+            return
+        killed_at = time.monotonic()
+        rc = run.wait()
+        if rc == 0:  # the kill landed after the driver's last call into that actor
+            self.report.missed += 1
+            return
+        self._note_kill(kill, killed_at)
+        self.report.kills[-1]["time_to_error_s"] = time.monotonic() - killed_at
+        if rc == -999:
+            self.report.problems.append(f"{self.workdir.name}: the driver did not end after {kill['kind']} was killed")
 
     def _finish(self, run: Run, kill: dict[str, Any] | None, save_kill: dict[str, Any] | None) -> None:
         rc = run.wait()
@@ -408,7 +454,8 @@ def kept_batches(events: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], li
             starts.append(event["batch"])
         elif event["event"] == "batch" and runs:
             runs[-1].append(event)
-    kept, problems = [], []
+    kept: list[dict[str, Any]] = []
+    problems: list[str] = []
     for i, batches in enumerate(runs):
         end = starts[i + 1] if i + 1 < len(runs) else None
         kept.extend(b for b in batches if end is None or b["batch"] < end)
@@ -587,17 +634,10 @@ def _tiny_model_dir(root: Path) -> str:
 
 
 def summarize(report: Report, config: ChaosConfig, wall_s: float) -> dict[str, Any]:
-    by_kind: dict[str, list[float]] = {}
+    by_kind: dict[str, list[dict[str, Any]]] = {}
     for kill in report.kills:
-        by_kind.setdefault(kill["kind"], []).append(kill.get("recovery_s", float("nan")))
-    kinds = {
-        kind: {
-            "kills": len(times),
-            "recovery_median_s": statistics.median([t for t in times if t == t] or [float("nan")]),
-            "recovery_max_s": max([t for t in times if t == t] or [float("nan")]),
-        }
-        for kind, times in sorted(by_kind.items())
-    }
+        by_kind.setdefault(kill["kind"], []).append(kill)
+    kinds = {kind: _kind_row(kills) for kind, kills in sorted(by_kind.items())}
     return {
         "config": asdict(config),
         "kills": len(report.kills),
@@ -615,10 +655,28 @@ def summarize(report: Report, config: ChaosConfig, wall_s: float) -> dict[str, A
     }
 
 
+def _kind_row(kills: list[dict[str, Any]]) -> dict[str, Any]:
+    """Kills of one kind: recovery (kill to restored) median and max; for actor kills, the longest time
+    from the kill to the driver's error."""
+    times = [k["recovery_s"] for k in kills if "recovery_s" in k] or [float("nan")]
+    errors = [k["time_to_error_s"] for k in kills if "time_to_error_s" in k]
+    return {
+        "kills": len(kills),
+        "recovery_median_s": statistics.median(times),
+        "recovery_max_s": max(times),
+        "time_to_error_max_s": max(errors) if errors else None,
+    }
+
+
 def format_table(summary: dict[str, Any]) -> str:
-    lines = ["| kill kind | kills | recovery median (s) | recovery max (s) |", "|---|---|---|---|"]
+    lines = [
+        "| kill kind | kills | recovery median (s) | recovery max (s) | kill to the driver's error, max (s) |",
+        "|---|---|---|---|---|",
+    ]
     for kind, row in summary["kinds"].items():
-        lines.append(f"| {kind} | {row['kills']} | {row['recovery_median_s']:.2f} | {row['recovery_max_s']:.2f} |")
+        error = "-" if row["time_to_error_max_s"] is None else f"{row['time_to_error_max_s']:.2f}"
+        recovery = f"{row['recovery_median_s']:.2f} | {row['recovery_max_s']:.2f}"
+        lines.append(f"| {kind} | {row['kills']} | {recovery} | {error} |")
     overhead = ", ".join(f"{name} {share:.1%}" for name, share in summary["checkpoint_overhead"].items())
     lines += [
         "",

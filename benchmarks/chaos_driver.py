@@ -57,7 +57,7 @@ def trainer_weights(scenario: str, version: int, model: Any = None) -> dict[str,
     }
 
 
-def build(scenario: str, model_dir: str | None) -> tuple[Any, ReplayBuffer, Any]:
+def build(scenario: str, model_dir: str | None) -> tuple[Any, Any, Any]:
     """The collector, the buffer and (tiny) the base model of ``scenario``, built the same way every run."""
     from lmcollect.envs import ChatEnv, GuessingGameTask, binary_search_player, guessing_game_dataset
 
@@ -66,6 +66,8 @@ def build(scenario: str, model_dir: str | None) -> tuple[Any, ReplayBuffer, Any]
     buffer = ReplayBuffer(capacity=10_000, seed=0)
     if scenario == "continuous":
         return _continuous(rows, task, binary_search_player), buffer, None
+    if scenario == "ray":
+        return (*_ray(rows, task, binary_search_player), None)
     env = ChatEnv(rows, task=task, batch_size=2 * GROUP_SIZE, repeats=GROUP_SIZE, max_turns=5, seed=0)
     from lmcollect.collectors import LLMCollector
 
@@ -74,6 +76,8 @@ def build(scenario: str, model_dir: str | None) -> tuple[Any, ReplayBuffer, Any]
 
         policy, base = ScriptedPolicy(binary_search_player), None
     elif scenario == "tiny":
+        if model_dir is None:
+            raise ValueError("the tiny scenario needs model_dir (the tiny model's folder: get_model_path).")
         from lmcollect.models import load_model_and_tokenizer
         from lmcollect.policies import TransformersPolicy
 
@@ -81,7 +85,7 @@ def build(scenario: str, model_dir: str | None) -> tuple[Any, ReplayBuffer, Any]
         model, _ = load_model_and_tokenizer(model_dir)
         policy = TransformersPolicy(model, tokenizer, max_new_tokens=6, temperature=1.0, seed=0)
     else:
-        raise ValueError(f"unknown scenario {scenario!r}; use lockstep, continuous or tiny.")
+        raise ValueError(f"unknown scenario {scenario!r}; use lockstep, continuous, tiny or ray.")
     collector = LLMCollector(env, policy=policy, dialog_turns_per_batch=TURNS_PER_BATCH, track_policy_version=True)
     collector.worker_idx = 0
     return collector, buffer, base
@@ -107,6 +111,43 @@ def _continuous(rows: Any, task: Any, player: Any) -> Any:
     )
     collector.worker_idx = 0
     return collector
+
+
+def _ray(rows: Any, task: Any, player: Any) -> tuple[Any, Any]:
+    """``RayLLMCollector`` and ``RayReplayBuffer`` (two actors) on a local cluster of this process."""
+    import functools
+
+    import ray
+
+    from lmcollect.envs import ChatEnv
+    from lmcollect.ray import RayReplayBuffer
+    from lmcollect.ray.collector import RayLLMCollector
+    from lmcollect.testing import ScriptedPolicy
+
+    # Ray's files in its usual place: the run's TMPDIR is for lmcollect's (and too long for Ray's sockets)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir="/tmp/ray")
+    make_env = functools.partial(
+        ChatEnv, rows, task=task, batch_size=2 * GROUP_SIZE, repeats=GROUP_SIZE, max_turns=5, seed=0
+    )
+    collector = RayLLMCollector(
+        make_env,
+        policy_factory=functools.partial(ScriptedPolicy, player),
+        dialog_turns_per_batch=TURNS_PER_BATCH,
+        track_policy_version=True,
+        num_cpus=0.25,
+        call_timeout_s=30.0,
+    )
+    collector.worker_idx = 0
+    buffer = RayReplayBuffer(capacity=10_000, seed=0, remote_config={"num_cpus": 0.25}, call_timeout_s=30.0)
+    return collector, buffer
+
+
+def actor_pids(collector: Any, buffer: Any) -> dict[str, int]:
+    """The collector's and the buffer's actor processes (what the harness kills in the ray scenario)."""
+    import ray
+
+    buffer_pid = ray.get(buffer._actor.__ray_call__.remote(lambda _self: os.getpid()), timeout=30)
+    return {"collector": int(collector.process_info()["pid"]), "buffer": int(buffer_pid)}
 
 
 def turn_record(turn: Any) -> dict[str, Any]:
@@ -181,15 +222,17 @@ def restore(config: dict[str, Any], collector: Any, buffer: ReplayBuffer, base: 
     """Load the checkpoint if there is one (the documented recipe); the batch to continue at."""
     folder = Path(config["workdir"]) / "ckpt"
     start = time.monotonic()
+    pids = actor_pids(collector, buffer) if config["scenario"] == "ray" else {}
     if not (folder / MANIFEST).exists():
-        log.write(event="start", batch=0, restored=False, restore_s=0.0, weights_ok=True)
+        log.write(event="start", batch=0, restored=False, restore_s=0.0, weights_ok=True, pids=pids)
         return 0
     load_checkpoint(folder, [collector], replay_buffer=buffer)
-    batch = collector.version_index()
+    batch = int(collector.policy_version)
     expected = trainer_weights(config["scenario"], batch, base)
     held = held_weights(config["scenario"], collector)
     weights_ok = all(torch.equal(held[name], tensor) for name, tensor in expected.items())
-    log.write(event="start", batch=batch, restored=True, restore_s=time.monotonic() - start, weights_ok=weights_ok)
+    restore_s = time.monotonic() - start
+    log.write(event="start", batch=batch, restored=True, restore_s=restore_s, weights_ok=weights_ok, pids=pids)
     return batch
 
 
@@ -199,6 +242,8 @@ def held_weights(scenario: str, collector: Any) -> dict[str, torch.Tensor]:
         return collector.engine.model.state_dict()
     if scenario == "lockstep":
         return collector.policy.engine.model.state_dict()
+    if scenario == "ray":
+        return collector.state_dict()["policy_state_dict"]
     return collector.get_policy_model().state_dict()
 
 
@@ -223,6 +268,9 @@ def run(config: dict[str, Any]) -> None:
     if config["scenario"] == "continuous":
         collector.shutdown()
         collector.engine.close()
+    elif config["scenario"] == "ray":
+        collector.shutdown()
+        buffer.shutdown()
 
 
 def _checkpoint(config: dict[str, Any], batch: int, collector: Any, buffer: ReplayBuffer, log: Log) -> None:
