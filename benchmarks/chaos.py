@@ -306,8 +306,12 @@ def run_episode(
     scenario = episode["scenario"]
     episode_run = EpisodeRuns(workdir, scenario, config, model_dir, _reference_timing(reference), report, server)
     shm_before = _shm_files()
-    for kill in [*episode["kills"], None]:
+    for kill in episode["kills"]:
+        if any(e["event"] == "done" for e in read_log(workdir / "log.jsonl")):
+            report.missed += 1  # the episode ran to its end before this kill's turn
+            continue
         episode_run.run_once(kill)
+    episode_run.run_once(None)  # the run to the end (after a kill), or a restore of the finished run
     _check_episode(workdir, scenario, read_log(workdir / "log.jsonl"), reference, report, shm_before)
     report.episodes += 1
 
@@ -375,8 +379,8 @@ class EpisodeRuns:
         start = [e for e in read_log(self.log) if e["event"] == "start"][-1]
         left = (self.config.num_batches - start["batch"]) / self.config.num_batches
         time.sleep(kill["fraction"] * left * self.timing["run_s"])
-        if run.proc.poll() is not None:
-            self._finish(run, kill, None)
+        if run.proc.poll() is not None or read_log(self.log)[-1]["event"] == "done":
+            self._finish(run, kill, None)  # too late: the run collected its last batch
             return
         try:
             os.kill(start["pids"][kill["kind"].split(":")[1]], signal.SIGKILL)
@@ -430,10 +434,10 @@ class EpisodeRuns:
 
 
 def _reference_timing(events: list[dict[str, Any]]) -> dict[str, float]:
-    batches = [e for e in events if e["event"] == "batch"]
     saves = [e["save_s"] for e in events if e["event"] == "ckpt"]
+    first, done = events[0], events[-1]
     return {
-        "run_s": sum(e["collect_s"] for e in batches) + sum(saves),
+        "run_s": done["t"] - first["t"],  # start to done: batches, pushes, buffer, saves
         "save_s": statistics.median(saves),
     }
 

@@ -179,7 +179,7 @@ class Log:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
 
     def write(self, **event: Any) -> None:
-        os.write(self._fd, (json.dumps(event) + "\n").encode())
+        os.write(self._fd, (json.dumps({**event, "t": time.time()}) + "\n").encode())
 
 
 class _KillingBuffer:
