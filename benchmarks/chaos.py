@@ -26,6 +26,7 @@ each restore equal the trainer's last push; nothing is left behind (processes of
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import queue
@@ -44,7 +45,12 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+_LAUNCHED: list[subprocess.Popen[bytes] | ServedChild] = []
+"""Every driver process started (ended by :func:`end_runs` if still running when the harness stops)."""
 SAVE_POINTS = ("collector", "buffer", "delay")
+RAY_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
+"""Ray's processes that outlive a SIGKILLed driver that started a local cluster (Ray 2.60): Ray's
+leftovers, not lmcollect's, so counted apart (and ended by the harness)."""
 
 
 @dataclass(kw_only=True)
@@ -90,6 +96,8 @@ class Report:
     token_diffs: int = 0
     weight_mismatches: int = 0
     leftovers: list[str] = field(default_factory=list)
+    ray_agents_left: int = 0
+    """Ray's agent processes a SIGKILLed ray-scenario driver left (see :data:`RAY_AGENTS`)."""
     problems: list[str] = field(default_factory=list)
     overhead: dict[str, float] = field(default_factory=dict)
     """Per scenario: the reference run's checkpoint time / collection time."""
@@ -174,7 +182,11 @@ class ForkServer:
     def close(self) -> None:
         assert self.proc.stdin is not None
         self.proc.stdin.close()
-        self.proc.wait(timeout=30)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # still waiting on a child: end_runs() ended it, or will
+            self.proc.kill()
+            self.proc.wait(timeout=30)
 
 
 class ServedChild:
@@ -226,6 +238,7 @@ class Run:
                 )
         with (workdir / "sessions.txt").open("a") as out:  # the session id is the leader's pid
             out.write(f"{self.proc.pid}\n")
+        _LAUNCHED.append(self.proc)
 
     def kill(self) -> float:
         os.kill(self.proc.pid, signal.SIGKILL)
@@ -487,7 +500,7 @@ def _check_episode(
     else:
         _check_exact(kept, expected, report, workdir.name)
     report.weight_mismatches += sum(1 for e in events if e["event"] == "start" and not e["weights_ok"])
-    report.leftovers.extend(_leftovers(workdir, shm_before))
+    report.leftovers.extend(_leftovers(workdir, shm_before, report))
 
 
 def turn_key(turn: dict[str, Any]) -> tuple[int, int, int]:
@@ -573,12 +586,26 @@ def _shm_files() -> set[str]:
     return {p.name for p in shm.glob("lmcollect-*")} if shm.is_dir() else set()
 
 
-def _leftovers(workdir: Path, shm_before: set[str]) -> list[str]:
+def _leftovers(workdir: Path, shm_before: set[str], report: Report) -> list[str]:
     found = [f"/dev/shm/{name}" for name in sorted(_shm_files() - shm_before)]
     found += [f"{workdir.name}: {p.name} in TMPDIR" for p in (workdir / "tmp").iterdir()]
-    found += [f"{workdir.name}: process {pid} of a killed run" for pid in _session_processes(workdir)]
+    for pid in _session_processes(workdir):
+        command = _command_of(pid)
+        if command.startswith(RAY_AGENTS):  # Ray's, after a SIGKILLed driver: counted apart
+            report.ray_agents_left += 1
+        else:
+            found.append(f"{workdir.name}: process {pid} ({command[:60]}) of a killed run")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)  # a process of a run this harness started: ended once counted
     found += [f"{workdir.name}: ckpt/{name}" for name in stray_checkpoint_files(workdir / "ckpt")]
     return found
+
+
+def _command_of(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
 
 
 def _session_processes(workdir: Path) -> list[int]:
@@ -626,9 +653,19 @@ def run_chaos(config: ChaosConfig, root: Path | None = None) -> dict[str, Any]:
                 save_s = sum(e["save_s"] for e in events if e["event"] == "ckpt")
                 report.overhead[scenario] = save_s / sum(e["collect_s"] for e in events if e["event"] == "batch")
     finally:
+        end_runs()  # a harness interrupted mid-run (a test's time bound) leaves no driver behind
         if server is not None:
             server.close()
     return summarize(report, config, time.monotonic() - started)
+
+
+def end_runs() -> None:
+    """SIGKILL every driver this harness started that still runs (by its pid, nothing else)."""
+    while _LAUNCHED:
+        proc = _LAUNCHED.pop()
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
 
 
 def _tiny_model_dir(root: Path) -> str:
@@ -654,6 +691,7 @@ def summarize(report: Report, config: ChaosConfig, wall_s: float) -> dict[str, A
         "token_diffs": report.token_diffs,
         "weight_mismatches": report.weight_mismatches,
         "leftovers": report.leftovers,
+        "ray_agents_left": report.ray_agents_left,
         "problems": report.problems,
         "wall_s": wall_s,
     }
@@ -691,6 +729,10 @@ def format_table(summary: dict[str, Any]) -> str:
         f"pairs lost {summary['lost']}, duplicated {summary['duplicated']}, token diffs {summary['token_diffs']}, "
         f"weights wrong after a restore {summary['weight_mismatches']}, leftovers {len(summary['leftovers'])}",
     ]
+    if summary["ray_agents_left"]:
+        lines.append(
+            f"Ray's agents left by SIGKILLed drivers (Ray's, ended by the harness): {summary['ray_agents_left']}"
+        )
     lines += [f"problem: {p}" for p in summary["problems"]] + [f"leftover: {x}" for x in summary["leftovers"]]
     return "\n".join(lines)
 
