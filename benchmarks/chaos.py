@@ -6,19 +6,23 @@ suite's short form: tests/faults/test_chaos_short.py). Prints a table and ends w
 
 Each episode runs one scenario of :mod:`benchmarks.chaos_driver` (``lockstep``: ``LLMCollector``
 over the scripted engine; ``continuous``: ``ContinuousLLMCollector`` over it; ``tiny``: the lockstep
-collector over the tiny HF model sampling at temperature 1, long form only) as a child process in
-its own session, with GRPO groups, a replay buffer, a full push per batch and a checkpoint every
+collector over the tiny HF model sampling at temperature 1; ``ray``: ``RayLLMCollector`` and
+``RayReplayBuffer`` on a local Ray cluster; the last two in the long form only) as a child process
+in its own session, with GRPO groups, a replay buffer, a full push per batch and a checkpoint every
 ``ckpt_every`` batches. The harness kills it as planned (``driver``: SIGKILL after a random delay
 once it has restored; ``restore``: SIGKILL while it starts and loads the checkpoint; ``save:*``:
-the driver kills itself inside ``save_checkpoint``), restarts it the way docs/checkpoints.md says
-(build the same setup, ``load_checkpoint``), and goes on until the planned batches are done.
+the driver kills itself inside ``save_checkpoint``; ``actor:*``: SIGKILL of the ray scenario's
+collector or buffer actor, after which the driver must fail within its call timeout), restarts it
+the way docs/checkpoints.md says (build the same setup, ``load_checkpoint``), and goes on until the
+planned batches are done.
 
 Checks after every episode: the batches kept (each run's batches up to where the next run resumed)
-are exactly batches 0..N-1, once each; lockstep runs equal the uninterrupted reference turn for turn
-(ids, prompt draws, tokens, log-probs, versions) and in the buffer's samples; continuous runs (whose
-turn order depends on timing) yield each (group, dialog, step) at most once, whole groups only, every
-group admitted either yielded or left over at the end, tokens equal to the reference's for the same
-prompt draw and step, and each token's log-prob that of its recorded version's weights; weights after
+are exactly batches 0..N-1, once each; lockstep, tiny and ray runs equal the uninterrupted reference
+turn for turn (ids, prompt draws, tokens, log-probs, versions) and in the buffer's samples; continuous
+runs (whose turn order depends on timing) yield each (group, dialog, step) at most once, whole groups
+only, group ids without a gap but the last two (groups still under way at the end), tokens equal to
+the reference's for the same prompt draw and step, and each token's log-prob that of its recorded
+version's weights; weights after
 each restore equal the trainer's last push; nothing is left behind (processes of the run's session,
 ``/dev/shm/lmcollect-*`` files, files in the run's TMPDIR, stray files in the checkpoint folder).
 """

@@ -3,7 +3,7 @@
 Run by ``benchmarks/chaos.py`` as ``python -m benchmarks.chaos_driver CONFIG.json`` (a fresh
 interpreter per run), or forked from ``python -m benchmarks.chaos_driver --serve`` (a fork server
 that imports torch and lmcollect once: the short form's restarts then cost a fork, not an import). It builds a
-collection setup (a scenario: lockstep or continuous collector, GRPO groups, a replay buffer),
+collection setup (a scenario: lockstep, continuous, tiny or ray; GRPO groups, a replay buffer),
 restores ``<workdir>/ckpt`` if a checkpoint is there (the recipe of docs/checkpoints.md: build the
 same setup, ``load_checkpoint``), then for each batch: collect, write it to the buffer, sample the
 buffer, push the trainer's weights for the next version (one full push per batch), and every
