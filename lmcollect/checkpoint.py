@@ -27,6 +27,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import stat
 import time
 import uuid
@@ -39,6 +40,7 @@ from lmcollect.data import codec
 FORMAT = 1
 MANIFEST = "manifest.json"
 SAVE_LOCK = ".save.lock"
+_RUST_TMP = re.compile(r"\.tmp[A-Za-z0-9]{6}")
 
 
 def save_checkpoint(folder: str | Path, collectors: Sequence[Any], *, replay_buffer: Any = None) -> Path:
@@ -112,9 +114,16 @@ def _manifest_files(manifest: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _remove_other_saves(folder: Path, keep: set[str]) -> None:
-    """Files of earlier (or crashed) saves: the state files the manifest no longer names."""
-    for path in folder.glob("*.safetensors"):
+    """Files of earlier (or crashed) saves: the state files the manifest no longer names, and the
+    ``.tmp`` files a save killed mid-write left (a state file's or the manifest's; found by the chaos
+    harness, benchmarks/chaos.py: they stayed in the folder forever), safetensors' own included."""
+    for path in [*folder.glob("*.safetensors"), *folder.glob("*.safetensors.tmp")]:
         if path.name not in keep and (path.name.startswith("collector-") or path.name.startswith("replay_buffer")):
+            path.unlink(missing_ok=True)
+    for path in folder.glob(f"{MANIFEST}.*.tmp"):
+        path.unlink(missing_ok=True)
+    for path in folder.glob(".tmp*"):  # safetensors writes through a Rust NamedTempFile: ".tmp" + 6 characters
+        if _RUST_TMP.fullmatch(path.name) and path.is_file() and not path.is_symlink():
             path.unlink(missing_ok=True)
 
 
