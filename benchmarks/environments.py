@@ -1,6 +1,6 @@
 """Environment adapters: turns/s through each adapter vs the same dialogs as a native lmcollect task.
 
-Run: python benchmarks/environments.py [--quick] [--reps 5] [--batches 4] [--adapters skyrl-gym,openenv,verifiers]
+Run: python benchmarks/environments.py [--quick] [--reps 5] [--batches 4] [--adapters skyrl-gym,openenv,verifiers] [--token-delay-s 0.002]
 (``python``: the project's virtual environment; the openenv and verifiers rows need ``.venv-envs``,
 ``make test-envs``: they are skipped, and say so, where their package is missing.)
 
@@ -52,6 +52,9 @@ BATCH_SIZE, REPEATS = 8, 2
 SAMPLING = SamplingConfig(max_new_tokens=32)
 TRANSPORT = "in_process"
 """The verifiers row's AgentEnv transport (``--verifiers-transport``): in-process, or ``http`` on loopback."""
+TOKEN_DELAY_S = 0.0
+"""The engine's pause per decoding step (``--token-delay-s``): 0 answers at once (the adapters' worst
+case); a few milliseconds paces it like a small model's decoding, with the same replies."""
 NEEDS = {"skyrl-gym": "skyrl_gym", "openenv": "openenv", "verifiers": "verifiers"}
 _HINT = "Please provide your step-by-step reasoning, and also include a tentative numeric answer at the end in the exact format: '#### ANSWER'."
 
@@ -148,7 +151,7 @@ PAIRS = {"skyrl-gym": skyrl_pair, "openenv": openenv_pair, "verifiers": verifier
 
 # ---------------------------------------------------------------- measuring
 def turns_per_s(make_env_: Callable[[], Any], player: Callable[[History], str], num_batches: int) -> float:
-    engine = ScriptedEngine(script=chat_script(player))
+    engine = ScriptedEngine(script=chat_script(player), token_delay_s=TOKEN_DELAY_S)
     collector = ContinuousLLMCollector([make_env_()], engine=engine, tokenizer=ByteTokenizer(), sampling=SAMPLING, dialog_turns_per_batch=TURNS_PER_BATCH)
     with collector:
         collector.next()  # warm-up: threads, the endpoint, first sessions
@@ -176,9 +179,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batches", type=int, default=4, help="timed batches of 32 turns per sample")
     parser.add_argument("--adapters", default="skyrl-gym,openenv,verifiers", help="comma-separated: " + ", ".join(PAIRS))
     parser.add_argument("--verifiers-transport", choices=("in_process", "http"), default="in_process", help="the verifiers row's AgentEnv transport")
+    parser.add_argument("--token-delay-s", type=float, default=0.0, help="engine pause per decoding step (0: answers at once)")
     args = parser.parse_args(argv)
-    global TRANSPORT
-    TRANSPORT = args.verifiers_transport
+    global TRANSPORT, TOKEN_DELAY_S
+    TRANSPORT, TOKEN_DELAY_S = args.verifiers_transport, args.token_delay_s
     reps, num_batches = (1, 1) if args.quick else (args.reps, args.batches)
     rows, skipped = [], {}
     for adapter in args.adapters.split(","):
@@ -188,12 +192,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             skipped[adapter] = f"{NEEDS[adapter]} not installed (pip install 'lmcollect[{adapter}]'; openenv/verifiers: .venv-envs)"
             continue
         rows.append(measure(adapter, reps, num_batches))
-    print(f"{'adapter':<10} {'adapter turns/s':>16} {'native turns/s':>15} {'ratio':>7}  (median of {reps}, ScriptedEngine)")
+    print(f"{'adapter':<10} {'adapter turns/s':>16} {'native turns/s':>15} {'ratio':>7}  (median of {reps}, ScriptedEngine, {TOKEN_DELAY_S * 1e3:g} ms per step)")
     for row in rows:
         print(f"{row['adapter']:<10} {row['adapter_turns_per_s']:>16.1f} {row['native_turns_per_s']:>15.1f} {row['ratio']:>7.2f}")
     for adapter, why in skipped.items():
         print(f"{adapter:<10} skipped: {why}")
-    result = {"benchmark": "environments", "quick": args.quick, "reps": reps, "batches": num_batches, "rows": rows, "skipped": skipped}
+    result = {"benchmark": "environments", "quick": args.quick, "token_delay_s": TOKEN_DELAY_S, "reps": reps, "batches": num_batches, "rows": rows, "skipped": skipped}
     print(json.dumps(result))
     return result
 
