@@ -15,15 +15,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from lmcollect.compat.extras import import_extra
 from lmcollect.data.history import History
 
 
 def _math_verify() -> Any:
-    try:
-        import math_verify
-    except ImportError as exc:
-        raise ImportError("MathVerifyReward needs math-verify: pip install 'lmcollect[math-verify]'.") from exc
-    return math_verify
+    return import_extra("math_verify", extra="math-verify", who="math-verify rewards")
 
 
 def thread_safe_timeout(timeout_s: int | None) -> int | None:

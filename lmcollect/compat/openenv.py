@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from lmcollect.compat.extras import import_extra
 from lmcollect.data.history import History, Message
 from lmcollect.envs.chat_env import ChatEnv
 from lmcollect.envs.datasets import PromptDataset
@@ -50,11 +51,7 @@ ECOSYSTEM = "openenv"
 
 
 def _openenv() -> Any:
-    try:
-        import openenv.core.env_server.mcp_types as mcp_types
-    except ImportError as exc:
-        raise ImportError("OpenEnv envs need the openenv package: pip install 'lmcollect[openenv]'.") from exc
-    return mcp_types
+    return import_extra("openenv.core.env_server.mcp_types", extra="openenv", who="OpenEnv envs")
 
 
 def observation_text(observation: Any) -> str:

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from lmcollect.compat.extras import import_extra
 from lmcollect.data.history import History
 from lmcollect.envs.chat_env import ChatEnv
 from lmcollect.envs.registry import register_ecosystem, settings_text
@@ -44,13 +45,7 @@ _ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
 def _reasoning_gym() -> Any:
-    try:
-        import reasoning_gym
-    except ImportError as exc:
-        raise ImportError(
-            "reasoning-gym envs need the reasoning-gym package: pip install 'lmcollect[reasoning-gym]'."
-        ) from exc
-    return reasoning_gym
+    return import_extra("reasoning_gym", extra="reasoning-gym", who="reasoning-gym envs")
 
 
 def create_generator(name: str, *, seed: int = 0, size: int = 256, **config: Any) -> ProceduralDataset:

@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from lmcollect.compat.extras import import_extra
 from lmcollect.data.history import History
 from lmcollect.envs.chat_env import ChatEnv
 from lmcollect.envs.datasets import PromptDataset
@@ -35,11 +36,7 @@ ECOSYSTEM = "skyrl-gym"
 
 
 def _skyrl_gym() -> Any:
-    try:
-        import skyrl_gym
-    except ImportError as exc:
-        raise ImportError("skyrl-gym envs need the skyrl-gym package: pip install 'lmcollect[skyrl-gym]'.") from exc
-    return skyrl_gym
+    return import_extra("skyrl_gym", extra="skyrl-gym", who="skyrl-gym envs")
 
 
 def _registered(env_id: str) -> Any:

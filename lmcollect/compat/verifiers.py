@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from lmcollect.compat.extras import import_extra
 from lmcollect.envs.registry import register_ecosystem
 
 if TYPE_CHECKING:  # the agents layer is imported when a verifiers env is built (the registry loads this module early)
@@ -41,11 +42,7 @@ _LOADED: dict[tuple[str, str], Any] = {}  # env id, args -> env: loaded once per
 
 
 def _verifiers() -> Any:
-    try:
-        import verifiers.legacy as verifiers  # the v0 API (verifiers 0.3 keeps it under verifiers.legacy)
-    except ImportError as exc:
-        raise ImportError("verifiers envs need the verifiers package: pip install 'lmcollect[verifiers]'.") from exc
-    return verifiers
+    return import_extra("verifiers.legacy", extra="verifiers", who="verifiers envs")  # the v0 API lives there in 0.3
 
 
 def check_supported(vf_env: Any) -> Any:
