@@ -189,13 +189,15 @@ def rows(n: int, **extra) -> PromptDataset:
 @pytest.mark.parametrize("transport", ["http", "in_process"])
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_a_framework_agent_round_trips_its_tools_token_exact(framework, transport, server) -> None:
-    env = AgentEnv(rows(4), framework_agent(framework), batch_size=2, seed=0, server=server, transport=transport)
+    env = AgentEnv(rows(4), framework_agent(framework), batch_size=2, repeats=2, seed=0, server=server,
+                   transport=transport)
     engine = ScriptedEngine(script=chat_script(player))
-    turns = collect(env, engine, batches=1, dialog_turns_per_batch=4)
+    turns = collect(env, engine, batches=1, dialog_turns_per_batch=4)  # whole groups of whole runs
     engine.close()
     env.close()
-    dialogs = [steps for steps in dialogs_of(turns).values() if len(steps) == 2]
-    assert len(dialogs) == 2 and env.stats.runs_failed == 0 and env.stats.tool_parse_errors == 0
+    dialogs = list(dialogs_of(turns).values())
+    assert len(dialogs) >= 2 and all(len(steps) == 2 for steps in dialogs)
+    assert env.stats.runs_failed == 0 and env.stats.tool_parse_errors == 0
     for first, second in dialogs:
         call, answer = text(first, keys.TEXT_RESPONSE), text(second, keys.TEXT_RESPONSE)
         assert call.startswith('<tool_call>{"name": "add"') and [float(t[keys.NEXT_REWARD]) for t in (first, second)] == [0.0, 1.0]
@@ -237,12 +239,13 @@ def test_a_framework_agent_records_token_exact_prompts_with_the_tiny_model(
     pairs = [steps for steps in dialogs_of(turns).values() if len(steps) == 2]
     assert pairs and env.stats.runs_failed == 0
     for first, second in pairs:
+        prompt, recorded = second[keys.TOKENS_PROMPT], first[keys.TOKENS_FULL]
         retokenized = tokenizer(text(second, keys.TEXT_PROMPT), add_special_tokens=False)["input_ids"]
-        if framework in REWRITES:  # (smolagents' second call: its retry of a reply with no tool call)
-            assert second[keys.TOKENS_PROMPT].tolist() == retokenized
-            continue
-        assert "and then?" in text(second, keys.TEXT_PROMPT)
-        assert torch.equal(second[keys.TOKENS_PROMPT][: first[keys.TOKENS_FULL].numel()], first[keys.TOKENS_FULL])
-        assert bool(second[keys.PREFIX_MISMATCH]) == (retokenized != second[keys.TOKENS_PROMPT].tolist())
+        if torch.equal(prompt[: recorded.numel()], recorded):  # extends the recorded tokens: a mismatch is flagged
+            assert bool(second[keys.PREFIX_MISMATCH]) == (retokenized != prompt.tolist())
+        else:  # smolagents rewrote the conversation (its second call: the task again, or its retry): rendered whole
+            assert framework in REWRITES and prompt.tolist() == retokenized and not bool(second[keys.PREFIX_MISMATCH])
+        if framework not in REWRITES:
+            assert "and then?" in text(second, keys.TEXT_PROMPT)
     assert mismatches == sum(bool(t[keys.PREFIX_MISMATCH]) for t in turns)
-    assert (env.stats.calls_rewritten > 0) == (framework in REWRITES)
+    assert env.stats.calls_rewritten == 0 or framework in REWRITES
