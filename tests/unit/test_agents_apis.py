@@ -438,3 +438,32 @@ def test_token_exact_prompts_across_calls_with_the_tiny_model_on_every_api(
         assert bool(second[keys.PREFIX_MISMATCH]) == (retokenized != second[keys.TOKENS_PROMPT].tolist())
         assert second[keys.LOG_PROBS_RESPONSE].numel() == second[keys.TOKENS_RESPONSE].numel()
     assert mismatches == sum(bool(t[keys.PREFIX_MISMATCH]) for t in turns)
+
+
+# ---------------------------------------------------------------------- echoed replies as frameworks send them back
+def test_an_echoed_call_is_recognised_whatever_its_json_spacing_and_a_rewrite_is_counted(server) -> None:
+    """The second call echoes the first reply's tool call with compact arguments (as pydantic-ai does): the
+    prompt extends the recorded tokens. The third rewrites that reply's text: rendered whole, counted."""
+    from lmcollect.agents.openai_format import reply_key
+    from lmcollect.agents.tool_parsers import ToolCall
+
+    assert reply_key(None, [ToolCall("c", "add", '{"a": 1, "b": 2}')]) == reply_key("", [ToolCall("c", "add", '{"b":2,"a":1}')])
+    assert reply_key("", [ToolCall("c", "add", "{not json")]) != reply_key("", [ToolCall("c", "add", "{not  json")])
+
+    def agent(ctx, row):
+        client, messages = ctx.openai(), [{"role": "user", "content": row["prompt"]}]
+        call = client.chat.completions.create(model=ctx.model, messages=messages, tools=TOOLS).choices[0].message.tool_calls[0]
+        args = json.loads(call.function.arguments)
+        compact = {"id": call.id, "type": "function", "function": {"name": "add", "arguments": json.dumps(args, separators=(",", ":"))}}
+        messages += [{"role": "assistant", "content": None, "tool_calls": [compact]},
+                     {"role": "tool", "tool_call_id": call.id, "content": add(args)}]
+        answer = client.chat.completions.create(model=ctx.model, messages=messages, tools=TOOLS).choices[0].message
+        messages += [{"role": "assistant", "content": answer.content + " (edited)"}, {"role": "user", "content": "sure?"}]
+        client.chat.completions.create(model=ctx.model, messages=messages, tools=TOOLS)
+        return 1.0
+
+    env = AgentEnv(rows(["ok"] * 2), agent, seed=0, server=server)
+    first, second, third = dialogs_of(collect(env, scripted_engine(), batches=1, dialog_turns_per_batch=3)).popitem()[1]
+    assert torch.equal(second[keys.TOKENS_PROMPT][: first[keys.TOKENS_FULL].numel()], first[keys.TOKENS_FULL])
+    assert not torch.equal(third[keys.TOKENS_PROMPT][: second[keys.TOKENS_FULL].numel()], second[keys.TOKENS_FULL])
+    assert "(edited)" in text(third, keys.TEXT_PROMPT) and env.stats.calls_rewritten >= 1  # (a next run may have too)
