@@ -58,7 +58,14 @@ def _changes(buffer: Any, previous: dict[str, Any] | None) -> dict[str, Any]:
         return buffer.state_since(token)
     state = buffer.state_dict()
     storage = list(state["storage"])
-    return {**state, "size": len(storage), "slots": list(range(len(storage))), "turns": storage, "full": True, "token": None}
+    return {
+        **state,
+        "size": len(storage),
+        "slots": list(range(len(storage))),
+        "turns": storage,
+        "full": True,
+        "token": None,
+    }
 
 
 def _segments_after(state: dict[str, Any], previous: dict[str, Any] | None, new_file: str) -> list[dict] | None:

@@ -154,8 +154,9 @@ class ReplayBuffer:
         history of this buffer (before an :meth:`empty`, a :meth:`load_state_dict`, or in a pickled copy).
         """
         with self._lock:
-            full = not (isinstance(token, dict) and token.get("lineage") == self._lineage)
-            since = 0 if full else int(token["serial"])
+            serial = token.get("serial") if isinstance(token, dict) else None
+            full = type(serial) is not int or token is None or token.get("lineage") != self._lineage
+            since = 0 if full else int(serial)  # type: ignore[arg-type]
             slots = [i for i, serial in enumerate(self._serials) if serial >= since]
             return {
                 "capacity": self.capacity,

@@ -19,7 +19,9 @@ from lmcollect.data import codec, keys
 
 
 def turn(i: int) -> TensorDict:
-    return TensorDict({"i": torch.tensor(i), keys.POLICY_VERSION: torch.tensor(0), "tokens": torch.arange(i % 5 + 1)}, batch_size=[])
+    return TensorDict(
+        {"i": torch.tensor(i), keys.POLICY_VERSION: torch.tensor(0), "tokens": torch.arange(i % 5 + 1)}, batch_size=[]
+    )
 
 
 def add(buffer: ReplayBuffer, start: int, count: int) -> int:
@@ -77,7 +79,9 @@ def test_a_save_writes_only_the_new_turns_and_the_folder_stays_bounded(tmp_path:
     assert contents(restored(tmp_path, 40)) == contents(buffer)
 
 
-def test_a_save_killed_before_its_manifest_leaves_the_previous_checkpoint_loading_as_it_was(tmp_path: Path, monkeypatch) -> None:
+def test_a_save_killed_before_its_manifest_leaves_the_previous_checkpoint_loading_as_it_was(
+    tmp_path: Path, monkeypatch
+) -> None:
     buffer, start = ReplayBuffer(capacity=10, seed=0), 0
     start = add(buffer, start, 8)
     save_checkpoint(tmp_path, [], replay_buffer=buffer)
