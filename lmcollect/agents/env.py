@@ -268,26 +268,12 @@ class AgentEnv(ClosesOnExit, RefusesWhenClosed):
         if self._owns_server and self._server is not None:
             self._server.close()
         if self._loop is not None:
-            try:
-                self._loop.call(_cancel_tasks(), timeout_s=10)
-            except TimeoutError:  # designed: an agent that ignores its cancellation is left to the closing loop
-                logger.warning("async agents did not end within 10 s of their cancellation; closing their loop.")
-            self._loop.close()
+            self._loop.close()  # cancels the async agents and their in-process calls, and lets them end
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
     def __repr__(self) -> str:
         return f"AgentEnv(batch_size={self.config.batch_size}, repeats={self.config.repeats}, agent={self.agent!r})"
-
-
-async def _cancel_tasks() -> None:
-    """Cancel the agent loop's other tasks (agents, their in-process calls) and let them end, so none
-    is left pending when the loop closes."""
-    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-    for task in tasks:
-        task.cancel()
-    if tasks:
-        await asyncio.wait(tasks, timeout=5)
 
 
 def _reset_mask(td: TensorDictBase | None, batch: int) -> list[bool]:
