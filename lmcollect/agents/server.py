@@ -244,7 +244,7 @@ def _route(server: AgentServer, api: ApiFormat) -> Any:
     from fastapi import Request
     from fastapi.responses import JSONResponse, Response
 
-    from lmcollect.agents.event_stream import EventStream
+    from lmcollect.agents.event_stream import event_stream
 
     async def model_call(request: Request) -> Response:
         run = server.run_of(key_of(request.headers))
@@ -263,7 +263,7 @@ def _route(server: AgentServer, api: ApiFormat) -> Any:
             return Response(status_code=499)
         if not parsed.stream:
             return JSONResponse(api.reply_json(answer, parsed, server.model_name))
-        return EventStream(api.reply_events(answer, parsed, server.model_name), run, call)
+        return event_stream(api.reply_events(answer, parsed, server.model_name), run, call)
 
     return model_call
 
