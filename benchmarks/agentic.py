@@ -43,7 +43,11 @@ samples of the modes alternate, medians reported):
   latency, append ``RESULT: <turn>``, call again; :class:`ToolTurnsAgent`), collected through
   ``AgentEnv``'s OpenAI-compatible endpoint by ``ContinuousLLMCollector``, against ``continuous``
   (the same logic as a ``ChatEnv`` task) on the same engine, slots and rows; ``agent-sync`` runs a
-  plain function with ``openai.OpenAI`` in a thread per run instead.
+  plain function with ``openai.OpenAI`` in a thread per run instead. ``agent-inproc`` and
+  ``agent-sync-inproc`` are the same agents with ``AgentEnvConfig(transport="in_process")``: their
+  clients call the endpoint's app in the collector's process, without a socket. ``agent-sdk-inproc``
+  is the async agent written with the OpenAI Agents SDK (one ``Runner.run`` per call, in-process;
+  skipped without ``openai-agents``).
 
 Each sample takes one batch of turns to warm up, then times ``num_batches`` batches: turns/s,
 generated tokens/s, response lengths (mean/p50/p90: the work is the same), engine busy share
@@ -99,7 +103,9 @@ TARGET_GRPO_NO_PUSH = 1.8  # continuous GRPO with pushes / lockstep LLMCollector
 TARGET_PUSH_RECOMPUTE = 0.80  # continuous with a push per batch / continuous without pushes, kv_policy="recompute"
 TARGET_PUSH_KEEP = 0.95  # the same, kv_policy="keep"
 TARGET_PUSH_VS_SYNC = 1.6  # continuous with a push per batch / lockstep LLMCollector with the same pushes
-TARGET_AGENT = 0.85  # an agent program through the OpenAI-compatible endpoint / the same logic as a ChatEnv task
+TARGET_AGENT = 0.9  # an agent program through the OpenAI-compatible endpoint (HTTP) / the same logic as a ChatEnv task (issue 52)
+TARGET_AGENT_IN_PROCESS = 0.95  # the same through the in-process transport (issue 52)
+TARGET_AGENT_FRAMEWORK = 0.85  # the same agent written with the OpenAI Agents SDK, in-process (issue 52)
 GROUP_SIZE = 4  # dialogs per row in the GRPO modes
 MEAN_TURNS = 4  # tool_calc_dataset's dialogs: 3-5 turns
 SAMPLE_PREFIX = "AGENTIC_SAMPLE "
@@ -211,6 +217,38 @@ class SyncToolTurnsAgent(ToolTurnsAgent):
             messages += [reply, {"role": "user", "content": f"RESULT: {turn}"}]
         client.close()
         return 0.0
+
+
+class AgentsSdkToolTurnsAgent(ToolTurnsAgent):
+    """The same agent written with the OpenAI Agents SDK (``openai-agents``, the ``agent-frameworks`` extra):
+    an ``Agent`` over chat completions, one ``Runner.run`` per call, each run continuing the previous
+    one's conversation (``to_input_list()``) with the tool's ``RESULT: <turn>``."""
+
+    async def __call__(self, context: Any, row: dict[str, Any]) -> float:
+        import agents
+
+        agents.set_tracing_disabled(True)  # the SDK would send traces to OpenAI otherwise
+        client = context.async_openai()
+        model = agents.OpenAIChatCompletionsModel(model=context.model, openai_client=client)
+        agent = agents.Agent(name="tool-turns", model=model)
+        state = self.task.start(row, random.Random())
+        items: list[Any] = [{"role": "user", "content": row["prompt"]}]
+        for turn in range(state.num_turns):
+            result = await agents.Runner.run(agent, items, max_turns=1)
+            if turn + 1 >= state.num_turns:
+                break
+            await asyncio.sleep(self.task.latency_s_of(state, turn))
+            items = [*result.to_input_list(), {"role": "user", "content": f"RESULT: {turn}"}]
+        await client.close()
+        return 0.0
+
+
+def agent_program(mode: str, max_latency_s: float) -> ToolTurnsAgent:
+    """The agent of an ``agent*`` mode: written with the OpenAI Agents SDK, or the plain ``openai`` client
+    (a plain function with a thread per run for ``agent-sync*``)."""
+    if mode.startswith("agent-sdk"):
+        return AgentsSdkToolTurnsAgent(max_latency_s)
+    return (SyncToolTurnsAgent if mode.startswith("agent-sync") else ToolTurnsAgent)(max_latency_s)
 
 
 def workload_rows(w: Workload) -> list[dict[str, Any]]:
@@ -466,8 +504,10 @@ def run_sample(backend: str, mode: str, slots: int, w: Workload) -> Sample:
     elif mode.startswith("agent"):  # one AgentEnv, an element (a run at a time) per slot, the same row order
         from lmcollect.agents import AgentEnv
 
-        agent = (SyncToolTurnsAgent if mode == "agent-sync" else ToolTurnsAgent)(w.max_latency_s)
-        envs, per_batch = [AgentEnv(rows, agent, batch_size=slots, seed=w.seed, max_calls=MAX_TURNS)], w.turns_per_batch
+        agent = agent_program(mode, w.max_latency_s)
+        transport = "in_process" if mode.endswith("-inproc") else "http"
+        env = AgentEnv(rows, agent, batch_size=slots, seed=w.seed, max_calls=MAX_TURNS, transport=transport)
+        envs, per_batch = [env], w.turns_per_batch
     else:
         envs, per_batch = [make_env(rows, 1, w) for _ in range(slots)], w.turns_per_batch
     reference = push_reference(engine, weights, slots, w) if lagged and backend == "vllm" else (0.0, 0.0)
@@ -845,15 +885,29 @@ def transformers_rows(w: Workload, reps: int, *, more_slots: int) -> list[dict]:
 def agent_rows(w: Workload, reps: int, *, slots: int, backend: str = "vllm") -> list[dict]:
     """An agent program through the endpoint vs the same logic as a ChatEnv task (same engine, slots, rows)."""
     label = "vLLM" if backend == "vllm" else "transformers"
-    configs = [(backend, "continuous", slots), (backend, "agent", slots), (backend, "agent-sync", slots)]
+    modes = ["continuous", "agent", "agent-sync", "agent-inproc", "agent-sync-inproc"]
+    sdk = importlib.util.find_spec("agents") is not None  # the OpenAI Agents SDK (the agent-frameworks extra)
+    modes += ["agent-sdk-inproc"] if sdk else []
+    configs = [(backend, mode, slots) for mode in modes]
     s = alternate(configs, w, reps)
-    chat_env, agent, agent_sync = (s[c] for c in configs)
+    chat_env, agent, agent_sync, agent_inproc, agent_sync_inproc = (s[c] for c in configs[:5])
     versus = f"the same dialogs as a ChatEnv task, ContinuousLLMCollector ({slots} slots)"
+    framework = [
+        ratio_row(f"{label}: OpenAI Agents SDK agent, in-process transport, vs ChatEnv task, {slots} slots",
+                  s[configs[5]], chat_env, w, TARGET_AGENT_FRAMEWORK, versus)
+    ] if sdk else [{"row": f"{label}: OpenAI Agents SDK agent vs ChatEnv task", "metric": "turns/s vs ChatEnv task",
+                    "value": None, "target": f">= {TARGET_AGENT_FRAMEWORK}", "met": None,
+                    "skipped": "openai-agents is not installed (pip install -e '.[agent-frameworks]')"}]
     return [
         ratio_row(f"{label}: async openai agent through the endpoint vs ChatEnv task, {slots} slots", agent,
                   chat_env, w, TARGET_AGENT, versus),
         ratio_row(f"{label}: sync openai agent (a thread per run) through the endpoint vs ChatEnv task, {slots} slots",
                   agent_sync, chat_env, w, TARGET_AGENT, versus),
+        ratio_row(f"{label}: async openai agent, in-process transport, vs ChatEnv task, {slots} slots",
+                  agent_inproc, chat_env, w, TARGET_AGENT_IN_PROCESS, versus),
+        ratio_row(f"{label}: sync openai agent (a thread per run), in-process transport, vs ChatEnv task, {slots} slots",
+                  agent_sync_inproc, chat_env, w, TARGET_AGENT_IN_PROCESS, versus),
+        *framework,
     ]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import operator
 import threading
 from collections.abc import Coroutine
@@ -13,6 +14,7 @@ from concurrent.futures import Future, InvalidStateError
 from typing import Any, ClassVar, Self, TypeVar
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 def forwarded(path: str, doc: str) -> Any:
@@ -107,9 +109,32 @@ class LoopThread:
             raise
 
     def close(self) -> None:
+        """Cancel the loop's pending tasks and let them end (bounded), then stop the loop. A task left
+        pending on a closed loop is garbage whose finalizer runs whenever the collector next runs, in
+        any thread (inside ``ast.parse`` it breaks CPython 3.11: "AST constructor recursion depth
+        mismatch")."""
         if self.loop.is_closed():
             return
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            try:
+                self.call(_end_pending_tasks(TASKS_END_TIMEOUT_S), timeout_s=TASKS_END_TIMEOUT_S + 1)
+            except (concurrent.futures.TimeoutError, RuntimeError):  # designed: a stuck task must not stop the close
+                logger.warning(
+                    "tasks on the loop %s did not end after their cancellation; closing it.", self._thread.name
+                )
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=self._join_timeout_s)
         if not self._thread.is_alive():
             self.loop.close()
+
+
+TASKS_END_TIMEOUT_S = 5.0
+"""How long :meth:`LoopThread.close` lets cancelled tasks take to end."""
+
+
+async def _end_pending_tasks(timeout_s: float) -> None:
+    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout_s)

@@ -21,6 +21,9 @@ from tests.faults.table import TABLE_DIR_ENV, read_table
 
 # tests/with_torchrl needs torchrl itself, which lives in its own venv (`make test-torchrl`)
 collect_ignore = [] if importlib.util.find_spec("torchrl") else ["with_torchrl"]
+# tests/with_envs needs openenv and verifiers, which need mcp<2 (vLLM needs mcp>=2): their own venv (`make test-envs`)
+if not (importlib.util.find_spec("openenv") and importlib.util.find_spec("verifiers")):
+    collect_ignore.append("with_envs")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -44,12 +47,13 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 # number of tests, which left the one-test soak and demo files to the end), so these start first and the
 # short ones fill the gaps at the end.
 SLOWEST_FIRST = (  # summed seconds of each file in a full run of 2026-12-03 (2 workers)
-    "integration/test_vllm_server.py",  # ~122; these six are one unit, see IN_PROCESS_VLLM_FILES
+    "integration/test_vllm_server.py",  # ~122; these seven are one unit, see IN_PROCESS_VLLM_FILES
     "integration/test_vllm_updater.py",  # ~91
     "integration/test_vllm_policy.py",  # ~73
     "integration/test_delta_sync_vllm.py",  # ~8
     "integration/test_vllm_token_exact.py",  # ~3
-    "integration/test_vllm_engine.py",  # last of the six: its last test closes the session's in-process engine
+    "integration/test_agents_vllm.py",  # agents over the in-process engine, before test_vllm_engine closes it
+    "integration/test_vllm_engine.py",  # last of the seven: its last test closes the session's in-process engine
     "integration/test_ray_collector.py",  # ~126, many short tests
     "integration/test_cli_demo.py",  # ~90
     "integration/test_soak.py",  # ~87
@@ -80,6 +84,7 @@ IN_PROCESS_VLLM_FILES = frozenset({
     "integration/test_vllm_updater.py",
     "integration/test_vllm_policy.py",
     "integration/test_vllm_token_exact.py",
+    "integration/test_agents_vllm.py",
     "integration/test_delta_sync_vllm.py",
     "integration/test_vllm_engine.py",
 })

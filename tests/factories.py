@@ -176,6 +176,28 @@ def corrupted_delta(delta):
     return WeightDelta(delta.base_version, delta.entries, WeightBuckets(delta.arrays.layout, buffers))
 
 
+def corrupted_encoding(encoded):
+    """An :class:`~lmcollect.weights.delta.EncodedDelta` whose delta is :func:`corrupted_delta`'s."""
+    from lmcollect.weights.delta import EncodedDelta
+
+    return EncodedDelta(
+        corrupted_delta(encoded.delta), encoded.positions, encoded.values, encoded.numel, encoded.full_nbytes
+    )
+
+
+class CorruptsNextDelta:
+    """Mixed into an updater whose ``push_sender`` flips one bit of its next delta while
+    ``corrupt_next`` is set (the sender's class decides where: see the delta-sync tests)."""
+
+    @property
+    def corrupt_next(self) -> bool:
+        return self.push_sender.corrupt_next
+
+    @corrupt_next.setter
+    def corrupt_next(self, value: bool) -> None:
+        self.push_sender.corrupt_next = value
+
+
 def all_stacks() -> str:
     """Every live thread's name and stack (what a hung call was waiting on, for the failure message)."""
     import sys
@@ -183,10 +205,26 @@ def all_stacks() -> str:
     import traceback
 
     names = {thread.ident: thread.name for thread in threading.enumerate()}
-    return "\n".join(
+    threads = "\n".join(
         f"--- {names.get(ident, ident)}\n{''.join(traceback.format_stack(frame))}"
         for ident, frame in sys._current_frames().items()
     )
+    return f"{threads}\n{all_tasks()}"
+
+
+def all_tasks() -> str:
+    """Every pending asyncio task of every running loop, with where it waits (a hang awaiting a future)."""
+    import asyncio
+    import gc
+    import io
+
+    out = io.StringIO()
+    loops = [o for o in gc.get_objects() if isinstance(o, asyncio.AbstractEventLoop) and o.is_running()]
+    for loop in loops:
+        for task in list(asyncio.all_tasks(loop)):
+            out.write(f"--- task {task.get_name()} on loop {id(loop):x}: {task!r:.300}\n")
+            task.print_stack(limit=12, file=out)
+    return out.getvalue()
 
 
 def run_in_thread(fn, timeout_s: float = 30.0):

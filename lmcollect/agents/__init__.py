@@ -1,8 +1,12 @@
-"""Agents as collection sources: agent programs calling an OpenAI-compatible endpoint, each call one recorded turn.
+"""Agents as collection sources: agent programs calling an OpenAI- or Anthropic-style endpoint, each call one recorded turn.
 
 :class:`AgentEnv` runs an agent function per dialog (see its docstring); :class:`AgentServer` is
-the HTTP endpoint (FastAPI on uvicorn) its runs call; :mod:`~lmcollect.agents.tool_parsers` reads
-tool calls out of the model's text. Needs ``pip install 'lmcollect[agents]'`` (fastapi, uvicorn, openai).
+the endpoint (FastAPI on uvicorn, or the same app in-process: :mod:`~lmcollect.agents.transport`)
+its runs call: chat completions (:mod:`~lmcollect.agents.openai_format`), the Responses API
+(:mod:`~lmcollect.agents.responses_format`) and Anthropic Messages
+(:mod:`~lmcollect.agents.anthropic_format`), streamed or not; :mod:`~lmcollect.agents.tool_parsers`
+reads tool calls out of the model's text. Needs ``pip install 'lmcollect[agents]'`` (fastapi,
+uvicorn, openai, anthropic).
 """
 
 from lmcollect.agents.config import AgentEnvConfig

@@ -11,6 +11,7 @@ from lmcollect.agents.server import DEFAULT_MODEL_NAME
 from lmcollect.agents.tool_parsers import ToolParser, get_tool_parser
 
 OnAgentError = Literal["drop", "keep", "raise"]
+Transport = Literal["http", "in_process"]
 
 MAX_AGENT_TIMEOUT_S = 7 * 24 * 3600.0
 """The longest ``agent_timeout_s`` (far below what a thread's wait accepts, ``threading.TIMEOUT_MAX``)."""
@@ -51,6 +52,12 @@ class AgentEnvConfig:
     agent_sampling: bool = False
     """Use the ``temperature`` / ``top_p`` an agent's call asks for (False: the collector's, as RL
     usually wants). A call's ``max_tokens`` (capped at the collector's budget) and ``stop`` always apply."""
+    transport: Transport = "http"
+    """How the clients of ``AgentContext`` (``openai()``, ``async_openai()``, ``anthropic()``,
+    ``http_client()``, ...) reach the endpoint: ``"http"`` over loopback HTTP, or ``"in_process"``:
+    their ``httpx`` transport calls the endpoint's app in this process (the same requests, replies
+    and refusals, no socket: faster). Agents that build their own clients from ``context.base_url``
+    (or run in another process) use HTTP either way (the listener starts when ``base_url`` is read)."""
     host: str = "127.0.0.1"
     """Where the endpoint listens (loopback: only this machine)."""
     port: int = 0
@@ -77,6 +84,8 @@ class AgentEnvConfig:
             raise ValueError(
                 f"AgentEnvConfig.on_agent_error must be 'drop', 'keep' or 'raise', got {self.on_agent_error!r}."
             )
+        if self.transport not in ("http", "in_process"):
+            raise ValueError(f"AgentEnvConfig.transport must be 'http' or 'in_process', got {self.transport!r}.")
         if not _finite(self.failure_reward):
             raise ValueError(f"AgentEnvConfig.failure_reward must be a finite number, got {self.failure_reward!r}.")
         get_tool_parser(self.tool_parser)  # a clear error now, not at the first call

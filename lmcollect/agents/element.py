@@ -6,21 +6,22 @@ import asyncio
 import concurrent.futures
 import json
 import logging
-import uuid
 from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
 
-from lmcollect.agents.openai_format import (
-    ChatRequest,
-    RequestError,
-    completion_json,
-    cut_at_stops,
-    history_of,
-    reply_key,
+from lmcollect.agents.openai_format import CallReply, ChatRequest, RequestError, cut_at_stop, history_of, reply_key
+from lmcollect.agents.runs import (
+    AgentCall,
+    AgentRun,
+    DialogEndedError,
+    Event,
+    RunEnded,
+    StreamCut,
+    answer_call,
+    refuse_call,
 )
-from lmcollect.agents.runs import AgentCall, AgentRun, DialogEndedError, Event, RunEnded, answer_call, refuse_call
 from lmcollect.agents.tool_parsers import ParsedReply
 from lmcollect.data import keys
 from lmcollect.data.history import History
@@ -38,7 +39,8 @@ logger = logging.getLogger(__name__)
 TOOL_PARSE_ERROR = ("agent", "tool_parse_error")
 """str: why the tool calls of this step's reply could not be read ("" if they could or there were none)."""
 AGENT_ERROR = ("agent", "error")
-"""str: the failure that ended the run at this step (``on_agent_error="keep"``), else ""."""
+"""str: the failure that ended the run at this step (``on_agent_error="keep"``), or how its client
+left a streamed reply (the dialog ends there, truncated), else ""."""
 AGENT_METADATA = ("agent", "metadata")
 """str: JSON of the metadata the agent returned (at its last step), else "{}"."""
 
@@ -57,6 +59,7 @@ class AgentEnvElement:
         self._run: AgentRun | None = None
         self._draw: Draw | None = None
         self._call: AgentCall | None = None  # the call whose reply the collector generates now
+        self._answered: AgentCall | None = None  # the call answered last (its client may have left its stream)
         self._request: ChatRequest | None = None
         self._last: TensorDictBase | None = None
         self._parse_error = ""  # of the reply handed out last (recorded in the step's output)
@@ -70,6 +73,7 @@ class AgentEnvElement:
         event = _wait(self._run.next_event(), self.parent.config.agent_timeout_s, self._run.dialog)
         if isinstance(event, AgentCall):
             return lazy_stack([self._take_call(event, reward=None)])
+        assert isinstance(event, RunEnded), "a run's first event is a call or its end (no reply to cut yet)"
         self._fail(event, where="before its first model call")
         raise AssertionError("_fail raises")  # for the type checker
 
@@ -88,12 +92,9 @@ class AgentEnvElement:
 
     async def astep_turn(self, turn: TensorDictBase) -> TensorDictBase:
         run = self._answer(turn)
-        future = asyncio.wrap_future(run.next_event())
-        try:
-            event = await asyncio.wait_for(future, self.parent.config.agent_timeout_s)
-        except TimeoutError:
-            event = RunEnded(error=_timeout(run.dialog, self.parent.config.agent_timeout_s))
-        return self._next_of(event, turn)
+        future = run.next_event()
+        await asyncio.wait({asyncio.wrap_future(future)}, timeout=self.parent.config.agent_timeout_s)
+        return self._next_of(_taken(future, self.parent.config.agent_timeout_s, run.dialog), turn)
 
     def last_output(self) -> TensorDictBase:
         """The element's latest output (batch size ()), for a batched reset that leaves it as it is."""
@@ -132,26 +133,23 @@ class AgentEnvElement:
         run, call, request = self._run, self._call, self._request
         if run is None or call is None or request is None:
             raise RuntimeError(f"element {self.index} of the AgentEnv has no call to answer; reset it first.")
-        self._call = None
+        self._call, self._answered = None, call
         text = str(non_tensor_values(turn, keys.TEXT_RESPONSE)[0])
-        content, stopped = cut_at_stops(text, request.stop)
+        content, stop = cut_at_stop(text, request.stop)
         num_tokens = turn.get(keys.TOKENS_RESPONSE).numel()
         budget = int(turn.get(keys.SAMPLING_MAX_NEW_TOKENS))
         reply = self._parse(content, run) if request.parse_tool_calls else ParsedReply(content=content)
         run.replies[reply_key(reply.content, reply.tool_calls)] = text
         self.parent.count(calls=1, tool_calls=len(reply.tool_calls), tool_parse_errors=int(bool(reply.error)))
         self._parse_error = reply.error
-        answer_call(
-            call,
-            completion_json(
-                completion_id=f"chatcmpl-{uuid.uuid4().hex}",
-                model=self.parent.config.model_name,
-                reply=reply,
-                finish_reason="stop" if stopped or num_tokens < budget else "length",
-                prompt_tokens=turn.get(keys.TOKENS_PROMPT).numel(),
-                completion_tokens=num_tokens,
-            ),
+        answer = CallReply(
+            reply=reply,
+            finish_reason="stop" if stop is not None or num_tokens < budget else "length",
+            stop=stop,
+            prompt_tokens=turn.get(keys.TOKENS_PROMPT).numel(),
+            completion_tokens=num_tokens,
         )
+        answer_call(call, answer)
         return run
 
     def _parse(self, content: str, run: AgentRun) -> ParsedReply:
@@ -169,9 +167,15 @@ class AgentEnvElement:
         run = self._run
         assert run is not None, "a step follows a reset"
         parse_error = self._parse_error
+        cut = run.cut_reason(self._answered)
+        if isinstance(event, StreamCut):
+            return self._end_cut(event, turn, cut or event.reason, parse_error)
+        if cut is not None:
+            return self._end_cut(event, turn, cut, parse_error)
         if isinstance(event, AgentCall):
             if run.num_calls < self.parent.config.max_calls:
-                return self._take_call(event, reward=run.take_reward(), parse_error=parse_error)
+                previous = non_tensor_values(turn, keys.HISTORY_FULL)[0]
+                return self._take_call(event, reward=run.take_reward(), parse_error=parse_error, previous=previous)
             return self._truncate(event, turn, parse_error)
         full = non_tensor_values(turn, keys.HISTORY_FULL)[0]
         if event.result is not None:
@@ -198,6 +202,21 @@ class AgentEnvElement:
         reward = run.take_reward() + self.parent.config.failure_reward
         return self._output(full, reward=reward, flags=(True, True, False), parse_error=parse_error, error=error)
 
+    def _end_cut(self, event: Event, turn: TensorDictBase, reason: str, parse_error: str) -> TensorDictBase:
+        """The client left the streamed reply of this turn: the dialog ends here, truncated, the reason
+        recorded (whatever the run did next: a call it made is refused, its end is not used)."""
+        run = self._run
+        assert run is not None, "a step follows a reset"
+        if isinstance(event, AgentCall):
+            refuse_call(event, DialogEndedError(f"{run.dialog} has ended (its client left a streamed reply)."))
+        self.parent.count(streams_cut=1)
+        logger.info("%s: %s; its dialog ends at this turn, truncated", run.dialog, reason)
+        self.end("its client left a streamed reply")
+        full = non_tensor_values(turn, keys.HISTORY_FULL)[0]
+        return self._output(
+            full, reward=run.take_reward(), flags=(True, False, True), parse_error=parse_error, error=reason
+        )
+
     def _truncate(self, call: AgentCall, turn: TensorDictBase, parse_error: str) -> TensorDictBase:
         run = self._run
         assert run is not None, "a step follows a reset"
@@ -208,13 +227,28 @@ class AgentEnvElement:
         full = non_tensor_values(turn, keys.HISTORY_FULL)[0]
         return self._output(full, reward=run.take_reward(), flags=(True, False, True), parse_error=parse_error)
 
-    def _take_call(self, call: AgentCall, *, reward: float | None, parse_error: str = "") -> TensorDictBase:
-        """The observation of a call: its conversation, ids and what it asks of the sampling."""
+    def _take_call(
+        self, call: AgentCall, *, reward: float | None, parse_error: str = "", previous: History | None = None
+    ) -> TensorDictBase:
+        """The observation of a call: its conversation, ids and what it asks of the sampling.
+
+        ``previous`` is the conversation of the run's previous turn, reply included: a call that does
+        not extend it (the agent rewrote earlier messages) is rendered whole by the chat template,
+        counted in ``stats.calls_rewritten`` and logged (its prompt does not start with the recorded tokens).
+        """
         run = self._run
         assert run is not None, "a call comes from a run"
         self._call, self._request = call, call.request
         run.num_calls += 1
         history = history_of(call.request, run.replies, self.parent.parser)
+        if previous is not None and history.messages[: len(previous.messages)] != previous.messages:
+            self.parent.count(calls_rewritten=1)
+            logger.info(
+                "%s, call %d: the conversation does not extend the previous call's (earlier messages were "
+                "rewritten): rendered whole, counted in stats.calls_rewritten",
+                run.dialog,
+                run.num_calls - 1,
+            )
         overrides = call.request.sampling_overrides(agent_sampling=self.parent.config.agent_sampling)
         return self._output(
             history, reward=reward, flags=(False, False, False), parse_error=parse_error, overrides=overrides
@@ -274,11 +308,17 @@ class AgentEnvElement:
 
 def _wait(future: concurrent.futures.Future, timeout_s: float, dialog: str) -> Event:
     """The run's next event, or its failure after ``timeout_s`` (blocking: a reset runs in a thread)."""
-    try:
-        return future.result(timeout_s)
-    except concurrent.futures.TimeoutError:
-        future.cancel()  # the run queues its event instead
+    concurrent.futures.wait([future], timeout_s)
+    return _taken(future, timeout_s, dialog)
+
+
+def _taken(future: concurrent.futures.Future, timeout_s: float, dialog: str) -> Event:
+    """The event of ``future`` if it came, else the run's failure after ``timeout_s``. Cancelling
+    makes the run queue a later event instead; an event that came between the wait's end and the
+    cancel is taken (never lost: its call would wait for a reply forever)."""
+    if future.cancel():
         return RunEnded(error=_timeout(dialog, timeout_s))
+    return future.result()
 
 
 def _timeout(dialog: str, timeout_s: float) -> TimeoutError:

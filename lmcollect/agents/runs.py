@@ -21,11 +21,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from lmcollect.agents.openai_format import ChatRequest, ReplyKey
+from lmcollect.agents.openai_format import CallReply, ChatRequest, ReplyKey
 from lmcollect.plumbing import settle
 
 if TYPE_CHECKING:  # the openai package is the agent's dependency, imported only when a run asks for a client
     import openai as openai_package  # (its own name is AgentContext's method)
+
+    from lmcollect.agents.server import AgentServer  # the server imports this module
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +36,9 @@ class DialogEndedError(RuntimeError):
     """A call reached a run whose dialog had ended (HTTP 409)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared (and hashed) as itself: a run remembers which of its calls were cut
 class AgentCall:
-    """One model call of a run, waiting for its reply (the ``chat.completion`` JSON, or an error)."""
+    """One model call of a run, waiting for its reply (a :class:`CallReply`, or an error)."""
 
     request: ChatRequest
     reply: Future = field(default_factory=Future)
@@ -87,7 +89,15 @@ class RunEnded:
     error: BaseException | None = None
 
 
-Event = AgentCall | RunEnded
+@dataclass(frozen=True)
+class StreamCut:
+    """The client of a streamed reply went away before its last event: the dialog ends at that turn, cut
+    (an event, so that a reader waiting for the run's next one wakes up)."""
+
+    reason: str
+
+
+Event = AgentCall | RunEnded | StreamCut
 
 
 def result_of(value: Any, dialog: str) -> AgentResult:
@@ -126,17 +136,18 @@ class AgentRun:
         self._ended: str | None = None  # why the dialog ended (then calls are refused)
         self._reward = 0.0
         self._task: Future | None = None  # the async agent's task (cancelled if the dialog gives up on it)
+        self._cuts: dict[AgentCall, str] = {}  # calls whose client left their streamed reply -> how
 
     # ------------------------------------------------------------------ the agent's side (any thread)
-    def post_call(self, request: ChatRequest) -> Future:
-        """Queue a call; its future resolves with the reply (or :class:`DialogEndedError`)."""
+    def post_call(self, request: ChatRequest) -> AgentCall:
+        """Queue a call; its ``reply`` future resolves with the reply (or :class:`DialogEndedError`)."""
         call = AgentCall(request)
         call.reply.set_running_or_notify_cancel()  # nobody may cancel it: the env or end() answers it
         with self._lock:
             if self._ended is not None:
                 raise DialogEndedError(f"{self.dialog} has ended ({self._ended}); this call was not recorded.")
             self._post(call)
-        return call.reply
+        return call
 
     def add_reward(self, value: float) -> None:
         """Add to the reward of the turn of the latest reply (before any reply: of the first turn)."""
@@ -146,7 +157,20 @@ class AgentRun:
 
     def finish(self, result: AgentResult | None = None, error: BaseException | None = None) -> None:
         with self._lock:
-            self._post(RunEnded(result, error))
+            if self._ended is None:  # after the dialog's end (e.g. an agent cancelled by a close) it means nothing
+                self._post(RunEnded(result, error))
+
+    def cut_stream(self, call: AgentCall, reason: str) -> None:
+        """The client of ``call``'s streamed reply left before its last event (the endpoint saw it go)."""
+        with self._lock:
+            if self._ended is None:
+                self._cuts[call] = reason
+                self._post(StreamCut(reason))
+
+    def cut_reason(self, call: AgentCall | None) -> str | None:
+        """Why ``call``'s client left its streamed reply (None: it did not, as far as the endpoint saw)."""
+        with self._lock:
+            return None if call is None else self._cuts.get(call)
 
     # ------------------------------------------------------------------ the env's side
     def next_event(self) -> Future:
@@ -240,8 +264,8 @@ def _answer(reply: Future, *, result: Any = None, error: BaseException | None = 
         logger.debug("a call's reply was already answered")
 
 
-def answer_call(call: AgentCall, reply: dict[str, Any]) -> None:
-    """Hand ``reply`` (the ``chat.completion`` JSON) to the waiting HTTP request."""
+def answer_call(call: AgentCall, reply: CallReply) -> None:
+    """Hand ``reply`` to the waiting HTTP request (which writes it in its API's form)."""
     _answer(call.reply, result=reply)
 
 
@@ -254,46 +278,141 @@ def is_async_agent(agent: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(type(agent).__call__)
 
 
+IN_PROCESS_BASE_URL = "http://lmcollect.in-process/v1"
+"""The base URL of in-process clients (no socket: the host is never looked up)."""
+
+
 class AgentContext:
     """What an agent run gets besides its row: where to send its model calls, and a way to add rewards.
 
-    ``base_url`` and ``api_key`` are those of an OpenAI-compatible endpoint; the key is this run's
-    own (a call with it after the dialog ended gets HTTP 409). :meth:`openai` / :meth:`async_openai`
-    build ``openai`` clients for them (``pip install openai``); any OpenAI-compatible client works.
+    ``base_url`` and ``api_key`` are those of the endpoint (OpenAI chat completions and Responses,
+    Anthropic Messages); the key is this run's own (a call with it after the dialog ended gets HTTP
+    409). :meth:`openai` / :meth:`async_openai` / :meth:`anthropic` / :meth:`async_anthropic` build
+    clients for them, :meth:`http_client` / :meth:`async_http_client` plain ``httpx`` ones. With
+    ``in_process=True`` (``AgentEnvConfig(transport="in_process")``) those clients call the endpoint's
+    app in this process, without a socket; ``base_url`` still works for anything else (reading it
+    starts the HTTP listener).
     """
 
-    def __init__(self, run: AgentRun, *, base_url: str, model: str) -> None:
+    def __init__(
+        self,
+        run: AgentRun,
+        *,
+        model: str,
+        base_url: str | None = None,
+        server: AgentServer | None = None,
+        in_process: bool = False,
+    ) -> None:
+        if base_url is None and server is None:
+            raise TypeError("AgentContext needs base_url or server (the endpoint the run calls).")
+        if in_process and server is None:
+            raise TypeError("AgentContext(in_process=True) needs the server whose app its clients call.")
         self._run = run
-        self.base_url = base_url
-        """``http://127.0.0.1:<port>/v1``."""
+        self._base_url = base_url
+        self._server = server
+        self.in_process = in_process
+        """The clients built here call the endpoint in-process (no socket)."""
         self.api_key = run.key
-        """This run's key (send it as ``Authorization: Bearer <key>``)."""
+        """This run's key (send it as ``Authorization: Bearer <key>`` or ``x-api-key: <key>``)."""
         self.model = model
         """The model name the endpoint serves (any name is accepted)."""
         self.dialog = run.dialog
         """This run's name in errors and logs."""
+
+    @property
+    def base_url(self) -> str:
+        """``http://127.0.0.1:<port>/v1`` (read in-process: the endpoint starts listening now)."""
+        if self._base_url is None:
+            assert self._server is not None, "checked in __init__"
+            self._server.start()
+            self._base_url = self._server.base_url
+        return self._base_url
+
+    @property
+    def client_base_url(self) -> str:
+        """The base URL of the clients built here: :attr:`base_url`, or in-process one no socket serves
+        (its calls reach the endpoint only through :meth:`openai_http_client` and the like)."""
+        return IN_PROCESS_BASE_URL if self.in_process else self.base_url
+
+    def openai_http_client(self, *, asynchronous: bool = False) -> Any:
+        """The HTTP client :meth:`openai` (``asynchronous``: :meth:`async_openai`) is built on, for a
+        framework that builds its own ``openai`` client from a base URL, a key and an ``http_client``
+        (langchain-openai's ``ChatOpenAI``, smolagents' ``OpenAIServerModel``): pass it with
+        :attr:`client_base_url` and :attr:`api_key`, and in-process the calls need no socket."""
+        import openai
+
+        http_client = openai.DefaultAsyncHttpxClient if asynchronous else openai.DefaultHttpxClient
+        return http_client(**self._transport_options(asynchronous, http_client))
 
     def openai(self, **kwargs: Any) -> openai_package.OpenAI:
         """An ``openai.OpenAI`` client for this run (``max_retries=0`` unless given: a refused call stays
         refused; no proxy unless ``http_client`` is given: see :meth:`_client_options`)."""
         import openai
 
-        return openai.OpenAI(**self._client_options(kwargs, openai.DefaultHttpxClient))
+        return openai.OpenAI(**self._client_options(kwargs, openai.DefaultHttpxClient, "/v1", asynchronous=False))
 
     def async_openai(self, **kwargs: Any) -> openai_package.AsyncOpenAI:
         """An ``openai.AsyncOpenAI`` client for this run (for ``async`` agents)."""
         import openai
 
-        return openai.AsyncOpenAI(**self._client_options(kwargs, openai.DefaultAsyncHttpxClient))
+        return openai.AsyncOpenAI(
+            **self._client_options(kwargs, openai.DefaultAsyncHttpxClient, "/v1", asynchronous=True)
+        )
 
-    def _client_options(self, kwargs: dict[str, Any], http_client: Callable[..., Any]) -> dict[str, Any]:
-        """The client's arguments: this run's endpoint and key, and an HTTP client that ignores
-        ``HTTP_PROXY`` and the like (the endpoint is in this process: a proxy would see the run's
-        key and prompts, and one that cannot reach this machine fails every call)."""
-        options = {"base_url": self.base_url, "api_key": self.api_key, "max_retries": 0, **kwargs}
+    def anthropic(self, **kwargs: Any) -> Any:
+        """An ``anthropic.Anthropic`` client for this run (in the ``agents`` extra): its
+        ``messages.create`` reaches ``/v1/messages``."""
+        import anthropic
+
+        return anthropic.Anthropic(**self._client_options(kwargs, anthropic.DefaultHttpxClient, "", asynchronous=False))
+
+    def async_anthropic(self, **kwargs: Any) -> Any:
+        """An ``anthropic.AsyncAnthropic`` client for this run (for ``async`` agents)."""
+        import anthropic
+
+        options = self._client_options(kwargs, anthropic.DefaultAsyncHttpxClient, "", asynchronous=True)
+        return anthropic.AsyncAnthropic(**options)
+
+    def http_client(self, **kwargs: Any) -> Any:
+        """An ``httpx.Client`` whose base URL is the endpoint's ``/v1`` and which sends this run's key."""
+        import httpx
+
+        return httpx.Client(**self._httpx_options(kwargs, asynchronous=False))
+
+    def async_http_client(self, **kwargs: Any) -> Any:
+        """An ``httpx.AsyncClient`` as :meth:`http_client` (for ``async`` agents)."""
+        import httpx
+
+        return httpx.AsyncClient(**self._httpx_options(kwargs, asynchronous=True))
+
+    def _client_options(
+        self, kwargs: dict[str, Any], http_client: type, suffix: str, *, asynchronous: bool
+    ) -> dict[str, Any]:
+        """The client's arguments: this run's endpoint (its URL ending in ``suffix``) and key, and an
+        HTTP client that ignores ``HTTP_PROXY`` and the like (the endpoint is in this process: a
+        proxy would see the run's key and prompts, and one that cannot reach this machine fails
+        every call), or in-process, one whose transport calls the endpoint's app."""
+        root = self.client_base_url
+        options = {"base_url": root.removesuffix("/v1") + suffix, "api_key": self.api_key, "max_retries": 0, **kwargs}
         if "http_client" not in options:
-            options["http_client"] = http_client(trust_env=False)
+            options["http_client"] = http_client(**self._transport_options(asynchronous, http_client))
         return options
+
+    def _httpx_options(self, kwargs: dict[str, Any], *, asynchronous: bool) -> dict[str, Any]:
+        root = self.client_base_url
+        options: dict[str, Any] = {"base_url": root, "headers": {"Authorization": f"Bearer {self.api_key}"}}
+        options.update(self._transport_options(asynchronous, None))
+        return {**options, **kwargs}
+
+    def _transport_options(self, asynchronous: bool, http_client: type | None) -> dict[str, Any]:
+        """No proxy over HTTP; in-process, a transport of the HTTP package ``http_client`` is built on."""
+        if not self.in_process:
+            return {"trust_env": False}
+        from lmcollect.agents.transport import http_module_of
+
+        assert self._server is not None, "checked in __init__"
+        module = "httpx" if http_client is None else http_module_of(http_client)
+        return {"transport": self._server.transport(asynchronous=asynchronous, http_module=module)}
 
     def add_reward(self, value: float) -> None:
         """Add ``value`` to the reward of the turn of the latest reply (a per-turn reward; before any

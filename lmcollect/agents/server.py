@@ -1,10 +1,14 @@
-"""The OpenAI-compatible HTTP endpoint agent runs call: FastAPI on uvicorn, in a thread, one key per run.
+"""The endpoint agent runs call: FastAPI on uvicorn, in a thread, one key per run; or the same app in-process.
 
-``POST /v1/chat/completions`` and ``GET /v1/models``, on loopback by default. Every request must
-carry a live run's key (``Authorization: Bearer <key>``): an unknown key gets HTTP 401, the key of
-a run whose dialog ended gets 409, a malformed request or ``stream=True`` 400. A call is handed to
-its run (:class:`~lmcollect.agents.runs.AgentRun`) and the request waits, without holding a
-thread, until the collector has generated its reply.
+``POST /v1/chat/completions`` (OpenAI chat completions), ``POST /v1/responses`` (the OpenAI
+Responses API), ``POST /v1/messages`` (the Anthropic Messages API) and ``GET /v1/models``, on
+loopback by default. Every request must carry a live run's key (``Authorization: Bearer <key>``
+or Anthropic's ``x-api-key``): an unknown key gets HTTP 401, the key of a run whose dialog ended
+gets 409, a malformed or unsupported request 400 naming the field. A call is handed to its run
+(:class:`~lmcollect.agents.runs.AgentRun`) and the request waits, without holding a thread, until
+the collector has generated its reply; a streamed call then gets the reply as server-sent events.
+Agents in the collector's process may skip the socket: :meth:`AgentServer.transport` calls the
+same app in-process (:mod:`~lmcollect.agents.transport`).
 """
 
 # no ``from __future__ import annotations`` here: FastAPI reads the handlers' annotations (``Request``,
@@ -15,16 +19,25 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any
 
-from lmcollect.agents.openai_format import RequestError, error_json, parse_chat_request
-from lmcollect.agents.runs import AgentRun, DialogEndedError
-from lmcollect.plumbing import ClosesOnExit
+from lmcollect.agents.anthropic_format import MessagesApi
+from lmcollect.agents.openai_format import ApiFormat, CallReply, ChatCompletionsApi, RequestError
+from lmcollect.agents.responses_format import ResponsesApi
+from lmcollect.agents.runs import AgentCall, AgentRun, DialogEndedError
+from lmcollect.plumbing import ClosesOnExit, LoopThread
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "lmcollect-policy"
 _MAX_ENDED_KEYS = 1 << 16  # ended runs remembered (their key gets 409, not 401)
+APIS: dict[str, ApiFormat] = {
+    "/v1/chat/completions": ChatCompletionsApi(),
+    "/v1/responses": ResponsesApi(),
+    "/v1/messages": MessagesApi(),
+}
+"""The model-call routes and the API each speaks."""
 
 
 class AgentServer(ClosesOnExit):
@@ -60,6 +73,32 @@ class AgentServer(ClosesOnExit):
         self._uvicorn: Any = None
         self._thread: threading.Thread | None = None
         self._listening = threading.Event()
+        self._app: Any = None
+        self._loop: LoopThread | None = None  # runs the app for in-process calls of plain (sync) agents
+
+    @property
+    def app(self) -> Any:
+        """The ASGI app (FastAPI) that serves the routes, over HTTP and in-process alike."""
+        with self._lock:
+            if self._app is None:
+                self._app = build_app(self)
+            return self._app
+
+    def transport(self, *, asynchronous: bool = False, http_module: str = "httpx") -> Any:
+        """An ``httpx`` transport that calls :attr:`app` in this process, without a socket: pass it
+        as ``httpx.Client(transport=...)`` (``asynchronous=True``: ``httpx.AsyncClient``;
+        ``http_module="httpx2"`` for clients built on that fork, as newer ``openai`` releases are).
+        The requests and responses are those of HTTP (status, headers, server-sent events)."""
+        from lmcollect.agents.transport import transport_classes
+
+        sync, async_transport = transport_classes(http_module)
+        if asynchronous:
+            return async_transport(self.app)
+        with self._lock:
+            if self._loop is None:
+                self._loop = LoopThread("lmcollect-agent-calls", join_timeout_s=10)
+            loop = self._loop
+        return sync(self.app, loop.loop)
 
     @property
     def base_url(self) -> str:
@@ -82,7 +121,7 @@ class AgentServer(ClosesOnExit):
                 self._ended.popitem(last=False)
 
     def run_of(self, authorization: str | None) -> AgentRun:
-        """The live run an ``Authorization`` header names, or :class:`RequestError` (401 / 409)."""
+        """The live run an ``Authorization`` header (or the bare key) names, or :class:`RequestError` (401 / 409)."""
         key = (authorization or "").removeprefix("Bearer ").strip()
         with self._lock:
             run, ended = self._runs.get(key), self._ended.get(key)
@@ -110,7 +149,7 @@ class AgentServer(ClosesOnExit):
 
                 _warn_if_exposed(self.host)
                 config = uvicorn.Config(
-                    build_app(self),
+                    self._app if self._app is not None else self._build_app(),
                     host=self.host,
                     port=self.port,
                     log_level="warning",
@@ -138,10 +177,17 @@ class AgentServer(ClosesOnExit):
             time.sleep(0.01)
         self.port = int(self._uvicorn.servers[0].sockets[0].getsockname()[1])
 
+    def _build_app(self) -> Any:
+        self._app = build_app(self)  # under the lock
+        return self._app
+
     def close(self) -> None:
         """Stop listening (requests still waiting were answered by their runs' ends first)."""
         with self._lock:
             thread, server, self._thread = self._thread, self._uvicorn, None
+            loop, self._loop = self._loop, None
+        if loop is not None:
+            loop.close()
         if thread is None:
             return
         server.should_exit = True
@@ -163,8 +209,14 @@ def _warn_if_exposed(host: str) -> None:
         )
 
 
+def key_of(headers: Mapping[str, str]) -> str | None:
+    """The key a request carries: ``Authorization: Bearer <key>`` (OpenAI) or ``x-api-key`` (Anthropic)."""
+    return headers.get("authorization") or headers.get("x-api-key")
+
+
 def build_app(server: AgentServer) -> Any:
-    """The FastAPI app of ``server``: the two OpenAI routes, errors in OpenAI's JSON form."""
+    """The FastAPI app of ``server``: the model-call routes of :data:`APIS` and ``/v1/models``, errors
+    in each API's JSON form."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse
 
@@ -173,27 +225,77 @@ def build_app(server: AgentServer) -> Any:
     @app.exception_handler(RequestError)
     async def refused(request: Request, exc: RequestError) -> JSONResponse:
         server.num_refused += 1
-        return JSONResponse(error_json(str(exc), exc.kind), status_code=exc.status)
+        api = APIS.get(request.url.path, APIS["/v1/chat/completions"])
+        return JSONResponse(api.error_json(str(exc), exc.kind), status_code=exc.status)
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
-        server.run_of(request.headers.get("authorization"))
+        server.run_of(key_of(request.headers))
         model = {"id": server.model_name, "object": "model", "created": 0, "owned_by": "lmcollect"}
         return JSONResponse({"object": "list", "data": [model]})
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> JSONResponse:
-        run = server.run_of(request.headers.get("authorization"))
+    for path, api in APIS.items():
+        app.add_api_route(path, _route(server, api), methods=["POST"])
+    return app
+
+
+def _route(server: AgentServer, api: ApiFormat) -> Any:
+    """The handler of one model-call route (a closure: FastAPI reads its ``Request`` annotation)."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse, Response
+
+    from lmcollect.agents.event_stream import event_stream
+
+    async def model_call(request: Request) -> Response:
+        run = server.run_of(key_of(request.headers))
         try:
             body = await request.json()
         except (ValueError, RecursionError) as exc:  # malformed, or nested deeper than the parser recurses
             raise RequestError(f"the request body is not readable JSON: {type(exc).__name__}: {exc!s:.200}") from None
-        parsed = parse_chat_request(body)
+        parsed = api.parse(body)
         try:
-            reply = run.post_call(parsed)
-            server.num_calls += 1
-            return JSONResponse(await asyncio.wrap_future(reply))
+            call = run.post_call(parsed)
         except DialogEndedError as exc:
             raise RequestError(str(exc), status=409, kind="dialog_ended") from exc
+        server.num_calls += 1
+        answer = await _answer_of(request, run, call)
+        if answer is None:  # the client left while its streamed reply was generated (recorded as cut)
+            return Response(status_code=499)
+        if not parsed.stream:
+            return JSONResponse(api.reply_json(answer, parsed, server.model_name))
+        return event_stream(api.reply_events(answer, parsed, server.model_name), run, call)
 
-    return app
+    return model_call
+
+
+async def _answer_of(request: Any, run: AgentRun, call: AgentCall) -> CallReply | None:
+    """The call's reply; for a streamed call, None if the client left before it came (the run is told)."""
+    future = asyncio.wrap_future(call.reply)
+    try:
+        if not call.request.stream:
+            return await future
+        gone = asyncio.ensure_future(_client_gone(request))
+        try:
+            await asyncio.wait({future, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            left = gone.done() and not gone.cancelled() and gone.exception() is None
+            gone.cancel()
+        if left:
+            run.cut_stream(call, "the client left before its streamed reply began")
+            future.add_done_callback(_read_outcome)  # its reply (or refusal) comes to nobody now
+            return None
+        return await future
+    except DialogEndedError as exc:
+        raise RequestError(str(exc), status=409, kind="dialog_ended") from exc
+
+
+def _read_outcome(future: asyncio.Future) -> None:
+    """Read a reply nobody waits for any more (no "exception was never retrieved" at exit)."""
+    if not future.cancelled():
+        future.exception()
+
+
+async def _client_gone(request: Any) -> None:
+    """Returns when the client disconnects (the body was read: the server has nothing else to say)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from lmcollect.cli.configs import Backend, UsageError
-from lmcollect.envs import ChatEnv, PromptDataset, ShippedTask, SingleTurnTask, get_shipped_task, make_env
+from lmcollect.envs import ChatEnv, PromptDataset, ShippedTask, SingleTurnTask, make_env, named_task
 from lmcollect.envs.registry import SHIPPED_ECOSYSTEM
 from lmcollect.models import ModelSpec, get_model_path, load_model_and_tokenizer
 from lmcollect.policies import SamplingConfig, TransformersPolicy
@@ -26,18 +26,14 @@ def resolve_model_path(model: str | None) -> Path:
     return path.resolve()
 
 
-def resolve_task(name: str) -> ShippedTask:
-    """``--task``: a shipped task by its name or its env name (``arithmetic`` or ``lmcollect:arithmetic``)."""
-    ecosystem, colon, short = name.rpartition(":")
-    if colon and ecosystem != SHIPPED_ECOSYSTEM:
-        raise UsageError(
-            f"--task {name}: the commands run the shipped tasks ({SHIPPED_ECOSYSTEM}:<task>); an env of another "
-            "library runs through the Python API (lmcollect.envs.make_env, see docs/collectors.md)."
-        )
+def resolve_task(name: str, *, flag: str = "--task") -> ShippedTask:
+    """``--task`` / ``--env``: a shipped task by its name or its env name (``arithmetic`` or
+    ``lmcollect:arithmetic``), or an ecosystem's env that runs as prompts and a scoring task
+    (``reasoning-gym:basic_arithmetic``, see :func:`lmcollect.envs.named_task`)."""
     try:
-        return get_shipped_task(short)
-    except ValueError as exc:
-        raise UsageError(f"--task: {exc}") from exc
+        return named_task(name)
+    except (ValueError, ImportError) as exc:  # an unknown name, or an ecosystem whose extra is not installed
+        raise UsageError(f"{flag} {name}: {exc}") from exc
 
 
 def load_prompt_rows(path: str) -> list[dict[str, Any]]:
@@ -87,7 +83,8 @@ class EnvFactory:
     """Builds a :class:`ChatEnv` on a shipped task's scoring inside a collector actor."""
 
     task_name: str | None
-    """Name of the shipped task that scores the replies; None: single turns, reward 0."""
+    """The env that scores the replies: a shipped task's name or any env name of the registry
+    (``reasoning-gym:basic_arithmetic``); None: single turns, reward 0."""
     rows: list[dict[str, Any]]
     """Prompt rows."""
     num_envs: int
@@ -101,7 +98,7 @@ class EnvFactory:
         if self.task_name is None:
             task = SingleTurnTask()
             return ChatEnv(self.rows, task=task, batch_size=self.num_envs, repeats=self.repeats, seed=self.seed)
-        env_name = f"{SHIPPED_ECOSYSTEM}:{self.task_name}"  # the env registry's name of the shipped task
+        env_name = self.task_name if ":" in self.task_name else f"{SHIPPED_ECOSYSTEM}:{self.task_name}"
         return make_env(env_name, rows=self.rows, batch_size=self.num_envs, repeats=self.repeats, seed=self.seed)
 
 

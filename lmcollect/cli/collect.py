@@ -66,11 +66,12 @@ def run_collect(config: CollectConfig) -> int:
 def _env_factory(config: CollectConfig) -> EnvFactory:
     """The envs' prompts and scoring; checks --task and --prompts before anything starts."""
     task: ShippedTask | None
+    name, flag = (config.task, "--task") if config.env is None else (config.env, "--env")
     if config.prompts is None:
-        task = resolve_task(config.task or DEFAULT_TASK)
+        task = resolve_task(name or DEFAULT_TASK, flag=flag)
         rows = task.make_rows(NUM_GENERATED_PROMPTS, seed=config.seed)
     else:
-        task = resolve_task(config.task) if config.task is not None else None
+        task = resolve_task(name, flag=flag) if name is not None else None
         rows = load_prompt_rows(config.prompts)
         if task is not None and task.has_reference_answers:
             _check_answers(rows, config.prompts, task.name)

@@ -35,6 +35,20 @@ fast as full fine-tuning at 5e-4; at 5e-4 it learns more slowly, at 5e-3 it stal
 reward, at 1e-2 it collapses to 0."""
 
 
+def _check_env_name(env: str | None, task: str | None, *, default_task: str | None) -> None:
+    """``--env`` is 'ecosystem:name' and replaces ``--task`` (left at its default)."""
+    if env is None:
+        return
+    ecosystem, colon, name = env.partition(":")
+    if not (ecosystem and colon and name):
+        raise ValueError(
+            f"--env is 'ecosystem:name' (e.g. reasoning-gym:basic_arithmetic, lmcollect:{default_task or 'arithmetic'}), "
+            f"got {env!r}."
+        )
+    if task != default_task:
+        raise ValueError(f"--env {env} and --task {task} both name the environment; pass one of them.")
+
+
 @dataclass(kw_only=True)
 class DemoConfig:
     """GRPO on a shipped task: Ray collectors fill a buffer while the driver trains and pushes weights."""
@@ -48,6 +62,9 @@ class DemoConfig:
     task: str = "comparison"
     """Shipped single-turn task: comparison, addition or arithmetic; or 'agent': an OpenAI-client agent with a
     compare tool, collected through the agent endpoint in this process (no Ray; --backend transformers)."""
+    env: str | None = None
+    """An environment by its 'ecosystem:name', in place of --task: lmcollect:comparison, or a single-turn
+    env of an installed ecosystem, e.g. reasoning-gym:basic_arithmetic (pip install 'lmcollect[reasoning-gym]')."""
     num_collectors: int = 2
     """RayLLMCollector actors writing into the shared RayReplayBuffer."""
     cpus_per_collector: float = 0.5
@@ -135,6 +152,7 @@ class DemoConfig:
             raise ValueError(f"--clip-epsilon must be in (0, 1), got {self.clip_epsilon}.")
         if self.temperature <= 0:
             raise ValueError(f"--temperature must be positive for RL (sampled answers), got {self.temperature}.")
+        _check_env_name(self.env, self.task, default_task="comparison")
 
     @property
     def turns_per_batch(self) -> int:
@@ -158,6 +176,9 @@ class CollectConfig:
     task: str | None = None
     """Shipped task (comparison, addition, arithmetic, guessing, tool_calc): its prompts, or with --prompts its
     scoring of their rows; default: arithmetic, or no scoring (reward 0) with --prompts."""
+    env: str | None = None
+    """An environment by its 'ecosystem:name', in place of --task: its prompts (or --prompts' rows) and its
+    scoring, e.g. lmcollect:guessing or reasoning-gym:leg_counting (pip install 'lmcollect[reasoning-gym]')."""
     num_turns: int = 64
     """Dialog turns to collect (rounded up to whole collector batches)."""
     num_envs: int = 8
@@ -193,6 +214,7 @@ class CollectConfig:
         )
         if self.num_envs % self.group_size:
             raise ValueError(f"--num-envs ({self.num_envs}) must be a multiple of --group-size ({self.group_size}).")
+        _check_env_name(self.env, self.task, default_task=None)
         if not self.output.endswith((".parquet", ".jsonl")):
             raise ValueError(f"--output must end with .parquet or .jsonl, got {self.output!r}.")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:

@@ -99,10 +99,10 @@ it, nearly every group's answers all get the same reward and would be dropped.""
 
 
 def run_demo(config: DemoConfig) -> int:
-    if config.task == AGENT_TASK:  # an agent program through the OpenAI-compatible endpoint
+    if config.env is None and config.task == AGENT_TASK:  # an agent program through the OpenAI-compatible endpoint
         _check_logger(config.logger)
         return run_agent_demo(config)
-    task = _single_turn_task(config.task)
+    task = _single_turn_task(config.env or config.task, flag="--task" if config.env is None else "--env")
     check_backend(config.backend)
     _check_logger(config.logger)
     _check_lora(config.lora_rank)
@@ -161,12 +161,12 @@ def _check_lora(rank: int) -> None:
         raise UsageError(f"--lora-rank {rank}: {MISSING_PEFT}; or --lora-rank 0 for full fine-tuning.")
 
 
-def _single_turn_task(name: str) -> ShippedTask:
-    task = resolve_task(name)
+def _single_turn_task(name: str, *, flag: str) -> ShippedTask:
+    task = resolve_task(name, flag=flag)
     if task.max_turns != 1 or not task.has_reference_answers:
         raise UsageError(
-            f"--task {name}: the demo trains on single-turn tasks with reference answers (comparison, addition, "
-            f"arithmetic), or on an agent program ({AGENT_TASK})."
+            f"{flag} {name}: the demo trains on single-turn tasks with reference answers (comparison, addition, "
+            f"arithmetic, or a reasoning-gym generator that has them), or on an agent program (--task {AGENT_TASK})."
         )
     return task
 

@@ -6,7 +6,7 @@ from lmcollect.envs.config import ChatEnvConfig
 from lmcollect.envs.datasets import PromptDataset, row_to_history
 from lmcollect.envs.pool import AsyncEnvPool
 from lmcollect.envs.protocol import AsyncEnvProtocol, DialogFailed, EnvProtocol
-from lmcollect.envs.registry import as_env, make_env, register_ecosystem, register_env, registered_envs
+from lmcollect.envs.registry import as_env, make_env, named_task, register_ecosystem, register_env, registered_envs
 from lmcollect.envs.rewards import (
     ExactMatchReward,
     MathAnswerReward,
@@ -19,8 +19,10 @@ from lmcollect.envs.tasks import (
     SHIPPED_TASKS,
     AsyncTask,
     GuessingGameTask,
+    OpeningTask,
     ShippedTask,
     SingleTurnTask,
+    StatefulTask,
     Task,
     TaskReply,
     ToolCalcTask,
@@ -48,11 +50,13 @@ __all__ = [
     "ExactMatchReward",
     "GuessingGameTask",
     "MathAnswerReward",
+    "OpeningTask",
     "PromptDataset",
     "RewardError",
     "RewardFn",
     "ShippedTask",
     "SingleTurnTask",
+    "StatefulTask",
     "Task",
     "TaskReply",
     "ToolCalcTask",
@@ -65,6 +69,7 @@ __all__ = [
     "get_shipped_task",
     "guessing_game_dataset",
     "make_env",
+    "named_task",
     "parse_math_answer",
     "register_ecosystem",
     "register_env",

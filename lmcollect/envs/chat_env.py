@@ -15,10 +15,11 @@ from lmcollect.data import keys
 from lmcollect.data.history import History
 from lmcollect.envs._td import build_batch, read_histories, read_reset_mask
 from lmcollect.envs.config import ChatEnvConfig, config_with_overrides
-from lmcollect.envs.datasets import PromptDataset, row_to_history
+from lmcollect.envs.datasets import PromptDataset
 from lmcollect.envs.rewards import RewardFn
 from lmcollect.envs.sampling import Draw, GroupSampler, draw_state
-from lmcollect.envs.tasks.base import SingleTurnTask, Task, TaskReply, respond_async
+from lmcollect.envs.task_states import TaskStates
+from lmcollect.envs.tasks.base import SingleTurnTask, Task, TaskReply
 from lmcollect.plumbing import RefusesWhenClosed
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,12 @@ class ChatEnv(RefusesWhenClosed):
     :meth:`set_seed`), and with ``seed=None`` (the default) a random one, so the order differs from
     run to run. To keep the list's order, pass ``PromptDataset(rows, shuffle=False)``.
 
+    Outside environments: a task's reply may append several role-tagged messages
+    (``TaskReply.messages``), an :class:`~lmcollect.envs.tasks.base.OpeningTask` writes each
+    dialog's first prompt, and a :class:`~lmcollect.envs.tasks.base.StatefulTask` (whose step
+    changes its state) is stepped once per turn, ended on reset and close, and replayed on restore
+    (see docs/environments.md).
+
     Rewards: without ``task`` or ``reward_fn`` every reward is 0.0 (logged once as a warning); pass
     ``reward_fn`` (e.g. :class:`~lmcollect.envs.MathAnswerReward`) or ``task``, or
     ``task=SingleTurnTask()`` to collect unscored turns on purpose.
@@ -119,7 +126,7 @@ class ChatEnv(RefusesWhenClosed):
         )
         self._seed = seed
         self._draws: list[Draw | None] = [None] * b
-        self._states: list[Any] = [None] * b
+        self._states = TaskStates(self.task, b)
         self._prompts: list[History] = [History()] * b
         self._turns = [0] * b
         self._flags = [(False, False, False)] * b  # (done, terminated, truncated)
@@ -158,14 +165,15 @@ class ChatEnv(RefusesWhenClosed):
     def _start(self, i: int) -> None:
         draw = self._sampler.draw_for(i)
         try:
-            self._states[i] = self.task.start(draw.sample, random.Random(draw.task_seed))
+            self._states.start(i, draw.sample, random.Random(draw.task_seed))
+            prompt = self._states.opening(i, draw.sample, system_prompt=self.config.system_prompt)
         except Exception as e:
             raise RuntimeError(
                 f"Task.start failed for env element {i} on dataset row {draw.sample_index} "
                 f"(prompt {draw.sample['prompt']!r}): {type(e).__name__}: {e}"
             ) from e
         self._draws[i] = draw
-        self._prompts[i] = row_to_history(draw.sample, system_prompt=self.config.system_prompt)
+        self._prompts[i] = prompt
         self._turns[i] = 0
         self._flags[i] = (False, False, False)
 
@@ -204,7 +212,8 @@ class ChatEnv(RefusesWhenClosed):
             self._turns[i] += 1
             truncated = not reply.done and self._turns[i] >= max_turns
             self._flags[i] = (reply.done or truncated, reply.done, truncated)
-            self._prompts[i] = full if reply.env_message is None else full.append("user", reply.env_message)
+            self._prompts[i] = History(full.messages + reply.next_messages, full.tools)
+            self._states.committed(i)
             rewards.append(reply.reward)
         td.set("next", self._outputs(elements, rewards, with_reward=True))
         return td
@@ -253,7 +262,7 @@ class ChatEnv(RefusesWhenClosed):
     def _respond(self, i: int, full: History) -> TaskReply:
         self._check_reply_input(i, full)
         try:
-            reply = self.task.respond(self._states[i], full)
+            reply = self._states.respond(i, self._turns[i], full)
         except Exception as e:
             raise RewardError(i, full, e) from e
         return _checked_reply(i, reply)
@@ -261,7 +270,7 @@ class ChatEnv(RefusesWhenClosed):
     async def _arespond(self, i: int, full: History) -> TaskReply:
         self._check_reply_input(i, full)
         try:
-            reply = await respond_async(self.task, self._states[i], full)
+            reply = await self._states.arespond(i, self._turns[i], full)
         except Exception as e:
             raise RewardError(i, full, e) from e
         return _checked_reply(i, reply)
@@ -313,17 +322,35 @@ class ChatEnv(RefusesWhenClosed):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`: the dialogs in flight continue (task states are rebuilt from
-        each draw's row and seed, as at their start); a state without them makes the next reset a
-        full one. Every field is checked before anything changes."""
+        each draw's row and seed, as at their start, and a
+        :class:`~lmcollect.envs.tasks.base.StatefulTask` replays each dialog's recorded assistant
+        turns); a state without them makes the next reset a full one. Every field is checked and
+        every task state rebuilt before anything changes."""
         seed, started, dialogs = self._parsed_state(state)
+        task_states = self._rebuilt_task_states(dialogs)
         self._seed = seed
         self._sampler.load_state_dict(state["sampler"])
         self._started = started
+        self._states.replace(task_states)
         for i, dialog in dialogs.items():
-            self._draws[i], self._states[i], self._prompts[i], self._turns[i], self._flags[i] = dialog
+            self._draws[i], self._prompts[i], self._turns[i], self._flags[i] = dialog
+
+    def _rebuilt_task_states(self, dialogs: Mapping[int, tuple]) -> dict[int, Any]:
+        """Each restored dialog's task state; on a failure, those already built are ended."""
+        built: dict[int, Any] = {}
+        for i, (draw, prompt, *_) in dialogs.items():
+            try:
+                built[i] = self._states.rebuilt(draw.sample, random.Random(draw.task_seed), prompt)
+            except Exception as e:
+                self._states.discard(built.values())
+                raise RuntimeError(
+                    f"ChatEnv.load_state_dict: rebuilding the task state of dialog {i} (dataset row "
+                    f"{draw.sample_index}) failed with {type(e).__name__}: {e}; nothing was restored."
+                ) from e
+        return built
 
     def _parsed_state(self, state: Mapping[str, Any]) -> tuple[int, bool, dict[int, tuple]]:
-        """(seed, started, slot -> (draw, task state, prompt, turns, flags) of each dialog in flight)."""
+        """(seed, started, slot -> (draw, prompt, turns, flags) of each dialog in flight)."""
         if not isinstance(state, Mapping) or "seed" not in state or "sampler" not in state:
             keys = sorted(state) if isinstance(state, Mapping) else type(state).__name__
             raise ValueError(f"state must come from ChatEnv.state_dict(), got keys {keys}.")
@@ -347,11 +374,13 @@ class ChatEnv(RefusesWhenClosed):
             if not isinstance(prompt, History):
                 raise ValueError(f"dialog {i}'s prompt is a {type(prompt).__name__}, not a History.")
             done, terminated, truncated = (bool(f) for f in dialog["flags"])
-            task_state = self.task.start(draw.sample, random.Random(draw.task_seed))
-            parsed[i] = (draw, task_state, prompt, int(dialog["turns"]), (done, terminated, truncated))
+            parsed[i] = (draw, prompt, int(dialog["turns"]), (done, terminated, truncated))
         return seed, started, parsed
 
     def close(self) -> None:
+        """Close the env; a :class:`~lmcollect.envs.tasks.base.StatefulTask`'s dialogs in flight are ended."""
+        if not self._closed:
+            self._states.end_all()
         self._closed = True
 
     def __repr__(self) -> str:

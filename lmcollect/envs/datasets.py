@@ -152,6 +152,26 @@ class PromptDataset:
         return cls._from_paths(paths, _read_by_suffix, seed=seed, shuffle=shuffle)
 
     @classmethod
+    def from_hf(
+        cls,
+        dataset: Any,
+        *,
+        columns: Mapping[str, str] | None = None,
+        seed: int = 0,
+        shuffle: bool = True,
+    ) -> PromptDataset:
+        """Rows of a Hugging Face ``datasets.Dataset`` (the ``datasets`` extra), or of local dataset files
+        (a path, a list of paths or a ``data_files`` mapping, read by ``datasets.load_dataset``).
+
+        ``columns`` renames the dataset's columns (``{"question": "prompt", "solution": "answer"}``);
+        the order is this class's seeded shuffle and the position is in :meth:`state_dict`, as for any rows.
+        """
+        from lmcollect.envs import hf_datasets  # the optional datasets package is imported only here
+
+        rows = hf_datasets.rows_from_hf(hf_datasets.as_hf_dataset(dataset), columns=columns)
+        return cls(rows, seed=seed, shuffle=shuffle)
+
+    @classmethod
     def _from_paths(cls, paths: PathOrPaths, read: RowReader, *, seed: int, shuffle: bool) -> PromptDataset:
         """The rows ``read`` finds in each of ``paths``, in order."""
         rows = [row for p in _as_paths(paths) for row in read(p)]

@@ -15,8 +15,15 @@ A collector's ``env`` argument may be
    ``recognizes`` and ``wrap``): a torchrl ``EnvBase`` is wrapped in
    :class:`~lmcollect.compat.torchrl.TorchrlEnv` this way.
 
+An ecosystem whose envs are prompt rows and a scoring task (reasoning-gym's generators) registers
+``task``: ``task(name)`` gives a :class:`~lmcollect.envs.tasks.shipped.ShippedTask`, the recipe the
+commands run (``lmcollect demo --env reasoning-gym:basic_arithmetic``; :func:`named_task`), and
+:func:`make_env` builds a ChatEnv on it as it does for the shipped tasks.
+
 :func:`make_env` builds a named env with keyword arguments (``make_env("lmcollect:comparison",
 batch_size=8, repeats=4)``); an unknown name raises a ValueError listing the registered names.
+A name may carry the env's own settings after ``?`` (``"reasoning-gym:basic_arithmetic?max_terms=2&max_digits=1"``:
+the generator's config fields), so that a command line or a TOML config can set them too.
 The adapters shipped with lmcollect (``lmcollect.compat``) register themselves on first use.
 To add an environment library, write one module that calls :func:`register_ecosystem` (and, for
 a few fixed names, :func:`register_env`) and import it before naming its envs.
@@ -25,18 +32,25 @@ a few fixed names, :func:`register_env`) and import it before naming its envs.
 from __future__ import annotations
 
 import importlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from lmcollect.envs.chat_env import ChatEnv
-from lmcollect.envs.tasks.shipped import SHIPPED_TASKS, ShippedTask
+from lmcollect.envs.tasks.shipped import SHIPPED_TASKS, ShippedTask, get_shipped_task
 
 EnvFactory = Callable[..., Any]
 """``factory(**kwargs)``: a new env (following :class:`~lmcollect.envs.EnvProtocol`)."""
 
 SHIPPED_ECOSYSTEM = "lmcollect"
-_BUILTIN_ADAPTERS = ("lmcollect.compat.torchrl",)  # same layer; imported on first use: they register themselves
+_BUILTIN_ADAPTERS = (
+    "lmcollect.compat.torchrl",
+    "lmcollect.compat.reasoning_gym",
+    "lmcollect.compat.skyrl_gym",
+    "lmcollect.compat.openenv",
+    "lmcollect.compat.verifiers",
+)  # same layer; imported on first use: they register themselves
 _HOW_TO_REGISTER = (
     "register one with lmcollect.envs.register_env('ecosystem:name', factory), or pass an env object or "
     "constructor as env= (see lmcollect.envs.registry)"
@@ -55,6 +69,8 @@ class Ecosystem:
     """Its env -> an lmcollect env."""
     build: Callable[..., Any] | None = None
     """``build(name, **kwargs)``: its env called ``name`` (the part after the colon), as an lmcollect env."""
+    task: Callable[..., ShippedTask] | None = None
+    """``task(name)``: its env called ``name`` as prompt rows and a scoring task (what the commands run)."""
 
 
 _FACTORIES: dict[str, EnvFactory] = {}
@@ -78,37 +94,67 @@ def register_ecosystem(
     recognizes: Callable[[object], bool] | None = None,
     wrap: Callable[[Any], Any] | None = None,
     build: Callable[..., Any] | None = None,
+    task: Callable[..., ShippedTask] | None = None,
 ) -> None:
     """Register an outside library: how to recognize and wrap its env objects, and/or how to build
-    any of its envs by name (``build(name, **kwargs)``); registering a name again replaces it."""
+    any of its envs by name (``build(name, **kwargs)``, or ``task(name)``: a
+    :class:`~lmcollect.envs.tasks.shipped.ShippedTask` that :func:`shipped_task_env` builds);
+    registering a name again replaces it."""
     if not name or ":" in name:
         raise ValueError(f"register_ecosystem: the name is a prefix without a colon (e.g. 'torchrl'), got {name!r}.")
     if (recognizes is None) != (wrap is None):
         raise TypeError(f"register_ecosystem({name!r}): pass recognizes and wrap together.")
-    if recognizes is None and build is None:
-        raise TypeError(f"register_ecosystem({name!r}): pass recognizes and wrap, or build, or all three.")
-    _ECOSYSTEMS[name] = Ecosystem(name, recognizes, wrap, build)
+    if recognizes is None and build is None and task is None:
+        raise TypeError(f"register_ecosystem({name!r}): pass recognizes and wrap, or build, or task.")
+    _ECOSYSTEMS[name] = Ecosystem(name, recognizes, wrap, build, task)
 
 
 def registered_envs() -> list[str]:
     """Every name :func:`make_env` builds: the registered names and ``"<ecosystem>:*"`` for builders."""
     _load_builtin_adapters()
-    wildcards = [f"{e.name}:*" for e in _ECOSYSTEMS.values() if e.build is not None]
+    wildcards = [f"{e.name}:*" for e in _ECOSYSTEMS.values() if e.build is not None or e.task is not None]
     return sorted(_FACTORIES) + sorted(wildcards)
 
 
 def make_env(name: str, **kwargs: Any) -> Any:
     """The env registered as ``name`` (``"ecosystem:name"``), built with ``kwargs``."""
     _load_builtin_adapters()
+    name, settings = split_settings(name)
     ecosystem, short = _split(name)
     if name in _FACTORIES:
-        return _FACTORIES[name](**kwargs)
+        return _FACTORIES[name](**settings, **kwargs)
     registered = _ECOSYSTEMS.get(ecosystem)
     if registered is not None and registered.build is not None:
-        return registered.build(short, **kwargs)
+        return registered.build(short, **settings, **kwargs)
+    if registered is not None and registered.task is not None:
+        return shipped_task_env(registered.task(short, **settings), **kwargs)
     raise ValueError(
         f"unknown env {name!r}; registered: {', '.join(registered_envs())}. To add one, {_HOW_TO_REGISTER}."
     )
+
+
+def named_task(name: str) -> ShippedTask:
+    """The env called ``name`` as prompt rows and a scoring task (what ``lmcollect demo`` and
+    ``collect`` run): ``"lmcollect:<task>"`` (or a bare shipped task name) and the names of an
+    ecosystem registered with ``task`` (``"reasoning-gym:basic_arithmetic"``)."""
+    if isinstance(name, str) and ":" not in name:
+        return get_shipped_task(name)
+    full = name
+    name, settings = split_settings(name)
+    ecosystem, short = _split(name)
+    if ecosystem == SHIPPED_ECOSYSTEM:
+        if settings:
+            raise ValueError(f"{full!r}: lmcollect's shipped tasks take no settings; drop the '?...' part.")
+        return get_shipped_task(short)
+    _load_builtin_adapters()
+    registered = _ECOSYSTEMS.get(ecosystem)
+    if registered is None or registered.task is None:
+        with_tasks = [SHIPPED_ECOSYSTEM, *sorted(e.name for e in _ECOSYSTEMS.values() if e.task is not None)]
+        raise ValueError(
+            f"{name!r} names no env that runs as prompts and a scoring task; such ecosystems: "
+            f"{', '.join(with_tasks)}. Other envs run through the Python API (make_env, as_env)."
+        )
+    return registered.task(short, **settings)
 
 
 def as_env(env: Any) -> Any:
@@ -143,6 +189,34 @@ def _split(name: str) -> tuple[str, str]:
             f"registered: {', '.join(sorted(_FACTORIES))}."
         )
     return ecosystem, short
+
+
+def split_settings(name: str) -> tuple[str, dict[str, Any]]:
+    """``"ecosystem:name?key=value&..."`` as the name and its settings (values read as JSON where they
+    parse: ``max_digits=1`` is an int, ``operators=["+"]`` a list, anything else a string)."""
+    base, question, query = name.partition("?") if isinstance(name, str) else (name, "", "")
+    if not question:
+        return base, {}
+    pairs = [part.partition("=") for part in query.split("&")]
+    if any(not key or not equals for key, equals, _ in pairs):
+        raise ValueError(
+            f"env settings come after '?' as key=value pairs joined by '&' "
+            f"(e.g. 'reasoning-gym:basic_arithmetic?max_terms=2&max_digits=1'), got {name!r}."
+        )
+    return base, {key: _setting(value) for key, _, value in pairs}
+
+
+def settings_text(settings: dict[str, Any]) -> str:
+    """``settings`` as a name's ``?key=value&...`` part (``""`` for none): :func:`split_settings` reads it back."""
+    parts = [f"{key}={value if isinstance(value, str) else json.dumps(value)}" for key, value in settings.items()]
+    return "?" + "&".join(parts) if parts else ""
+
+
+def _setting(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def _load_builtin_adapters() -> None:

@@ -15,6 +15,7 @@ _LAZY = {
     "RayContinuousLLMCollector": "lmcollect.ray.continuous",
     "RayCollectorGroup": "lmcollect.ray.group",
     "RayReplayBuffer": "lmcollect.ray.buffer",
+    "BufferActorError": "lmcollect.ray.buffer",
     "RayEngine": "lmcollect.ray.engine",
     "ray_engine_replicas": "lmcollect.ray.engine",
     "VLLMReplicas": "lmcollect.ray.vllm_replicas",

@@ -5,11 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError
 from tensordict import TensorDictBase
 
 from lmcollect.buffers.replay_buffer import ReplayBuffer
 from lmcollect.ray.bounded import DEFAULT_CALL_TIMEOUT_S, get_within
 from lmcollect.ray.cluster import actor_options, init_ray
+
+
+class BufferActorError(RuntimeError):
+    """The buffer's actor died (SIGKILL, OOM, its node lost): its contents went with it."""
 
 
 class RayReplayBuffer:
@@ -58,7 +63,16 @@ class RayReplayBuffer:
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         ref = getattr(self._actor, method).remote(*args, **kwargs)
-        return get_within(ref, timeout_s=self.call_timeout_s, call=f"RayReplayBuffer.{method}", knob="call_timeout_s")
+        try:
+            return get_within(
+                ref, timeout_s=self.call_timeout_s, call=f"RayReplayBuffer.{method}", knob="call_timeout_s"
+            )
+        except RayActorError as exc:  # designed for: a dead actor is a fault the caller must act on
+            raise BufferActorError(
+                f"RayReplayBuffer.{method}(): the buffer's actor died ({type(exc).__name__}), and its contents with "
+                "it. Build a new RayReplayBuffer and restore the last checkpoint into it "
+                "(load_checkpoint(folder, collectors, replay_buffer=new_buffer))."
+            ) from exc
 
     @property
     def actor(self) -> Any:
@@ -85,6 +99,10 @@ class RayReplayBuffer:
 
     def state_dict(self) -> dict:
         return self._call("state_dict")
+
+    def state_since(self, token: dict | None) -> dict:
+        """:meth:`ReplayBuffer.state_since`: the turns written since ``token`` (incremental checkpoints)."""
+        return self._call("state_since", token)
 
     def check_state_dict(self, state: dict) -> None:
         """Raise ValueError if :meth:`load_state_dict` would refuse ``state``; changes nothing."""

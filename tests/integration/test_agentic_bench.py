@@ -5,6 +5,7 @@ Speed is not asserted (the machine is shared); the rows' shape and the sameness 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 from benchmarks.agentic import Workload, gpu_rows, ratio_row, run_sample
 
@@ -95,12 +96,13 @@ def test_dynamic_sampling_bench_counts_its_groups_and_useful_turns() -> None:
 
 
 def test_the_agent_modes_do_the_chat_env_work_through_the_endpoint() -> None:
-    """An agent program through the OpenAI-compatible endpoint, sync and async, against the same dialogs
+    """An agent program through the OpenAI-compatible endpoint, sync and async, over HTTP and in-process, against the same dialogs
     as a ChatEnv task: the same rows start in the same order and greedy replies are the same."""
     from benchmarks.agentic import TARGET_AGENT
 
     chat_env = run_sample("transformers", "continuous", 4, SMALLEST)
-    for mode in ("agent", "agent-sync"):
+    sdk = ("agent-sdk-inproc",) if importlib.util.find_spec("agents") is not None else ()  # the OpenAI Agents SDK
+    for mode in ("agent", "agent-sync", "agent-inproc", "agent-sync-inproc", *sdk):
         agent = run_sample("transformers", mode, 4, SMALLEST)
         assert agent.turns == SMALLEST.turns_per_batch * SMALLEST.num_batches
         theirs = {tuple(key): n for key, n in zip(chat_env.dialog_keys, chat_env.lengths)}

@@ -18,12 +18,10 @@ from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
 from lmcollect.models import load_model_and_tokenizer
 from lmcollect.policies import TransformersPolicy
-from lmcollect.weights.buckets import WeightBuckets
-from lmcollect.weights.delta import EncodedDelta, WeightDelta
 from lmcollect.ray.object_store import ObjectStorePushSender
 from lmcollect.ray.updater import RayRemoteWeightUpdater
 from lmcollect.weight_sync import PushConfig
-from tests.factories import make_arithmetic_env, perturbed_model
+from tests.factories import CorruptsNextDelta, corrupted_encoding, make_arithmetic_env, perturbed_model
 
 pytestmark = pytest.mark.integration
 
@@ -92,24 +90,12 @@ class CorruptingSender(ObjectStorePushSender):
         plan = super()._plan_delta(weights, targets)
         if self.corrupt_next and plan.encoded is not None:
             self.corrupt_next = False
-            delta, encoded = plan.encoded.delta, plan.encoded
-            buffers = [b.clone() for b in delta.arrays.buffers]
-            buffers[-1][0] ^= 1
-            corrupt = WeightDelta(delta.base_version, delta.entries, WeightBuckets(delta.arrays.layout, buffers))
-            plan.encoded = EncodedDelta(corrupt, encoded.positions, encoded.values, encoded.numel, encoded.full_nbytes)
+            plan.encoded = corrupted_encoding(plan.encoded)
         return plan
 
 
-class CorruptingUpdater(RayRemoteWeightUpdater):
+class CorruptingUpdater(CorruptsNextDelta, RayRemoteWeightUpdater):
     sender_class = CorruptingSender
-
-    @property
-    def corrupt_next(self) -> bool:
-        return self.push_sender.corrupt_next
-
-    @corrupt_next.setter
-    def corrupt_next(self, value: bool) -> None:
-        self.push_sender.corrupt_next = value
 
 
 @pytest.fixture(scope="module")

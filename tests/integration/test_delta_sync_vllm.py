@@ -18,9 +18,7 @@ from lmcollect.data import keys
 from lmcollect.envs import ChatEnv, MathAnswerReward, arithmetic_dataset
 from lmcollect.models import load_model_and_tokenizer
 from lmcollect.policies import TransformersPolicy
-from lmcollect.weights.buckets import WeightBuckets
-from lmcollect.weights.delta import EncodedDelta, WeightDelta
-from tests.factories import perturbed_model
+from tests.factories import CorruptsNextDelta, corrupted_encoding, perturbed_model
 from tests.integration.conftest import MAX_NEW_TOKENS, QUESTIONS, chat_batch
 
 pytest.importorskip("vllm")
@@ -43,24 +41,12 @@ class CorruptingSender(ProcessGroupPushSender):
         prepared = super().plan(payload, targets)
         if self.corrupt_next and prepared is not None and prepared.encoded is not None:
             self.corrupt_next = False
-            encoded, delta = prepared.encoded, prepared.encoded.delta
-            buffers = [b.clone() for b in delta.arrays.buffers]
-            buffers[-1][0] ^= 1
-            corrupt = WeightDelta(delta.base_version, delta.entries, WeightBuckets(delta.arrays.layout, buffers))
-            prepared.encoded = EncodedDelta(corrupt, encoded.positions, encoded.values, encoded.numel, encoded.full_nbytes)
+            prepared.encoded = corrupted_encoding(prepared.encoded)
         return prepared
 
 
-class CorruptingUpdater(vLLMUpdater):
+class CorruptingUpdater(CorruptsNextDelta, vLLMUpdater):
     sender_class = CorruptingSender
-
-    @property
-    def corrupt_next(self) -> bool:
-        return self.push_sender.corrupt_next
-
-    @corrupt_next.setter
-    def corrupt_next(self, value: bool) -> None:
-        self.push_sender.corrupt_next = value
 
 
 def adamw_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int) -> None:

@@ -55,6 +55,47 @@ def test_a_save_that_crashes_midway_leaves_the_earlier_checkpoint_whole(tmp_path
     assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == sorted(e["file"] for e in manifest["collectors"])
 
 
+def test_the_tmp_files_of_saves_killed_mid_write_are_removed_by_the_next_save(tmp_path: Path, monkeypatch) -> None:
+    """Found by the chaos harness (benchmarks/chaos.py, a SIGKILL inside save_checkpoint): a save killed while
+    writing a state file leaves ``<file>.safetensors.tmp``, one killed before the manifest's replace leaves
+    ``manifest.json.<id>.tmp``, and safetensors' Rust writer its ``.tmpXXXXXX``; later saves removed none
+    of them, so they piled up in the folder."""
+    import safetensors.torch
+
+    from lmcollect import checkpoint
+
+    collector, buffer = build(), ReplayBuffer(capacity=8)
+    collector.next()
+    save_checkpoint(tmp_path, [collector], replay_buffer=buffer)
+
+    def killed_mid_write(tensors, filename, metadata=None):
+        raise OSError("killed")  # codec.save created the .tmp file, then the process died
+
+    with monkeypatch.context() as patch:
+        patch.setattr(safetensors.torch, "save_file", killed_mid_write)
+        with pytest.raises(OSError, match="killed"):
+            save_checkpoint(tmp_path, [collector], replay_buffer=buffer)
+    real_replace = os.replace
+
+    def killed_before_the_manifest_replace(src, dst):
+        if Path(src).name.startswith("manifest.json."):
+            raise OSError("killed")  # the new manifest is written under its .tmp name, not yet in place
+        real_replace(src, dst)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint.os, "replace", killed_before_the_manifest_replace)
+        with pytest.raises(OSError, match="killed"):
+            save_checkpoint(tmp_path, [collector], replay_buffer=buffer)
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp"))
+    assert any(name.startswith("manifest.json.") for name in left) and any(".safetensors." in n for n in left)
+    (tmp_path / ".tmpAb12Cd").write_bytes(b"\0" * 64)  # safetensors' own temp file (Rust), of a write killed midway
+    save_checkpoint(tmp_path, [collector], replay_buffer=buffer)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    buffer_entry = manifest["replay_buffer"]
+    named = {e["file"] for e in manifest["collectors"] + buffer_entry["segments"]} | {buffer_entry["file"]}
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(named | {"manifest.json", ".save.lock"})
+
+
 @pytest.mark.parametrize("name", ["../outside.safetensors", "/etc/passwd", "sub/collector-0.safetensors", "..", ""])
 def test_a_manifest_naming_a_file_outside_its_folder_is_refused(tmp_path: Path, name: str) -> None:
     collector = build()

@@ -52,7 +52,8 @@ def test_rendered_calls_parse_back_to_themselves() -> None:
 @pytest.mark.parametrize(
     ("body", "status", "words"),
     [
-        ({"messages": [{"role": "user", "content": "hi"}], "stream": True}, 400, "stream=False"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400, "stream must be true or false"),
+        ({"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}}, 400, "stream_options"),
         ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "repeats=k"),
         ({"messages": []}, 400, "non-empty list"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "'role' is one of"),

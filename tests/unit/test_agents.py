@@ -303,13 +303,14 @@ def test_max_calls_truncates_and_per_turn_rewards_land_on_their_turns(server) ->
     assert env.stats.runs_truncated == 1
 
 
-def test_the_endpoint_refuses_unknown_keys_ended_dialogs_and_streaming(server) -> None:
+def test_the_endpoint_refuses_unknown_keys_ended_dialogs_and_bad_stream_options(server) -> None:
     run = AgentRun(key="live-key", dialog="agent run 99", prompt_id=0)
     server.register(run)
     client = openai.OpenAI(base_url=server.base_url, api_key="live-key", max_retries=0)
     assert [m.id for m in client.models.list()] == [server.model_name]
-    with pytest.raises(openai.BadRequestError, match="stream=False"):
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
+    with pytest.raises(openai.BadRequestError, match="stream_options .* only with stream=True"):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                       stream_options={"include_usage": True})
     with pytest.raises(openai.AuthenticationError, match="unknown API key"):
         openai.OpenAI(base_url=server.base_url, api_key="guess", max_retries=0).models.list()
     server.retire(run)
@@ -391,3 +392,22 @@ def test_env_config_and_closed_errors_name_the_env():
         chat.reset()
     with pytest.raises(RuntimeError, match=r"^this AgentEnv is closed; build a new one\.$"):
         agents.reset()
+
+
+def test_an_event_that_comes_as_a_wait_times_out_is_taken_never_lost() -> None:
+    """A call posted just as the element's wait ended must reach the element (else its HTTP request
+    waits for a reply forever); one posted after is queued for the next read."""
+    from lmcollect.agents.element import _taken
+    from lmcollect.agents.openai_format import ChatCompletionsApi
+    from lmcollect.agents.runs import AgentCall, AgentRun, RunEnded
+
+    request = ChatCompletionsApi().parse({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    run = AgentRun(key="k", dialog="agent run 0", prompt_id=0)
+    waiting = run.next_event()
+    call = run.post_call(request)  # lands in the future the wait gave up on
+    assert _taken(waiting, 2.0, run.dialog) is call
+    late = run.next_event()
+    timed_out = _taken(late, 2.0, run.dialog)  # nothing came: the run's failure, the future cancelled
+    assert isinstance(timed_out, RunEnded) and "agent_timeout_s=2.0" in str(timed_out.error)
+    second = run.post_call(request)
+    assert isinstance(second, AgentCall) and run.next_event().result(timeout=1) is second  # queued, not lost

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 from pathlib import Path
 
@@ -136,3 +137,15 @@ def test_the_shipped_demo_example_is_the_demo_defaults() -> None:
 def test_read_config_file_raises_usage_errors(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="unknown key 'nope'"):
         read_config_file(_toml(tmp_path, "nope = 1\n"), DemoConfig, command="demo")
+
+
+def test_the_reasoning_gym_example_names_a_generator_the_demo_trains_on() -> None:
+    """examples/reasoning-gym.toml: its env resolves to a single-turn reasoning-gym task with answers."""
+    from lmcollect.cli.demo import _single_turn_task
+
+    values = read_config_file(EXAMPLE.parent / "reasoning-gym.toml", DemoConfig, command="demo")
+    config = DemoConfig(**values)
+    task = _single_turn_task(config.env, flag="--env")
+    assert task.name == config.env and config.warmup_steps == 40
+    rows = task.make_rows(4, seed=0)
+    assert all(re.search(r"if you have [12] \w+\?", row["question"]) for row in rows)

@@ -227,3 +227,27 @@ def test_a_grouped_turn_budget_yields_whole_groups_within_the_stated_overshoot()
     assert budget <= len(turns) == collector.turns_counted == collector.turns_run <= bound, (len(turns), bound)
     assert all(len(groups_of(flatten_turns(batch))) == groups_per_batch for batch in batches)
     check_whole_groups(turns)
+
+
+def test_a_draw_skipped_by_one_slot_is_admitted_past_the_capacity_its_partner_filled() -> None:
+    """Slot 1's dialog of draw 1 fails before starting; slot 1 runs ahead into draws 2 and 3, which fill
+    the capacity and wait for slot 0. Slot 0 reaching draw 1 must be admitted, or nothing moves."""
+    flow = GroupFlow(group_size=2, turns_per_batch=4, capacity=3, max_policy_lag=None, max_turns=None)  # 2 groups a batch
+    turn = lambda slot, done: CollectedTurn(slot=slot, traj_id=slot, done=done, td=None)  # noqa: E731
+    for slot in (0, 1):  # both slots answer draw 0
+        flow.assign(slot, 0)
+        assert flow.may_start(new_dialog=True, version_index=0, group=0)
+        flow.start_turn(0, new_dialog=True, group=0)
+    flow.finish_turn(0, turn(1, done=True))  # slot 1 is done with draw 0; slot 0 is still at it
+    flow.assign(1, 1)
+    flow.drop_dialog(1)  # slot 1's dialog of draw 1 failed before its first turn
+    for group in (2, 3):  # slot 1 runs ahead
+        flow.assign(1, group)
+        assert flow.may_start(new_dialog=True, version_index=0, group=group)
+        flow.start_turn(0, new_dialog=True, group=group)
+        flow.finish_turn(0, turn(1, done=True))
+    flow.finish_turn(0, turn(0, done=True))  # slot 0 ends draw 0: its group waits for a second one
+    assert not flow.ready(0) and len(flow.groups.kept) + len(flow.groups.open) == flow.capacity  # 2, 3 wait for slot 0
+    flow.assign(0, 1)
+    assert flow.may_start(new_dialog=True, version_index=0, group=1)  # the older draw goes first
+    assert not flow.may_start(new_dialog=True, version_index=0, group=4)  # a newer one still waits

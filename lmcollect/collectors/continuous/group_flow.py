@@ -10,8 +10,9 @@ So ``GroupAdvantage`` sees every group whole, in one batch.
 The unit is a group, and :class:`~lmcollect.collectors.continuous.turn_flow.TurnFlow`'s rules apply to it:
 
 * **Admission.** A group is admitted when its first dialog is about to start its first turn, if the
-  groups admitted and not consumed stay below ``capacity`` and, with ``max_policy_lag=L``, AReaL's
-  rule holds in groups: ``admitted < (L + v + 1) * G`` (``v``: versions advanced, at most one per
+  groups admitted and not consumed stay below ``capacity`` (a group whose failed dialog's slot ran
+  ahead is admitted beyond it: see :meth:`GroupFlow._skipped_by_a_partner`) and, with
+  ``max_policy_lag=L``, AReaL's rule holds in groups: ``admitted < (L + v + 1) * G`` (``v``: versions advanced, at most one per
   batch). Every later turn of an admitted group starts at once: a group under way completes without
   waiting for a push, so the rules never deadlock.
 * **Release.** ``G`` complete groups with the oldest admission versions leave together, and only if
@@ -145,8 +146,15 @@ class GroupFlow:
         if not self.budget_left() or (self.tally is not None and self.tally.failure is not None):
             return False
         if len(self.groups.open) + len(self.groups.kept) >= self.capacity + self.oversample:
-            return False
+            return group is not None and self._skipped_by_a_partner(group)
         return self._lag_admits(version_index)
+
+    def _skipped_by_a_partner(self, group: int) -> bool:
+        """A group one of whose dialogs failed before starting, drawn before a group under way, passes
+        the capacity check: the slot that failed ran ahead into newer groups, which wait for this
+        slot, so holding it back would stop everything. At most one such group per slot: capacity
+        is exceeded by no more than the slots, and only after a failure."""
+        return self._missing[group] > 0 and any(group < other for other in self.groups.open)
 
     def _lag_admits(self, version_index: int) -> bool:
         return lag_admits(self, version_index, self.groups_per_batch, self.oversample)

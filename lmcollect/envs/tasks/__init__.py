@@ -1,7 +1,15 @@
 """Dialog tasks for ChatEnv: the Task interface, single-turn scoring, arithmetic, guessing games and a calculator tool."""
 
 from lmcollect.envs.tasks.arithmetic import arithmetic_dataset
-from lmcollect.envs.tasks.base import AsyncTask, SingleTurnTask, Task, TaskReply, respond_async
+from lmcollect.envs.tasks.base import (
+    AsyncTask,
+    OpeningTask,
+    SingleTurnTask,
+    StatefulTask,
+    Task,
+    TaskReply,
+    respond_async,
+)
 from lmcollect.envs.tasks.comparison import comparison_dataset
 from lmcollect.envs.tasks.guessing import GuessingGameTask, GuessingState, binary_search_player, guessing_game_dataset
 from lmcollect.envs.tasks.shipped import SHIPPED_TASKS, ShippedTask, get_shipped_task
@@ -12,8 +20,10 @@ __all__ = [
     "AsyncTask",
     "GuessingGameTask",
     "GuessingState",
+    "OpeningTask",
     "ShippedTask",
     "SingleTurnTask",
+    "StatefulTask",
     "Task",
     "TaskReply",
     "ToolCalcState",

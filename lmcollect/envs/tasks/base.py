@@ -6,12 +6,18 @@ import asyncio
 import math
 import numbers
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from lmcollect.data.history import History
+from lmcollect.data.history import History, Message
 from lmcollect.envs.rewards import RewardFn, as_reward_fn
+
+NEXT_ROLES = ("user", "tool", "system")
+"""Roles a task may write into the dialog; "assistant" is refused (the model's turns are only what it sampled)."""
+
+MessageLike = Message | Mapping[str, Any] | tuple[str, str]
+"""A message a task writes: a :class:`~lmcollect.data.history.Message`, ``{"role", "content"}`` or ``(role, content)``."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -23,7 +29,11 @@ class TaskReply:
     done: bool
     """True when the dialog is over (the env reports it as terminated)."""
     env_message: str | None = None
-    """Appended as a "user" message to form the next prompt (also when ``done``), if not None."""
+    """Appended as a "user" message to form the next prompt (also when ``done``), if not None; the
+    shorthand of ``messages=[("user", env_message)]``."""
+    messages: Sequence[MessageLike] = ()
+    """Messages appended, in order, to form the next prompt: role-tagged (``user``, ``tool``,
+    ``system``), e.g. a tool result then an observation; stored as a tuple of Messages."""
 
     def __post_init__(self) -> None:
         if isinstance(self.reward, bool) or not isinstance(self.reward, numbers.Real):
@@ -33,6 +43,37 @@ class TaskReply:
             raise ValueError(f"TaskReply.reward must be finite, got {self.reward}; return a finite float.")
         if self.env_message is not None and not isinstance(self.env_message, str):
             raise TypeError(f"TaskReply.env_message must be a str or None, got {type(self.env_message).__name__}.")
+        if self.env_message is not None and self.messages:
+            raise ValueError("TaskReply got env_message and messages; pass messages=[('user', text), ...] alone.")
+        if isinstance(self.messages, (str, Mapping)) or not isinstance(self.messages, Sequence):
+            raise TypeError(f"TaskReply.messages must be a list of messages, got {type(self.messages).__name__}.")
+        object.__setattr__(self, "messages", tuple(_as_message(m) for m in self.messages))
+
+    @property
+    def next_messages(self) -> tuple[Message, ...]:
+        """The messages this reply appends to the dialog (``env_message`` as a user message)."""
+        if self.env_message is not None:
+            return (Message("user", self.env_message),)
+        return self.messages  # type: ignore[return-value]  # normalised to Messages in __post_init__
+
+
+def _as_message(message: MessageLike) -> Message:
+    if isinstance(message, Message):
+        role, content = message.role, message.content
+    elif isinstance(message, Mapping) and "role" in message and "content" in message:
+        role, content = message["role"], message["content"]
+    elif isinstance(message, tuple) and len(message) == 2:
+        role, content = message
+    else:
+        raise TypeError(
+            f"TaskReply.messages: each message is a Message, {{'role', 'content'}} or (role, content), got {message!r:.80}."
+        )
+    if role not in NEXT_ROLES:
+        raise ValueError(
+            f"TaskReply.messages: role {role!r} is not one a task may write; use one of {NEXT_ROLES} "
+            "(assistant turns are the model's own)."
+        )
+    return Message(role, content)
 
 
 MAX_ANSWER_DIGITS = 30
@@ -58,7 +99,9 @@ class Task(Protocol):
     secret number drawn from ``rng``). After each assistant turn, ``respond(state, history)`` is
     called with the full history (ending with the assistant message) and returns a
     :class:`TaskReply`. ``respond`` must not mutate ``state`` (ChatEnv may call it again with the
-    same state if another element of the batch failed); derive progress from ``history`` instead.
+    same state if another element of the batch failed); derive progress from ``history`` instead,
+    or, for an environment whose step changes its state, make it a :class:`StatefulTask`. A task
+    that writes the first prompt itself (from the row, or an environment's reset) is an :class:`OpeningTask`.
     A task whose reply waits on something (a tool, a judge) may also define ``async arespond``:
     see :class:`AsyncTask`.
     """
@@ -82,6 +125,39 @@ class AsyncTask(Task, Protocol):
     """
 
     async def arespond(self, state: Any, history: History) -> TaskReply: ...
+
+
+@runtime_checkable
+class OpeningTask(Task, Protocol):
+    """A :class:`Task` that writes the first prompt of each dialog itself.
+
+    ``opening_prompt(state, sample)`` is called right after ``start`` and returns the opening
+    prompt: a str (one user message), a list of ``{"role", "content"}`` messages or a
+    :class:`~lmcollect.data.history.History` (its tools are offered to the model). It replaces the
+    row's ``"prompt"`` (``ChatEnvConfig.system_prompt`` is still put first, unless the prompt has a
+    system message). An outside environment's ``reset``/``init`` observation becomes the prompt this way.
+    """
+
+    def opening_prompt(self, state: Any, sample: Mapping[str, Any]) -> History | str | Sequence[Mapping[str, str]]: ...
+
+
+@runtime_checkable
+class StatefulTask(Task, Protocol):
+    """A :class:`Task` whose ``respond`` changes ``state`` (an outside environment's ``step``).
+
+    Defining ``end(state)`` marks a task as stateful; ChatEnv then keeps these promises:
+
+    - **each assistant turn is stepped once**: if a batch step fails on another element and is
+      retried with the same dialogs, an element already stepped gets its recorded reply back
+      (``respond`` is not called twice); a *different* reply for a turn already stepped is refused;
+    - **reset ends the dialog**: ``end(state)`` is called on the old state (to release a session)
+      before ``start`` opens the next; ``close()`` ends every dialog in flight;
+    - **a restore replays**: ``start`` on the saved draw, then ``respond`` once per recorded
+      assistant turn (the replies are dropped: the recorded history is what the model saw), so a
+      deterministic environment is back where it was; a checkpoint stores no task state.
+    """
+
+    def end(self, state: Any) -> None: ...
 
 
 async def respond_async(task: Task, state: Any, history: History) -> TaskReply:

@@ -1,0 +1,330 @@
+"""The process the chaos harness kills: one training-shaped collection run that resumes from its checkpoint.
+
+Run by ``benchmarks/chaos.py`` as ``python -m benchmarks.chaos_driver CONFIG.json`` (a fresh
+interpreter per run), or forked from ``python -m benchmarks.chaos_driver --serve`` (a fork server
+that imports torch and lmcollect once: the short form's restarts then cost a fork, not an import). It builds a
+collection setup (a scenario: lockstep, continuous, tiny or ray; GRPO groups, a replay buffer),
+restores ``<workdir>/ckpt`` if a checkpoint is there (the recipe of docs/checkpoints.md: build the
+same setup, ``load_checkpoint``), then for each batch: collect, write it to the buffer, sample the
+buffer, push the trainer's weights for the next version (one full push per batch), and every
+``ckpt_every`` batches ``save_checkpoint`` (the continuous collector paused around it).
+
+Everything it yields goes to ``<workdir>/log.jsonl``, one JSON line per event, written before the
+next step (a SIGKILL loses no written line; a torn last line is dropped by the reader):
+``start`` (the batch it resumed at, the restore time, whether the restored weights equal the
+trainer's for that version), ``batch`` (every turn's ids, tokens, log-probs and versions, the
+buffer's sample), ``ckpt`` (the save time). The trainer here is a function of the step (the weights
+of version ``v`` are :func:`trainer_weights`), so the checkpoint's policy version is the step.
+
+A planned kill inside this run's ``nth`` save (``config["save_kill"]``) is done by the process itself with SIGKILL:
+``"collector"`` while the collector's state is taken (no file written), ``"buffer"`` after the
+collector's file is written and before the buffer's (a torn save), ``"delay"`` after a delay from
+the start of the save (any moment of it, the manifest's replace and the old files' removal included).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmcollect.buffers import ReplayBuffer
+from lmcollect.checkpoint import MANIFEST, load_checkpoint, save_checkpoint
+from lmcollect.data import keys
+from lmcollect.data.turns import flatten_turns
+
+TURNS_PER_BATCH = 8
+GROUP_SIZE = 2
+
+
+def trainer_weights(scenario: str, version: int, model: Any = None) -> dict[str, torch.Tensor]:
+    """The weights the trainer pushes as ``version`` (a pure function of it: the trainer's state)."""
+    if scenario != "tiny":
+        return {"tag": torch.tensor([float(version)])}
+    generator = torch.Generator().manual_seed(1000 + version)
+    return {  # named_parameters: each tied tensor once (a push of both names would set it twice)
+        name: tensor.detach() + torch.randn(tensor.shape, generator=generator).to(tensor.dtype) * 0.02
+        for name, tensor in model.named_parameters()
+    }
+
+
+def build(scenario: str, model_dir: str | None) -> tuple[Any, Any, Any]:
+    """The collector, the buffer and (tiny) the base model of ``scenario``, built the same way every run."""
+    from lmcollect.envs import ChatEnv, GuessingGameTask, binary_search_player, guessing_game_dataset
+
+    rows = guessing_game_dataset(256, seed=0, low=1, high=20, max_turns=5)
+    task = GuessingGameTask(low=1, high=20, max_turns=5)
+    buffer = ReplayBuffer(capacity=10_000, seed=0)
+    if scenario == "continuous":
+        return _continuous(rows, task, binary_search_player), buffer, None
+    if scenario == "ray":
+        return (*_ray(rows, task, binary_search_player), None)
+    env = ChatEnv(rows, task=task, batch_size=2 * GROUP_SIZE, repeats=GROUP_SIZE, max_turns=5, seed=0)
+    from lmcollect.collectors import LLMCollector
+
+    if scenario == "lockstep":
+        from lmcollect.testing import ScriptedPolicy
+
+        policy, base = ScriptedPolicy(binary_search_player), None
+    elif scenario == "tiny":
+        if model_dir is None:
+            raise ValueError("the tiny scenario needs model_dir (the tiny model's folder: get_model_path).")
+        from lmcollect.models import load_model_and_tokenizer
+        from lmcollect.policies import TransformersPolicy
+
+        base, tokenizer = load_model_and_tokenizer(model_dir)
+        model, _ = load_model_and_tokenizer(model_dir)
+        policy = TransformersPolicy(model, tokenizer, max_new_tokens=6, temperature=1.0, seed=0)
+    else:
+        raise ValueError(f"unknown scenario {scenario!r}; use lockstep, continuous, tiny or ray.")
+    collector = LLMCollector(env, policy=policy, dialog_turns_per_batch=TURNS_PER_BATCH, track_policy_version=True)
+    collector.worker_idx = 0
+    return collector, buffer, base
+
+
+def _continuous(rows: Any, task: Any, player: Any) -> Any:
+    from lmcollect.collectors import ContinuousLLMCollector
+    from lmcollect.envs import ChatEnv
+    from lmcollect.policies import SamplingConfig
+    from lmcollect.testing.scripted_engine import ByteTokenizer, ScriptedEngine, chat_script
+
+    envs = [
+        ChatEnv(rows, task=task, batch_size=GROUP_SIZE, repeats=GROUP_SIZE, max_turns=5, seed=seed) for seed in range(2)
+    ]
+    engine = ScriptedEngine(script=chat_script(player), token_delay_s=0.0005)
+    collector = ContinuousLLMCollector(
+        envs,
+        engine=engine,
+        tokenizer=ByteTokenizer(),
+        sampling=SamplingConfig(max_new_tokens=64),
+        dialog_turns_per_batch=TURNS_PER_BATCH,
+        track_policy_version=True,
+    )
+    collector.worker_idx = 0
+    return collector
+
+
+def _ray(rows: Any, task: Any, player: Any) -> tuple[Any, Any]:
+    """``RayLLMCollector`` and ``RayReplayBuffer`` (two actors) on a local cluster of this process."""
+    import functools
+
+    import ray
+
+    from lmcollect.envs import ChatEnv
+    from lmcollect.ray import RayReplayBuffer
+    from lmcollect.ray.collector import RayLLMCollector
+    from lmcollect.testing import ScriptedPolicy
+
+    # Ray's files in its usual place: the run's TMPDIR is for lmcollect's (and too long for Ray's sockets)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir="/tmp/ray")
+    make_env = functools.partial(
+        ChatEnv, rows, task=task, batch_size=2 * GROUP_SIZE, repeats=GROUP_SIZE, max_turns=5, seed=0
+    )
+    collector = RayLLMCollector(
+        make_env,
+        policy_factory=functools.partial(ScriptedPolicy, player),
+        dialog_turns_per_batch=TURNS_PER_BATCH,
+        track_policy_version=True,
+        num_cpus=0.25,
+        call_timeout_s=30.0,
+    )
+    collector.worker_idx = 0
+    buffer = RayReplayBuffer(capacity=10_000, seed=0, remote_config={"num_cpus": 0.25}, call_timeout_s=30.0)
+    return collector, buffer
+
+
+def actor_pids(collector: Any, buffer: Any) -> dict[str, int]:
+    """The collector's and the buffer's actor processes (what the harness kills in the ray scenario)."""
+    import ray
+
+    buffer_pid = ray.get(buffer._actor.__ray_call__.remote(lambda _self: os.getpid()), timeout=30)
+    return {"collector": int(collector.process_info()["pid"]), "buffer": int(buffer_pid)}
+
+
+def turn_record(turn: Any) -> dict[str, Any]:
+    """What the harness compares of one turn: its ids, its prompt draw, and the response's tokens,
+    log-probs (rounded to 1e-4: another process may split a matmul's sums differently) and versions."""
+    from lmcollect.envs import PROMPT_ID
+
+    def ints(key: Any) -> list[int]:
+        return [int(x) for x in turn[key].reshape(-1).tolist()]
+
+    return {
+        "traj": int(turn[keys.TRAJ_IDS]),
+        "step": int(turn[keys.STEP_COUNT]),
+        "group": int(turn[keys.GROUP_ID]),
+        "prompt": int(turn[PROMPT_ID]),
+        "env": int(turn[keys.ENV_INDEX]),
+        "done": bool(turn[keys.NEXT_DONE].reshape(-1)[0]),
+        "tokens": ints(keys.TOKENS_RESPONSE),
+        "log_probs": [round(float(x), 4) for x in turn[keys.LOG_PROBS_RESPONSE].reshape(-1).tolist()],
+        "versions": ints(keys.TOKEN_VERSIONS),
+        "policy_version": int(turn[keys.POLICY_VERSION]),
+    }
+
+
+class Log:
+    """``log.jsonl``, appended one whole line per ``os.write`` (a kill tears at most the last line)."""
+
+    def __init__(self, path: Path) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+    def write(self, **event: Any) -> None:
+        os.write(self._fd, (json.dumps({**event, "t": time.time()}) + "\n").encode())
+
+
+class _KillingBuffer:
+    """The replay buffer as ``save_checkpoint`` sees it, killing this process when asked for its state
+    (the collector's file is written by then: a torn save)."""
+
+    def __init__(self, buffer: ReplayBuffer) -> None:
+        self._buffer = buffer
+
+    def state_dict(self) -> dict[str, Any]:
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("unreachable: SIGKILL")
+
+
+class _KillingCollector:
+    def __init__(self, collector: Any) -> None:
+        self._collector = collector
+
+    def state_dict(self) -> Any:
+        os.kill(os.getpid(), signal.SIGKILL)
+        raise AssertionError("unreachable: SIGKILL")
+
+
+def save(folder: Path, collector: Any, buffer: ReplayBuffer, kill: dict[str, Any] | None) -> None:
+    """``save_checkpoint``, with the planned kill inside it if ``kill`` says so."""
+    collectors: list[Any] = [collector]
+    replay_buffer: Any = buffer
+    if kill is not None and kill["point"] == "collector":
+        collectors = [_KillingCollector(collector)]
+    elif kill is not None and kill["point"] == "buffer":
+        replay_buffer = _KillingBuffer(buffer)
+    elif kill is not None:
+        timer = threading.Timer(kill["delay_s"], os.kill, (os.getpid(), signal.SIGKILL))
+        timer.daemon = True
+        timer.start()
+    save_checkpoint(folder, collectors, replay_buffer=replay_buffer)
+
+
+def restore(config: dict[str, Any], collector: Any, buffer: ReplayBuffer, base: Any, log: Log) -> int:
+    """Load the checkpoint if there is one (the documented recipe); the batch to continue at."""
+    folder = Path(config["workdir"]) / "ckpt"
+    start = time.monotonic()
+    pids = actor_pids(collector, buffer) if config["scenario"] == "ray" else {}
+    if not (folder / MANIFEST).exists():
+        log.write(event="start", batch=0, restored=False, restore_s=0.0, weights_ok=True, pids=pids)
+        return 0
+    load_checkpoint(folder, [collector], replay_buffer=buffer)
+    batch = int(collector.policy_version)
+    expected = trainer_weights(config["scenario"], batch, base)
+    held = held_weights(config["scenario"], collector)
+    weights_ok = all(torch.equal(held[name], tensor) for name, tensor in expected.items())
+    restore_s = time.monotonic() - start
+    log.write(event="start", batch=batch, restored=True, restore_s=restore_s, weights_ok=weights_ok, pids=pids)
+    return batch
+
+
+def held_weights(scenario: str, collector: Any) -> dict[str, torch.Tensor]:
+    """The weights the collector's engine or model holds now."""
+    if scenario == "continuous":
+        return collector.engine.model.state_dict()
+    if scenario == "lockstep":
+        return collector.policy.engine.model.state_dict()
+    if scenario == "ray":
+        return collector.state_dict()["policy_state_dict"]
+    return collector.get_policy_model().state_dict()
+
+
+def run(config: dict[str, Any]) -> None:
+    workdir = Path(config["workdir"])
+    log = Log(workdir / "log.jsonl")
+    collector, buffer, base = build(config["scenario"], config.get("model_dir"))
+    first = restore(config, collector, buffer, base, log)
+    for index in range(first, config["num_batches"]):
+        start = time.monotonic()
+        batch = collector.next()
+        turns = [turn_record(t) for t in flatten_turns(batch)]
+        buffer.extend(batch)
+        sampled = flatten_turns(buffer.sample(4))
+        collector.update_policy_weights_(trainer_weights(config["scenario"], index + 1, base))
+        collect_s = time.monotonic() - start
+        sample = [[int(t[keys.TRAJ_IDS]), int(t[keys.STEP_COUNT])] for t in sampled]
+        log.write(event="batch", batch=index, turns=turns, sample=sample, collect_s=collect_s)
+        if (index + 1) % config["ckpt_every"] == 0:
+            _checkpoint(config, index + 1, collector, buffer, log)
+    log.write(event="done", batch=config["num_batches"])
+    if config["scenario"] == "continuous":
+        collector.shutdown()
+        collector.engine.close()
+    elif config["scenario"] == "ray":
+        collector.shutdown()
+        buffer.shutdown()
+
+
+def _checkpoint(config: dict[str, Any], batch: int, collector: Any, buffer: ReplayBuffer, log: Log) -> None:
+    config["saves"] = config.get("saves", 0) + 1  # this run's saves so far
+    kill = config.get("save_kill")
+    kill = kill if kill is not None and kill["nth"] == config["saves"] else None
+    start = time.monotonic()
+    if config["scenario"] == "continuous":
+        with collector.pause():
+            save(Path(config["workdir"]) / "ckpt", collector, buffer, kill)
+    else:
+        save(Path(config["workdir"]) / "ckpt", collector, buffer, kill)
+    log.write(event="ckpt", batch=batch, save_s=time.monotonic() - start)
+
+
+def run_child(config_path: str) -> None:
+    """In a forked child: a session of its own, stderr to the run's file, TMPDIR the run's; run; exit."""
+    code = 1
+    try:
+        os.setsid()
+        config = json.loads(Path(config_path).read_text())
+        stderr = os.open(Path(config["workdir"]) / "stderr.txt", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(stderr, 2)
+        os.environ["TMPDIR"] = str(Path(config["workdir"]) / "tmp")
+        tempfile.tempdir = None
+        run(config)
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def serve() -> None:
+    """A fork server: import everything once, then for each config path read on stdin fork a child that
+    runs it (a new process holding nothing of the earlier runs but the imported modules: what it
+    knows of them comes from the checkpoint), print ``{"pid": ...}``, wait for it, print its exit."""
+    import lmcollect.collectors  # imported once, before the forks
+    import lmcollect.envs
+    import lmcollect.policies
+    import lmcollect.testing
+
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        pid = os.fork()
+        if pid == 0:
+            run_child(line.strip())
+        print(json.dumps({"pid": pid}), flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)}), flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--serve":
+        serve()
+    else:
+        run(json.loads(Path(sys.argv[1]).read_text()))
