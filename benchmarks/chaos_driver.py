@@ -46,15 +46,92 @@ TURNS_PER_BATCH = 8
 GROUP_SIZE = 2
 
 
+PUSHES = {"tiny": "full", "tiny-delta": "delta", "tiny-lora": "lora"}
+"""The tiny scenarios' pushes: full weights, deltas (a :class:`~lmcollect.weights.delta.DeltaBase` of the
+last push; a restarted driver has none, so its first push is full) or LoRA adapters (merged by the engine
+into its kept base; a checkpoint holds base and adapter)."""
+LORA_RANK = 2
+
+
+def model_kind(scenario: str) -> str:
+    """``tiny`` for every tiny scenario (they differ in their pushes only), else the scenario."""
+    return "tiny" if scenario in PUSHES else scenario
+
+
 def trainer_weights(scenario: str, version: int, model: Any = None) -> dict[str, torch.Tensor]:
-    """The weights the trainer pushes as ``version`` (a pure function of it: the trainer's state)."""
-    if scenario != "tiny":
+    """The weights the trainer pushes as ``version`` (a pure function of it: the trainer's state);
+    ``tiny-lora``: the base with :func:`trainer_adapter` merged (what the engine holds after its push)."""
+    if model_kind(scenario) != "tiny":
         return {"tag": torch.tensor([float(version)])}
+    if scenario == "tiny-lora":
+        base = {name: tensor.detach() for name, tensor in model.named_parameters()}
+        return {**base, **trainer_adapter(version, model).merged_into(base)}
     generator = torch.Generator().manual_seed(1000 + version)
+    if scenario == "tiny-delta":  # a few elements of each tensor move per version: a sparse delta
+        return {name: _nudged(tensor.detach(), version) for name, tensor in model.named_parameters()}
     return {  # named_parameters: each tied tensor once (a push of both names would set it twice)
         name: tensor.detach() + torch.randn(tensor.shape, generator=generator).to(tensor.dtype) * 0.02
         for name, tensor in model.named_parameters()
     }
+
+
+def _nudged(tensor: torch.Tensor, version: int) -> torch.Tensor:
+    out = tensor.clone()
+    flat = out.view(-1)
+    flat[: min(8, flat.numel())] += 0.01 * version
+    return out
+
+
+def trainer_adapter(version: int, model: Any) -> Any:
+    """The LoRA adapter the trainer pushes as ``version``: rank 2 on the model's first attention query."""
+    from lmcollect.weights.lora import LoraAdapter, LoraLayerWeights
+
+    name = next(n for n, _ in model.named_parameters() if n.endswith("q_proj.weight"))
+    out_features, in_features = dict(model.named_parameters())[name].shape
+    generator = torch.Generator().manual_seed(2000 + version)
+    lora_a = torch.randn(LORA_RANK, in_features, generator=generator) * 0.05
+    lora_b = torch.randn(out_features, LORA_RANK, generator=generator) * 0.05
+    return LoraAdapter(layers={name: LoraLayerWeights(lora_a, lora_b, 2.0)}, rank=LORA_RANK)
+
+
+class Pusher:
+    """The trainer's side of a push, as ``PUSHES`` says (full weights for the non-tiny scenarios)."""
+
+    def __init__(self, scenario: str) -> None:
+        from lmcollect.weights.delta import DeltaBase, DeltaConfig
+
+        self.scenario = scenario
+        self.base = DeltaBase(DeltaConfig()) if PUSHES.get(scenario) == "delta" else None
+        self.kinds: list[str] = []
+        """What each push of this run was (``full``, ``delta``, ``lora``): logged with the batch."""
+
+    def push(self, collector: Any, version: int, model: Any) -> None:
+        from lmcollect.weights.delta import DeltaRejectedError
+        from lmcollect.weights.version import PushVersion
+
+        if PUSHES.get(self.scenario) == "lora":
+            collector.receive_weights(trainer_adapter(version, model), version=PushVersion(version))
+            self.kinds.append("lora")
+            return
+        weights = trainer_weights(self.scenario, version, model)
+        if self.base is None:
+            collector.update_policy_weights_(weights)
+            self.kinds.append("full")
+            return
+        pushed = PushVersion(version)  # one push, one id: a delta applies to the very push it was made from
+        encoded = self.base.encode(weights)
+        if encoded is not None:
+            try:
+                collector.receive_weights(encoded.delta, version=pushed)
+            except DeltaRejectedError:
+                encoded = None
+            else:
+                self.base.commit(encoded, pushed)
+                self.kinds.append("delta")
+                return
+        collector.receive_weights(weights, version=pushed)
+        self.base.snapshot(weights, pushed)
+        self.kinds.append("full")
 
 
 def build(scenario: str, model_dir: str | None) -> tuple[Any, Any, Any]:
@@ -75,7 +152,7 @@ def build(scenario: str, model_dir: str | None) -> tuple[Any, Any, Any]:
         from lmcollect.testing import ScriptedPolicy
 
         policy, base = ScriptedPolicy(binary_search_player), None
-    elif scenario == "tiny":
+    elif model_kind(scenario) == "tiny":
         if model_dir is None:
             raise ValueError("the tiny scenario needs model_dir (the tiny model's folder: get_model_path).")
         from lmcollect.models import load_model_and_tokenizer
@@ -236,6 +313,34 @@ def restore(config: dict[str, Any], collector: Any, buffer: ReplayBuffer, base: 
     return batch
 
 
+def engine_of(scenario: str, collector: Any) -> Any:
+    """The engine a push loads into (the ray scenario's is in its actor: not hooked)."""
+    if scenario == "continuous":
+        return collector.engine
+    if scenario == "ray":
+        raise ValueError("push:mid kills are not planned for the ray scenario (its engine is in the actor).")
+    return collector.policy.engine
+
+
+def kill_inside_push(engine: Any, kill: dict[str, Any]) -> None:
+    """SIGKILL this process inside this run's ``kill["nth"]`` push: as the engine's load begins
+    (``"before"``: nothing loaded) or once it has loaded (``"after"``: the engine holds the new weights,
+    the trainer never heard back). Either way the push is not acknowledged: a restore must give the
+    weights of the checkpoint's version."""
+    load, pushes = engine.load_weights, [0]
+
+    def killing_load(*args: Any, **kwargs: Any) -> Any:
+        pushes[0] += 1
+        if pushes[0] == kill["nth"] and kill["point"] == "before":
+            os.kill(os.getpid(), signal.SIGKILL)
+        result = load(*args, **kwargs)
+        if pushes[0] == kill["nth"]:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+    engine.load_weights = killing_load
+
+
 def held_weights(scenario: str, collector: Any) -> dict[str, torch.Tensor]:
     """The weights the collector's engine or model holds now."""
     if scenario == "continuous":
@@ -252,16 +357,20 @@ def run(config: dict[str, Any]) -> None:
     log = Log(workdir / "log.jsonl")
     collector, buffer, base = build(config["scenario"], config.get("model_dir"))
     first = restore(config, collector, buffer, base, log)
+    if config.get("push_kill") is not None:
+        kill_inside_push(engine_of(config["scenario"], collector), config["push_kill"])
+    pusher = Pusher(config["scenario"])
     for index in range(first, config["num_batches"]):
         start = time.monotonic()
         batch = collector.next()
         turns = [turn_record(t) for t in flatten_turns(batch)]
         buffer.extend(batch)
         sampled = flatten_turns(buffer.sample(4))
-        collector.update_policy_weights_(trainer_weights(config["scenario"], index + 1, base))
+        pusher.push(collector, index + 1, base)
         collect_s = time.monotonic() - start
         sample = [[int(t[keys.TRAJ_IDS]), int(t[keys.STEP_COUNT])] for t in sampled]
-        log.write(event="batch", batch=index, turns=turns, sample=sample, collect_s=collect_s)
+        push = pusher.kinds[-1]
+        log.write(event="batch", batch=index, turns=turns, sample=sample, collect_s=collect_s, push=push)
         if (index + 1) % config["ckpt_every"] == 0:
             _checkpoint(config, index + 1, collector, buffer, log)
     log.write(event="done", batch=config["num_batches"])
