@@ -56,7 +56,9 @@ PUSH_POINTS = ("before", "after")
 """Where a ``push:mid`` kill lands in the engine's load: as it begins, or once it has loaded (not acknowledged)."""
 TINY = ("tiny", "tiny-delta", "tiny-lora")
 """The tiny model's scenarios: full pushes, delta pushes, LoRA adapter pushes."""
-SCENARIOS = ("lockstep", "continuous", *TINY, "ray")
+SCENARIOS = ("lockstep", "lockstep-ds", "continuous", *TINY, "ray")
+"""``lockstep-ds``: lockstep with dynamic sampling (``drop_uniform_rewards``; a seeded scripted player whose
+groups are some mixed, some uniform)."""
 RAY_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
 """Ray's processes that outlive a SIGKILLed driver that started a local cluster (Ray 2.60): Ray's
 leftovers, not lmcollect's, so counted apart (and ended by the harness)."""
@@ -545,6 +547,10 @@ def _check_exact(kept: list[dict[str, Any]], expected: list[dict[str, Any]], rep
     if diffs:
         report.problems.append(f"{name}: {len(diffs)} turns differ from the reference's, e.g. {diffs[0]}")
     samples = [a["batch"] for a, b in zip(kept, expected, strict=False) if a["sample"] != b["sample"]]
+    counts = [a["batch"] for a, b in zip(kept, expected, strict=False) if a.get("counts") != b.get("counts")]
+    report.token_diffs += len(counts)
+    if counts:
+        report.problems.append(f"{name}: dynamic sampling's counts (kept, dropped) differ after batches {counts}")
     report.token_diffs += len(samples)
     if samples:
         report.problems.append(f"{name}: the buffer's samples differ from the reference's after batches {samples}")
@@ -774,7 +780,7 @@ def quick_config(seed: int = 0) -> ChaosConfig:
         num_batches=8,
         ckpt_every=2,
         kills_per_episode=5,
-        scenarios=("lockstep", "continuous"),
+        scenarios=("lockstep", "lockstep-ds", "continuous"),
         fork_server=True,
     )
 

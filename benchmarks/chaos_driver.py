@@ -148,10 +148,16 @@ def build(scenario: str, model_dir: str | None) -> tuple[Any, Any, Any]:
     env = ChatEnv(rows, task=task, batch_size=2 * GROUP_SIZE, repeats=GROUP_SIZE, max_turns=5, seed=0)
     from lmcollect.collectors import LLMCollector
 
+    dynamic_sampling = None
     if scenario == "lockstep":
         from lmcollect.testing import ScriptedPolicy
 
         policy, base = ScriptedPolicy(binary_search_player), None
+    elif scenario == "lockstep-ds":
+        from lmcollect.collectors import DynamicSampling, drop_uniform_rewards
+
+        policy, base = _seeded_scripted_policy(binary_search_player), None
+        dynamic_sampling = DynamicSampling(group_filter=drop_uniform_rewards())
     elif model_kind(scenario) == "tiny":
         if model_dir is None:
             raise ValueError("the tiny scenario needs model_dir (the tiny model's folder: get_model_path).")
@@ -163,9 +169,41 @@ def build(scenario: str, model_dir: str | None) -> tuple[Any, Any, Any]:
         policy = TransformersPolicy(model, tokenizer, max_new_tokens=6, temperature=1.0, seed=0)
     else:
         raise ValueError(f"unknown scenario {scenario!r}; use lockstep, continuous, tiny or ray.")
-    collector = LLMCollector(env, policy=policy, dialog_turns_per_batch=TURNS_PER_BATCH, track_policy_version=True)
+    collector = LLMCollector(
+        env,
+        policy=policy,
+        dialog_turns_per_batch=TURNS_PER_BATCH,
+        track_policy_version=True,
+        dynamic_sampling=dynamic_sampling,
+    )
     collector.worker_idx = 0
     return collector, buffer, base
+
+
+def _seeded_scripted_policy(player: Any) -> Any:
+    """An ``EnginePolicy`` over a scripted engine whose answer depends on the request's seed too: the
+    player's answer for even seeds, "pass" (an invalid guess, reward 0) for odd ones. The members of a
+    group get different seeds, so some groups have mixed rewards (kept by ``drop_uniform_rewards``) and
+    some uniform (dropped). The seeds are drawn by the policy (seeded, and part of its checkpointed state),
+    so a restored run answers as the uninterrupted one."""
+    from lmcollect.policies import EnginePolicy, SamplingConfig
+    from lmcollect.testing.scripted_engine import ByteTokenizer, ScriptedEngine
+
+    tokenizer = ByteTokenizer()
+    seeds = threading.local()
+
+    def script(prompt_ids: list[int]) -> list[int]:
+        if seeds.current % 2:
+            return tokenizer.encode("pass")
+        return tokenizer.encode(player(tokenizer.parse_chat(tokenizer.decode(prompt_ids))))
+
+    class SeededScriptedEngine(ScriptedEngine):
+        def submit(self, request: Any) -> Any:
+            seeds.current = request.seed  # read by script() inside this call
+            return super().submit(request)
+
+    engine = SeededScriptedEngine(script=script)
+    return EnginePolicy(engine, tokenizer=tokenizer, sampling=SamplingConfig(temperature=1.0, max_new_tokens=64), seed=0)
 
 
 def _continuous(rows: Any, task: Any, player: Any) -> Any:
@@ -313,6 +351,14 @@ def restore(config: dict[str, Any], collector: Any, buffer: ReplayBuffer, base: 
     return batch
 
 
+def _sampling_counts(collector: Any) -> dict[str, Any] | None:
+    """Dynamic sampling's counts so far (groups kept, dropped by reason), or None without it."""
+    counts = getattr(collector, "sampling_counts", None)
+    if counts is None:
+        return None
+    return {"kept": int(counts.groups_kept), "dropped": dict(sorted(counts.groups_dropped.items()))}
+
+
 def engine_of(scenario: str, collector: Any) -> Any:
     """The engine a push loads into (the ray scenario's is in its actor: not hooked)."""
     if scenario == "continuous":
@@ -345,7 +391,7 @@ def held_weights(scenario: str, collector: Any) -> dict[str, torch.Tensor]:
     """The weights the collector's engine or model holds now."""
     if scenario == "continuous":
         return collector.engine.model.state_dict()
-    if scenario == "lockstep":
+    if scenario in ("lockstep", "lockstep-ds"):
         return collector.policy.engine.model.state_dict()
     if scenario == "ray":
         return collector.state_dict()["policy_state_dict"]
@@ -370,7 +416,8 @@ def run(config: dict[str, Any]) -> None:
         collect_s = time.monotonic() - start
         sample = [[int(t[keys.TRAJ_IDS]), int(t[keys.STEP_COUNT])] for t in sampled]
         push = pusher.kinds[-1]
-        log.write(event="batch", batch=index, turns=turns, sample=sample, collect_s=collect_s, push=push)
+        counts = _sampling_counts(collector)
+        log.write(event="batch", batch=index, turns=turns, sample=sample, collect_s=collect_s, push=push, counts=counts)
         if (index + 1) % config["ckpt_every"] == 0:
             _checkpoint(config, index + 1, collector, buffer, log)
     log.write(event="done", batch=config["num_batches"])
