@@ -5,13 +5,15 @@ Run: ``python benchmarks/chaos.py --kills 200`` (the long form) or ``--quick`` (
 suite's short form: tests/faults/test_chaos_short.py). Prints a table and ends with one JSON line.
 
 Each episode runs one scenario of :mod:`benchmarks.chaos_driver` (``lockstep``: ``LLMCollector``
-over the scripted engine; ``continuous``: ``ContinuousLLMCollector`` over it; ``tiny``: the lockstep
-collector over the tiny HF model sampling at temperature 1; ``ray``: ``RayLLMCollector`` and
-``RayReplayBuffer`` on a local Ray cluster; the last two in the long form only) as a child process
-in its own session, with GRPO groups, a replay buffer, a full push per batch and a checkpoint every
-``ckpt_every`` batches. The harness kills it as planned (``driver``: SIGKILL after a random delay
+over the scripted engine; ``lockstep-ds``: the same with dynamic sampling, ``drop_uniform_rewards``;
+``continuous``: ``ContinuousLLMCollector`` over the scripted engine; ``tiny``, ``tiny-delta``,
+``tiny-lora``: the lockstep collector over the tiny HF model sampling at temperature 1, with full,
+delta or LoRA adapter pushes; ``ray``: ``RayLLMCollector`` and ``RayReplayBuffer`` on a local Ray
+cluster; the tiny and ray ones in the long form only) as a child process in its own session, with
+GRPO groups, a replay buffer, a push per batch and a checkpoint every ``ckpt_every`` batches. The harness kills it as planned (``driver``: SIGKILL after a random delay
 once it has restored; ``restore``: SIGKILL while it starts and loads the checkpoint; ``save:*``:
-the driver kills itself inside ``save_checkpoint``; ``actor:*``: SIGKILL of the ray scenario's
+the driver kills itself inside ``save_checkpoint``; ``push:mid``: it kills itself inside a push,
+as the engine's load begins or once it loaded, unacknowledged; ``actor:*``: SIGKILL of the ray scenario's
 collector or buffer actor, after which the driver must fail within its call timeout), restarts it
 the way docs/checkpoints.md says (build the same setup, ``load_checkpoint``), and goes on until the
 planned batches are done.
@@ -116,6 +118,8 @@ class Report:
     overhead: dict[str, float] = field(default_factory=dict)
     """Per scenario: the reference run's checkpoint time / collection time."""
     episodes: int = 0
+    scenarios: Counter[str] = field(default_factory=Counter)
+    """Episodes by scenario."""
 
 
 # ---------------------------------------------------------------------- the plan
@@ -350,6 +354,7 @@ def run_episode(
     episode_run.run_once(None)  # the run to the end (after a kill), or a restore of the finished run
     _check_episode(workdir, scenario, read_log(workdir / "log.jsonl"), reference, report, shm_before)
     report.episodes += 1
+    report.scenarios[scenario] += 1
 
 
 class EpisodeRuns:
@@ -717,6 +722,7 @@ def summarize(report: Report, config: ChaosConfig, wall_s: float) -> dict[str, A
         "kills": len(report.kills),
         "missed": report.missed,
         "episodes": report.episodes,
+        "scenarios": dict(sorted(report.scenarios.items())),
         "kinds": kinds,
         "checkpoint_overhead": report.overhead,
         "lost": report.lost,
@@ -757,7 +763,9 @@ def format_table(summary: dict[str, Any]) -> str:
     lines += [
         "",
         f"kills {summary['kills']} (planned kills that landed after the run ended: {summary['missed']}), "
-        f"episodes {summary['episodes']}, wall {summary['wall_s']:.0f} s",
+        f"episodes {summary['episodes']} ("
+        + ", ".join(f"{name} {n}" for name, n in summary["scenarios"].items())
+        + f"), wall {summary['wall_s']:.0f} s",
         f"checkpoint overhead (save time / collection time, a checkpoint every "
         f"{summary['config']['ckpt_every']} batches): {overhead}",
         f"pairs lost {summary['lost']}, duplicated {summary['duplicated']}, token diffs {summary['token_diffs']}, "

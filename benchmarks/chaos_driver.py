@@ -3,10 +3,12 @@
 Run by ``benchmarks/chaos.py`` as ``python -m benchmarks.chaos_driver CONFIG.json`` (a fresh
 interpreter per run), or forked from ``python -m benchmarks.chaos_driver --serve`` (a fork server
 that imports torch and lmcollect once: the short form's restarts then cost a fork, not an import). It builds a
-collection setup (a scenario: lockstep, continuous, tiny or ray; GRPO groups, a replay buffer),
+collection setup (a scenario: lockstep, lockstep-ds, continuous, tiny, tiny-delta, tiny-lora or ray; GRPO
+groups, a replay buffer),
 restores ``<workdir>/ckpt`` if a checkpoint is there (the recipe of docs/checkpoints.md: build the
 same setup, ``load_checkpoint``), then for each batch: collect, write it to the buffer, sample the
-buffer, push the trainer's weights for the next version (one full push per batch), and every
+buffer, push the trainer's weights for the next version (one push per batch: full, delta or LoRA
+adapter, see :data:`PUSHES`), and every
 ``ckpt_every`` batches ``save_checkpoint`` (the continuous collector paused around it).
 
 Everything it yields goes to ``<workdir>/log.jsonl``, one JSON line per event, written before the
@@ -20,6 +22,7 @@ A planned kill inside this run's ``nth`` save (``config["save_kill"]``) is done 
 ``"collector"`` while the collector's state is taken (no file written), ``"buffer"`` after the
 collector's file is written and before the buffer's (a torn save), ``"delay"`` after a delay from
 the start of the save (any moment of it, the manifest's replace and the old files' removal included).
+A planned kill inside this run's ``nth`` push (``config["push_kill"]``, :func:`kill_inside_push`) too.
 """
 
 from __future__ import annotations
