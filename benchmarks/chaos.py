@@ -13,7 +13,7 @@ cluster; the tiny and ray ones in the long form only) as a child process in its 
 GRPO groups, a replay buffer, a push per batch and a checkpoint every ``ckpt_every`` batches. The harness kills it as planned (``driver``: SIGKILL after a random delay
 once it has restored; ``restore``: SIGKILL while it starts and loads the checkpoint; ``save:*``:
 the driver kills itself inside ``save_checkpoint``; ``push:mid``: it kills itself inside a push,
-as the engine's load begins or once it loaded, unacknowledged; ``actor:*``: SIGKILL of the ray scenario's
+in the collector's weight loader as the load begins or once it loaded, unacknowledged; ``actor:*``: SIGKILL of the ray scenario's
 collector or buffer actor, after which the driver must fail within its call timeout), restarts it
 the way docs/checkpoints.md says (build the same setup, ``load_checkpoint``), and goes on until the
 planned batches are done.

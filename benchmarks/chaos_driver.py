@@ -362,21 +362,16 @@ def _sampling_counts(collector: Any) -> dict[str, Any] | None:
     return {"kept": int(counts.groups_kept), "dropped": dict(sorted(counts.groups_dropped.items()))}
 
 
-def engine_of(scenario: str, collector: Any) -> Any:
-    """The engine a push loads into (the ray scenario's is in its actor: not hooked)."""
-    if scenario == "continuous":
-        return collector.engine
-    if scenario == "ray":
-        raise ValueError("push:mid kills are not planned for the ray scenario (its engine is in the actor).")
-    return collector.policy.engine
-
-
-def kill_inside_push(engine: Any, kill: dict[str, Any]) -> None:
-    """SIGKILL this process inside this run's ``kill["nth"]`` push: as the engine's load begins
-    (``"before"``: nothing loaded) or once it has loaded (``"after"``: the engine holds the new weights,
-    the trainer never heard back). Either way the push is not acknowledged: a restore must give the
-    weights of the checkpoint's version."""
-    load, pushes = engine.load_weights, [0]
+def kill_inside_push(collector: Any, kill: dict[str, Any]) -> None:
+    """SIGKILL this process inside this run's ``kill["nth"]`` push, in the collector's weight loader (every
+    push goes through it: full, delta, adapter): as the load begins (``"before"``: nothing loaded) or once
+    it has loaded (``"after"``: the engine holds the new weights and version, the trainer never heard
+    back). Either way the push is not acknowledged: a restore must give the checkpoint's version's weights.
+    The ray scenario's loader is in its actor: not hooked (no ``push:mid`` kill is planned there)."""
+    if not hasattr(collector, "weight_loader"):
+        raise ValueError("push:mid kills need an in-process collector (its weight_loader); the ray one has none.")
+    loader = collector.weight_loader
+    load, pushes = loader.load, [0]
 
     def killing_load(*args: Any, **kwargs: Any) -> Any:
         pushes[0] += 1
@@ -387,7 +382,7 @@ def kill_inside_push(engine: Any, kill: dict[str, Any]) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return result
 
-    engine.load_weights = killing_load
+    loader.load = killing_load
 
 
 def held_weights(scenario: str, collector: Any) -> dict[str, torch.Tensor]:
@@ -407,7 +402,7 @@ def run(config: dict[str, Any]) -> None:
     collector, buffer, base = build(config["scenario"], config.get("model_dir"))
     first = restore(config, collector, buffer, base, log)
     if config.get("push_kill") is not None:
-        kill_inside_push(engine_of(config["scenario"], collector), config["push_kill"])
+        kill_inside_push(collector, config["push_kill"])
     pusher = Pusher(config["scenario"])
     for index in range(first, config["num_batches"]):
         start = time.monotonic()
