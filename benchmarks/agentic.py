@@ -103,7 +103,7 @@ TARGET_GRPO_NO_PUSH = 1.8  # continuous GRPO with pushes / lockstep LLMCollector
 TARGET_PUSH_RECOMPUTE = 0.80  # continuous with a push per batch / continuous without pushes, kv_policy="recompute"
 TARGET_PUSH_KEEP = 0.95  # the same, kv_policy="keep"
 TARGET_PUSH_VS_SYNC = 1.6  # continuous with a push per batch / lockstep LLMCollector with the same pushes
-TARGET_AGENT = 0.85  # an agent program through the OpenAI-compatible endpoint / the same logic as a ChatEnv task
+TARGET_AGENT = 0.9  # an agent program through the OpenAI-compatible endpoint (HTTP) / the same logic as a ChatEnv task (issue 52)
 TARGET_AGENT_IN_PROCESS = 0.95  # the same through the in-process transport (issue 52)
 TARGET_AGENT_FRAMEWORK = 0.85  # the same agent written with the OpenAI Agents SDK, in-process (issue 52)
 GROUP_SIZE = 4  # dialogs per row in the GRPO modes

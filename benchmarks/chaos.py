@@ -666,9 +666,10 @@ def stray_checkpoint_files(folder: Path) -> list[str]:
     if not folder.is_dir():
         return []
     manifest = json.loads((folder / "manifest.json").read_text())
-    named = {e["file"] for e in manifest["collectors"]} | (
-        {manifest["replay_buffer"]["file"]} if manifest.get("replay_buffer") else set()
-    )
+    buffer = manifest.get("replay_buffer") or {}
+    named = {e["file"] for e in manifest["collectors"] + buffer.get("segments", [])} | (
+        {buffer["file"]} if buffer else set()
+    )  # the buffer: its head file and its segments (lmcollect/checkpoint_buffer.py)
     return sorted(p.name for p in folder.iterdir() if p.name not in named | {"manifest.json", ".save.lock"})
 
 

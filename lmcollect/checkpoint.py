@@ -35,9 +35,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from lmcollect.checkpoint_buffer import load_buffer_state, previous_entry, save_buffer
 from lmcollect.data import codec
 
-FORMAT = 1
+FORMAT = 2  # 2: the replay buffer in segments (lmcollect.checkpoint_buffer); format 1 still loads
+READS_FORMATS = (1, 2)
 MANIFEST = "manifest.json"
 SAVE_LOCK = ".save.lock"
 _RUST_TMP = re.compile(r"\.tmp[A-Za-z0-9]{6}")
@@ -95,11 +97,8 @@ def _save(folder: Path, collectors: Sequence[Any], replay_buffer: Any) -> Path:
         "collectors": entries,
         "replay_buffer": None,
     }
-    if replay_buffer is not None:
-        state = replay_buffer.state_dict()
-        name = f"replay_buffer.{save_id}.safetensors"
-        codec.save(folder / name, state)
-        manifest["replay_buffer"] = {"file": name, "capacity": state["capacity"], "size": len(state["storage"])}
+    if replay_buffer is not None:  # only the turns added since the previous save in this folder
+        manifest["replay_buffer"] = save_buffer(folder, replay_buffer, save_id, previous_entry(folder, MANIFEST))
     tmp = folder / f"{MANIFEST}.{save_id}.tmp"
     with os.fdopen(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600), "w", encoding="utf-8") as out:
         out.write(json.dumps(manifest, indent=2))
@@ -110,7 +109,8 @@ def _save(folder: Path, collectors: Sequence[Any], replay_buffer: Any) -> Path:
 
 def _manifest_files(manifest: dict[str, Any]) -> list[dict[str, Any]]:
     buffer = manifest.get("replay_buffer")
-    return list(manifest.get("collectors", [])) + ([buffer] if buffer is not None else [])
+    buffer_files = [] if buffer is None else [buffer, *buffer.get("segments", [])]
+    return list(manifest.get("collectors", [])) + buffer_files
 
 
 def _remove_other_saves(folder: Path, keep: set[str]) -> None:
@@ -202,9 +202,9 @@ def _read_checkpoint(folder: Path, num_collectors: int, replay_buffer: Any) -> t
             f"{folder} has no {MANIFEST}: not a checkpoint, or one whose save did not finish; pick another folder."
         )
     manifest = json.loads(_regular_file_in(folder, MANIFEST).read_text(encoding="utf-8"))
-    if manifest.get("format") != FORMAT:
+    if manifest.get("format") not in READS_FORMATS:
         raise ValueError(
-            f"{folder}: checkpoint format {manifest.get('format')!r}, this lmcollect reads format {FORMAT}."
+            f"{folder}: checkpoint format {manifest.get('format')!r}, this lmcollect reads formats {READS_FORMATS}."
         )
     entries = manifest["collectors"]
     if len(entries) != num_collectors:
@@ -219,9 +219,12 @@ def _read_checkpoint(folder: Path, num_collectors: int, replay_buffer: Any) -> t
             f"{'drop replay_buffer=' if saved_buffer is None else 'pass replay_buffer='} to restore it."
         )
     paths = [_checked_file(folder, entry) for entry in entries]
-    buffer_path = None if saved_buffer is None else _checked_file(folder, saved_buffer)
     states = [codec.load(path) for path in paths]
-    buffer_state = None if buffer_path is None else codec.load(buffer_path)
+    if saved_buffer is not None and not isinstance(saved_buffer, dict):
+        raise ValueError(f"{folder / MANIFEST}: its replay_buffer entry is malformed; not written by save_checkpoint.")
+    buffer_state = None
+    if saved_buffer is not None:
+        buffer_state = load_buffer_state(folder, saved_buffer, lambda entry: _checked_file(folder, entry))
     if buffer_state is not None and buffer_state.get("capacity") != replay_buffer_capacity(replay_buffer):
         raise ValueError(
             f"{folder}: the replay buffer was saved with capacity={buffer_state.get('capacity')}, the given one has "

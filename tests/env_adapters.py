@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from tensordict import TensorDictBase
@@ -62,6 +63,16 @@ def check_prompts_extend_full_tokens(turns: list) -> int:
     return num_checked
 
 
+def check_whole_groups(turns: list, group_size: int) -> int:
+    """Every GRPO group in ``turns`` holds ``group_size`` dialogs of one prompt; returns the number of groups."""
+    groups = groups_of(turns)
+    for group_id, group in groups.items():
+        dialogs = {int(t[keys.TRAJ_IDS]) for t in group}
+        assert len(dialogs) == group_size, f"group {group_id} holds {len(dialogs)} dialogs, not {group_size}"
+        assert len({int(t[keys.ENV_PROMPT_ID]) for t in group}) == 1, f"group {group_id} mixes prompts"
+    return len(groups)
+
+
 def groups_of(turns: list) -> dict[int, list]:
     """Turns by GRPO group id."""
     groups: dict[int, list] = defaultdict(list)
@@ -70,25 +81,65 @@ def groups_of(turns: list) -> dict[int, list]:
     return groups
 
 
-# ---- env and policy factories a Ray collector's actor builds (pickled by name: they live in an importable module)
+# ---- collection in a Ray collector's actor: the env factory and the player travel pickled (by name: they live in
+# importable modules, or are picklable objects), the env, the policy or engine are built inside the actor
+def collect_turns_in_ray(
+    kind: str,
+    make_env: Callable[[], object],
+    player: Callable[[History], str],
+    num_turns: int,
+    sampling: SamplingConfig = SAMPLING,
+    *,
+    dialogs_in_flight: int = 4,
+) -> list:
+    """``num_turns`` turns of ``make_env()`` answered by ``player``, by a :class:`RayLLMCollector`
+    (``kind="lockstep"``, over a :class:`ScriptedPolicy`) or a :class:`RayContinuousLLMCollector` (over a
+    :class:`ScriptedEngine`, ``dialogs_in_flight`` slots) in an actor of a quarter CPU; shut down after."""
+    from lmcollect.ray.collector import RayLLMCollector
+    from lmcollect.ray.continuous import RayContinuousLLMCollector
+
+    common = {"num_cpus": 0.25, "dialog_turns_per_batch": num_turns}
+    if kind == "lockstep":
+        collector = RayLLMCollector(make_env, policy_factory=partial(ScriptedPolicy, player), flatten_data=True, **common)
+    else:
+        collector = RayContinuousLLMCollector(
+            make_env,
+            engine_factory=partial(scripted_engine, player),
+            tokenizer=ByteTokenizer(),
+            sampling=sampling,
+            max_dialogs_in_flight=dialogs_in_flight,
+            **common,
+        )
+    try:
+        return flatten_turns(collector.next())
+    finally:
+        collector.shutdown()
+
+
+def scripted_engine(player: Callable[[History], str]) -> ScriptedEngine:
+    return ScriptedEngine(script=chat_script(player))
+
+
 def make_reasoning_gym_env():
     return make_env("reasoning-gym:leg_counting", batch_size=4, repeats=2, num_samples=16, seed=0, attempts=2)
 
 
-def make_second_time_player() -> ScriptedPolicy:
-    """Wrong once, then right (every dialog two turns), answers from the same seeded generator."""
-    from lmcollect.compat.reasoning_gym import create_generator, reasoning_gym_rows
+class SecondTimePlayer:
+    """Answers leg_counting wrong once, then right (every dialog two turns), from the same seeded generator
+    (built where it first plays, so only the empty object is pickled)."""
 
-    answers = {
-        r["question"]: r["answer"] for r in reasoning_gym_rows(create_generator("leg_counting", seed=0, size=16))
-    }
+    def __init__(self) -> None:
+        self._answers: dict[str, str] | None = None
 
-    def player(history: History) -> str:
+    def __call__(self, history: History) -> str:
+        if self._answers is None:
+            from lmcollect.compat.reasoning_gym import create_generator, reasoning_gym_rows
+
+            rows = reasoning_gym_rows(create_generator("leg_counting", seed=0, size=16))
+            self._answers = {r["question"]: r["answer"] for r in rows}
         question = next(m.content for m in history.messages if m.role == "user")
         tried = any(m.role == "assistant" for m in history.messages)
-        return f"<answer>{answers[question]}</answer>" if tried else "<answer>none</answer>"
-
-    return ScriptedPolicy(player)
+        return f"<answer>{self._answers[question]}</answer>" if tried else "<answer>none</answer>"
 
 
 def make_counting_env():
@@ -97,10 +148,10 @@ def make_counting_env():
     return counting_env(batch_size=4, repeats=2)
 
 
-def make_counter() -> ScriptedPolicy:
-    from tests.unit.test_env_dialogs import counting_player
+def counting_player(history: History) -> str:
+    from tests.unit.test_env_dialogs import counting_player as player
 
-    return ScriptedPolicy(counting_player)
+    return player(history)
 
 
 def make_skyrl_gym_env():
@@ -110,7 +161,7 @@ def make_skyrl_gym_env():
     return make_env("skyrl-gym:gsm8k_multi_turn", rows=gsm8k_rows(8), batch_size=4, repeats=2, max_turns=3)
 
 
-def make_skyrl_gym_player() -> ScriptedPolicy:
+def skyrl_gym_player(history: History) -> str:
     from tests.unit.test_skyrl_gym import second_time_player
 
-    return ScriptedPolicy(second_time_player)
+    return second_time_player(history)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import uuid
 
 import torch
 from tensordict import TensorDictBase
@@ -29,6 +30,9 @@ class ReplayBuffer:
             raise ValueError(f"ReplayBuffer capacity must be a positive int, got {capacity!r}.")
         self.capacity = capacity
         self._storage: list[TensorDictBase] = []
+        self._serials: list[int] = []  # per slot: the serial of the write that filled it (for state_since)
+        self._next_serial = 0
+        self._lineage = uuid.uuid4().hex  # changes whenever the contents stop following from earlier writes
         self._cursor = 0
         self._write_count = 0
         self._lock = threading.Lock()
@@ -48,6 +52,7 @@ class ReplayBuffer:
     def __setstate__(self, state: dict) -> None:
         generator_state = state.pop("_generator")
         self.__dict__.update(state)
+        self._lineage = uuid.uuid4().hex  # a copy: its writes no longer follow the original's
         self._lock = threading.Lock()
         self._generator = torch.Generator()
         self._generator.set_state(generator_state)
@@ -71,8 +76,11 @@ class ReplayBuffer:
         index = self._cursor
         if len(self._storage) < self.capacity:
             self._storage.append(turn)
+            self._serials.append(self._next_serial)
         else:
             self._storage[index] = turn
+            self._serials[index] = self._next_serial
+        self._next_serial += 1
         self._cursor = (index + 1) % self.capacity
         self._write_count += 1
         return index
@@ -122,6 +130,8 @@ class ReplayBuffer:
     def empty(self) -> None:
         with self._lock:
             self._storage.clear()
+            self._serials.clear()
+            self._lineage = uuid.uuid4().hex
             self._cursor = 0
             self._write_count = 0
 
@@ -135,6 +145,31 @@ class ReplayBuffer:
                 "generator": self._generator.get_state(),
             }
 
+    def state_since(self, token: dict | None) -> dict:
+        """The changes since the state ``token`` marks (an earlier call's ``"token"``), for incremental saves.
+
+        Returns the small state (``capacity``, ``size``, ``cursor``, ``write_count``, ``generator``), the
+        turns written since then that are still stored (``turns``) with their slots (``slots``), and a new
+        ``token``. ``full`` is True when every stored turn is returned: ``token`` is None or from another
+        history of this buffer (before an :meth:`empty`, a :meth:`load_state_dict`, or in a pickled copy).
+        """
+        with self._lock:
+            serial = token.get("serial") if isinstance(token, dict) else None
+            full = type(serial) is not int or token is None or token.get("lineage") != self._lineage
+            since = 0 if full else int(serial)  # type: ignore[arg-type]
+            slots = [i for i, serial in enumerate(self._serials) if serial >= since]
+            return {
+                "capacity": self.capacity,
+                "size": len(self._storage),
+                "cursor": self._cursor,
+                "write_count": self._write_count,
+                "generator": self._generator.get_state(),
+                "slots": slots,
+                "turns": [self._storage[i] for i in slots],
+                "full": full,
+                "token": {"lineage": self._lineage, "serial": self._next_serial},
+            }
+
     def check_state_dict(self, state: dict) -> None:
         """Raise ValueError if :meth:`load_state_dict` would refuse ``state``; changes nothing."""
         self._parsed_state(state)
@@ -144,6 +179,9 @@ class ReplayBuffer:
         storage, cursor, write_count, generator = self._parsed_state(state)
         with self._lock:
             self._storage = storage
+            self._serials = list(range(self._next_serial, self._next_serial + len(storage)))
+            self._next_serial += len(storage)
+            self._lineage = uuid.uuid4().hex
             self._cursor = cursor
             self._write_count = write_count
             self._generator = generator

@@ -22,9 +22,13 @@ verifiers' ``load_environment(env_id, **env_args)`` (an installed environment mo
 
 from __future__ import annotations
 
+import importlib
 import logging
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from lmcollect.compat.extras import import_extra
@@ -39,6 +43,7 @@ ECOSYSTEM = "verifiers"
 _INPUT_KEYS = ("prompt", "example_id", "answer", "info", "task")
 """The row columns a verifiers rollout input takes (``RolloutInput``)."""
 _LOADED: dict[tuple[str, str], Any] = {}  # env id, args -> env: loaded once per process (an actor's too)
+_LOADING = threading.RLock()  # one load at a time: a load off the main thread swaps a module global (below)
 
 
 def _verifiers() -> Any:
@@ -70,9 +75,43 @@ def group_reward_funcs(rubric: Any) -> list[Any]:
 def load_verifiers_env(env_id: str, env_args: Mapping[str, Any] | None = None) -> Any:
     """verifiers' ``load_environment(env_id, **env_args)``, once per process, checked by :func:`check_supported`."""
     key = (env_id, repr(sorted((env_args or {}).items())))
-    if key not in _LOADED:
-        _LOADED[key] = check_supported(_verifiers().load_environment(env_id, **dict(env_args or {})))
-    return _LOADED[key]
+    with _LOADING:
+        if key not in _LOADED:
+            with _signal_handlers_on_main_thread_only():
+                _LOADED[key] = check_supported(_verifiers().load_environment(env_id, **dict(env_args or {})))
+        return _LOADED[key]
+
+
+@contextmanager
+def _signal_handlers_on_main_thread_only() -> Iterator[None]:
+    """verifiers' ``Environment`` installs SIGINT/SIGTERM handlers (its teardown) as it is built, which Python
+    allows only on the main thread: built on another one (a RayContinuousLLMCollector's actor builds its env on a
+    worker thread; so may a trainer's collector thread) it raised ``ValueError: signal only works in main thread``.
+    There the env is built without them; its teardown still runs at exit (verifiers registers it with atexit too)."""
+    if threading.current_thread() is threading.main_thread():
+        yield
+        return
+    module: Any = importlib.import_module("verifiers.legacy.envs.environment")  # mypy: its globals vary
+    real = module.signal
+    module.signal = _NoHandlers(real)
+    try:
+        yield
+    finally:
+        module.signal = real
+
+
+class _NoHandlers:
+    """The ``signal`` module as verifiers' env module sees it while an env is built off the main thread:
+    ``signal.signal`` installs nothing, every other name is the real module's."""
+
+    def __init__(self, real: ModuleType) -> None:
+        self._real = real
+
+    def signal(self, signalnum: int, handler: Any) -> None:
+        logger.debug("a verifiers env built off the main thread: its handler of signal %s is not installed", signalnum)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
 
 
 def rollout_input(row: Mapping[str, Any]) -> dict[str, Any]:

@@ -100,6 +100,10 @@ class RayReplayBuffer:
     def state_dict(self) -> dict:
         return self._call("state_dict")
 
+    def state_since(self, token: dict | None) -> dict:
+        """:meth:`ReplayBuffer.state_since`: the turns written since ``token`` (incremental checkpoints)."""
+        return self._call("state_since", token)
+
     def check_state_dict(self, state: dict) -> None:
         """Raise ValueError if :meth:`load_state_dict` would refuse ``state``; changes nothing."""
         self._call("check_state_dict", state)

@@ -91,7 +91,8 @@ def test_the_tmp_files_of_saves_killed_mid_write_are_removed_by_the_next_save(tm
     (tmp_path / ".tmpAb12Cd").write_bytes(b"\0" * 64)  # safetensors' own temp file (Rust), of a write killed midway
     save_checkpoint(tmp_path, [collector], replay_buffer=buffer)
     manifest = json.loads((tmp_path / "manifest.json").read_text())
-    named = {e["file"] for e in manifest["collectors"]} | {manifest["replay_buffer"]["file"]}
+    buffer_entry = manifest["replay_buffer"]
+    named = {e["file"] for e in manifest["collectors"] + buffer_entry["segments"]} | {buffer_entry["file"]}
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(named | {"manifest.json", ".save.lock"})
 
 

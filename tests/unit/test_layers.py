@@ -15,7 +15,7 @@ LAYERS = [
     {"files", "lazy", "plumbing", "startup", "data", "models", "loggers"},
     {"weights"},
     {"transports"},
-    {"envs", "buffers", "checkpoint", "diagnostics", "viewer"},
+    {"envs", "buffers", "checkpoint", "checkpoint_buffer", "diagnostics", "viewer"},
     {"engines"},
     {"agents"},
     {"compat"},  # adapters of outside libraries: over envs (ChatEnv tasks) and agents (AgentEnv, tool parsers)

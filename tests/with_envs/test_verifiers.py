@@ -59,3 +59,32 @@ def test_group_scored_rubrics_and_env_objects_across_processes_are_refused() -> 
     assert pickle.loads(pickle.dumps(agent)) == agent  # named: loaded where it runs
     with pytest.raises(TypeError, match="name it instead"):
         pickle.dumps(VerifiersAgent(env=load_environment("guess", 2)))
+
+
+def test_an_env_loads_off_the_main_thread_without_its_signal_handlers() -> None:
+    """Regression: verifiers' Environment installs SIGINT/SIGTERM handlers as it is built, which raised
+    "signal only works in main thread" where a RayContinuousLLMCollector's actor builds its env (a worker thread)."""
+    import signal
+    import threading
+
+    import verifiers.legacy.envs.environment as vf_environment
+
+    handler = signal.getsignal(signal.SIGTERM)
+    built: list[AgentEnv] = []
+    errors: list[BaseException] = []
+
+    def build() -> None:
+        try:  # num_rows=3: env args no other test loads (envs are loaded once per process)
+            built.append(make_env(f"verifiers:{ENV_ID}", env_args={"kind": "guess", "num_rows": 3}, batch_size=2))
+        except BaseException as exc:  # reported on the main thread below
+            errors.append(exc)
+
+    thread = threading.Thread(target=build, name="collector-thread")
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "loading the verifiers env did not finish within 60 s"
+    assert not errors, f"loading off the main thread failed: {errors[0]!r}"
+    assert len(built) == 1 and built[0].agent.env_args == {"kind": "guess", "num_rows": 3}
+    assert signal.getsignal(signal.SIGTERM) is handler  # nothing installed
+    assert vf_environment.signal is signal  # the module's own signal again
+    built[0].close()
