@@ -5,13 +5,15 @@ Run: ``python benchmarks/chaos.py --kills 200`` (the long form) or ``--quick`` (
 suite's short form: tests/faults/test_chaos_short.py). Prints a table and ends with one JSON line.
 
 Each episode runs one scenario of :mod:`benchmarks.chaos_driver` (``lockstep``: ``LLMCollector``
-over the scripted engine; ``continuous``: ``ContinuousLLMCollector`` over it; ``tiny``: the lockstep
-collector over the tiny HF model sampling at temperature 1; ``ray``: ``RayLLMCollector`` and
-``RayReplayBuffer`` on a local Ray cluster; the last two in the long form only) as a child process
-in its own session, with GRPO groups, a replay buffer, a full push per batch and a checkpoint every
-``ckpt_every`` batches. The harness kills it as planned (``driver``: SIGKILL after a random delay
+over the scripted engine; ``lockstep-ds``: the same with dynamic sampling, ``drop_uniform_rewards``;
+``continuous``: ``ContinuousLLMCollector`` over the scripted engine; ``tiny``, ``tiny-delta``,
+``tiny-lora``: the lockstep collector over the tiny HF model sampling at temperature 1, with full,
+delta or LoRA adapter pushes; ``ray``: ``RayLLMCollector`` and ``RayReplayBuffer`` on a local Ray
+cluster; the tiny and ray ones in the long form only) as a child process in its own session, with
+GRPO groups, a replay buffer, a push per batch and a checkpoint every ``ckpt_every`` batches. The harness kills it as planned (``driver``: SIGKILL after a random delay
 once it has restored; ``restore``: SIGKILL while it starts and loads the checkpoint; ``save:*``:
-the driver kills itself inside ``save_checkpoint``; ``actor:*``: SIGKILL of the ray scenario's
+the driver kills itself inside ``save_checkpoint``; ``push:mid``: it kills itself inside a push,
+in the collector's weight loader as the load begins or once it loaded, unacknowledged; ``actor:*``: SIGKILL of the ray scenario's
 collector or buffer actor, after which the driver must fail within its call timeout), restarts it
 the way docs/checkpoints.md says (build the same setup, ``load_checkpoint``), and goes on until the
 planned batches are done.
@@ -52,6 +54,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 _LAUNCHED: list[subprocess.Popen[bytes] | ServedChild] = []
 """Every driver process started (ended by :func:`end_runs` if still running when the harness stops)."""
 SAVE_POINTS = ("collector", "buffer", "delay")
+PUSH_POINTS = ("before", "after")
+"""Where a ``push:mid`` kill lands in the engine's load: as it begins, or once it has loaded (not acknowledged)."""
+TINY = ("tiny", "tiny-delta", "tiny-lora")
+"""The tiny model's scenarios: full pushes, delta pushes, LoRA adapter pushes."""
+SCENARIOS = ("lockstep", "lockstep-ds", "continuous", *TINY, "ray")
+"""``lockstep-ds``: lockstep with dynamic sampling (``drop_uniform_rewards``; a seeded scripted player whose
+groups are some mixed, some uniform)."""
 RAY_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
 """Ray's processes that outlive a SIGKILLed driver that started a local cluster (Ray 2.60): Ray's
 leftovers, not lmcollect's, so counted apart (and ended by the harness)."""
@@ -69,10 +78,11 @@ class ChaosConfig:
     """A checkpoint every this many batches (the interval the overhead is reported at)."""
     kills_per_episode: int = 4
     """Kills planned in one episode before it is let run to the end."""
-    scenarios: tuple[str, ...] = ("lockstep", "continuous", "tiny", "ray")
-    """Scenarios drawn for the episodes (``tiny`` needs the tiny model: built locally, no download)."""
+    scenarios: tuple[str, ...] = SCENARIOS
+    """Scenarios drawn for the episodes (the ``tiny*`` ones need the tiny model: built locally, no download)."""
     tiny_share: float = 0.1
-    """The share of episodes on the tiny model (each of its restarts loads the model: ~10 s here)."""
+    """The share of episodes on the tiny model, its three push kinds alike (each of its restarts loads
+    the model: ~10 s here)."""
     ray_share: float = 0.1
     """The share of episodes through Ray actors (each restart starts a local Ray cluster: ~30 s here)."""
     run_timeout_s: float = 120.0
@@ -86,9 +96,9 @@ class ChaosConfig:
             raise ValueError(f"kills and kills_per_episode must be >= 1, got {self.kills}, {self.kills_per_episode}.")
         if self.num_batches < 2 * self.ckpt_every:
             raise ValueError(f"num_batches={self.num_batches} must hold two checkpoints; use >= {2 * self.ckpt_every}.")
-        unknown = set(self.scenarios) - {"lockstep", "continuous", "tiny", "ray"}
+        unknown = set(self.scenarios) - set(SCENARIOS)
         if unknown:
-            raise ValueError(f"unknown scenarios {sorted(unknown)}; use lockstep, continuous, tiny, ray.")
+            raise ValueError(f"unknown scenarios {sorted(unknown)}; use {', '.join(SCENARIOS)}.")
 
 
 @dataclass
@@ -103,9 +113,13 @@ class Report:
     ray_agents_left: int = 0
     """Ray's agent processes a SIGKILLed ray-scenario driver left (see :data:`RAY_AGENTS`)."""
     problems: list[str] = field(default_factory=list)
+    pushes: Counter[str] = field(default_factory=Counter)
+    """The kept batches' pushes by kind (full, delta, lora): what the weights checks covered."""
     overhead: dict[str, float] = field(default_factory=dict)
     """Per scenario: the reference run's checkpoint time / collection time."""
     episodes: int = 0
+    scenarios: Counter[str] = field(default_factory=Counter)
+    """Episodes by scenario."""
 
 
 # ---------------------------------------------------------------------- the plan
@@ -124,12 +138,13 @@ def _plan_scenario(rng: random.Random, config: ChaosConfig) -> str:
     """``tiny`` and ``ray`` in their shares of the episodes (each restart costs them ~10 s and ~30 s
     here), the others alike in the rest."""
     roll = rng.random()
-    for name, share in (("tiny", config.tiny_share), ("ray", config.ray_share)):
-        if name in config.scenarios:
+    tiny = [s for s in config.scenarios if s in TINY]
+    for names, share in ((tiny, config.tiny_share), (["ray"] if "ray" in config.scenarios else [], config.ray_share)):
+        if names:
             if roll < share:
-                return name
+                return rng.choice(names)
             roll -= share
-    others = [s for s in config.scenarios if s not in ("tiny", "ray")]
+    others = [s for s in config.scenarios if s not in (*TINY, "ray")]
     return rng.choice(others) if others else rng.choice(config.scenarios)
 
 
@@ -139,9 +154,11 @@ def _plan_kill(rng: random.Random, scenario: str) -> dict[str, Any]:
         return {"kind": rng.choice(["actor:collector", "actor:buffer"]), "fraction": rng.random()}
     if scenario == "ray":  # (a SIGKILLed driver leaves Ray's own agents behind: not drawn here)
         roll = 0.6 + rng.random() * 0.4
-    if roll < 0.5:
+    if roll < 0.45:
         return {"kind": "driver", "fraction": rng.random()}
-    if roll < 0.6:
+    if roll < 0.55 and scenario != "ray":  # the ray scenario's engine is in its actor: not hooked
+        return {"kind": "push:mid", "point": rng.choice(PUSH_POINTS), "nth": rng.randint(1, 3)}
+    if roll < 0.65:
         return {"kind": "restore", "fraction": rng.random()}
     point = rng.choice(SAVE_POINTS)
     return {"kind": f"save:{point}", "point": point, "nth": rng.randint(1, 2), "fraction": rng.random()}
@@ -288,7 +305,7 @@ def run_reference(
     """The uninterrupted run of ``scenario``: its events are what every interrupted run must yield."""
     workdir = root / f"reference-{scenario}"
     workdir.mkdir()
-    run = Run(workdir, _driver_config(workdir, scenario, config, model_dir, None), config.run_timeout_s, server)
+    run = Run(workdir, _driver_config(workdir, scenario, config, model_dir), config.run_timeout_s, server)
     rc = run.wait()
     events = read_log(workdir / "log.jsonl")
     if rc != 0 or events[-1]["event"] != "done":
@@ -297,7 +314,12 @@ def run_reference(
 
 
 def _driver_config(
-    workdir: Path, scenario: str, config: ChaosConfig, model_dir: str | None, save_kill: dict[str, Any] | None
+    workdir: Path,
+    scenario: str,
+    config: ChaosConfig,
+    model_dir: str | None,
+    save_kill: dict[str, Any] | None = None,
+    push_kill: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "scenario": scenario,
@@ -306,6 +328,7 @@ def _driver_config(
         "ckpt_every": config.ckpt_every,
         "model_dir": model_dir,
         "save_kill": save_kill,
+        "push_kill": push_kill,
     }
 
 
@@ -331,6 +354,7 @@ def run_episode(
     episode_run.run_once(None)  # the run to the end (after a kill), or a restore of the finished run
     _check_episode(workdir, scenario, read_log(workdir / "log.jsonl"), reference, report, shm_before)
     report.episodes += 1
+    report.scenarios[scenario] += 1
 
 
 class EpisodeRuns:
@@ -362,7 +386,10 @@ class EpisodeRuns:
                 "point": kill["point"],
                 "delay_s": kill["fraction"] * self.timing["save_s"],
             }
-        config = _driver_config(self.workdir, self.scenario, self.config, self.model_dir, save_kill)
+        push_kill = None
+        if kill is not None and kill["kind"] == "push:mid":
+            push_kill = {"nth": kill["nth"], "point": kill["point"]}
+        config = _driver_config(self.workdir, self.scenario, self.config, self.model_dir, save_kill, push_kill)
         run = Run(self.workdir, config, self.config.run_timeout_s, self.server)
         if kill is not None and kill["kind"] == "restore":
             time.sleep(kill["fraction"] * self.startup_s)
@@ -379,7 +406,7 @@ class EpisodeRuns:
         if kill is not None and kill["kind"].startswith("actor:") and started:
             self._kill_actor_later(run, kill)
             return
-        self._finish(run, kill, save_kill)
+        self._finish(run, kill, save_kill or push_kill)
 
     def _kill_later(self, run: Run, kill: dict[str, Any]) -> None:
         start_batch = [e for e in read_log(self.log) if e["event"] == "start"][-1]["batch"]
@@ -414,11 +441,16 @@ class EpisodeRuns:
         if rc == -999:
             self.report.problems.append(f"{self.workdir.name}: the driver did not end after {kill['kind']} was killed")
 
-    def _finish(self, run: Run, kill: dict[str, Any] | None, save_kill: dict[str, Any] | None) -> None:
+    def _finish(self, run: Run, kill: dict[str, Any] | None, self_kill: dict[str, Any] | None) -> None:
+        """Wait for the run's end; a kill it did itself (inside a save or a push) is noted, and where the
+        next run must resume: the last complete checkpoint (unknown for a save killed after a delay)."""
         rc = run.wait()
-        if rc == -signal.SIGKILL and kill is not None and save_kill is not None:
-            last_ckpt = max([e["batch"] for e in read_log(self.log) if e["event"] == "ckpt"], default=0)
-            self._note_kill(kill, time.monotonic(), expect_start=last_ckpt if kill["point"] != "delay" else None)
+        if rc == -signal.SIGKILL and kill is not None and self_kill is not None:
+            # the last complete checkpoint: a logged save, or the one a run resumed from (a save:delay kill
+            # after the manifest's replace completes a checkpoint that no "ckpt" line names)
+            done = [e["batch"] for e in read_log(self.log) if e["event"] in ("ckpt", "start")]
+            expect = (max(done, default=0),) if kill.get("point") != "delay" else None
+            self._note_kill(kill, time.monotonic(), expect_start=expect)
             return
         if kill is not None:
             self.report.missed += 1
@@ -430,7 +462,7 @@ class EpisodeRuns:
         run.wait()
         self._note_kill(kill, killed_at)
 
-    def _note_kill(self, kill: dict[str, Any], killed_at: float, expect_start: int | None = None) -> None:
+    def _note_kill(self, kill: dict[str, Any], killed_at: float, expect_start: tuple[int, ...] | None = None) -> None:
         record = {"kind": kill["kind"], "scenario": self.scenario, "expect_start": expect_start}
         self.report.kills.append(record)
         self.awaiting.append((record, killed_at))
@@ -442,9 +474,9 @@ class EpisodeRuns:
         for record, killed_at in self.awaiting:
             record["recovery_s"], record["restore_s"] = now - killed_at, start["restore_s"]
             expected = record.pop("expect_start")
-            if expected is not None and start["batch"] != expected:
+            if expected is not None and start["batch"] not in expected:
                 self.report.problems.append(
-                    f"{self.workdir.name}: a kill inside a save ({record['kind']}) resumed at batch {start['batch']}, "
+                    f"{self.workdir.name}: a kill inside a save or a push ({record['kind']}) resumed at batch {start['batch']}, "
                     f"not at the last complete checkpoint's {expected}"
                 )
         self.awaiting.clear()
@@ -504,6 +536,7 @@ def _check_episode(
     else:
         _check_exact(kept, expected, report, workdir.name)
     report.weight_mismatches += sum(1 for e in events if e["event"] == "start" and not e["weights_ok"])
+    report.pushes.update(b.get("push", "full") for b in kept)
     report.leftovers.extend(_leftovers(workdir, shm_before, report))
 
 
@@ -522,6 +555,10 @@ def _check_exact(kept: list[dict[str, Any]], expected: list[dict[str, Any]], rep
     if diffs:
         report.problems.append(f"{name}: {len(diffs)} turns differ from the reference's, e.g. {diffs[0]}")
     samples = [a["batch"] for a, b in zip(kept, expected, strict=False) if a["sample"] != b["sample"]]
+    counts = [a["batch"] for a, b in zip(kept, expected, strict=False) if a.get("counts") != b.get("counts")]
+    report.token_diffs += len(counts)
+    if counts:
+        report.problems.append(f"{name}: dynamic sampling's counts (kept, dropped) differ after batches {counts}")
     report.token_diffs += len(samples)
     if samples:
         report.problems.append(f"{name}: the buffer's samples differ from the reference's after batches {samples}")
@@ -642,7 +679,7 @@ def stray_checkpoint_files(folder: Path) -> list[str]:
 # ---------------------------------------------------------------------- the whole run and its table
 def run_chaos(config: ChaosConfig, root: Path | None = None) -> dict[str, Any]:
     scenarios = sorted(set(config.scenarios))
-    model_dir = _tiny_model_dir(root or Path(tempfile.gettempdir())) if "tiny" in scenarios else None
+    model_dir = _tiny_model_dir(root or Path(tempfile.gettempdir())) if set(TINY) & set(scenarios) else None
     report = Report()
     started = time.monotonic()
     server = ForkServer() if config.fork_server else None
@@ -689,12 +726,14 @@ def summarize(report: Report, config: ChaosConfig, wall_s: float) -> dict[str, A
         "kills": len(report.kills),
         "missed": report.missed,
         "episodes": report.episodes,
+        "scenarios": dict(sorted(report.scenarios.items())),
         "kinds": kinds,
         "checkpoint_overhead": report.overhead,
         "lost": report.lost,
         "duplicated": report.duplicated,
         "token_diffs": report.token_diffs,
         "weight_mismatches": report.weight_mismatches,
+        "pushes": dict(sorted(report.pushes.items())),
         "leftovers": report.leftovers,
         "ray_agents_left": report.ray_agents_left,
         "problems": report.problems,
@@ -728,11 +767,14 @@ def format_table(summary: dict[str, Any]) -> str:
     lines += [
         "",
         f"kills {summary['kills']} (planned kills that landed after the run ended: {summary['missed']}), "
-        f"episodes {summary['episodes']}, wall {summary['wall_s']:.0f} s",
+        f"episodes {summary['episodes']} ("
+        + ", ".join(f"{name} {n}" for name, n in summary["scenarios"].items())
+        + f"), wall {summary['wall_s']:.0f} s",
         f"checkpoint overhead (save time / collection time, a checkpoint every "
         f"{summary['config']['ckpt_every']} batches): {overhead}",
         f"pairs lost {summary['lost']}, duplicated {summary['duplicated']}, token diffs {summary['token_diffs']}, "
         f"weights wrong after a restore {summary['weight_mismatches']}, leftovers {len(summary['leftovers'])}",
+        "pushes kept, by kind: " + ", ".join(f"{kind} {n}" for kind, n in summary["pushes"].items()),
     ]
     if summary["ray_agents_left"]:
         lines.append(
@@ -750,7 +792,7 @@ def quick_config(seed: int = 0) -> ChaosConfig:
         num_batches=8,
         ckpt_every=2,
         kills_per_episode=5,
-        scenarios=("lockstep", "continuous"),
+        scenarios=("lockstep", "lockstep-ds", "continuous"),
         fork_server=True,
     )
 

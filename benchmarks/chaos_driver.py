@@ -3,10 +3,12 @@
 Run by ``benchmarks/chaos.py`` as ``python -m benchmarks.chaos_driver CONFIG.json`` (a fresh
 interpreter per run), or forked from ``python -m benchmarks.chaos_driver --serve`` (a fork server
 that imports torch and lmcollect once: the short form's restarts then cost a fork, not an import). It builds a
-collection setup (a scenario: lockstep, continuous, tiny or ray; GRPO groups, a replay buffer),
+collection setup (a scenario: lockstep, lockstep-ds, continuous, tiny, tiny-delta, tiny-lora or ray; GRPO
+groups, a replay buffer),
 restores ``<workdir>/ckpt`` if a checkpoint is there (the recipe of docs/checkpoints.md: build the
 same setup, ``load_checkpoint``), then for each batch: collect, write it to the buffer, sample the
-buffer, push the trainer's weights for the next version (one full push per batch), and every
+buffer, push the trainer's weights for the next version (one push per batch: full, delta or LoRA
+adapter, see :data:`PUSHES`), and every
 ``ckpt_every`` batches ``save_checkpoint`` (the continuous collector paused around it).
 
 Everything it yields goes to ``<workdir>/log.jsonl``, one JSON line per event, written before the
@@ -20,6 +22,7 @@ A planned kill inside this run's ``nth`` save (``config["save_kill"]``) is done 
 ``"collector"`` while the collector's state is taken (no file written), ``"buffer"`` after the
 collector's file is written and before the buffer's (a torn save), ``"delay"`` after a delay from
 the start of the save (any moment of it, the manifest's replace and the old files' removal included).
+A planned kill inside this run's ``nth`` push (``config["push_kill"]``, :func:`kill_inside_push`) too.
 """
 
 from __future__ import annotations
@@ -46,15 +49,92 @@ TURNS_PER_BATCH = 8
 GROUP_SIZE = 2
 
 
+PUSHES = {"tiny": "full", "tiny-delta": "delta", "tiny-lora": "lora"}
+"""The tiny scenarios' pushes: full weights, deltas (a :class:`~lmcollect.weights.delta.DeltaBase` of the
+last push; a restarted driver has none, so its first push is full) or LoRA adapters (merged by the engine
+into its kept base; a checkpoint holds base and adapter)."""
+LORA_RANK = 2
+
+
+def model_kind(scenario: str) -> str:
+    """``tiny`` for every tiny scenario (they differ in their pushes only), else the scenario."""
+    return "tiny" if scenario in PUSHES else scenario
+
+
 def trainer_weights(scenario: str, version: int, model: Any = None) -> dict[str, torch.Tensor]:
-    """The weights the trainer pushes as ``version`` (a pure function of it: the trainer's state)."""
-    if scenario != "tiny":
+    """The weights the trainer pushes as ``version`` (a pure function of it: the trainer's state);
+    ``tiny-lora``: the base with :func:`trainer_adapter` merged (what the engine holds after its push)."""
+    if model_kind(scenario) != "tiny":
         return {"tag": torch.tensor([float(version)])}
+    if scenario == "tiny-lora":
+        base = {name: tensor.detach() for name, tensor in model.named_parameters()}
+        return {**base, **trainer_adapter(version, model).merged_into(base)}
     generator = torch.Generator().manual_seed(1000 + version)
+    if scenario == "tiny-delta":  # a few elements of each tensor move per version: a sparse delta
+        return {name: _nudged(tensor.detach(), version) for name, tensor in model.named_parameters()}
     return {  # named_parameters: each tied tensor once (a push of both names would set it twice)
         name: tensor.detach() + torch.randn(tensor.shape, generator=generator).to(tensor.dtype) * 0.02
         for name, tensor in model.named_parameters()
     }
+
+
+def _nudged(tensor: torch.Tensor, version: int) -> torch.Tensor:
+    out = tensor.clone()
+    flat = out.view(-1)
+    flat[: min(8, flat.numel())] += 0.01 * version
+    return out
+
+
+def trainer_adapter(version: int, model: Any) -> Any:
+    """The LoRA adapter the trainer pushes as ``version``: rank 2 on the model's first attention query."""
+    from lmcollect.weights.lora import LoraAdapter, LoraLayerWeights
+
+    name = next(n for n, _ in model.named_parameters() if n.endswith("q_proj.weight"))
+    out_features, in_features = dict(model.named_parameters())[name].shape
+    generator = torch.Generator().manual_seed(2000 + version)
+    lora_a = torch.randn(LORA_RANK, in_features, generator=generator) * 0.05
+    lora_b = torch.randn(out_features, LORA_RANK, generator=generator) * 0.05
+    return LoraAdapter(layers={name: LoraLayerWeights(lora_a, lora_b, 2.0)}, rank=LORA_RANK)
+
+
+class Pusher:
+    """The trainer's side of a push, as ``PUSHES`` says (full weights for the non-tiny scenarios)."""
+
+    def __init__(self, scenario: str) -> None:
+        from lmcollect.weights.delta import DeltaBase, DeltaConfig
+
+        self.scenario = scenario
+        self.base = DeltaBase(DeltaConfig()) if PUSHES.get(scenario) == "delta" else None
+        self.kinds: list[str] = []
+        """What each push of this run was (``full``, ``delta``, ``lora``): logged with the batch."""
+
+    def push(self, collector: Any, version: int, model: Any) -> None:
+        from lmcollect.weights.delta import DeltaRejectedError
+        from lmcollect.weights.version import PushVersion
+
+        if PUSHES.get(self.scenario) == "lora":
+            collector.receive_weights(trainer_adapter(version, model), version=PushVersion(version))
+            self.kinds.append("lora")
+            return
+        weights = trainer_weights(self.scenario, version, model)
+        if self.base is None:
+            collector.update_policy_weights_(weights)
+            self.kinds.append("full")
+            return
+        pushed = PushVersion(version)  # one push, one id: a delta applies to the very push it was made from
+        encoded = self.base.encode(weights)
+        if encoded is not None:
+            try:
+                collector.receive_weights(encoded.delta, version=pushed)
+            except DeltaRejectedError:
+                encoded = None
+            else:
+                self.base.commit(encoded, pushed)
+                self.kinds.append("delta")
+                return
+        collector.receive_weights(weights, version=pushed)
+        self.base.snapshot(weights, pushed)
+        self.kinds.append("full")
 
 
 def build(scenario: str, model_dir: str | None) -> tuple[Any, Any, Any]:
@@ -71,11 +151,17 @@ def build(scenario: str, model_dir: str | None) -> tuple[Any, Any, Any]:
     env = ChatEnv(rows, task=task, batch_size=2 * GROUP_SIZE, repeats=GROUP_SIZE, max_turns=5, seed=0)
     from lmcollect.collectors import LLMCollector
 
+    dynamic_sampling = None
     if scenario == "lockstep":
         from lmcollect.testing import ScriptedPolicy
 
         policy, base = ScriptedPolicy(binary_search_player), None
-    elif scenario == "tiny":
+    elif scenario == "lockstep-ds":
+        from lmcollect.collectors import DynamicSampling, drop_uniform_rewards
+
+        policy, base = _seeded_scripted_policy(binary_search_player), None
+        dynamic_sampling = DynamicSampling(group_filter=drop_uniform_rewards())
+    elif model_kind(scenario) == "tiny":
         if model_dir is None:
             raise ValueError("the tiny scenario needs model_dir (the tiny model's folder: get_model_path).")
         from lmcollect.models import load_model_and_tokenizer
@@ -86,9 +172,41 @@ def build(scenario: str, model_dir: str | None) -> tuple[Any, Any, Any]:
         policy = TransformersPolicy(model, tokenizer, max_new_tokens=6, temperature=1.0, seed=0)
     else:
         raise ValueError(f"unknown scenario {scenario!r}; use lockstep, continuous, tiny or ray.")
-    collector = LLMCollector(env, policy=policy, dialog_turns_per_batch=TURNS_PER_BATCH, track_policy_version=True)
+    collector = LLMCollector(
+        env,
+        policy=policy,
+        dialog_turns_per_batch=TURNS_PER_BATCH,
+        track_policy_version=True,
+        dynamic_sampling=dynamic_sampling,
+    )
     collector.worker_idx = 0
     return collector, buffer, base
+
+
+def _seeded_scripted_policy(player: Any) -> Any:
+    """An ``EnginePolicy`` over a scripted engine whose answer depends on the request's seed too: the
+    player's answer for even seeds, "pass" (an invalid guess, reward 0) for odd ones. The members of a
+    group get different seeds, so some groups have mixed rewards (kept by ``drop_uniform_rewards``) and
+    some uniform (dropped). The seeds are drawn by the policy (seeded, and part of its checkpointed state),
+    so a restored run answers as the uninterrupted one."""
+    from lmcollect.policies import EnginePolicy, SamplingConfig
+    from lmcollect.testing.scripted_engine import ByteTokenizer, ScriptedEngine
+
+    tokenizer = ByteTokenizer()
+    seeds = threading.local()
+
+    def script(prompt_ids: list[int]) -> list[int]:
+        if seeds.current % 2:
+            return tokenizer.encode("pass")
+        return tokenizer.encode(player(tokenizer.parse_chat(tokenizer.decode(prompt_ids))))
+
+    class SeededScriptedEngine(ScriptedEngine):
+        def submit(self, request: Any) -> Any:
+            seeds.current = request.seed  # read by script() inside this call
+            return super().submit(request)
+
+    engine = SeededScriptedEngine(script=script)
+    return EnginePolicy(engine, tokenizer=tokenizer, sampling=SamplingConfig(temperature=1.0, max_new_tokens=64), seed=0)
 
 
 def _continuous(rows: Any, task: Any, player: Any) -> Any:
@@ -236,11 +354,42 @@ def restore(config: dict[str, Any], collector: Any, buffer: ReplayBuffer, base: 
     return batch
 
 
+def _sampling_counts(collector: Any) -> dict[str, Any] | None:
+    """Dynamic sampling's counts so far (groups kept, dropped by reason), or None without it."""
+    counts = getattr(collector, "sampling_counts", None)
+    if counts is None:
+        return None
+    return {"kept": int(counts.groups_kept), "dropped": dict(sorted(counts.groups_dropped.items()))}
+
+
+def kill_inside_push(collector: Any, kill: dict[str, Any]) -> None:
+    """SIGKILL this process inside this run's ``kill["nth"]`` push, in the collector's weight loader (every
+    push goes through it: full, delta, adapter): as the load begins (``"before"``: nothing loaded) or once
+    it has loaded (``"after"``: the engine holds the new weights and version, the trainer never heard
+    back). Either way the push is not acknowledged: a restore must give the checkpoint's version's weights.
+    The ray scenario's loader is in its actor: not hooked (no ``push:mid`` kill is planned there)."""
+    if not hasattr(collector, "weight_loader"):
+        raise ValueError("push:mid kills need an in-process collector (its weight_loader); the ray one has none.")
+    loader = collector.weight_loader
+    load, pushes = loader.load, [0]
+
+    def killing_load(*args: Any, **kwargs: Any) -> Any:
+        pushes[0] += 1
+        if pushes[0] == kill["nth"] and kill["point"] == "before":
+            os.kill(os.getpid(), signal.SIGKILL)
+        result = load(*args, **kwargs)
+        if pushes[0] == kill["nth"]:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+    loader.load = killing_load
+
+
 def held_weights(scenario: str, collector: Any) -> dict[str, torch.Tensor]:
     """The weights the collector's engine or model holds now."""
     if scenario == "continuous":
         return collector.engine.model.state_dict()
-    if scenario == "lockstep":
+    if scenario in ("lockstep", "lockstep-ds"):
         return collector.policy.engine.model.state_dict()
     if scenario == "ray":
         return collector.state_dict()["policy_state_dict"]
@@ -252,16 +401,21 @@ def run(config: dict[str, Any]) -> None:
     log = Log(workdir / "log.jsonl")
     collector, buffer, base = build(config["scenario"], config.get("model_dir"))
     first = restore(config, collector, buffer, base, log)
+    if config.get("push_kill") is not None:
+        kill_inside_push(collector, config["push_kill"])
+    pusher = Pusher(config["scenario"])
     for index in range(first, config["num_batches"]):
         start = time.monotonic()
         batch = collector.next()
         turns = [turn_record(t) for t in flatten_turns(batch)]
         buffer.extend(batch)
         sampled = flatten_turns(buffer.sample(4))
-        collector.update_policy_weights_(trainer_weights(config["scenario"], index + 1, base))
+        pusher.push(collector, index + 1, base)
         collect_s = time.monotonic() - start
         sample = [[int(t[keys.TRAJ_IDS]), int(t[keys.STEP_COUNT])] for t in sampled]
-        log.write(event="batch", batch=index, turns=turns, sample=sample, collect_s=collect_s)
+        push = pusher.kinds[-1]
+        counts = _sampling_counts(collector)
+        log.write(event="batch", batch=index, turns=turns, sample=sample, collect_s=collect_s, push=push, counts=counts)
         if (index + 1) % config["ckpt_every"] == 0:
             _checkpoint(config, index + 1, collector, buffer, log)
     log.write(event="done", batch=config["num_batches"])

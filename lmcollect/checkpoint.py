@@ -163,7 +163,8 @@ def load_checkpoint(
     All or nothing: every file is read and every state checked (``check_state_dict`` of each
     collector and of the buffer) before any is loaded; a refused checkpoint raises ValueError
     naming what is wrong, with no collector and no buffer changed. ``allow_non_finite=True``
-    restores weights holding NaN or Inf (refused by default, as pushes are).
+    restores weights holding NaN or Inf (refused by default, as pushes are). Once loaded, the files a
+    crashed save left in the folder (ones the manifest does not name) are removed.
     """
     folder = Path(folder)
     states, buffer_state = _read_checkpoint(folder, len(collectors), replay_buffer)
@@ -178,6 +179,19 @@ def load_checkpoint(
         collector.load_state_dict(state, **options)
     if buffer_state is not None:
         replay_buffer.load_state_dict(buffer_state)
+    _remove_crashed_saves(folder)
+
+
+def _remove_crashed_saves(folder: Path) -> None:
+    """After a load: remove the files of a save killed between its manifest's replace and its removal of
+    the old files (found by the chaos harness: with no later save, e.g. a run resumed at its last batch,
+    they stayed forever). Under the folder's save lock; skipped while a save holds it (that save removes them)."""
+    try:
+        with _save_lock(folder):
+            manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+            _remove_other_saves(folder, keep={entry["file"] for entry in _manifest_files(manifest)})
+    except (RuntimeError, OSError):  # a save is under way, or the folder is read-only: nothing to do now
+        return
 
 
 def _read_checkpoint(folder: Path, num_collectors: int, replay_buffer: Any) -> tuple[list[Any], Any]:

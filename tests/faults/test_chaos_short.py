@@ -32,7 +32,8 @@ def test_twenty_kills_lose_nothing_repeat_nothing_and_leave_nothing(tmp_path: Pa
     assert summary["problems"] == [], table
     assert (summary["lost"], summary["duplicated"], summary["token_diffs"]) == (0, 0, 0), table
     assert summary["weight_mismatches"] == 0 and summary["leftovers"] == [], table
-    assert {"driver", "save:buffer", "save:collector"} <= set(summary["kinds"]), table
+    assert {"driver", "save:buffer", "save:collector", "push:mid"} <= set(summary["kinds"]), table
+    assert summary["scenarios"].get("lockstep-ds", 0) >= 1, table  # dynamic sampling: kept groups, counts
     for kind, row in summary["kinds"].items():
         fault_table.add(
             f"chaos: SIGKILL ({kind}), resumed from the last checkpoint",

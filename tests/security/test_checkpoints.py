@@ -318,3 +318,22 @@ def test_checkpoint_files_are_readable_by_their_owner_only(tmp_path: Path) -> No
     save_checkpoint(tmp_path, [collector], replay_buffer=buffer)
     modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
     assert modes and set(modes.values()) == {0o600}, modes
+
+
+def test_a_load_removes_the_files_of_a_save_killed_before_it_removed_the_old_ones(tmp_path: Path, monkeypatch) -> None:
+    """Found by the chaos harness (benchmarks/chaos.py --quick, a driver SIGKILLed during its last save): a
+    save killed after its manifest's replace, before it removed the earlier save's files, left them; a
+    run resumed at its last batch saves no more, so nothing removed them. The load does now."""
+    from lmcollect import checkpoint
+
+    collector, buffer = build(), ReplayBuffer(capacity=8)
+    collector.next()
+    save_checkpoint(tmp_path, [collector], replay_buffer=buffer)
+    with monkeypatch.context() as patch:
+        patch.setattr(checkpoint, "_remove_other_saves", lambda folder, keep: None)  # killed before the removal
+        save_checkpoint(tmp_path, [collector], replay_buffer=buffer)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    named = {e["file"] for e in manifest["collectors"]} | {manifest["replay_buffer"]["file"]}
+    assert len(list(tmp_path.glob("*.safetensors"))) == 4  # the earlier save's two files are still there
+    load_checkpoint(tmp_path, [build()], replay_buffer=ReplayBuffer(capacity=8))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(named | {"manifest.json", ".save.lock"})
