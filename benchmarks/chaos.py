@@ -247,7 +247,8 @@ class Run:
         if server is not None:
             self.proc = server.fork(workdir / "config.json")
         else:
-            env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TMPDIR": str(workdir / "tmp")}
+            env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TMPDIR": str(workdir / "tmp"),
+                   "LMCOLLECT_CHAOS_RAY_TEMP_DIR": os.path.join(tempfile.gettempdir(), "ray")}  # the driver's RAY_TEMP_DIR_ENV
             with (workdir / "stderr.txt").open("ab") as stderr:
                 self.proc = subprocess.Popen(
                     [sys.executable, "-m", "benchmarks.chaos_driver", str(workdir / "config.json")],

@@ -45,6 +45,8 @@ from lmcollect.checkpoint import MANIFEST, load_checkpoint, save_checkpoint
 from lmcollect.data import keys
 from lmcollect.data.turns import flatten_turns
 
+RAY_TEMP_DIR_ENV = "LMCOLLECT_CHAOS_RAY_TEMP_DIR"
+"""Where the driver's local Ray cluster keeps its files: the harness's temp root + "/ray" (set by the harness)."""
 TURNS_PER_BATCH = 8
 GROUP_SIZE = 2
 
@@ -242,8 +244,8 @@ def _ray(rows: Any, task: Any, player: Any) -> tuple[Any, Any]:
     from lmcollect.ray.collector import RayLLMCollector
     from lmcollect.testing import ScriptedPolicy
 
-    # Ray's files in its usual place: the run's TMPDIR is for lmcollect's (and too long for Ray's sockets)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir="/tmp/ray")
+    # Ray's files under the harness's temp root: the run's TMPDIR is for lmcollect's (and too long for Ray's sockets)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=os.environ[RAY_TEMP_DIR_ENV])
     make_env = functools.partial(
         ChatEnv, rows, task=task, batch_size=2 * GROUP_SIZE, repeats=GROUP_SIZE, max_turns=5, seed=0
     )
@@ -448,6 +450,7 @@ def run_child(config_path: str) -> None:
         config = json.loads(Path(config_path).read_text())
         stderr = os.open(Path(config["workdir"]) / "stderr.txt", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.dup2(stderr, 2)
+        os.environ.setdefault(RAY_TEMP_DIR_ENV, os.path.join(tempfile.gettempdir(), "ray"))  # the harness's root
         os.environ["TMPDIR"] = str(Path(config["workdir"]) / "tmp")
         tempfile.tempdir = None
         run(config)
