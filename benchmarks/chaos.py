@@ -58,7 +58,7 @@ PUSH_POINTS = ("before", "after")
 """Where a ``push:mid`` kill lands in the engine's load: as it begins, or once it has loaded (not acknowledged)."""
 TINY = ("tiny", "tiny-delta", "tiny-lora")
 """The tiny model's scenarios: full pushes, delta pushes, LoRA adapter pushes."""
-SCENARIOS = ("lockstep", "lockstep-ds", "continuous", *TINY, "ray")
+SCENARIOS = ("lockstep", "lockstep-ds", "continuous", *TINY, "ray", "vllm")
 """``lockstep-ds``: lockstep with dynamic sampling (``drop_uniform_rewards``; a seeded scripted player whose
 groups are some mixed, some uniform)."""
 RAY_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
@@ -85,6 +85,9 @@ class ChaosConfig:
     the model: ~10 s here)."""
     ray_share: float = 0.1
     """The share of episodes through Ray actors (each restart starts a local Ray cluster: ~30 s here)."""
+    vllm_share: float = 0.06
+    """The share of episodes on the tiny model in a multiprocess vLLM engine (each restart starts vLLM's
+    engine core and worker processes: ~30 s here)."""
     run_timeout_s: float = 120.0
     """Bound of one driver process (a run that exceeds it is killed and reported)."""
     fork_server: bool = False
@@ -112,6 +115,8 @@ class Report:
     leftovers: list[str] = field(default_factory=list)
     ray_agents_left: int = 0
     """Ray's agent processes a SIGKILLed ray-scenario driver left (see :data:`RAY_AGENTS`)."""
+    vllm_file_stores_left: int = 0
+    """vLLM's file-store files SIGKILLed engine cores left (see :data:`VLLM_FILE_STORES`)."""
     problems: list[str] = field(default_factory=list)
     pushes: Counter[str] = field(default_factory=Counter)
     """The kept batches' pushes by kind (full, delta, lora): what the weights checks covered."""
@@ -135,21 +140,27 @@ def plan_episodes(config: ChaosConfig) -> Iterator[dict[str, Any]]:
 
 
 def _plan_scenario(rng: random.Random, config: ChaosConfig) -> str:
-    """``tiny`` and ``ray`` in their shares of the episodes (each restart costs them ~10 s and ~30 s
-    here), the others alike in the rest."""
+    """``tiny``, ``ray`` and ``vllm`` in their shares of the episodes (each restart costs them ~10 s, ~30 s
+    and ~30 s here), the others alike in the rest."""
     roll = rng.random()
-    tiny = [s for s in config.scenarios if s in TINY]
-    for names, share in ((tiny, config.tiny_share), (["ray"] if "ray" in config.scenarios else [], config.ray_share)):
+    shared = (
+        ([s for s in config.scenarios if s in TINY], config.tiny_share),
+        (["ray"] if "ray" in config.scenarios else [], config.ray_share),
+        (["vllm"] if "vllm" in config.scenarios else [], config.vllm_share),
+    )
+    for names, share in shared:
         if names:
             if roll < share:
                 return rng.choice(names)
             roll -= share
-    others = [s for s in config.scenarios if s not in (*TINY, "ray")]
+    others = [s for s in config.scenarios if s not in (*TINY, "ray", "vllm")]
     return rng.choice(others) if others else rng.choice(config.scenarios)
 
 
 def _plan_kill(rng: random.Random, scenario: str) -> dict[str, Any]:
     roll = rng.random()
+    if scenario == "vllm" and roll < 0.5:  # the vllm scenario's own kinds: its engine's two processes
+        return {"kind": rng.choice(["engine:core", "engine:worker"]), "fraction": rng.random()}
     if scenario == "ray" and roll < 0.7:  # the ray scenario's own kinds: its two actors
         return {"kind": rng.choice(["actor:collector", "actor:buffer"]), "fraction": rng.random()}
     if scenario == "ray":  # (a SIGKILLed driver leaves Ray's own agents behind: not drawn here)
@@ -404,8 +415,8 @@ class EpisodeRuns:
         if kill is not None and kill["kind"] == "driver" and started:
             self._kill_later(run, kill)
             return
-        if kill is not None and kill["kind"].startswith("actor:") and started:
-            self._kill_actor_later(run, kill)
+        if kill is not None and kill["kind"].startswith(("actor:", "engine:")) and started:
+            self._kill_process_later(run, kill)
             return
         self._finish(run, kill, save_kill or push_kill)
 
@@ -418,9 +429,11 @@ class EpisodeRuns:
         else:
             self._finish(run, kill, None)
 
-    def _kill_actor_later(self, run: Run, kill: dict[str, Any]) -> None:
-        """SIGKILL the collector's or the buffer's actor process; the driver's next call into it must
-        fail within its bound (``call_timeout_s``), and the driver exit: the time to that exit is kept."""
+    def _kill_process_later(self, run: Run, kill: dict[str, Any]) -> None:
+        """SIGKILL a process the driver depends on (``actor:*``: the collector's or the buffer's actor;
+        ``engine:*``: the vLLM engine core or its worker); the driver's next call into it must fail
+        within its bound (``call_timeout_s``; the engine's ``timeout_s``), and the driver exit: the time
+        to that exit is kept."""
         start = [e for e in read_log(self.log) if e["event"] == "start"][-1]
         left = (self.config.num_batches - start["batch"]) / self.config.num_batches
         time.sleep(kill["fraction"] * left * self.timing["run_s"])
@@ -429,16 +442,26 @@ class EpisodeRuns:
             return
         try:
             os.kill(start["pids"][kill["kind"].split(":")[1]], signal.SIGKILL)
-        except ProcessLookupError:  # the driver is shutting its actors down: the run is at its end
+        except ProcessLookupError:  # the driver is shutting its actors or engine down: the run is at its end
             self._finish(run, kill, None)
             return
-        killed_at = time.monotonic()
+        killed_at, killed_wall = time.monotonic(), time.time()
         rc = run.wait()
-        if rc == 0:  # the kill landed after the driver's last call into that actor
+        if rc == 0:  # the kill landed after the driver's last call into that process
             self.report.missed += 1
             return
         self._note_kill(kill, killed_at)
-        self.report.kills[-1]["time_to_error_s"] = time.monotonic() - killed_at
+        errors = [e for e in read_log(self.log) if e["event"] == "error" and e["t"] >= killed_wall]
+        record = self.report.kills[-1]
+        # the driver's error (its loop logs it), else its exit: what the user's process sees, and when
+        record["time_to_error_s"] = errors[0]["t"] - killed_wall if errors else time.monotonic() - killed_at
+        record["error"] = errors[0]["type"] if errors else f"exit {rc}"
+        bound = start["error_bound_s"]
+        if record["time_to_error_s"] > bound:
+            self.report.problems.append(
+                f"{self.workdir.name}: {kill['kind']} reached the driver after {record['time_to_error_s']:.1f} s, "
+                f"past its bound of {bound} s"
+            )
         if rc == -999:
             self.report.problems.append(f"{self.workdir.name}: the driver did not end after {kill['kind']} was killed")
 
@@ -623,14 +646,26 @@ def _missing_groups(turns: list[dict[str, Any]]) -> list[int]:
     return gaps[:-2] if len(gaps) > 2 else []
 
 
+SHM_PATTERNS = ("lmcollect-*", "psm_*")
+"""Shared memory a run can leave: lmcollect's push files, and Python's ``SharedMemory`` segments (vLLM's
+message queues between its engine core and its workers)."""
+TMPDIR_CACHES = ("torchinductor_",)
+"""What a run keeps in its TMPDIR by design: torch's compile cache."""
+VLLM_FILE_STORES = "vllm_dist_"
+"""vLLM's file store (``torch.distributed`` rendezvous), made and removed by its engine core in the temporary
+folder: one whose core was SIGKILLed stays (2-3 KB). vLLM's leftover, not lmcollect's: counted apart."""
+
+
 def _shm_files() -> set[str]:
     shm = Path("/dev/shm")
-    return {p.name for p in shm.glob("lmcollect-*")} if shm.is_dir() else set()
+    return {p.name for pattern in SHM_PATTERNS for p in shm.glob(pattern)} if shm.is_dir() else set()
 
 
 def _leftovers(workdir: Path, shm_before: set[str], report: Report) -> list[str]:
     found = [f"/dev/shm/{name}" for name in sorted(_shm_files() - shm_before)]
-    found += [f"{workdir.name}: {p.name} in TMPDIR" for p in (workdir / "tmp").iterdir()]
+    in_tmpdir = [p for p in (workdir / "tmp").iterdir() if not p.name.startswith(TMPDIR_CACHES)]
+    report.vllm_file_stores_left += sum(p.name.startswith(VLLM_FILE_STORES) for p in in_tmpdir)
+    found += [f"{workdir.name}: {p.name} in TMPDIR" for p in in_tmpdir if not p.name.startswith(VLLM_FILE_STORES)]
     for pid in _session_processes(workdir):
         command = _command_of(pid)
         if command.startswith(RAY_AGENTS):  # Ray's, after a SIGKILLed driver: counted apart
@@ -651,7 +686,8 @@ def _command_of(pid: int) -> str:
 
 
 def _session_processes(workdir: Path) -> list[int]:
-    """Processes still in a session the harness started (each run is its own session, led by its pid)."""
+    """Processes still running in a session the harness started (each run is its own session, led by its
+    pid); zombies are not counted (ended, holding nothing: an exit status their new parent, init, reads)."""
     path = workdir / "sessions.txt"
     sessions = {int(line) for line in path.read_text().split()} if path.exists() else set()
     alive = []
@@ -660,7 +696,7 @@ def _session_processes(workdir: Path) -> list[int]:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[3]) in sessions:  # field 6 of stat: the session id
+        if int(fields[3]) in sessions and fields[0] != "Z":  # field 6 of stat: the session id; 3: the state
             alive.append(int(stat.parent.name))
     return alive
 
@@ -680,7 +716,7 @@ def stray_checkpoint_files(folder: Path) -> list[str]:
 # ---------------------------------------------------------------------- the whole run and its table
 def run_chaos(config: ChaosConfig, root: Path | None = None) -> dict[str, Any]:
     scenarios = sorted(set(config.scenarios))
-    model_dir = _tiny_model_dir(root or Path(tempfile.gettempdir())) if set(TINY) & set(scenarios) else None
+    model_dir = _tiny_model_dir(root or Path(tempfile.gettempdir())) if {*TINY, "vllm"} & set(scenarios) else None
     report = Report()
     started = time.monotonic()
     server = ForkServer() if config.fork_server else None
@@ -737,6 +773,7 @@ def summarize(report: Report, config: ChaosConfig, wall_s: float) -> dict[str, A
         "pushes": dict(sorted(report.pushes.items())),
         "leftovers": report.leftovers,
         "ray_agents_left": report.ray_agents_left,
+        "vllm_file_stores_left": report.vllm_file_stores_left,
         "problems": report.problems,
         "wall_s": wall_s,
     }
@@ -752,18 +789,20 @@ def _kind_row(kills: list[dict[str, Any]]) -> dict[str, Any]:
         "recovery_median_s": statistics.median(times),
         "recovery_max_s": max(times),
         "time_to_error_max_s": max(errors) if errors else None,
+        "errors": dict(Counter(k["error"] for k in kills if "error" in k)),
     }
 
 
 def format_table(summary: dict[str, Any]) -> str:
     lines = [
-        "| kill kind | kills | recovery median (s) | recovery max (s) | kill to the driver's error, max (s) |",
-        "|---|---|---|---|---|",
+        "| kill kind | kills | recovery median (s) | recovery max (s) | kill to the driver's error, max (s) | errors |",
+        "|---|---|---|---|---|---|",
     ]
     for kind, row in summary["kinds"].items():
         error = "-" if row["time_to_error_max_s"] is None else f"{row['time_to_error_max_s']:.2f}"
         recovery = f"{row['recovery_median_s']:.2f} | {row['recovery_max_s']:.2f}"
-        lines.append(f"| {kind} | {row['kills']} | {recovery} | {error} |")
+        errors = ", ".join(f"{name} {n}" for name, n in row.get("errors", {}).items()) or "-"
+        lines.append(f"| {kind} | {row['kills']} | {recovery} | {error} | {errors} |")
     overhead = ", ".join(f"{name} {share:.1%}" for name, share in summary["checkpoint_overhead"].items())
     lines += [
         "",
@@ -781,6 +820,8 @@ def format_table(summary: dict[str, Any]) -> str:
         lines.append(
             f"Ray's agents left by SIGKILLed drivers (Ray's, ended by the harness): {summary['ray_agents_left']}"
         )
+    if summary.get("vllm_file_stores_left"):
+        lines.append(f"vLLM's file stores left by SIGKILLed engine cores (vLLM's): {summary['vllm_file_stores_left']}")
     lines += [f"problem: {p}" for p in summary["problems"]] + [f"leftover: {x}" for x in summary["leftovers"]]
     return "\n".join(lines)
 
@@ -803,8 +844,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kills", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="the short form: 20 kills, scripted engine only")
+    parser.add_argument(
+        "--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, of {', '.join(SCENARIOS)} (long form)"
+    )
     args = parser.parse_args(argv)
-    config = quick_config(args.seed) if args.quick else ChaosConfig(kills=args.kills, seed=args.seed)
+    scenarios = tuple(name.strip() for name in args.scenarios.split(",") if name.strip())
+    config = quick_config(args.seed) if args.quick else ChaosConfig(kills=args.kills, seed=args.seed, scenarios=scenarios)
     summary = run_chaos(config)
     print(format_table(summary))
     print(json.dumps(summary))

@@ -51,15 +51,28 @@ TURNS_PER_BATCH = 8
 GROUP_SIZE = 2
 
 
-PUSHES = {"tiny": "full", "tiny-delta": "delta", "tiny-lora": "lora"}
-"""The tiny scenarios' pushes: full weights, deltas (a :class:`~lmcollect.weights.delta.DeltaBase` of the
+PUSHES = {"tiny": "full", "tiny-delta": "delta", "tiny-lora": "lora", "vllm": "delta"}
+"""The tiny model's scenarios' pushes: full weights, deltas (a :class:`~lmcollect.weights.delta.DeltaBase` of the
 last push; a restarted driver has none, so its first push is full) or LoRA adapters (merged by the engine
-into its kept base; a checkpoint holds base and adapter)."""
+into its kept base; a checkpoint holds base and adapter). ``vllm``: the tiny model in a multiprocess vLLM
+engine, its pushes full then deltas (vLLM's delta path: staged in its worker, committed whole)."""
+VLLM_ENGINE_KWARGS = {"kv_cache_memory_bytes": 1 << 28, "enforce_eager": True, "distributed_executor_backend": "mp"}
+"""vLLM's layout with a process per part: the engine core in its own process (``multiprocess=True``) and
+its worker in another (the ``mp`` executor), so the harness can kill either."""
+ENGINE_TIMEOUT_S = 120.0
+"""The vLLM engine's bound on start-up and control calls, and the policy's on a request's result: the
+bound within which a killed engine process must reach the driver as an error."""
+CALL_TIMEOUT_S = 30.0
+"""The ray scenario's actors' ``call_timeout_s``: the bound within which a killed actor must reach the
+driver as an error."""
+ERROR_BOUNDS_S = {"ray": CALL_TIMEOUT_S, "vllm": ENGINE_TIMEOUT_S}
+"""Per scenario with processes the harness kills: the documented bound on the driver's error."""
 LORA_RANK = 2
 
 
 def model_kind(scenario: str) -> str:
-    """``tiny`` for every tiny scenario (they differ in their pushes only), else the scenario."""
+    """``tiny`` for every scenario on the tiny model (the tiny ones differ in their pushes only; ``vllm``
+    serves it in vLLM), else the scenario."""
     return "tiny" if scenario in PUSHES else scenario
 
 
@@ -72,7 +85,7 @@ def trainer_weights(scenario: str, version: int, model: Any = None) -> dict[str,
         base = {name: tensor.detach() for name, tensor in model.named_parameters()}
         return {**base, **trainer_adapter(version, model).merged_into(base)}
     generator = torch.Generator().manual_seed(1000 + version)
-    if scenario == "tiny-delta":  # a few elements of each tensor move per version: a sparse delta
+    if PUSHES.get(scenario) == "delta":  # a few elements of each tensor move per version: a sparse delta
         return {name: _nudged(tensor.detach(), version) for name, tensor in model.named_parameters()}
     return {  # named_parameters: each tied tensor once (a push of both names would set it twice)
         name: tensor.detach() + torch.randn(tensor.shape, generator=generator).to(tensor.dtype) * 0.02
@@ -163,6 +176,8 @@ def build(scenario: str, model_dir: str | None) -> tuple[Any, Any, Any]:
 
         policy, base = _seeded_scripted_policy(binary_search_player), None
         dynamic_sampling = DynamicSampling(group_filter=drop_uniform_rewards())
+    elif scenario == "vllm":
+        policy, base = _vllm_policy(model_dir)
     elif model_kind(scenario) == "tiny":
         if model_dir is None:
             raise ValueError("the tiny scenario needs model_dir (the tiny model's folder: get_model_path).")
@@ -183,6 +198,41 @@ def build(scenario: str, model_dir: str | None) -> tuple[Any, Any, Any]:
     )
     collector.worker_idx = 0
     return collector, buffer, base
+
+
+def _vllm_policy(model_dir: str | None) -> tuple[Any, Any]:
+    """An ``EnginePolicy`` over the tiny model in a multiprocess ``VLLMEngine`` (engine core and worker in
+    processes of their own, see :data:`VLLM_ENGINE_KWARGS`), sampling at temperature 1 with per-request
+    seeds; and the base model (what the trainer's weights are made from)."""
+    if model_dir is None:
+        raise ValueError("the vllm scenario needs model_dir (the tiny model's folder: get_model_path).")
+    from lmcollect.engines.vllm.engine import VLLMEngine
+    from lmcollect.models import load_model_and_tokenizer
+    from lmcollect.policies import EnginePolicy, SamplingConfig
+
+    base, tokenizer = load_model_and_tokenizer(model_dir)
+    engine = VLLMEngine(model_dir, engine_kwargs=dict(VLLM_ENGINE_KWARGS), multiprocess=True, timeout_s=ENGINE_TIMEOUT_S)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=6)
+    return EnginePolicy(engine, tokenizer=tokenizer, sampling=sampling, seed=0, timeout_s=ENGINE_TIMEOUT_S), base
+
+
+def engine_pids() -> dict[str, int]:
+    """The vLLM engine core's process (this process's child) and its worker's (the core's child), found by
+    the titles vLLM gives them (``VLLM::EngineCore``, ``VLLM::Worker...``)."""
+    children: dict[int, list[int]] = {}
+    titles: dict[int, str] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            titles[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes().decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    core = [pid for pid in children.get(os.getpid(), []) if "EngineCore" in titles.get(pid, "")]
+    workers = [pid for pid in children.get(core[0], []) if "Worker" in titles.get(pid, "")] if core else []
+    if len(core) != 1 or len(workers) != 1:
+        raise RuntimeError(f"expected one vLLM engine core and one worker, found {core} and {workers}.")
+    return {"core": core[0], "worker": workers[0]}
 
 
 def _seeded_scripted_policy(player: Any) -> Any:
@@ -255,10 +305,10 @@ def _ray(rows: Any, task: Any, player: Any) -> tuple[Any, Any]:
         dialog_turns_per_batch=TURNS_PER_BATCH,
         track_policy_version=True,
         num_cpus=0.25,
-        call_timeout_s=30.0,
+        call_timeout_s=CALL_TIMEOUT_S,
     )
     collector.worker_idx = 0
-    buffer = RayReplayBuffer(capacity=10_000, seed=0, remote_config={"num_cpus": 0.25}, call_timeout_s=30.0)
+    buffer = RayReplayBuffer(capacity=10_000, seed=0, remote_config={"num_cpus": 0.25}, call_timeout_s=CALL_TIMEOUT_S)
     return collector, buffer
 
 
@@ -343,16 +393,21 @@ def restore(config: dict[str, Any], collector: Any, buffer: ReplayBuffer, base: 
     folder = Path(config["workdir"]) / "ckpt"
     start = time.monotonic()
     pids = actor_pids(collector, buffer) if config["scenario"] == "ray" else {}
+    if config["scenario"] == "vllm":
+        pids = engine_pids()
+    bound = ERROR_BOUNDS_S.get(config["scenario"])
     if not (folder / MANIFEST).exists():
-        log.write(event="start", batch=0, restored=False, restore_s=0.0, weights_ok=True, pids=pids)
+        log.write(event="start", batch=0, restored=False, restore_s=0.0, weights_ok=True, pids=pids, error_bound_s=bound)
         return 0
     load_checkpoint(folder, [collector], replay_buffer=buffer)
     batch = int(collector.policy_version)
     expected = trainer_weights(config["scenario"], batch, base)
     held = held_weights(config["scenario"], collector)
-    weights_ok = all(torch.equal(held[name], tensor) for name, tensor in expected.items())
+    weights_ok = all(torch.equal(held[name], tensor.to(held[name].dtype)) for name, tensor in expected.items())
     restore_s = time.monotonic() - start
-    log.write(event="start", batch=batch, restored=True, restore_s=restore_s, weights_ok=weights_ok, pids=pids)
+    log.write(
+        event="start", batch=batch, restored=True, restore_s=restore_s, weights_ok=weights_ok, pids=pids, error_bound_s=bound
+    )
     return batch
 
 
@@ -395,6 +450,11 @@ def held_weights(scenario: str, collector: Any) -> dict[str, torch.Tensor]:
         return collector.policy.engine.model.state_dict()
     if scenario == "ray":
         return collector.state_dict()["policy_state_dict"]
+    if scenario == "vllm":  # the worker's base (a delta applies to it; no adapter here)
+        held = collector.policy.engine.checkpoint_weights()
+        if held is None:
+            raise RuntimeError("the vLLM engine holds the weights it was built with after a restore; expected a push.")
+        return held[0]
     return collector.get_policy_model().state_dict()
 
 
@@ -406,20 +466,12 @@ def run(config: dict[str, Any]) -> None:
     if config.get("push_kill") is not None:
         kill_inside_push(collector, config["push_kill"])
     pusher = Pusher(config["scenario"])
-    for index in range(first, config["num_batches"]):
-        start = time.monotonic()
-        batch = collector.next()
-        turns = [turn_record(t) for t in flatten_turns(batch)]
-        buffer.extend(batch)
-        sampled = flatten_turns(buffer.sample(4))
-        pusher.push(collector, index + 1, base)
-        collect_s = time.monotonic() - start
-        sample = [[int(t[keys.TRAJ_IDS]), int(t[keys.STEP_COUNT])] for t in sampled]
-        push = pusher.kinds[-1]
-        counts = _sampling_counts(collector)
-        log.write(event="batch", batch=index, turns=turns, sample=sample, collect_s=collect_s, push=push, counts=counts)
-        if (index + 1) % config["ckpt_every"] == 0:
-            _checkpoint(config, index + 1, collector, buffer, log)
+    try:
+        for index in range(first, config["num_batches"]):
+            _one_batch(config, index, collector, buffer, base, pusher, log)
+    except Exception as error:  # a killed engine process or actor: logged (when, what), then the exit
+        log.write(event="error", type=type(error).__name__, message=str(error)[:300])
+        raise
     log.write(event="done", batch=config["num_batches"])
     if config["scenario"] == "continuous":
         collector.shutdown()
@@ -427,6 +479,28 @@ def run(config: dict[str, Any]) -> None:
     elif config["scenario"] == "ray":
         collector.shutdown()
         buffer.shutdown()
+    elif config["scenario"] == "vllm":
+        collector.policy.engine.close()
+
+
+def _one_batch(
+    config: dict[str, Any], index: int, collector: Any, buffer: Any, base: Any, pusher: Pusher, log: Log
+) -> None:
+    """Collect batch ``index``, write it to the buffer, sample it, push the next version, log it all, and
+    checkpoint when it is time."""
+    start = time.monotonic()
+    batch = collector.next()
+    turns = [turn_record(t) for t in flatten_turns(batch)]
+    buffer.extend(batch)
+    sampled = flatten_turns(buffer.sample(4))
+    pusher.push(collector, index + 1, base)
+    collect_s = time.monotonic() - start
+    sample = [[int(t[keys.TRAJ_IDS]), int(t[keys.STEP_COUNT])] for t in sampled]
+    counts = _sampling_counts(collector)
+    push = pusher.kinds[-1]
+    log.write(event="batch", batch=index, turns=turns, sample=sample, collect_s=collect_s, push=push, counts=counts)
+    if (index + 1) % config["ckpt_every"] == 0:
+        _checkpoint(config, index + 1, collector, buffer, log)
 
 
 def _checkpoint(config: dict[str, Any], batch: int, collector: Any, buffer: ReplayBuffer, log: Log) -> None:

@@ -46,6 +46,12 @@ class EngineClosedError(RuntimeError):
     """The engine was closed before the request finished (its tokens are lost; resubmit it elsewhere)."""
 
 
+class EngineDiedError(EngineClosedError):
+    """A process the engine runs in died (killed, out of memory): the request failed with it, and the
+    engine takes no more. Close it and build a new one (then push the trainer's weights, or restore the
+    last checkpoint)."""
+
+
 class StalePushError(ValueError):
     """A weight load older than the weights the engine holds: refused, nothing changed."""
 

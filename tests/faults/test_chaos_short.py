@@ -84,4 +84,4 @@ def test_the_plan_is_a_function_of_the_seed_and_bad_settings_name_the_knob() -> 
     with pytest.raises(ValueError, match="num_batches=3"):
         ChaosConfig(num_batches=3, ckpt_every=2)
     with pytest.raises(ValueError, match="unknown scenarios"):
-        ChaosConfig(scenarios=("vllm",))
+        ChaosConfig(scenarios=("nccl",))

@@ -31,6 +31,7 @@ from lmcollect.engines.loop_queue import QueuedAndRunning
 from lmcollect.engines.protocol import (
     EngineCapabilities,
     EngineClosedError,
+    EngineDiedError,
     EngineRequest,
     EngineResult,
     check_version,
@@ -47,7 +48,9 @@ from lmcollect.engines.vllm.common import (
     request_sampling_params,
     result_of,
 )
+from lmcollect.engines.vllm.core_watch import CoreWatch
 from lmcollect.engines.vllm.kv import VLLMKVBook
+from lmcollect.engines.vllm.reaper import Reaper
 from lmcollect.engines.vllm.shm_payload import SharedPackSets, shared_memory_available
 from lmcollect.engines.vllm.worker_ext import (
     COMMIT_STAGED_WEIGHTS,
@@ -162,6 +165,7 @@ class VLLMEngine(QueuedAndRunning, EngineBase):
         self._kv = VLLMKVBook(check_kv_policy(kv_policy))
         self._paused = False
         self._closed = False
+        self._died: EngineDiedError | None = None  # set when its engine core process died (see CoreWatch)
         self._queued: list[Queued] = []
         self._calls: list[tuple[Future, Callable[[], Any]]] = []
         self._running: dict[str, Future[EngineResult]] = {}  # vLLM request id -> caller's future
@@ -169,15 +173,24 @@ class VLLMEngine(QueuedAndRunning, EngineBase):
         self._wake = threading.Condition()  # guards the lists above, _paused and _closed
         self._thread = threading.Thread(target=self._decode_loop, name="lmcollect-vllm-engine", daemon=True)
         kwargs = _engine_kwargs(model_path, engine_kwargs)
+        # the engine core in its own process: ended (and its socket files removed) by the reaper if this
+        # process dies without close()
+        self._reaper = Reaper() if multiprocess else None
         started: Future[LLMEngine] = Future()
-        self._calls.append((started, lambda: _build(self.model_path, kwargs, multiprocess)))
+        self._calls.append((started, lambda: _build(self.model_path, kwargs, self._reaper)))
         logger.info("starting vllm LLMEngine(model=%s, %s)", self.model_path, kwargs)
         self._thread.start()  # builds the engine on its own thread: vLLM's CPU kernels bind to it
         try:
             self._llm: LLMEngine = started.result(timeout=timeout_s)
         except BaseException:
             self._stop_thread()
+            if self._reaper is not None:  # whatever vLLM started of a core that failed to start
+                self._reaper.reap()
             raise
+        if self._reaper is not None:
+            self._reaper.built()
+        # multiprocess: a core process that dies fails what waits on it (vLLM's own client would wait forever)
+        self._core_watch = CoreWatch(self._llm, is_open=lambda: not self._closed, on_death=self._core_died)
         config = self._llm.model_config
         self._max_model_len = int(config.max_model_len)  # what submit refuses past (kept after close)
         self._eos_token_ids = engine_eos_token_ids(self._llm)  # what ignore_eos bans (see sampling_params_kwargs)
@@ -207,6 +220,8 @@ class VLLMEngine(QueuedAndRunning, EngineBase):
         params = request_sampling_params(request, eos_token_ids=self._eos_token_ids)
         future: Future[EngineResult] = Future()
         with self._wake:
+            if self._died is not None:
+                raise EngineDiedError(str(self._died))
             if self._closed:
                 raise EngineClosedError("this VLLMEngine is closed; build a new engine to submit requests.")
             request_id = f"{request.request_id or 'request'}-{next(self._request_ids)}"
@@ -370,6 +385,17 @@ class VLLMEngine(QueuedAndRunning, EngineBase):
 
         return self._timed_load(version, load)
 
+    def _core_died(self, error: EngineDiedError) -> None:
+        """(The core watch's thread.) Fail every queued and running request with ``error``; refuse more."""
+        with self._wake:
+            self._died = error
+            pending = [future for future, *_ in self._queued] + list(self._running.values())
+            self._queued.clear()
+            self._running.clear()
+            self._wake.notify_all()
+        for future in pending:
+            settle(future, error=error)
+
     def _took_base(self, reports: T) -> T:
         """The workers reloaded full weights (their ``reports``): their new LoRA base, no adapter
         merged (the base rule)."""
@@ -489,6 +515,8 @@ class VLLMEngine(QueuedAndRunning, EngineBase):
         self._stop_thread()
         if self._shared_sets is not None:  # after the engine core stopped: no worker maps them any more
             self._shared_sets.close()
+        if self._reaper is not None:  # the engine core stopped: nothing to reap
+            self._reaper.close()
 
     def __enter__(self) -> VLLMEngine:
         return self
@@ -543,7 +571,7 @@ class VLLMEngine(QueuedAndRunning, EngineBase):
             self._kv.step_ended(started, admitted=admitted)
         except Exception as error:  # the engine broke: every running request fails with its error
             for request_id in list(self._running):
-                self._finish(request_id, error=error)
+                self._finish(request_id, error=self._core_watch.check(error) or error)
             return
         if not outputs and not self._llm.has_unfinished_requests():  # never spin on requests vLLM lost
             for request_id in list(self._running):
@@ -603,11 +631,19 @@ class VLLMEngine(QueuedAndRunning, EngineBase):
         assert threading.current_thread() is not self._thread, "a blocking engine call from the engine's own thread"
         future: Future[T] = Future()
         with self._wake:
+            if self._died is not None:
+                raise EngineDiedError(str(self._died))
             if self._closed:
                 raise EngineClosedError("this VLLMEngine is closed; build a new engine.")
             self._calls.append((future, call))
             self._wake.notify_all()
-        return future.result(timeout=self.timeout_s)
+        try:
+            return future.result(timeout=self.timeout_s)
+        except Exception as error:  # a call that met the dead core on its way: said as the death it is
+            died = self._core_watch.check(error)
+            if died is not None and not isinstance(error, EngineDiedError):
+                raise EngineDiedError(str(died)) from error
+            raise
 
     def _stop_thread(self) -> None:
         with self._wake:
@@ -621,19 +657,21 @@ def _world_size(llm: LLMEngine) -> int:
     return int(getattr(parallel, "world_size", 1) or 1)
 
 
-def _build(model_path: str, kwargs: dict[str, Any], multiprocess: bool) -> LLMEngine:
-    """The engine (on the decoding thread), its version label -1."""
+def _build(model_path: str, kwargs: dict[str, Any], reaper: Reaper | None) -> LLMEngine:
+    """The engine (on the decoding thread), its version label -1; with a ``reaper``, the engine core in a
+    process of its own, its socket files in the reaper's folder."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
     from vllm.v1.executor import Executor
 
     config = engine_config(EngineArgs(model=model_path, **kwargs))
-    llm = LLMEngine(
-        vllm_config=config,
-        executor_class=Executor.get_class(config),
-        log_stats=not kwargs["disable_log_stats"],
-        multiprocess_mode=multiprocess,
-    )
+    with reaper.starting() if reaper is not None else contextlib.nullcontext():
+        llm = LLMEngine(
+            vllm_config=config,
+            executor_class=Executor.get_class(config),
+            log_stats=not kwargs["disable_log_stats"],
+            multiprocess_mode=reaper is not None,
+        )
     llm.set_weight_version(str(INITIAL_VERSION))
     return llm
 

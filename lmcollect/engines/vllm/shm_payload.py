@@ -112,8 +112,10 @@ def _release(path: str, fd: int) -> None:
     os.close(fd)  # drops the lock
 
 
-STALE_AFTER_S = 60.0
-"""A push file younger than this is never removed as stale (its creator may be about to lock it)."""
+STALE_AFTER_S = 2.0
+"""A push file younger than this is never removed as stale (its creator may be about to lock it: it does
+so right after creating it). Short, so that an engine started again after a kill (seconds) removes the
+killed one's files even when it pushes nothing."""
 
 
 def remove_stale_push_files(directory: Path = SHM_DIR, *, min_age_s: float = STALE_AFTER_S) -> list[str]:
