@@ -203,27 +203,27 @@ def serve(owner: int) -> None:
     me = os.getpid()
     before = children(owner)
     noted: dict[int, int] = {}
-    scanning, said = True, b""
+    said, chunk = b"", None
     print("ready", flush=True)
-    stdin = sys.stdin.buffer.raw  # unbuffered: select() tells the truth
-    while True:
-        readable, _, _ = select.select([stdin], [], [], SCAN_S if scanning else None)
-        if scanning:
-            for pid in children(owner) - before - {me} - set(noted):
-                started = start_time(pid)
-                if started is not None and not is_resource_tracker(pid):
-                    noted[pid] = started
-        if not readable:
-            continue
-        chunk = os.read(stdin.fileno(), 256)
+    stdin = sys.stdin.buffer.raw.fileno()
+    while b"built\n" not in said:  # the engine starts: note the owner's new children
+        fresh = {
+            pid: started
+            for pid in children(owner) - before - {me} - set(noted)
+            if (started := start_time(pid)) is not None and not is_resource_tracker(pid)
+        }
+        readable, _, _ = select.select([stdin], [], [], SCAN_S)
+        chunk = os.read(stdin, 256) if readable else None
+        said += chunk or b""
+        if b"built\n" not in said:  # else this scan may have seen the owner's own children, started after
+            noted.update(fresh)
+        if chunk == b"":  # the pipe's end: the owner died while the engine started
+            break
+    while chunk != b"" and b"closed\n" not in said:
+        chunk = os.read(stdin, 256)  # blocks until the owner says more, or its end of the pipe closes
         said += chunk
-        if b"built\n" in said:
-            scanning = False
-        if b"closed\n" in said:
-            return
-        if not chunk:  # the pipe's end without "closed": the owner died
-            reap(noted)
-            return
+    if b"closed\n" not in said:  # the pipe's end without "closed": the owner died
+        reap(noted)
 
 
 if __name__ == "__main__":
