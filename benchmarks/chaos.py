@@ -161,6 +161,8 @@ def _plan_kill(rng: random.Random, scenario: str) -> dict[str, Any]:
     roll = rng.random()
     if scenario == "vllm" and roll < 0.5:  # the vllm scenario's own kinds: its engine's two processes
         return {"kind": rng.choice(["engine:core", "engine:worker"]), "fraction": rng.random()}
+    if scenario == "vllm":  # the other half: the kinds of every scenario, in their usual shares
+        roll = (roll - 0.5) * 2
     if scenario == "ray" and roll < 0.7:  # the ray scenario's own kinds: its two actors
         return {"kind": rng.choice(["actor:collector", "actor:buffer"]), "fraction": rng.random()}
     if scenario == "ray":  # (a SIGKILLed driver leaves Ray's own agents behind: not drawn here)

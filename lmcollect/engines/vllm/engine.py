@@ -123,7 +123,10 @@ class VLLMEngine(QueuedAndRunning, EngineBase):
         engine_kwargs: more ``vllm.EngineArgs``, e.g. ``enforce_eager``, ``seed``,
             ``worker_extension_cls``; our defaults come from :func:`~lmcollect.engines.vllm.common.engine_kwargs_for`.
         multiprocess: run vLLM's engine core in a process of its own (vLLM's default layout) instead
-            of in this one.
+            of in this one. If that process dies (or its worker, which ends it), every request and
+            call fails at once with :class:`~lmcollect.engines.EngineDiedError` (see
+            :mod:`~lmcollect.engines.vllm.core_watch`); if this process dies without ``close()``, a
+            reaper ends the engine core (see :mod:`~lmcollect.engines.vllm.reaper`).
         timeout_s: how long start-up and each control call (``pause``, ``load_weights``, a worker
             RPC) may take before a ``TimeoutError``.
         kv_policy: ``"recompute"`` or ``"keep"``: what a load does to the KV held (see above).

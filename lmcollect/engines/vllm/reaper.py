@@ -205,7 +205,7 @@ def serve(owner: int) -> None:
     noted: dict[int, int] = {}
     said, chunk = b"", None
     print("ready", flush=True)
-    stdin = sys.stdin.buffer.raw.fileno()
+    stdin = sys.stdin.fileno()  # read with os.read: unbuffered, so select() tells the truth
     while b"built\n" not in said:  # the engine starts: note the owner's new children
         fresh = {
             pid: started
