@@ -219,20 +219,23 @@ def _vllm_policy(model_dir: str | None) -> tuple[Any, Any]:
 def engine_pids() -> dict[str, int]:
     """The vLLM engine core's process (this process's child) and its worker's (the core's child), found by
     the titles vLLM gives them (``VLLM::EngineCore``, ``VLLM::Worker...``)."""
-    children: dict[int, list[int]] = {}
-    titles: dict[int, str] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            titles[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes().decode(errors="replace")
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(int(stat.parent.name))
-    core = [pid for pid in children.get(os.getpid(), []) if "EngineCore" in titles.get(pid, "")]
-    workers = [pid for pid in children.get(core[0], []) if "Worker" in titles.get(pid, "")] if core else []
+    from lmcollect.engines.vllm.reaper import children
+
+    def titled(pids: set[int], title: str) -> list[int]:
+        return [pid for pid in pids if title in _cmdline(pid)]
+
+    core = titled(children(os.getpid()), "EngineCore")
+    workers = titled(children(core[0]), "Worker") if core else []
     if len(core) != 1 or len(workers) != 1:
         raise RuntimeError(f"expected one vLLM engine core and one worker, found {core} and {workers}.")
     return {"core": core[0], "worker": workers[0]}
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def _seeded_scripted_policy(player: Any) -> Any:

@@ -27,23 +27,13 @@ from tests.integration.conftest import CPU_ENGINE_KWARGS
 pytest.importorskip("vllm")
 from lmcollect.engines.vllm.core_watch import core_processes  # noqa: E402
 from lmcollect.engines.vllm.engine import VLLMEngine  # noqa: E402
+from lmcollect.engines.vllm.reaper import children  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
 BOUND_S = 15.0
 """How long a request may wait after the kill before it fails (the watch looks every 0.5 s)."""
 LONG = SamplingConfig(temperature=1.0, max_new_tokens=4000, ignore_eos=True, seed=0)
-
-
-def children_of(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(stat.parent.name))
-        except (OSError, IndexError, ValueError):
-            continue
-    return found
 
 
 def alive(pid: int) -> bool:
@@ -112,7 +102,7 @@ def test_a_killed_engine_worker_ends_the_core_and_fails_its_requests(tiny_model_
     engine = VLLMEngine(tiny_model_path, engine_kwargs=kwargs, multiprocess=True, timeout_s=120)
     try:
         [core] = [process.pid for process in core_processes(engine._llm)]
-        [worker] = [pid for pid in children_of(core) if "Worker" in Path(f"/proc/{pid}/cmdline").read_text()]
+        [worker] = [pid for pid in children(core) if "Worker" in Path(f"/proc/{pid}/cmdline").read_text()]
         error, waited_s = kill_while_running(engine, worker)
         check_dead_engine(engine, error, waited_s, core)
         deadline = time.monotonic() + BOUND_S

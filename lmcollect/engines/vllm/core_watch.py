@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 POLL_S = 0.5
 """How often the watch looks whether its engine was closed (a closed engine's core ends on purpose)."""
+CALL_DEATH_WAIT_S = 2.0
+"""How long a control call that failed with vLLM's plain ``Exception`` waits to learn whether the core is
+dying (its worker died under the call): then it raises the death, not the call's failure."""
 
 
 def core_processes(llm: Any) -> list[Any]:
@@ -47,6 +50,7 @@ class CoreWatch:
         self._processes = core_processes(llm)
         self._is_open, self._on_death = is_open, on_death
         self._lock = threading.Lock()
+        self._reported = threading.Event()
         self.error: EngineDiedError | None = None
         """The death, once known (what every later call raises)."""
         self._thread = threading.Thread(target=self._watch, name="lmcollect-vllm-core-watch", daemon=True)
@@ -58,10 +62,14 @@ class CoreWatch:
         """Whether there is a core process to watch (``multiprocess=True``)."""
         return bool(self._processes)
 
-    def check(self, error: BaseException) -> EngineDiedError | None:
-        """The death ``error`` says, if it is vLLM's ``EngineDeadError`` (reported once), else None."""
+    def check(self, error: BaseException, *, wait_s: float = 0.0) -> EngineDiedError | None:
+        """The death behind ``error``, else None: vLLM's ``EngineDeadError`` says so itself (reported once);
+        for another error, a death the watch sees within ``wait_s`` (a control call whose worker died
+        fails with vLLM's plain ``Exception`` a moment before the core ends)."""
         if self.error is None and type(error).__name__ == "EngineDeadError":
             self._report("vLLM's engine core reported itself dead (its worker died, or it failed: see its log)")
+        if self.error is None and wait_s > 0 and self.watching:
+            self._reported.wait(wait_s)
         return self.error
 
     def _watch(self) -> None:
@@ -83,6 +91,7 @@ class CoreWatch:
                 "no more: close it and build a new VLLMEngine (then push the trainer's weights, or restore the "
                 "last checkpoint with load_checkpoint)."
             )
+        self._reported.set()
         logger.error("%s", self.error)
         self._on_death(self.error)
         wake_waiters(self._llm, self.error)

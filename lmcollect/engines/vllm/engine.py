@@ -48,7 +48,7 @@ from lmcollect.engines.vllm.common import (
     request_sampling_params,
     result_of,
 )
-from lmcollect.engines.vllm.core_watch import CoreWatch
+from lmcollect.engines.vllm.core_watch import CALL_DEATH_WAIT_S, CoreWatch
 from lmcollect.engines.vllm.kv import VLLMKVBook
 from lmcollect.engines.vllm.reaper import Reaper
 from lmcollect.engines.vllm.shm_payload import SharedPackSets, shared_memory_available
@@ -643,7 +643,8 @@ class VLLMEngine(QueuedAndRunning, EngineBase):
         try:
             return future.result(timeout=self.timeout_s)
         except Exception as error:  # a call that met the dead core on its way: said as the death it is
-            died = self._core_watch.check(error)
+            # vLLM's plain Exception: a call that failed in the core (a worker that died under it?)
+            died = self._core_watch.check(error, wait_s=CALL_DEATH_WAIT_S if type(error) is Exception else 0.0)
             if died is not None and not isinstance(error, EngineDiedError):
                 raise EngineDiedError(str(died)) from error
             raise
