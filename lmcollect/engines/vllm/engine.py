@@ -175,23 +175,7 @@ class VLLMEngine(QueuedAndRunning, EngineBase):
         self._request_ids = itertools.count()
         self._wake = threading.Condition()  # guards the lists above, _paused and _closed
         self._thread = threading.Thread(target=self._decode_loop, name="lmcollect-vllm-engine", daemon=True)
-        kwargs = _engine_kwargs(model_path, engine_kwargs)
-        # the engine core in its own process: ended (and its socket files removed) by the reaper if this
-        # process dies without close()
-        self._reaper = Reaper() if multiprocess else None
-        started: Future[LLMEngine] = Future()
-        self._calls.append((started, lambda: _build(self.model_path, kwargs, self._reaper)))
-        logger.info("starting vllm LLMEngine(model=%s, %s)", self.model_path, kwargs)
-        self._thread.start()  # builds the engine on its own thread: vLLM's CPU kernels bind to it
-        try:
-            self._llm: LLMEngine = started.result(timeout=timeout_s)
-        except BaseException:
-            self._stop_thread()
-            if self._reaper is not None:  # whatever vLLM started of a core that failed to start
-                self._reaper.reap()
-            raise
-        if self._reaper is not None:
-            self._reaper.built()
+        self._llm: LLMEngine = self._start(_engine_kwargs(model_path, engine_kwargs), multiprocess)
         # multiprocess: a core process that dies fails what waits on it (vLLM's own client would wait forever)
         self._core_watch = CoreWatch(self._llm, is_open=lambda: not self._closed, on_death=self._core_died)
         config = self._llm.model_config
@@ -214,6 +198,26 @@ class VLLMEngine(QueuedAndRunning, EngineBase):
         self._metadata, self._aliases = checkpoint_metadata(
             self.model_path, dtype=config.dtype, tie_word_embeddings=tied
         )
+
+    def _start(self, kwargs: dict[str, Any], multiprocess: bool) -> LLMEngine:
+        """Build vLLM's engine on the decoding thread (vLLM's CPU kernels bind to it) and start that thread;
+        with ``multiprocess``, a reaper first: it ends the engine core (and removes its socket files) if
+        this process dies without ``close()``."""
+        self._reaper = Reaper() if multiprocess else None
+        started: Future[LLMEngine] = Future()
+        self._calls.append((started, lambda: _build(self.model_path, kwargs, self._reaper)))
+        logger.info("starting vllm LLMEngine(model=%s, %s)", self.model_path, kwargs)
+        self._thread.start()
+        try:
+            llm = started.result(timeout=self.timeout_s)
+        except BaseException:
+            self._stop_thread()
+            if self._reaper is not None:  # whatever vLLM started of a core that failed to start
+                self._reaper.reap()
+            raise
+        if self._reaper is not None:
+            self._reaper.built()
+        return llm
 
     # ------------------------------------------------------------------ the protocol
     def submit(self, request: EngineRequest) -> Future[EngineResult]:
