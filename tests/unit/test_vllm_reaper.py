@@ -6,6 +6,7 @@ are never touched. No vLLM needed."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -62,66 +64,61 @@ def wait_until(condition, what: str, timeout_s: float = BOUND_S) -> None:
         time.sleep(0.05)
 
 
-def start_owner(core: str, mode: str) -> tuple[subprocess.Popen, dict]:
+@contextlib.contextmanager
+def engine_owner(core: str, mode: str) -> Iterator[tuple[subprocess.Popen, dict]]:
+    """An owner process that started an engine (``core`` in the engine core's place) and then dies
+    (``mode="die"``: when the test kills it) or closes the engine first (``"close"``); every process it
+    started is ended afterwards."""
     owner = subprocess.Popen(
         [sys.executable, "-c", OWNER, core, mode],
         stdout=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
     )
-    line = owner.stdout.readline()
-    assert line, "the owner process ended before it started its engine"
-    return owner, json.loads(line)
+    pids: dict = {}
+    try:
+        line = owner.stdout.readline()
+        assert line, "the owner process ended before it started its engine"
+        pids = json.loads(line)
+        yield owner, pids
+    finally:
+        kill(owner)
+        owner.stdout.close()
+        for name in ("core", "later", "reaper"):
+            with contextlib.suppress(KeyError, ProcessLookupError):
+                os.kill(pids[name], signal.SIGKILL)
 
 
-def end(*pids: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            continue
+def kill(owner: subprocess.Popen) -> None:
+    owner.kill()
+    owner.wait(timeout=BOUND_S)
 
 
 def test_a_killed_owners_engine_processes_and_folder_are_removed_and_nothing_else() -> None:
-    owner, pids = start_owner(CORE, "die")
-    try:
+    with engine_owner(CORE, "die") as (owner, pids):
         assert (Path(pids["folder"]) / "started").exists()  # the core wrote to the engine's folder
-        owner.kill()
-        owner.wait(timeout=BOUND_S)
+        kill(owner)
         wait_until(lambda: not running(pids["core"]), "the reaper ended the engine core")
         wait_until(lambda: not running(pids["reaper"]), "the reaper exited")
         assert not Path(pids["folder"]).exists(), "the engine's folder outlived its owner"
         assert running(pids["later"]), "the reaper ended a process started after the engine had"
-    finally:
-        owner.kill()
-        end(pids["core"], pids["later"], pids["reaper"])
 
 
 def test_a_core_that_ignores_sigterm_gets_sigkill_after_the_grace() -> None:
-    owner, pids = start_owner(STUBBORN_CORE, "die")
-    try:
-        owner.kill()
-        owner.wait(timeout=BOUND_S)
+    with engine_owner(STUBBORN_CORE, "die") as (owner, pids):
+        kill(owner)
         time.sleep(1.0)
         assert running(pids["core"]), "SIGKILL came before the grace"
         wait_until(lambda: not running(pids["core"]), "the stubborn core got SIGKILL", GRACE_S + BOUND_S)
-    finally:
-        owner.kill()
-        end(pids["core"], pids["later"], pids["reaper"])
 
 
 def test_a_closed_engine_leaves_its_processes_alone_and_removes_its_folder() -> None:
-    owner, pids = start_owner(CORE, "close")
-    try:
+    with engine_owner(CORE, "close") as (owner, pids):
         assert owner.stdout.readline().strip() == "closed"
         assert not running(pids["reaper"]) and not Path(pids["folder"]).exists()
-        owner.kill()
-        owner.wait(timeout=BOUND_S)
+        kill(owner)
         time.sleep(0.5)
         assert running(pids["core"]), "a closed engine's reaper signalled a process"
-    finally:
-        owner.kill()
-        end(pids["core"], pids["later"], pids["reaper"])
 
 
 def test_the_environment_names_the_folder_only_while_the_engine_starts(monkeypatch: pytest.MonkeyPatch) -> None:

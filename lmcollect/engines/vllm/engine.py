@@ -168,7 +168,6 @@ class VLLMEngine(QueuedAndRunning, EngineBase):
         self._kv = VLLMKVBook(check_kv_policy(kv_policy))
         self._paused = False
         self._closed = False
-        self._died: EngineDiedError | None = None  # set when its engine core process died (see CoreWatch)
         self._queued: list[Queued] = []
         self._calls: list[tuple[Future, Callable[[], Any]]] = []
         self._running: dict[str, Future[EngineResult]] = {}  # vLLM request id -> caller's future
@@ -227,8 +226,8 @@ class VLLMEngine(QueuedAndRunning, EngineBase):
         params = request_sampling_params(request, eos_token_ids=self._eos_token_ids)
         future: Future[EngineResult] = Future()
         with self._wake:
-            if self._died is not None:
-                raise EngineDiedError(str(self._died))
+            if self._core_watch.error is not None:  # its engine core died: refused at once
+                raise EngineDiedError(str(self._core_watch.error))
             if self._closed:
                 raise EngineClosedError("this VLLMEngine is closed; build a new engine to submit requests.")
             request_id = f"{request.request_id or 'request'}-{next(self._request_ids)}"
@@ -393,9 +392,9 @@ class VLLMEngine(QueuedAndRunning, EngineBase):
         return self._timed_load(version, load)
 
     def _core_died(self, error: EngineDiedError) -> None:
-        """(The core watch's thread.) Fail every queued and running request with ``error``; refuse more."""
+        """(The core watch's thread.) Fail every queued and running request with ``error`` (later calls are
+        refused with the watch's error)."""
         with self._wake:
-            self._died = error
             pending = [future for future, *_ in self._queued] + list(self._running.values())
             self._queued.clear()
             self._running.clear()
@@ -638,8 +637,8 @@ class VLLMEngine(QueuedAndRunning, EngineBase):
         assert threading.current_thread() is not self._thread, "a blocking engine call from the engine's own thread"
         future: Future[T] = Future()
         with self._wake:
-            if self._died is not None:
-                raise EngineDiedError(str(self._died))
+            if self._core_watch.error is not None:  # its engine core died: refused at once
+                raise EngineDiedError(str(self._core_watch.error))
             if self._closed:
                 raise EngineClosedError("this VLLMEngine is closed; build a new engine.")
             self._calls.append((future, call))

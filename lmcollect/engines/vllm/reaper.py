@@ -135,12 +135,18 @@ class Reaper:
 
 
 # ---------------------------------------------------------------------- the reaper process
+def _stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the process's name (state first), or None when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def start_time(pid: int) -> int | None:
     """The process's start time (clock ticks since boot), or None when it is gone."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
+    fields = _stat(pid)
+    return None if fields is None else int(fields[19])
 
 
 def children(pid: int) -> set[int]:
@@ -164,11 +170,8 @@ def alive(noted: dict[int, int]) -> dict[int, int]:
     """The noted processes still running (same pid and start time; zombies count as ended)."""
     left = {}
     for pid, started in noted.items():
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[19]) == started:
+        fields = _stat(pid)
+        if fields is not None and fields[0] != "Z" and int(fields[19]) == started:
             left[pid] = started
     return left
 
